@@ -1,0 +1,19 @@
+"""difftx: Differential Transformer, DNT and their combinations, in one configurable model zoo.
+
+    import difftx
+    cfg = difftx.ModelConfig(attention="diff", d_model=64, n_layers=2, n_heads=2, vocab_size=97)
+    model = difftx.build_model(cfg)
+    logits = model(input_ids).logits
+"""
+
+from .config import ModelConfig, lambda_init_for_layer
+from .errors import CheckpointError, ConfigError, DataError, DifftxError
+from .io import load_model, save_model
+from .models import build_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ModelConfig", "lambda_init_for_layer", "build_model", "load_model", "save_model",
+    "DifftxError", "ConfigError", "CheckpointError", "DataError", "__version__",
+]

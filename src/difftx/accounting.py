@@ -1,0 +1,69 @@
+"""Counting facts about a config: parameters, FLOPs per token, KV-cache bytes per token.
+
+One function per fact; ``difftx info``, the benchmarks and the compare report
+all call these.
+
+FLOPs count multiply-adds as 2 and include:
+* every matrix multiply of the model (2 x the parameters used in a matmul per
+  token, the LM head included, embeddings' lookups excluded);
+* attention: per token, 2 x context x (total query-key width + total value width
+  that the maps are applied to), summed over layers.  DIFF computes two maps,
+  each over a 2d-wide value: QK width 2hd, PV width 2 x 2hd, i.e. 1.5x the
+  attention FLOPs of its Transformer twin (SPEC section 1, App. A).
+
+``context`` defaults to the sequence length (non-causal count, as in the
+PaLM/Chinchilla convention); ``causal=True`` halves the attention term.
+Training FLOPs = 3 x forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .models import build_model
+
+
+def count_parameters(cfg, non_embedding: bool = False) -> int:
+    """Parameters of the model ``cfg`` describes, counted on the meta device (nothing allocated)."""
+    return build_model(cfg, device="meta").num_parameters(non_embedding=non_embedding)
+
+
+def matmul_parameters(cfg) -> int:
+    """Parameters that take part in a matmul for every token (excludes embeddings unless tied as head)."""
+    model = build_model(cfg, device="meta")
+    total = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            total += mod.weight.numel()
+    if cfg.domain == "lm" and cfg.tie_embeddings:
+        total += cfg.vocab_size * cfg.d_model
+    return total
+
+
+def attention_flops_per_token(cfg, context: int) -> int:
+    d = cfg.head_dim
+    if cfg.attention == "softmax":
+        qk, pv = cfg.n_heads * d, cfg.n_heads * d
+    elif cfg.attention == "diff":
+        qk, pv = 2 * cfg.n_heads * d, 2 * cfg.n_heads * 2 * d
+    else:  # diff2: 2h query heads of d
+        qk, pv = 2 * cfg.n_heads * d, 2 * cfg.n_heads * d
+    return 2 * context * (qk + pv) * cfg.n_layers
+
+
+def flops_per_token(cfg, seq_len: int | None = None, causal: bool = False, training: bool = False) -> int:
+    """Forward (or training = 3x forward) FLOPs per token at sequence length ``seq_len``."""
+    if seq_len is None:
+        seq_len = cfg.max_seq_len if cfg.domain == "lm" else cfg.n_patches + 1
+    context = seq_len / 2 if causal else seq_len
+    fwd = 2 * matmul_parameters(cfg) + attention_flops_per_token(cfg, int(context))
+    return int(3 * fwd if training else fwd)
+
+
+def kv_cache_bytes_per_token(cfg, bytes_per_element: int = 2) -> int:
+    """Bytes of K and V cached per token per sequence over all layers (default 2-byte elements)."""
+    if cfg.attention == "diff":
+        width = 2 * cfg.n_kv_heads * cfg.head_dim  # K1, K2 (d each) + V (2d) per group, K and V each 2 h_kv d
+    else:
+        width = cfg.n_kv_heads * cfg.head_dim
+    return 2 * width * cfg.n_layers * bytes_per_element

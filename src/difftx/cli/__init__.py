@@ -1,0 +1,75 @@
+"""``difftx <subcommand>``: a thin dispatcher.
+
+Each subcommand lives in its own module under ``difftx.cli`` with
+``add_parser(subparsers)`` and ``run(args) -> int``; modules are imported only
+when their subcommand runs, so ``difftx info`` stays fast.  User errors
+(:class:`~difftx.errors.DifftxError`, bad arguments) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ..errors import DifftxError
+
+# name -> (module, one-line help)
+SUBCOMMANDS = {
+    "info": ("difftx.cli.info", "parameters, FLOPs and KV-cache size of a preset or config"),
+    "train": ("difftx.cli.train", "train a model on a text corpus (or images with --domain vision)"),
+    "eval": ("difftx.cli.eval", "run one of the papers' evaluations on a checkpoint"),
+    "bench": ("difftx.cli.bench", "benchmark training, prefill and decode speed side by side"),
+    "compare": ("difftx.cli.compare", "the papers' claims measured at your scale (the main job)"),
+    "grads": ("difftx.cli.grads", "gradient flow and heavy-tail analysis"),
+    "convert": ("difftx.cli.convert", "convert checkpoints between difftx and Hugging Face / official layouts"),
+}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line (exit 2) instead of usage + error."""
+
+    def error(self, message: str):  # noqa: D401
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = ArgumentParser(prog="difftx", description="Differential Transformer and DNT: train, evaluate, compare.")
+    parser.add_argument("--version", action="version", version=f"difftx {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
+    for name, (module, help_) in SUBCOMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_, add_help=False)
+            continue
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(only=command if command in SUBCOMMANDS else None)
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None) or not hasattr(args, "func"):
+        parser.print_help()
+        return 0 if not argv else 2
+    try:
+        return int(args.func(args) or 0)
+    except DifftxError as e:
+        print(f"difftx {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"difftx {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""``difftx info``: what a preset or config costs, counted without allocating any weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import ConfigError, DifftxError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("info", help="parameters, FLOPs per token and KV-cache bytes of a preset or config",
+                       description="Count parameters (on the meta device), FLOPs per token (DIFF's two maps "
+                                   "included) and KV-cache bytes per token for a preset, a config JSON or a "
+                                   "model directory.")
+    p.add_argument("preset", nargs="?", help="preset name, config .json file or model directory")
+    p.add_argument("--list", action="store_true", help="list preset names and exit")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--attention", choices=["softmax", "diff", "diff2"],
+                   help="convert the preset to its matched twin of this attention kind")
+    p.add_argument("--norms", help="norm placement preset (S1..S5, dnt, post)")
+    p.add_argument("--seq-len", type=int, help="sequence length for FLOPs (default: max_seq_len)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a ModelConfig field (repeatable), e.g. --set n_layers=4")
+    p.set_defaults(func=run)
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """FIELD=VALUE strings -> dict, values parsed as JSON when possible (numbers, true/false, null)."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise DifftxError(f"--set expects FIELD=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            out[k.strip()] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k.strip()] = v
+    return out
+
+
+def resolve_config(name: str, overrides: dict):
+    from ..config import ModelConfig
+    from ..io import read_model_config
+
+    path = Path(name)
+    if path.suffix == ".json" and path.is_file():
+        data = json.loads(path.read_text())
+        data = data.get("model", data)
+        cfg = ModelConfig.from_dict(data)
+    elif path.is_dir():
+        cfg = read_model_config(path)
+    else:
+        return ModelConfig.from_preset(name, **overrides)
+    attention = overrides.pop("attention", None)
+    if attention and attention != cfg.attention and "n_heads" not in overrides:
+        cfg = cfg.twin(attention)
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def describe(cfg, seq_len: int | None = None) -> dict:
+    from ..accounting import count_parameters, flops_per_token, kv_cache_bytes_per_token
+
+    seq = seq_len or (cfg.max_seq_len if cfg.domain == "lm" else cfg.n_patches + (cfg.pooling == "cls"))
+    return {
+        "preset": cfg.preset,
+        "attention": cfg.attention,
+        "domain": cfg.domain,
+        "params": count_parameters(cfg),
+        "non_embedding_params": count_parameters(cfg, non_embedding=True),
+        "seq_len": seq,
+        "flops_per_token": flops_per_token(cfg, seq),
+        "train_flops_per_token": flops_per_token(cfg, seq, training=True),
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg) if cfg.domain == "lm" else 0,
+        "kv_cache_dtype_bytes": 2,
+        "config": cfg.to_dict(),
+    }
+
+
+def _human(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(int(n))
+
+
+def run(args) -> int:
+    from ..presets import PRESETS
+
+    if args.list:
+        if args.json:
+            print(json.dumps([{"name": p.name, "group": p.group, "description": p.description}
+                              for p in PRESETS.values()], indent=2))
+        else:
+            width = max(len(n) for n in PRESETS)
+            group = None
+            for p in PRESETS.values():
+                if p.group != group:
+                    group = p.group
+                    print(f"[{group}]")
+                print(f"  {p.name:<{width}}  {p.description}")
+        return 0
+    if not args.preset:
+        raise DifftxError("give a preset name (see `difftx info --list`), a config .json or a model directory")
+    overrides = parse_overrides(args.set)
+    if args.attention:
+        overrides["attention"] = args.attention
+    if args.norms:
+        overrides["norms"] = args.norms
+    if args.seq_len is not None and args.seq_len <= 0:
+        raise ConfigError("--seq-len", f"must be positive; got {args.seq_len}")
+    try:
+        cfg = resolve_config(args.preset, overrides)
+    except TypeError as e:
+        raise DifftxError(str(e)) from None
+    info = describe(cfg, args.seq_len)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{cfg.preset or args.preset}: {cfg.attention} attention, {cfg.domain}, norms {cfg.norms}")
+    print(f"  parameters               {info['params']:>16,}  ({_human(info['params'])})")
+    print(f"  non-embedding parameters {info['non_embedding_params']:>16,}")
+    print(f"  FLOPs/token (forward)    {info['flops_per_token']:>16,}  at seq_len {info['seq_len']}")
+    print(f"  FLOPs/token (training)   {info['train_flops_per_token']:>16,}")
+    if cfg.domain == "lm":
+        print(f"  KV cache bytes/token     {info['kv_cache_bytes_per_token']:>16,}  (2-byte elements)")
+    print("  config:")
+    for k, v in cfg.to_dict().items():
+        print(f"    {k} = {v!r}")
+    return 0

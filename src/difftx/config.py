@@ -1,0 +1,394 @@
+"""ModelConfig: one dataclass whose fields are independent switches.
+
+The attention kind (``softmax`` / ``diff`` / ``diff2``), the normalisation
+placement (``S1``..``S5``, ``dnt`` or individual flags), the sizes and the
+domain (``lm`` / ``vision``) never depend on each other's code paths: every
+combination builds.  The config is validated once, in ``__post_init__``; an
+invalid value raises :class:`~difftx.errors.ConfigError` naming the field.
+
+Formulas that other modules need (lambda_init per layer, default head and FFN
+sizes, the placement presets) live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Union
+
+from .errors import ConfigError
+
+ATTENTION_KINDS = ("softmax", "diff", "diff2")
+DOMAINS = ("lm", "vision")
+NORM_TYPES = ("rms", "layer")
+FFN_KINDS = ("swiglu", "gelu", "relu")
+POSITION_KINDS = ("rope", "learned", "sinusoidal", "none")
+INIT_KINDS = ("normal", "xavier", "truncated_xavier")
+PAIRINGS = ("adjacent", "halves")
+ROPE_STYLES = ("half", "interleaved")
+POOLINGS = ("cls", "mean")
+BACKENDS = ("auto", "eager", "sdpa", "flex")
+
+NORM_FLAGS = (
+    "input_norm",
+    "pre_norm_attn",
+    "pre_norm_ffn",
+    "qk_norm",
+    "mid_norm_attn",
+    "mid_norm_ffn",
+    "post_norm",
+    "final_norm",
+)
+
+# DNT paper section 4 / SPEC section 4.  final_norm (a norm before the LM head or
+# classifier) is kept on in every setting: the papers' code bases (nanoGPT, timm)
+# have it and the DNT figure is silent about it.
+_S1 = dict(pre_norm_attn=True, pre_norm_ffn=True, final_norm=True)
+NORM_PRESETS: dict[str, dict[str, bool]] = {
+    "S1": dict(_S1),
+    "S2": dict(_S1, qk_norm=True),
+    "S3": dict(_S1, qk_norm=True, input_norm=True),
+    "S4": dict(_S1, qk_norm=True, input_norm=True, mid_norm_attn=True, mid_norm_ffn=True),
+    "S5": dict(
+        input_norm=True, pre_norm_attn=True, qk_norm=True, mid_norm_attn=True, mid_norm_ffn=True, final_norm=True
+    ),
+    # the original Transformer (and the gradient-calculation seed): LayerNorm after each residual add
+    "post": dict(post_norm=True),
+}
+NORM_PRESETS["dnt"] = dict(NORM_PRESETS["S5"])
+NORM_PRESETS["pre"] = dict(NORM_PRESETS["S1"])
+
+
+def lambda_init_for_layer(layer: int, lambda_init: Union[str, float] = "schedule") -> float:
+    """lambda_init of DIFF layer ``layer`` (1-based), SPEC section 1.
+
+    ``schedule``: 0.8 - 0.6 * exp(-0.3 * (layer - 1)), so layer 1 gets 0.2.
+    A number: that constant for every layer (the paper's 0.8 / 0.5 ablations).
+    """
+    if layer < 1:
+        raise ValueError(f"layer index is 1-based, got {layer}")
+    if isinstance(lambda_init, str):
+        if lambda_init != "schedule":
+            raise ConfigError("lambda_init", f"must be 'schedule' or a number, got {lambda_init!r}")
+        return 0.8 - 0.6 * math.exp(-0.3 * (layer - 1))
+    return float(lambda_init)
+
+
+def _round_up(x: float, multiple: int) -> int:
+    return int(multiple * math.ceil(x / multiple))
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a difftx model.  Every field has a default; see README "Config".
+
+    Heads.  ``n_heads`` counts the heads of the attention kind at hand:
+
+    * ``softmax``: ordinary heads, each with q/k/v of width ``head_dim`` (d).
+    * ``diff``: *differential* heads.  Each has two d-wide queries and keys
+      (Q1, Q2, K1, K2) and one 2d-wide value, so a DIFF model with h heads has
+      the parameters and FLOPs of a Transformer with 2h heads of dim d
+      (SPEC section 1).  ``head_dim`` is d, the width of *one* component.
+    * ``diff2``: Differential Transformer V2.  h output heads computed from 2h
+      query heads over unchanged K/V heads of width d; lambda = sigmoid(W x) per
+      token and head; no per-head norm.  Paired query heads (2i, 2i+1) share a
+      GQA group.
+
+    ``n_kv_heads`` (GQA) counts K/V heads the same way (for ``diff``: K/V groups,
+    each holding K1, K2 of width d and a 2d-wide V).  ``None`` means no GQA.
+    """
+
+    attention: str = "softmax"
+    domain: str = "lm"
+
+    # sizes
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    head_dim: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    ffn_dim: Optional[int] = None
+    ffn_multiple_of: int = 64
+    vocab_size: int = 256
+    max_seq_len: int = 1024
+
+    # differential attention (``diff``)
+    lambda_init: Union[str, float] = "schedule"
+    lambda_std: float = 0.1
+    head_norm: bool = True
+    head_norm_weight: bool = True
+
+    # conventions real checkpoints disagree on
+    pairing: str = "adjacent"
+    rope_style: str = "half"
+    rope_theta: float = 10000.0
+
+    # normalisation placement: a preset name, then individual flags override it
+    norms: str = "S1"
+    input_norm: Optional[bool] = None
+    pre_norm_attn: Optional[bool] = None
+    pre_norm_ffn: Optional[bool] = None
+    qk_norm: Optional[bool] = None
+    mid_norm_attn: Optional[bool] = None
+    mid_norm_ffn: Optional[bool] = None
+    post_norm: Optional[bool] = None
+    final_norm: Optional[bool] = None
+    norm: str = "rms"
+    norm_eps: float = 1e-5
+
+    # the rest of the block
+    ffn: str = "swiglu"
+    positions: str = "rope"
+    tie_embeddings: bool = False
+    bias: bool = False
+    init: str = "normal"
+    init_std: float = 0.02
+    dropout: float = 0.0
+    attn_backend: str = "auto"
+
+    # vision domain
+    image_size: int = 32
+    patch_size: int = 4
+    in_channels: int = 3
+    num_classes: int = 10
+    pooling: str = "cls"
+
+    # bookkeeping: the preset this config came from, if any (informational)
+    preset: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        self._validate_and_resolve()
+
+    # ------------------------------------------------------------------ validation
+    def _validate_and_resolve(self) -> None:
+        def choice(name: str, options: tuple) -> None:
+            value = getattr(self, name)
+            if value not in options:
+                raise ConfigError(name, f"must be one of {', '.join(options)}; got {value!r}")
+
+        def positive(name: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(name, f"must be a positive integer; got {value!r}")
+
+        choice("attention", ATTENTION_KINDS)
+        choice("domain", DOMAINS)
+        choice("norm", NORM_TYPES)
+        choice("ffn", FFN_KINDS)
+        choice("positions", POSITION_KINDS)
+        choice("init", INIT_KINDS)
+        choice("pairing", PAIRINGS)
+        choice("rope_style", ROPE_STYLES)
+        choice("pooling", POOLINGS)
+        choice("attn_backend", BACKENDS)
+        for name in ("d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len", "ffn_multiple_of"):
+            positive(name)
+        for name in ("head_dim", "n_kv_heads", "ffn_dim"):
+            positive(name, allow_none=True)
+        for name in ("norm_eps", "init_std", "rope_theta"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or not math.isfinite(v):
+                raise ConfigError(name, f"must be a positive number; got {v!r}")
+        if not isinstance(self.lambda_std, (int, float)) or self.lambda_std < 0:
+            raise ConfigError("lambda_std", f"must be >= 0; got {self.lambda_std!r}")
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+            raise ConfigError("dropout", f"must be in [0, 1); got {self.dropout!r}")
+        if isinstance(self.lambda_init, str):
+            if self.lambda_init != "schedule":
+                try:
+                    self.lambda_init = float(self.lambda_init)
+                except ValueError:
+                    raise ConfigError(
+                        "lambda_init", f"must be 'schedule' or a number; got {self.lambda_init!r}"
+                    ) from None
+        elif isinstance(self.lambda_init, bool) or not isinstance(self.lambda_init, (int, float)):
+            raise ConfigError("lambda_init", f"must be 'schedule' or a number; got {self.lambda_init!r}")
+
+        # heads
+        a = self.attention
+        components = 2 * self.n_heads if a == "diff" else self.n_heads
+        if self.head_dim is None:
+            if self.d_model % components:
+                need = "2 * n_heads" if a == "diff" else "n_heads"
+                raise ConfigError(
+                    "d_model",
+                    f"{self.d_model} is not divisible by {need} = {components} for attention={a!r}; "
+                    f"change d_model or n_heads, or set head_dim",
+                )
+            self.head_dim = self.d_model // components
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ConfigError("head_dim", f"must be even for rotary positions; got {self.head_dim}")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                "n_kv_heads", f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
+            )
+        if a == "diff2" and self.pairing != "adjacent":
+            raise ConfigError(
+                "pairing",
+                "diff2 pairs query heads (2i, 2i+1) inside one GQA group; only pairing='adjacent' is valid",
+            )
+
+        # FFN
+        if self.ffn_dim is None:
+            raw = 8 * self.d_model / 3 if self.ffn == "swiglu" else 4 * self.d_model
+            self.ffn_dim = _round_up(raw, self.ffn_multiple_of)
+
+        # norms: preset, then explicit flags override
+        if self.norms not in NORM_PRESETS:
+            raise ConfigError("norms", f"unknown placement preset {self.norms!r}; one of {', '.join(NORM_PRESETS)}")
+        preset = NORM_PRESETS[self.norms]
+        for flag in NORM_FLAGS:
+            value = getattr(self, flag)
+            if value is None:
+                setattr(self, flag, bool(preset.get(flag, False)))
+            elif not isinstance(value, bool):
+                raise ConfigError(flag, f"must be true or false; got {value!r}")
+
+        # domain
+        if self.domain == "vision":
+            positive("image_size")
+            positive("patch_size")
+            positive("in_channels")
+            positive("num_classes")
+            if self.image_size % self.patch_size:
+                raise ConfigError(
+                    "patch_size",
+                    f"image_size {self.image_size} is not divisible by patch_size {self.patch_size}; "
+                    "pick a patch size that divides the image size",
+                )
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def n_q_components(self) -> int:
+        """Number of d-wide query heads that are projected (2h for diff and diff2)."""
+        return 2 * self.n_heads if self.attention in ("diff", "diff2") else self.n_heads
+
+    @property
+    def n_kv_components(self) -> int:
+        """Number of d-wide key heads (and value heads of width d) in the KV cache."""
+        return 2 * self.n_kv_heads if self.attention == "diff" else self.n_kv_heads
+
+    @property
+    def attn_inner_dim(self) -> int:
+        """Width of the attention output before the output projection."""
+        if self.attention == "diff":
+            return 2 * self.n_heads * self.head_dim
+        return self.n_heads * self.head_dim
+
+    @property
+    def n_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def norm_placement(self) -> dict[str, bool]:
+        return {flag: bool(getattr(self, flag)) for flag in NORM_FLAGS}
+
+    def lambda_init_for(self, layer: int) -> float:
+        """lambda_init of 1-based layer ``layer`` under this config."""
+        return lambda_init_for_layer(layer, self.lambda_init)
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), indent=kw.pop("indent", 2), **kw)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown ModelConfig field; known fields: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with ``changes`` applied and re-validated.
+
+        Derived fields (head_dim, n_kv_heads, ffn_dim, norm flags) are re-derived
+        unless given, when the fields they derive from change.
+        """
+        base = self.to_dict()
+        derived_from = {
+            "head_dim": ("d_model", "n_heads", "attention"),
+            "n_kv_heads": ("n_heads", "attention"),
+            "ffn_dim": ("d_model", "ffn", "ffn_multiple_of"),
+        }
+        for derived, sources in derived_from.items():
+            if derived not in changes and any(s in changes for s in sources):
+                base[derived] = None
+        if "norms" in changes:
+            for flag in NORM_FLAGS:
+                if flag not in changes:
+                    base[flag] = None
+        base.update(changes)
+        return ModelConfig.from_dict(base)
+
+    def twin(self, attention: str, match_params: bool = True) -> "ModelConfig":
+        """The matched-size config of another attention kind (SPEC section 1).
+
+        softmax with 2h heads <-> diff with h heads (same head_dim, same parameters
+        up to lambda and norm vectors).  diff2 keeps the baseline's head count and
+        K/V heads; its extra query projection and lambda projection are paid for by
+        a smaller FFN when ``match_params`` (so compare arms stay matched).
+        """
+        if attention not in ATTENTION_KINDS:
+            raise ConfigError("attention", f"must be one of {', '.join(ATTENTION_KINDS)}; got {attention!r}")
+        if attention == self.attention:
+            return self.replace()
+        # express self as its softmax baseline first
+        heads, kv = self.n_heads, self.n_kv_heads
+        if self.attention == "diff":
+            heads, kv = 2 * heads, 2 * kv
+        ffn_dim = self.ffn_dim
+        if self.attention == "diff2" and match_params:
+            ffn_dim = None  # recomputed below from the baseline default
+        base = self.replace(attention="softmax", n_heads=heads, n_kv_heads=kv, head_dim=self.head_dim,
+                            ffn_dim=ffn_dim, pairing="adjacent" if self.attention == "diff2" else self.pairing)
+        if attention == "softmax":
+            return base
+        if attention == "diff":
+            if heads % 2 or kv % 2:
+                raise ConfigError(
+                    "n_heads", f"a diff twin needs an even number of baseline heads and KV heads; got {heads}/{kv}"
+                )
+            return base.replace(attention="diff", n_heads=heads // 2, n_kv_heads=kv // 2, head_dim=base.head_dim,
+                                ffn_dim=base.ffn_dim)
+        # diff2
+        cfg = base.replace(attention="diff2", pairing="adjacent", head_dim=base.head_dim, n_heads=heads,
+                           n_kv_heads=kv, ffn_dim=base.ffn_dim)
+        if match_params:
+            extra = cfg.d_model * cfg.n_heads * cfg.head_dim + cfg.d_model * cfg.n_heads  # q2 rows + lambda_proj
+            per_unit = (3 if cfg.ffn == "swiglu" else 2) * cfg.d_model + (0 if cfg.ffn == "swiglu" or not cfg.bias else 1)
+            shrink = int(round(extra / per_unit))
+            cfg = cfg.replace(ffn_dim=max(1, cfg.ffn_dim - shrink))
+        return cfg
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "ModelConfig":
+        """A named preset (``difftx info --list``) with field overrides.
+
+        Overriding ``attention`` alone converts the preset to its matched twin
+        (e.g. ``from_preset("small", attention="diff")`` halves the heads), so
+        parameter counts stay comparable; give ``n_heads`` too to opt out.
+        """
+        from .presets import PRESETS
+
+        if name not in PRESETS:
+            close = [p for p in PRESETS if name.split("-")[0] in p][:5]
+            hint = f"; did you mean {', '.join(close)}?" if close else "; see `difftx info --list`"
+            raise ConfigError("preset", f"unknown preset {name!r}{hint}")
+        cfg = cls.from_dict(dict(PRESETS[name].fields, preset=name))
+        attention = overrides.pop("attention", None)
+        if attention is not None and attention != cfg.attention and "n_heads" not in overrides:
+            cfg = cfg.twin(attention)
+        elif attention is not None:
+            overrides["attention"] = attention
+        return cfg.replace(**overrides) if overrides else cfg

@@ -1,0 +1,189 @@
+"""Saving and loading models as directories: ``config.json`` + ``model.safetensors``.
+
+Nothing here unpickles: weights are safetensors, the config is JSON.  Writes are
+atomic (temporary file in the same directory, fsync, rename), so a crash leaves
+either the old file or the new one.  State-dict keys never carry wrapper
+prefixes (``_orig_mod.`` from torch.compile, ``module.`` from DDP).
+
+:func:`load_model` accepts a model directory, a training run or checkpoint
+directory (the newest checkpoint inside is used) or, through registered
+resolvers (e.g. :mod:`difftx.interop`), other layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .config import ModelConfig
+from .errors import CheckpointError, ConfigError
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+FORMAT_KEY = "difftx_format"
+FORMAT_VERSION = 1
+
+# resolvers: fn(path) -> model or None; tried in order for directories that are not difftx model dirs
+_RESOLVERS: list[Callable[[Path, Optional[str]], Optional[torch.nn.Module]]] = []
+
+
+def register_resolver(fn: Callable) -> Callable:
+    """Register ``fn(path, device) -> model | None`` for load_model on other directory layouts."""
+    _RESOLVERS.append(fn)
+    return fn
+
+
+def clean_state_dict(sd: dict) -> dict:
+    """Strip torch.compile / DDP / FSDP wrapper prefixes from keys."""
+    out = {}
+    for k, v in sd.items():
+        for prefix in ("_orig_mod.", "module.", "_fsdp_wrapped_module."):
+            k = k.replace(prefix, "")
+        out[k] = v
+    return out
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def save_safetensors(tensors: dict, path: Path, metadata: Optional[dict] = None) -> None:
+    """Atomically write ``tensors`` (contiguous CPU copies) as safetensors."""
+    from safetensors.torch import save
+
+    data = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    atomic_write_bytes(Path(path), save(data, metadata=metadata))
+
+
+def load_safetensors(path: Path) -> dict:
+    """Read a safetensors file; a truncated or corrupt file raises CheckpointError naming it."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: weights file not found")
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types for bad headers / truncation
+        raise CheckpointError(
+            f"{path}: not a readable safetensors file ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+            "the file is truncated or corrupt, use another checkpoint"
+        ) from None
+
+
+def model_config_dict(cfg: ModelConfig) -> dict:
+    return {FORMAT_KEY: FORMAT_VERSION, "model": cfg.to_dict()}
+
+
+def save_model(model: torch.nn.Module, path, extra_config: Optional[dict] = None) -> Path:
+    """Write ``model`` to directory ``path`` (config.json + model.safetensors)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg_dict = model_config_dict(model.config)
+    if extra_config:
+        cfg_dict.update(extra_config)
+    save_safetensors(clean_state_dict(model.state_dict()), path / WEIGHTS_FILE, metadata={"format": "pt"})
+    atomic_write_text(path / CONFIG_FILE, json.dumps(cfg_dict, indent=2))
+    return path
+
+
+def read_model_config(path) -> ModelConfig:
+    path = Path(path)
+    cfg_path = path / CONFIG_FILE if path.is_dir() else path
+    try:
+        data = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{cfg_path}: config not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e}); the file is corrupt") from None
+    if not isinstance(data, dict) or FORMAT_KEY not in data or "model" not in data:
+        raise CheckpointError(f"{cfg_path}: not a difftx model config (no '{FORMAT_KEY}' / 'model' keys)")
+    try:
+        return ModelConfig.from_dict(data["model"])
+    except ConfigError as e:
+        raise CheckpointError(f"{cfg_path}: invalid model config: {e}") from None
+
+
+def load_state_dict_into(model: torch.nn.Module, state: dict, source: str) -> None:
+    """Load ``state`` strictly; a missing, unexpected or mis-shaped tensor raises CheckpointError naming it."""
+    state = clean_state_dict(state)
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    if missing:
+        raise CheckpointError(f"{source}: tensor '{missing[0]}' is missing ({len(missing)} missing in all); "
+                              "the checkpoint does not match this model config")
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected tensor '{unexpected[0]}' ({len(unexpected)} in all); "
+                              "the checkpoint does not match this model config")
+    for k, v in state.items():
+        if tuple(v.shape) != tuple(own[k].shape):
+            raise CheckpointError(f"{source}: tensor '{k}' has shape {tuple(v.shape)}, "
+                                  f"the model expects {tuple(own[k].shape)}")
+    model.load_state_dict(state, strict=True)
+
+
+def is_model_dir(path: Path) -> bool:
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+        return False
+    try:
+        data = json.loads((path / CONFIG_FILE).read_text())
+    except Exception:
+        return True  # looks like one; read_model_config will report the corruption
+    return isinstance(data, dict) and FORMAT_KEY in data
+
+
+def load_model(path, device: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+    """Load a difftx model from a model directory, a checkpoint directory or a training run.
+
+    Other layouts (e.g. a converted Hugging Face directory) load through
+    registered resolvers.  Raises CheckpointError with the offending path.
+    """
+    from .models import build_model
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory; pass a difftx model, checkpoint or run directory")
+    if path.is_file():
+        if path.suffix == ".safetensors":
+            path = path.parent
+        else:
+            raise CheckpointError(f"{path}: expected a directory or a .safetensors file")
+    if not is_model_dir(path):
+        for fn in _RESOLVERS:
+            model = fn(path, device)
+            if model is not None:
+                return model.to(dtype=dtype) if dtype is not None else model
+        raise CheckpointError(
+            f"{path}: no difftx model here (need {CONFIG_FILE} with '{FORMAT_KEY}' and {WEIGHTS_FILE}, "
+            "or a training run / checkpoint directory)"
+        )
+    cfg = read_model_config(path)
+    model = build_model(cfg)
+    load_state_dict_into(model, load_safetensors(path / WEIGHTS_FILE), str(path / WEIGHTS_FILE))
+    if device is not None or dtype is not None:
+        model = model.to(device=device, dtype=dtype)
+    model.eval()
+    return model

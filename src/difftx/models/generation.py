@@ -1,0 +1,92 @@
+"""Text generation: greedy, temperature, top-k, top-p, stop tokens, batched with left padding.
+
+Decoding runs prefill once into a static :class:`~difftx.nn.cache.KVCache`
+and then one token per step; ``use_cache=False`` recomputes the whole prefix
+each step (the reference the cache is tested against).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from ..errors import DifftxError
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
+                top_p: Optional[float] = None, do_sample: bool = True,
+                generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Pick one token per row from logits (B, V)."""
+    logits = logits.float()
+    if not do_sample:
+        return logits.argmax(-1)
+    logits = logits / max(temperature, 1e-8)
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0.0 < top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, temperature: float = 1.0,
+             top_k: Optional[int] = None, top_p: Optional[float] = None, do_sample: Optional[bool] = None,
+             stop_tokens: Optional[Iterable[int]] = None, attention_mask: Optional[torch.Tensor] = None,
+             pad_token_id: int = 0, generator: Optional[torch.Generator] = None,
+             use_cache: bool = True) -> torch.Tensor:
+    """Continue each row of ``input_ids`` (B, N) by up to ``max_new_tokens`` tokens.
+
+    ``temperature=0`` (or ``do_sample=False``) is greedy.  For a batch of
+    prompts of different lengths, left-pad them and pass ``attention_mask``
+    (1 = token).  A row that emits one of ``stop_tokens`` is finished: later
+    positions hold ``pad_token_id``; decoding ends when every row is finished.
+    Returns (B, N + generated).
+    """
+    cfg = model.config
+    if input_ids.dim() != 2:
+        raise DifftxError(f"input_ids must be (batch, length); got shape {tuple(input_ids.shape)}")
+    b, n = input_ids.shape
+    if max_new_tokens <= 0:
+        return input_ids
+    if cfg.positions in ("learned", "sinusoidal") and n + max_new_tokens > cfg.max_seq_len:
+        raise DifftxError(
+            f"prompt ({n}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len={cfg.max_seq_len} "
+            f"for positions={cfg.positions!r}; ask for fewer tokens"
+        )
+    sample = (temperature > 0) if do_sample is None else do_sample
+    stops = torch.tensor(sorted(set(stop_tokens)), device=input_ids.device) if stop_tokens else None
+    was_training = model.training
+    model.eval()
+    try:
+        mask = None if attention_mask is None else attention_mask.to(input_ids.device).long()
+        cache = model.new_cache(b, n + max_new_tokens) if use_cache else None
+        logits = model(input_ids, attention_mask=mask, cache=cache).logits[:, -1]
+        out = [input_ids]
+        finished = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+        for step in range(max_new_tokens):
+            nxt = sample_next(logits, temperature, top_k, top_p, sample, generator)
+            nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
+            out.append(nxt[:, None])
+            if stops is not None:
+                finished |= torch.isin(nxt, stops)
+                if bool(finished.all()):
+                    break
+            if step == max_new_tokens - 1:
+                break
+            if cache is not None:
+                logits = model(nxt[:, None], cache=cache).logits[:, -1]
+            else:
+                seq = torch.cat(out, dim=1)
+                if mask is not None:
+                    mask = torch.cat((mask, torch.ones(b, 1, dtype=mask.dtype, device=mask.device)), dim=1)
+                logits = model(seq, attention_mask=mask).logits[:, -1]
+        return torch.cat(out, dim=1)
+    finally:
+        model.train(was_training)

@@ -1,0 +1,45 @@
+"""Weight initialisation schemes (ModelConfig.init).
+
+* ``normal``: N(0, init_std) for every matrix, the residual output projections
+  (attention ``out_proj``, FFN ``w_down``) scaled by 1/sqrt(2 n_layers) as in
+  GPT-2 / nanoGPT; embeddings N(0, init_std).
+* ``xavier``: Glorot-uniform matrices (the DNT language recipe); embeddings N(0, init_std).
+* ``truncated_xavier``: Glorot-normal truncated at 2 std (the DNT vision recipe).
+
+Biases start at 0, norm gains at 1.  DIFF's lambda vectors keep N(0, lambda_std)
+from their construction and DIFF V2's lambda projection keeps torch's default
+Linear init, as in the official code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+RESIDUAL_OUTPUTS = ("out_proj", "w_down")
+KEEP_DEFAULT = ("lambda_proj",)
+
+
+def init_weights(model: nn.Module, cfg) -> None:
+    scale_out = 1.0 / math.sqrt(2 * cfg.n_layers)
+    for name, m in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(m, nn.Linear):
+            if leaf in KEEP_DEFAULT:
+                continue
+            w = m.weight
+            if cfg.init == "normal":
+                std = cfg.init_std * (scale_out if leaf in RESIDUAL_OUTPUTS else 1.0)
+                nn.init.normal_(w, 0.0, std)
+            elif cfg.init == "xavier":
+                nn.init.xavier_uniform_(w)
+            else:
+                fan_out, fan_in = w.shape
+                std = math.sqrt(2.0 / (fan_in + fan_out))
+                nn.init.trunc_normal_(w, 0.0, std, -2 * std, 2 * std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, cfg.init_std)

@@ -1,0 +1,140 @@
+"""The decoder language model: embeddings -> [InputNorm] -> blocks -> [final norm] -> LM head.
+
+Any attention kind and any norm placement; RoPE, learned or sinusoidal
+positions; a static KV cache for incremental decoding; padding masks with
+positions that skip left padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import DifftxError
+from ..nn.block import Block
+from ..nn.cache import KVCache
+from ..nn.mask import AttnMask
+from ..nn.norms import make_norm
+from ..nn.rope import RotaryEmbedding, sinusoidal_table
+from .common import ModelMixin
+from .init import init_weights
+
+
+@dataclass
+class LMOutput:
+    logits: torch.Tensor
+    loss: Optional[torch.Tensor] = None
+    n_targets: Optional[torch.Tensor] = None  # number of non-ignored targets in the loss
+    cache: Optional[KVCache] = None
+
+
+class DecoderLM(ModelMixin, nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        if cfg.domain != "lm":
+            raise DifftxError(f"domain: DecoderLM needs domain='lm', got {cfg.domain!r}")
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if cfg.positions == "learned":
+            self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        elif cfg.positions == "sinusoidal":
+            self.register_buffer("pos_table", sinusoidal_table(cfg.max_seq_len, cfg.d_model), persistent=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_style) if cfg.positions == "rope" else None
+        self.input_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if cfg.input_norm else None
+        self.layers = nn.ModuleList(Block(cfg, layer) for layer in range(1, cfg.n_layers + 1))
+        self.final_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if cfg.final_norm else None
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        init_weights(self, cfg)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        cache: Optional[KVCache] = None,
+        loss_reduction: str = "mean",
+    ) -> LMOutput:
+        """Logits (B, N, V) for ``input_ids`` (B, N).
+
+        ``targets`` (B, N) are aligned with the logits (position t predicts
+        targets[t]); -100 is ignored.  ``loss_reduction`` is ``mean`` over the
+        counted targets or ``sum`` (for accumulation over micro-batches).
+        ``attention_mask`` (B, N): 1 for tokens, 0 for padding (left or right).
+        With a ``cache``, ``input_ids`` are the new tokens only.
+        """
+        cfg = self.config
+        b, n = input_ids.shape
+        device = input_ids.device
+        q_start = cache.length if cache is not None else 0
+        step_valid = None
+        if attention_mask is not None:
+            step_valid = attention_mask.to(device=device, dtype=torch.bool)
+        has_pad = step_valid is not None and not bool(step_valid.all())
+        if cache is not None and (has_pad or cache.padded):
+            prev = cache.key_valid[:, :q_start]
+            now = step_valid if step_valid is not None else torch.ones(b, n, dtype=torch.bool, device=device)
+            key_valid = torch.cat((prev.to(device), now), dim=1)
+        else:
+            key_valid = step_valid if has_pad else None
+
+        if position_ids is None:
+            if step_valid is not None and has_pad:
+                position_ids = step_valid.long().cumsum(-1) - 1
+            else:
+                position_ids = torch.arange(n, device=device)[None].expand(b, n)
+            if cache is not None:
+                position_ids = position_ids + cache.next_position.to(device)[:, None]
+            position_ids = position_ids.clamp_min(0)
+        if cfg.positions in ("learned", "sinusoidal") and q_start + n > cfg.max_seq_len:
+            raise DifftxError(
+                f"sequence of {q_start + n} tokens is longer than max_seq_len={cfg.max_seq_len} "
+                f"allowed by positions={cfg.positions!r}; shorten the input or raise max_seq_len"
+            )
+
+        x = self.embed(input_ids)
+        if cfg.positions == "learned":
+            x = x + self.pos_embed(position_ids)
+        elif cfg.positions == "sinusoidal":
+            x = x + self.pos_table[position_ids].to(x.dtype)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        x = F.dropout(x, cfg.dropout if self.training else 0.0)
+
+        rope = self.rope.cos_sin(position_ids) if self.rope is not None else None
+        mask = AttnMask(causal=True, n_q=n, n_k=q_start + n, q_start=q_start, key_valid=key_valid)
+        for block in self.layers:
+            x = block(x, rope, mask, cache)
+        if cache is not None:
+            cache.advance(n, step_valid)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)
+
+        loss = n_targets = None
+        if targets is not None:
+            flat = targets.reshape(-1)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), flat, ignore_index=-100,
+                                   reduction="sum")
+            n_targets = (flat != -100).sum()
+            if loss_reduction == "mean":
+                loss = loss / n_targets.clamp_min(1)
+            elif loss_reduction != "sum":
+                raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        return LMOutput(logits=logits, loss=loss, n_targets=n_targets, cache=cache)
+
+    # ------------------------------------------------------------------ decoding
+    def new_cache(self, batch_size: int, max_len: int, dtype: Optional[torch.dtype] = None) -> KVCache:
+        device = self.embed.weight.device
+        return KVCache(self.config.n_layers, batch_size, max_len, device=device, dtype=dtype)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32, **kwargs) -> torch.Tensor:
+        """Sample or greedily decode; see :func:`difftx.models.generation.generate`."""
+        from .generation import generate
+
+        return generate(self, input_ids, max_new_tokens=max_new_tokens, **kwargs)

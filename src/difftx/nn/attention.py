@@ -1,0 +1,231 @@
+"""Softmax attention, differential attention (DIFF V1) and DIFF V2, as drop-in modules.
+
+All three take x (B, N, d_model) and return (B, N, d_model), share one mask, one
+rotary table and one KV cache per model, and reach their kernels through
+:mod:`difftx.nn.backends`.  Parameter names follow the official DIFF code
+(``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, ``lambda_q1`` ...) so
+checkpoints map over by name; only the row layout (``pairing``) differs between
+checkpoint families.
+
+Differential attention (SPEC eq. 1-3), per differential head i of a layer l:
+
+    [Q1; Q2] = X W^Q,  [K1; K2] = X W^K,  V = X W^V     (Q*, K* d wide, V 2d wide)
+    lambda   = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init(l)
+    head_i   = (softmax(Q1 K1^T / sqrt d) - lambda softmax(Q2 K2^T / sqrt d)) V
+    out      = Concat_i((1 - lambda_init) RMSNorm(head_i)) W^O
+
+lambda, the softmax statistics and the per-head norm are computed in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import backends
+from .mask import AttnMask
+from .norms import RMSNorm, make_norm
+from .rope import apply_rope
+
+
+class AttentionBase(nn.Module):
+    """What every attention kind shares: head bookkeeping, QK-norm, RoPE, cache, backend choice."""
+
+    kind = "base"
+
+    def __init__(self, cfg, layer: int):
+        super().__init__()
+        self.layer = layer  # 1-based, as in the paper
+        self.d_model = cfg.d_model
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.rope_style = cfg.rope_style if cfg.positions == "rope" else None
+        self.dropout = cfg.dropout
+        self.backend = cfg.attn_backend
+        self.diff_variant = "auto"
+        self.probe = None  # an evaluation probe (difftx.nn.probe); forces the eager path
+        if cfg.qk_norm:
+            self.q_norm = make_norm(cfg.norm, cfg.head_dim, cfg.norm_eps)
+            self.k_norm = make_norm(cfg.norm, cfg.head_dim, cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    # helpers ----------------------------------------------------------------
+    def _qk(self, t: torch.Tensor, norm: Optional[nn.Module], rope) -> torch.Tensor:
+        """QK-norm then RoPE on (B, H, N, d)."""
+        if norm is not None:
+            t = norm(t)
+        if rope is not None and self.rope_style is not None:
+            t = apply_rope(t, rope[0], rope[1], self.rope_style)
+        return t
+
+    def _backend(self, device: torch.device) -> str:
+        return backends.pick_backend(self.backend, self.probe, self._dropout_p(), device)
+
+    def _dropout_p(self) -> float:
+        return self.dropout if self.training else 0.0
+
+    def _attend(self, q, k, v, mask: AttnMask) -> torch.Tensor:
+        """Plain softmax attention through the chosen backend."""
+        backend, p = self._backend(q.device), self._dropout_p()
+        if backend == "eager":
+            return backends.eager_attention(q, k, v, mask, self.scale, p, self.probe, self.layer)
+        if backend == "flex":
+            return backends.flex(q, k, v, mask, self.scale)
+        return backends.sdpa(q, k, v, mask, self.scale, p)
+
+
+def _heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
+    """(B, N, n*d) -> (B, n, N, d) as a view."""
+    b, t, _ = x.shape
+    return x.view(b, t, n, d).transpose(1, 2)
+
+
+def _merge(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, N, d) -> (B, N, H*d)."""
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * d)
+
+
+class SoftmaxAttention(AttentionBase):
+    """Standard multi-head (or grouped-query) attention with RoPE."""
+
+    kind = "softmax"
+
+    def __init__(self, cfg, layer: int):
+        super().__init__(cfg, layer)
+        d, h, hk = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        self.q_proj = nn.Linear(cfg.d_model, h * d, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.d_model, hk * d, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.d_model, hk * d, bias=cfg.bias)
+        self.out_proj = nn.Linear(h * d, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
+        d = self.head_dim
+        q = self._qk(_heads(self.q_proj(x), self.n_heads, d), self.q_norm, rope)
+        k = self._qk(_heads(self.k_proj(x), self.n_kv_heads, d), self.k_norm, rope)
+        v = _heads(self.v_proj(x), self.n_kv_heads, d)
+        if cache is not None:
+            k, v = cache.update(self.layer - 1, k, v)
+        return self.out_proj(_merge(self._attend(q, k, v, mask)))
+
+
+class DifferentialAttention(AttentionBase):
+    """DIFF V1: ``n_heads`` differential heads, each with Q1, Q2, K1, K2 (d) and V (2d).
+
+    ``pairing`` says how the rows of q_proj / k_proj / v_proj are grouped:
+    ``adjacent`` (official code: component heads 2i, 2i+1 are Q1, Q2 of head i;
+    V of a K/V group is 2d contiguous) or ``halves`` (transformers' DiffLlama:
+    component heads i and i + h; V = cat(v_j, v_{j + h_kv})).
+    """
+
+    kind = "diff"
+
+    def __init__(self, cfg, layer: int):
+        super().__init__(cfg, layer)
+        d, h, hk = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        self.pairing = cfg.pairing
+        self.lambda_init = cfg.lambda_init_for(layer)
+        self.q_proj = nn.Linear(cfg.d_model, 2 * h * d, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.d_model, 2 * hk * d, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.d_model, 2 * hk * d, bias=cfg.bias)
+        self.out_proj = nn.Linear(2 * h * d, cfg.d_model, bias=cfg.bias)
+        std = cfg.lambda_std
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            self.register_parameter(name, nn.Parameter(torch.zeros(d, dtype=torch.float32).normal_(0, std)))
+        self.head_norm = RMSNorm(2 * d, eps=1e-5, weight=cfg.head_norm_weight) if cfg.head_norm else None
+
+    def lambda_full(self) -> torch.Tensor:
+        """The layer's scalar lambda, in float32 (SPEC eq. 2)."""
+        f = torch.float32
+        l1 = torch.exp(torch.sum(self.lambda_q1.to(f) * self.lambda_k1.to(f)))
+        l2 = torch.exp(torch.sum(self.lambda_q2.to(f) * self.lambda_k2.to(f)))
+        return l1 - l2 + self.lambda_init
+
+    def split(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Projection outputs -> q1, q2 (B, h, N, d); k1, k2 (B, h_kv, N, d); v (B, h_kv, N, 2d)."""
+        b, t, _ = q.shape
+        d, h, hk = self.head_dim, self.n_heads, self.n_kv_heads
+        if self.pairing == "adjacent":
+            qv, kv_ = q.view(b, t, h, 2, d), k.view(b, t, hk, 2, d)
+            q1, q2 = qv[:, :, :, 0], qv[:, :, :, 1]
+            k1, k2 = kv_[:, :, :, 0], kv_[:, :, :, 1]
+            vv = v.view(b, t, hk, 2 * d)
+        else:  # halves
+            qv, kv_ = q.view(b, t, 2, h, d), k.view(b, t, 2, hk, d)
+            q1, q2 = qv[:, :, 0], qv[:, :, 1]
+            k1, k2 = kv_[:, :, 0], kv_[:, :, 1]
+            v2 = v.view(b, t, 2, hk, d)
+            vv = torch.cat((v2[:, :, 0], v2[:, :, 1]), dim=-1)
+        tr = lambda z: z.transpose(1, 2)  # noqa: E731
+        return tr(q1), tr(q2), tr(k1), tr(k2), tr(vv)
+
+    def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
+        q1, q2, k1, k2, v = self.split(self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q1, q2 = self._qk(q1, self.q_norm, rope), self._qk(q2, self.q_norm, rope)
+        k1, k2 = self._qk(k1, self.k_norm, rope), self._qk(k2, self.k_norm, rope)
+        if cache is not None:
+            kk, v = cache.update(self.layer - 1, torch.cat((k1, k2), dim=1), v)
+            k1, k2 = kk[:, : self.n_kv_heads], kk[:, self.n_kv_heads:]
+        lam = self.lambda_full()
+        backend, p = self._backend(q1.device), self._dropout_p()
+        if backend == "eager":
+            o = backends.eager_diff_attention(q1, q2, k1, k2, v, lam, mask, self.scale, p, self.probe, self.layer)
+        else:
+            if backend == "flex":
+                o1, o2 = backends.flex(q1, k1, v, mask, self.scale), backends.flex(q2, k2, v, mask, self.scale)
+            else:
+                o1, o2 = backends.diff_sdpa(q1, q2, k1, k2, v, mask, self.scale, p, self.diff_variant)
+            o = o1.float() - lam * o2.float()
+        if self.head_norm is not None:
+            o = self.head_norm(o) * (1.0 - self.lambda_init)
+        return self.out_proj(_merge(o.to(x.dtype)))
+
+
+class DiffV2Attention(AttentionBase):
+    """DIFF V2 (microsoft/unilm Diff-Transformer-V2): 2h query heads over h_kv K/V heads.
+
+    out_i = attn_{2i} - sigmoid(W_lambda x)_i * attn_{2i+1}; heads 2i and 2i+1
+    share a GQA group; no per-head norm, no lambda_init.
+    """
+
+    kind = "diff2"
+
+    def __init__(self, cfg, layer: int):
+        super().__init__(cfg, layer)
+        d, h, hk = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        self.q_proj = nn.Linear(cfg.d_model, 2 * h * d, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.d_model, hk * d, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.d_model, hk * d, bias=cfg.bias)
+        self.out_proj = nn.Linear(h * d, cfg.d_model, bias=cfg.bias)
+        self.lambda_proj = nn.Linear(cfg.d_model, h, bias=False)
+        self.last_lambda: Optional[torch.Tensor] = None
+
+    def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
+        d = self.head_dim
+        q = self._qk(_heads(self.q_proj(x), 2 * self.n_heads, d), self.q_norm, rope)
+        k = self._qk(_heads(self.k_proj(x), self.n_kv_heads, d), self.k_norm, rope)
+        v = _heads(self.v_proj(x), self.n_kv_heads, d)
+        if cache is not None:
+            k, v = cache.update(self.layer - 1, k, v)
+        lam = torch.sigmoid(F.linear(x.float(), self.lambda_proj.weight.float()))  # (B, N, h), fp32
+        self.last_lambda = lam.detach().mean()
+        lam = lam.transpose(1, 2)[..., None]  # (B, h, N, 1)
+        if self._backend(q.device) == "eager":
+            o = backends.eager_v2_attention(q, k, v, lam, mask, self.scale, self._dropout_p(), self.probe, self.layer)
+        else:
+            o = self._attend(q, k, v, mask)
+            o = o[:, 0::2].float() - lam * o[:, 1::2].float()
+        return self.out_proj(_merge(o.to(x.dtype)))
+
+
+ATTENTION_CLASSES = {"softmax": SoftmaxAttention, "diff": DifferentialAttention, "diff2": DiffV2Attention}
+
+
+def make_attention(cfg, layer: int) -> AttentionBase:
+    return ATTENTION_CLASSES[cfg.attention](cfg, layer)

@@ -1,0 +1,173 @@
+"""Attention backends: the same math through different kernels.
+
+* ``eager``: the reference.  Materialises the logits and the softmax maps in
+  float32; the only path that evaluation probes (attention maps, logit
+  statistics, logit quantization) can see into.
+* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``.  Differential
+  attention goes through :func:`diff_sdpa`, in one of several formulations
+  (``DIFF_SDPA_VARIANTS``); ``auto`` picks the one measured fastest for the
+  device (see benchmarks/).
+* ``flex``: FlexAttention (compiled when ``DIFFTX_FLEX_COMPILE`` is not 0).
+
+Every backend takes q (B, Hq, Nq, d), k (B, Hk, Nk, d), v (B, Hk, Nk, dv) with
+Hq a multiple of Hk (GQA: query head i uses K/V head i // (Hq / Hk)), and an
+:class:`~difftx.nn.mask.AttnMask`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .mask import AttnMask
+
+DIFF_SDPA_VARIANTS = ("auto", "2call", "4call")
+_FLEX = None
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, Hk, N, d) -> (B, Hk * n_rep, N, d), each K/V head repeated for its query group."""
+    if n_rep == 1:
+        return x
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, n, d).reshape(b, h * n_rep, n, d)
+
+
+# ----------------------------------------------------------------------------- eager reference
+def eager_logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention logits q k^T * scale in float32, K/V heads repeated to the query heads."""
+    k = repeat_kv(k, q.shape[1] // k.shape[1])
+    return torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+
+
+def masked_softmax(logits: torch.Tensor, mask: AttnMask) -> torch.Tensor:
+    m = mask.dense(logits.device)
+    if m is not None:
+        logits = logits.masked_fill(~m, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def eager_attention(q, k, v, mask: AttnMask, scale: float, dropout_p: float = 0.0,
+                    probe=None, layer: int = 0) -> torch.Tensor:
+    logits = eager_logits(q, k, scale)
+    if probe is not None:
+        logits = probe.transform_logits(layer, 0, logits)
+    probs = masked_softmax(logits, mask)
+    if probe is not None:
+        probe.observe(layer, [logits], probs, mask.dense(logits.device))
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    v = repeat_kv(v, q.shape[1] // v.shape[1])
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+def eager_diff_attention(q1, q2, k1, k2, v, lam: torch.Tensor, mask: AttnMask, scale: float,
+                         dropout_p: float = 0.0, probe=None, layer: int = 0) -> torch.Tensor:
+    """(softmax(Q1 K1^T s) - lam softmax(Q2 K2^T s)) V in float32 (SPEC eq. 1)."""
+    l1, l2 = eager_logits(q1, k1, scale), eager_logits(q2, k2, scale)
+    if probe is not None:
+        l1, l2 = probe.transform_logits(layer, 0, l1), probe.transform_logits(layer, 1, l2)
+    a1, a2 = masked_softmax(l1, mask), masked_softmax(l2, mask)
+    if probe is not None:
+        probe.observe(layer, [l1, l2], a1 - lam * a2, mask.dense(l1.device))
+    if dropout_p > 0:
+        a1, a2 = F.dropout(a1, dropout_p), F.dropout(a2, dropout_p)
+    v = repeat_kv(v, q1.shape[1] // v.shape[1]).float()
+    return torch.matmul(a1 - lam * a2, v)
+
+
+def eager_v2_attention(q, k, v, lam: torch.Tensor, mask: AttnMask, scale: float, dropout_p: float = 0.0,
+                       probe=None, layer: int = 0) -> torch.Tensor:
+    """DIFF V2 reference: (A_{2i} - lam_i A_{2i+1}) V over 2h query heads, float32; lam (B, h, N, 1)."""
+    logits = eager_logits(q, k, scale)
+    if probe is not None:
+        logits = probe.transform_logits(layer, 0, logits)
+    probs = masked_softmax(logits, mask)
+    if probe is not None:
+        probe.observe(layer, [logits], probs[:, 0::2] - lam * probs[:, 1::2], mask.dense(logits.device))
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    o = torch.matmul(probs, repeat_kv(v, q.shape[1] // v.shape[1]).float())
+    return o[:, 0::2] - lam * o[:, 1::2]
+
+
+# ----------------------------------------------------------------------------- sdpa
+def sdpa(q, k, v, mask: AttnMask, scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    kw = {"scale": scale, "dropout_p": dropout_p}
+    if q.shape[1] != k.shape[1]:
+        kw["enable_gqa"] = True
+    if mask.is_plain_causal:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(q.device), **kw)
+
+
+def resolve_diff_variant(variant: str, device: torch.device, dropout_p: float) -> str:
+    if variant != "auto":
+        return variant
+    if dropout_p > 0:
+        return "2call"  # one dropout mask per map, as the reference
+    # CPU flash attention needs equal q/k/v widths; the 2d-wide value would fall back to the math kernel.
+    return "4call" if device.type == "cpu" else "2call"
+
+
+def diff_sdpa(q1, q2, k1, k2, v, mask: AttnMask, scale: float, dropout_p: float = 0.0,
+              variant: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """A1 V and A2 V, each (B, h, N, 2d), via SDPA calls (SPEC section 1, App. A)."""
+    variant = resolve_diff_variant(variant, q1.device, dropout_p)
+    if variant == "2call":
+        return sdpa(q1, k1, v, mask, scale, dropout_p), sdpa(q2, k2, v, mask, scale, dropout_p)
+    if variant == "4call":
+        va, vb = v.chunk(2, dim=-1)
+        o1 = torch.cat((sdpa(q1, k1, va, mask, scale), sdpa(q1, k1, vb, mask, scale)), dim=-1)
+        o2 = torch.cat((sdpa(q2, k2, va, mask, scale), sdpa(q2, k2, vb, mask, scale)), dim=-1)
+        return o1, o2
+    raise ValueError(f"unknown differential sdpa variant {variant!r}; one of {DIFF_SDPA_VARIANTS}")
+
+
+# ----------------------------------------------------------------------------- flex
+def _flex_fn():
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if os.environ.get("DIFFTX_FLEX_COMPILE", "1") != "0":
+            _FLEX = torch.compile(flex_attention, dynamic=False)
+        else:  # unfused: materialises the scores (slow, exact); used by quick tests
+            _FLEX = flex_attention
+    return _FLEX
+
+
+def flex(q, k, v, mask: AttnMask, scale: float) -> torch.Tensor:
+    bm = mask.block_mask(q.shape[0], q.device)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        return _flex_fn()(q, k, v, block_mask=bm, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def flex_available() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except Exception:  # pragma: no cover - old torch
+        return False
+    return True
+
+
+def pick_backend(requested: str, probe=None, dropout_p: float = 0.0, device: Optional[torch.device] = None) -> str:
+    """The backend a layer uses for this call.
+
+    Probes force eager.  Flex falls back to sdpa where it cannot serve the call:
+    attention dropout, or a backward pass on the CPU (FlexAttention has no CPU backward).
+    """
+    if probe is not None:
+        return "eager"
+    if requested == "auto":
+        return "sdpa"
+    if requested == "flex":
+        cpu_grad = device is not None and device.type == "cpu" and torch.is_grad_enabled()
+        if dropout_p > 0 or cpu_grad or not flex_available():
+            return "sdpa"
+    return requested

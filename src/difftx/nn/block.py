@@ -1,0 +1,53 @@
+"""One residual block whose norms are placed by flags (SPEC section 4).
+
+    h = PreNorm_a(x)            if pre_norm_attn
+    x = x + MidNorm_a(Attn(h))  (MidNorm only if mid_norm_attn)
+    x = PostNorm_a(x)           if post_norm
+    h = PreNorm_f(x)            if pre_norm_ffn
+    x = x + MidNorm_f(FFN(h))
+    x = PostNorm_f(x)           if post_norm
+
+QK-norm lives inside the attention module; InputNorm and the final norm in the model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import make_attention
+from .ffn import make_ffn
+from .norms import make_norm
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.dropout = cfg.dropout
+
+        def norm(flag: bool):
+            return make_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if flag else None
+
+        self.attn_norm = norm(cfg.pre_norm_attn)
+        self.attn = make_attention(cfg, layer)
+        self.attn_mid_norm = norm(cfg.mid_norm_attn)
+        self.attn_post_norm = norm(cfg.post_norm)
+        self.ffn_norm = norm(cfg.pre_norm_ffn)
+        self.ffn = make_ffn(cfg)
+        self.ffn_mid_norm = norm(cfg.mid_norm_ffn)
+        self.ffn_post_norm = norm(cfg.post_norm)
+
+    @staticmethod
+    def _maybe(norm, x):
+        return x if norm is None else norm(x)
+
+    def forward(self, x: torch.Tensor, rope, mask, cache=None) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        a = self.attn(self._maybe(self.attn_norm, x), rope, mask, cache)
+        x = x + F.dropout(self._maybe(self.attn_mid_norm, a), p)
+        x = self._maybe(self.attn_post_norm, x)
+        f = self.ffn(self._maybe(self.ffn_norm, x))
+        x = x + F.dropout(self._maybe(self.ffn_mid_norm, f), p)
+        return self._maybe(self.ffn_post_norm, x)

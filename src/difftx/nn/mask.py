@@ -1,0 +1,87 @@
+"""Attention masks: causal, key padding and bidirectional, described once per forward.
+
+An :class:`AttnMask` is built by the model and shared by every layer.  Backends
+ask it for what they can use: ``is_plain_causal`` (no explicit mask needed), a
+dense boolean mask, or a FlexAttention block mask.  Every query may always
+attend to its own position, so a row is never fully masked (a left-padding
+query would otherwise produce NaN); outputs at padded positions are finite and
+meaningless, and losses ignore them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class AttnMask:
+    causal: bool
+    n_q: int
+    n_k: int
+    q_start: int = 0  # index of the first query among the keys (the cache length before this step)
+    key_valid: Optional[torch.Tensor] = None  # (B, n_k) bool, True = a real token
+    _dense: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def is_plain_causal(self) -> bool:
+        """True when ``is_causal=True`` on square q/k describes the mask exactly."""
+        return self.causal and self.key_valid is None and self.q_start == 0 and self.n_q == self.n_k
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing is masked at all (every query sees every key)."""
+        if self.key_valid is not None:
+            return False
+        return not self.causal or self.q_start >= self.n_k - 1
+
+    def dense(self, device: torch.device) -> Optional[torch.Tensor]:
+        """Boolean mask (B|1, 1, n_q, n_k), True = attend; None when nothing is masked."""
+        if self.is_empty:
+            return None
+        key = str(device)
+        if key not in self._dense:
+            q_pos = torch.arange(self.q_start, self.q_start + self.n_q, device=device)[:, None]
+            k_pos = torch.arange(self.n_k, device=device)[None, :]
+            allowed = torch.ones(self.n_q, self.n_k, dtype=torch.bool, device=device)
+            if self.causal:
+                allowed = k_pos <= q_pos
+            allowed = allowed[None, None]
+            if self.key_valid is not None:
+                allowed = allowed & self.key_valid.to(device)[:, None, None, :]
+            allowed = allowed | (k_pos == q_pos)[None, None]
+            self._dense[key] = allowed
+        return self._dense[key]
+
+    def additive(self, device: torch.device, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The dense mask as 0 / -inf, for reference code."""
+        m = self.dense(device)
+        if m is None:
+            return None
+        return torch.zeros(m.shape, dtype=dtype, device=device).masked_fill(~m, float("-inf"))
+
+    def block_mask(self, batch: int, device: torch.device):
+        """A FlexAttention BlockMask (or None when nothing is masked)."""
+        if self.is_empty:
+            return None
+        key = ("block", str(device), batch)
+        if key in self._dense:
+            return self._dense[key]
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        q_start, causal = self.q_start, self.causal
+        valid = None if self.key_valid is None else self.key_valid.to(device)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            q_abs = q_idx + q_start
+            ok = (kv_idx <= q_abs) if causal else (kv_idx >= 0)
+            if valid is not None:
+                ok = ok & valid[b, kv_idx]
+            return ok | (kv_idx == q_abs)
+
+        bm = create_block_mask(mask_mod, batch if valid is not None else None, None, self.n_q, self.n_k,
+                               device=device)
+        self._dense[key] = bm
+        return bm

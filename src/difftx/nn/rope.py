@@ -1,0 +1,54 @@
+"""Rotary position embeddings in the two layouts real checkpoints use.
+
+``half`` (GPT-NeoX / LLaMA / transformers' rotate_half): channel i rotates with
+channel i + d/2.  ``interleaved`` (GPT-J / the official DIFF code): channel 2i
+rotates with 2i + 1.  Both use frequencies theta^(-2i/d), i < d/2, and act on
+each d-wide head (for DIFF: each of Q1, Q2, K1, K2 separately).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float = 10000.0, style: str = "half"):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
+        self.head_dim = head_dim
+        self.theta = theta
+        self.style = style
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos, sin of shape (B or 1, 1, N, d/2) for integer ``positions`` (N,) or (B, N)."""
+        if positions.dim() == 1:
+            positions = positions[None]
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
+        return freqs.cos()[:, None], freqs.sin()[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """Rotate ``x`` of shape (B, H, N, d) by the angles in cos/sin (B|1, 1, N, d/2)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if style == "half":
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    if style == "interleaved":
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    raise ValueError(f"unknown rope style {style!r}")
+
+
+def sinusoidal_table(n_positions: int, dim: int) -> torch.Tensor:
+    """The fixed sin/cos position encoding of Vaswani et al. (even channels sin, odd cos)."""
+    pos = torch.arange(n_positions, dtype=torch.float64)[:, None]
+    i = torch.arange(0, dim, 2, dtype=torch.float64)
+    angle = pos / (10000.0 ** (i / dim))
+    table = torch.zeros(n_positions, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angle)
+    table[:, 1::2] = torch.cos(angle[:, : dim // 2])
+    return table.float()

@@ -1,0 +1,44 @@
+"""Test setup: import difftx from this checkout's src/ and give tests a CLI runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+if str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+os.environ.setdefault("DIFFTX_FLEX_COMPILE", "0")  # unfused flex in quick tests; compiled flex is a slow test
+
+
+def cli_env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("DIFFTX_FLEX_COMPILE", "0")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_cli(*args, cwd=None, timeout=300, env=None) -> subprocess.CompletedProcess:
+    """Run ``python -m difftx ARGS`` from this checkout; returns the CompletedProcess (text)."""
+    return subprocess.run([sys.executable, "-m", "difftx", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=env or cli_env())
+
+
+@pytest.fixture
+def cli():
+    return run_cli
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
