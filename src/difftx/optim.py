@@ -1,0 +1,191 @@
+"""Optimisers and learning-rate schedules.
+
+* :class:`MSGDW`: momentum SGD with decoupled weight decay, as DNT uses it
+  (timm's SGDW semantics):  p <- p (1 - lr wd);  m <- mu m + g (m = g on the
+  first step);  p <- p - lr m  (``nesterov``: p <- p - lr (g + mu m)).
+  ``torch.optim.SGD`` only has coupled (L2) decay, which DNT warns against.
+* :func:`param_groups`: no weight decay on norms, biases, lambda vectors and
+  embeddings unless asked.
+* :func:`build_optimizer`: ``adamw`` (fused where available), ``msgdw``,
+  ``sgd``, ``muon`` (torch.optim.Muon on 2-D hidden matrices + AdamW on the rest).
+* Schedules: ``cosine`` (warmup + cosine to a minimum), ``linear`` (warmup +
+  linear decay, the DIFF recipe), ``constant`` (warmup then flat).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+OPTIMIZERS = ("adamw", "msgdw", "sgd", "muon")
+SCHEDULES = ("cosine", "linear", "constant")
+
+NO_DECAY_LEAVES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "cls_token", "pos_embed")
+EMBEDDING_PREFIXES = ("embed.", "pos_embed.")
+
+
+class MSGDW(torch.optim.Optimizer):
+    """Momentum SGD with decoupled weight decay (mSGDW, DNT).
+
+    Per step, per parameter: ``p *= 1 - lr * weight_decay``; ``buf = momentum *
+    buf + grad`` (``buf = grad`` on the first step); ``p -= lr * buf`` (or
+    ``lr * (grad + momentum * buf)`` with ``nesterov``).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.9, weight_decay: float = 0.0,
+                 nesterov: bool = False):
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError("lr, momentum and weight_decay must be >= 0")
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, mu, wd, nesterov = group["lr"], group["momentum"], group["weight_decay"], group["nesterov"]
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            if wd != 0:
+                torch._foreach_mul_(params, 1.0 - lr * wd)
+            bufs = []
+            for p, g in zip(params, grads):
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = g.detach().clone()
+                else:
+                    state["momentum_buffer"].mul_(mu).add_(g)
+                bufs.append(state["momentum_buffer"])
+            if nesterov:
+                updates = torch._foreach_add(grads, bufs, alpha=mu)
+                torch._foreach_add_(params, updates, alpha=-lr)
+            else:
+                torch._foreach_add_(params, bufs, alpha=-lr)
+        return loss
+
+
+def is_no_decay(name: str, param: torch.Tensor) -> bool:
+    """Norm gains, biases, lambda vectors, embeddings, class tokens and position tables."""
+    leaf = name.rsplit(".", 1)[-1]
+    if param.ndim < 2 or leaf == "bias" or leaf in NO_DECAY_LEAVES:
+        return True
+    return name.startswith(EMBEDDING_PREFIXES) or ".embed." in name
+
+
+def param_groups(model: nn.Module, weight_decay: float, decay_all: bool = False) -> list[dict]:
+    """Two groups: decayed matrices and the rest (``decay_all`` puts everything in the first)."""
+    decay, no_decay = [], []
+    seen = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if decay_all or not is_no_decay(name, p) else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
+    return groups
+
+
+def build_optimizer(model: nn.Module, name: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.0,
+                    betas: tuple[float, float] = (0.9, 0.95), momentum: float = 0.9, nesterov: bool = False,
+                    eps: float = 1e-8, decay_all: bool = False, fused: Optional[bool] = None):
+    """An optimiser over ``model``'s parameters with the standard no-decay groups."""
+    if name not in OPTIMIZERS:
+        raise ConfigError("optimizer", f"must be one of {', '.join(OPTIMIZERS)}; got {name!r}")
+    groups = param_groups(model, weight_decay, decay_all)
+    if name == "adamw":
+        if fused is None:
+            fused = all(p.is_cuda for g in groups for p in g["params"])
+        kw = {"fused": True} if fused else {"foreach": True}
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kw)
+    if name == "msgdw":
+        return MSGDW(groups, lr=lr, momentum=momentum, nesterov=nesterov)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov)
+    return _build_muon(model, groups, lr, weight_decay, betas, momentum, eps)
+
+
+class CombinedOptimizer(torch.optim.Optimizer):
+    """Several optimisers stepped together (e.g. Muon for matrices + AdamW for the rest).
+
+    ``param_groups`` is the concatenation, so schedulers and clipping see every group.
+    """
+
+    def __init__(self, optimizers: list):
+        self.optimizers = optimizers
+        self.defaults = {}
+        self.state = {}
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for o in self.optimizers:
+            o.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True):
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state):
+        for o, s in zip(self.optimizers, state["optimizers"]):
+            o.load_state_dict(s)
+
+
+def _build_muon(model, groups, lr, weight_decay, betas, momentum, eps):
+    if not hasattr(torch.optim, "Muon"):
+        raise ConfigError("optimizer", "muon needs torch >= 2.9 (torch.optim.Muon)")
+    hidden, rest = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_matrix = p.ndim == 2 and not name.startswith(EMBEDDING_PREFIXES) and "lm_head" not in name \
+            and not name.endswith(("head.weight", "patch_embed.weight"))
+        (hidden if is_matrix else rest).append((name, p))
+    muon = torch.optim.Muon([p for _, p in hidden], lr=lr, weight_decay=weight_decay, momentum=0.95,
+                            adjust_lr_fn="match_rms_adamw")
+    rest_groups = [
+        {"params": [p for n, p in rest if not is_no_decay(n, p)], "weight_decay": weight_decay},
+        {"params": [p for n, p in rest if is_no_decay(n, p)], "weight_decay": 0.0},
+    ]
+    adamw = torch.optim.AdamW([g for g in rest_groups if g["params"]], lr=lr, betas=betas, eps=eps)
+    return CombinedOptimizer([muon, adamw])
+
+
+def lr_at(step: int, total_steps: int, peak_lr: float, schedule: str = "cosine", warmup: int = 0,
+          min_lr: float = 0.0) -> float:
+    """Learning rate at 0-based ``step`` of ``total_steps``.
+
+    Warmup rises linearly from peak/warmup to peak over ``warmup`` steps; then
+    ``cosine`` decays to ``min_lr`` at the last step, ``linear`` decays linearly to
+    ``min_lr``, ``constant`` stays at the peak.
+    """
+    if schedule not in SCHEDULES:
+        raise ConfigError("schedule", f"must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+    if warmup > 0 and step < warmup:
+        return peak_lr * (step + 1) / warmup
+    if schedule == "constant":
+        return peak_lr
+    span = max(1, total_steps - warmup - 1)
+    t = min(1.0, max(0.0, (step - warmup) / span))
+    if schedule == "linear":
+        return peak_lr + (min_lr - peak_lr) * t
+    return min_lr + 0.5 * (peak_lr - min_lr) * (1 + math.cos(math.pi * t))
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for g in optimizer.param_groups:
+        g["lr"] = lr
