@@ -220,3 +220,22 @@ def test_dropout_trains_and_eval_is_deterministic():
     model.eval()
     with torch.no_grad():
         assert torch.equal(model(x).logits, model(x).logits)
+
+
+@pytest.mark.parametrize("attention", KINDS)
+def test_bf16_autocast_close_to_fp32(attention):
+    torch.manual_seed(0)
+    model = build_model(tiny(attention, d_model=64)).eval()
+    x = torch.randint(0, 61, (2, 16))
+    with torch.no_grad():
+        ref = model(x, targets=x).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x, targets=x)
+    assert out.logits.dtype == torch.bfloat16
+    assert abs(float(out.loss) - float(ref)) < 0.02 * float(ref)
+    # backward works under autocast and lambda's gradient stays fp32
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x, targets=x).loss.backward()
+    if attention == "diff":
+        assert model.layers[0].attn.lambda_q1.grad.dtype == torch.float32
