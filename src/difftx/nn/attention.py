@@ -27,6 +27,7 @@ from torch import nn
 
 from . import backends
 from .mask import AttnMask
+from .fused import rms_norm
 from .norms import RMSNorm, make_norm, upcast
 from .rope import apply_rope
 
@@ -84,6 +85,13 @@ def _heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
     """(B, N, n*d) -> (B, n, N, d) as a view."""
     b, t, _ = x.shape
     return x.view(b, t, n, d).transpose(1, 2)
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype out_proj computes in: the autocast dtype under autocast, else the input's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def _merge(x: torch.Tensor) -> torch.Tensor:
@@ -165,26 +173,54 @@ class DifferentialAttention(AttentionBase):
         tr = lambda z: z.transpose(1, 2)  # noqa: E731
         return tr(q1), tr(q2), tr(k1), tr(k2), tr(vv)
 
+    def _stack(self, t: torch.Tensor, n: int) -> torch.Tensor:
+        """(B, 2n, N, d) component heads in pairing order -> (B, 2, n, N, d), map first; a view."""
+        b, _, t_len, d = t.shape
+        if self.pairing == "adjacent":
+            return t.view(b, n, 2, t_len, d).transpose(1, 2)
+        return t.view(b, 2, n, t_len, d)
+
+    def _value(self, v: torch.Tensor) -> torch.Tensor:
+        """v_proj output -> (B, h_kv, N, 2d): a view for ``adjacent``, a gather for ``halves``."""
+        b, t, _ = v.shape
+        d, hk = self.head_dim, self.n_kv_heads
+        if self.pairing == "adjacent":
+            return _heads(v, hk, 2 * d)
+        return v.view(b, t, 2, hk, d).permute(0, 3, 1, 2, 4).reshape(b, hk, t, 2 * d)
+
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
-        q1, q2, k1, k2, v = self.split(self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q1, q2 = self._qk(q1, self.q_norm, rope), self._qk(q2, self.q_norm, rope)
-        k1, k2 = self._qk(k1, self.k_norm, rope), self._qk(k2, self.k_norm, rope)
-        if cache is not None:
-            kk, v = cache.update(self.layer - 1, torch.cat((k1, k2), dim=1), v)
-            k1, k2 = kk[:, : self.n_kv_heads], kk[:, self.n_kv_heads:]
+        b, t, _ = x.shape
+        d, h, hk = self.head_dim, self.n_heads, self.n_kv_heads
+        # QK-norm and RoPE act per d-wide component head: one call covers both maps.
+        q = self._stack(self._qk(_heads(self.q_proj(x), 2 * h, d), self.q_norm, rope), h)  # (B, 2, h, N, d)
+        k = self._stack(self._qk(_heads(self.k_proj(x), 2 * hk, d), self.k_norm, rope), hk)
+        v = self._value(self.v_proj(x))  # (B, h_kv, N, 2d)
+        if cache is not None:  # K stored as [K1 heads; K2 heads]: the bytes of a Transformer with 2 h_kv heads
+            kk, v = cache.update(self.layer - 1, k.reshape(b, 2 * hk, t, d), v)
+            k = kk.view(b, 2, hk, kk.shape[2], d)
         lam = self.lambda_full()
-        backend, p = self._backend(q1.device), self._dropout_p()
-        if backend == "eager":
-            o = backends.eager_diff_attention(q1, q2, k1, k2, v, lam, mask, self.scale, p, self.probe, self.layer)
+        backend, p = self._backend(q.device), self._dropout_p()
+        variant = backends.resolve_diff_variant(self.diff_variant, q.device, p, q.dtype)
+        if backend == "sdpa" and variant == "fused":
+            o = backends.fused_attention(q, k, v, mask, self.scale, lam)  # (B, N, h, 2d)
         else:
-            if backend == "flex":
-                o1, o2 = backends.flex(q1, k1, v, mask, self.scale), backends.flex(q2, k2, v, mask, self.scale)
+            q1, q2, k1, k2 = q[:, 0], q[:, 1], k[:, 0], k[:, 1]
+            if backend == "eager":
+                o = backends.eager_diff_attention(q1, q2, k1, k2, v, lam, mask, self.scale, p, self.probe,
+                                                  self.layer)
             else:
-                o1, o2 = backends.diff_sdpa(q1, q2, k1, k2, v, mask, self.scale, p, self.diff_variant)
-            o = upcast(o1) - lam * upcast(o2)
-        if self.head_norm is not None:
-            o = self.head_norm(o) * (1.0 - self.lambda_init)
-        return self.out_proj(_merge(o.to(x.dtype)))
+                if backend == "flex":
+                    o1, o2 = backends.flex(q1, k1, v, mask, self.scale), backends.flex(q2, k2, v, mask, self.scale)
+                else:
+                    o1, o2 = backends.diff_sdpa(q1, q2, k1, k2, v, mask, self.scale, p, variant)
+                o = upcast(o1) - lam * upcast(o2)
+            o = o.transpose(1, 2)
+        if self.head_norm is not None:  # fp32 statistics; (1 - lambda_init) folded into the gain
+            w = self.head_norm.weight
+            cd = upcast(o).dtype
+            w = (w.to(cd) if w is not None else torch.ones(2 * d, dtype=cd, device=o.device))
+            o = rms_norm(o, w * (1.0 - self.lambda_init), self.head_norm.eps, out_dtype=_out_dtype(x))
+        return self.out_proj(o.reshape(b, t, 2 * h * d).to(_out_dtype(x)))
 
 
 class DiffV2Attention(AttentionBase):

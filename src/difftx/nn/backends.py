@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .mask import AttnMask
 from .norms import upcast
 
-DIFF_SDPA_VARIANTS = ("auto", "2call", "4call")
+DIFF_SDPA_VARIANTS = ("auto", "fused", "2call", "4call")
 _FLEX = None
 
 
@@ -106,13 +106,30 @@ def sdpa(q, k, v, mask: AttnMask, scale: float, dropout_p: float = 0.0) -> torch
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(q.device), **kw)
 
 
-def resolve_diff_variant(variant: str, device: torch.device, dropout_p: float) -> str:
+def resolve_diff_variant(variant: str, device: torch.device, dropout_p: float = 0.0,
+                         dtype: Optional[torch.dtype] = None) -> str:
+    """The differential-attention formulation for ``auto``: the one measured fastest (docs/performance.md).
+
+    * ``fused``: :func:`difftx.nn.fused.fused_attention`, (A1 - lambda A2) V in query blocks, one
+      value product; the Transformer's attention FLOPs, memory linear in N.  Wins on the CPU in
+      every dtype (no CPU SDPA kernel takes a 2d-wide value, and 4 calls cost 2x).
+    * ``2call``: two SDPA calls with the 2d-wide value (1.5x the FLOPs); on CUDA the flash /
+      memory-efficient kernels take it.  Also the only formulation with attention dropout, one
+      dropout mask per map as in the reference.
+    * ``4call``: four SDPA calls of width d (2x), for kernels that need equal widths.
+    """
     if variant != "auto":
         return variant
     if dropout_p > 0:
-        return "2call"  # one dropout mask per map, as the reference
-    # CPU flash attention needs equal q/k/v widths; the 2d-wide value would fall back to the math kernel.
-    return "4call" if device.type == "cpu" else "2call"
+        return "2call"
+    return "fused" if device.type == "cpu" else "2call"
+
+
+def fused_attention(q, k, v, mask: AttnMask, scale: float, lam: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One or two maps over one value, chunked and exact; q (B, M, H, N, d) -> (B, N, H, dv)."""
+    from .fused import fused_attention as _fused
+
+    return _fused(q, k, v, mask, scale, lam)
 
 
 def diff_sdpa(q1, q2, k1, k2, v, mask: AttnMask, scale: float, dropout_p: float = 0.0,
@@ -126,7 +143,7 @@ def diff_sdpa(q1, q2, k1, k2, v, mask: AttnMask, scale: float, dropout_p: float 
         o1 = torch.cat((sdpa(q1, k1, va, mask, scale), sdpa(q1, k1, vb, mask, scale)), dim=-1)
         o2 = torch.cat((sdpa(q2, k2, va, mask, scale), sdpa(q2, k2, vb, mask, scale)), dim=-1)
         return o1, o2
-    raise ValueError(f"unknown differential sdpa variant {variant!r}; one of {DIFF_SDPA_VARIANTS}")
+    raise ValueError(f"differential sdpa variant {variant!r} is not a pair of SDPA calls; one of 2call, 4call")
 
 
 # ----------------------------------------------------------------------------- flex
