@@ -155,6 +155,21 @@ class DifferentialAttention(AttentionBase):
         l2 = torch.exp(torch.sum(self.lambda_q2.to(f) * self.lambda_k2.to(f)))
         return l1 - l2 + self.lambda_init
 
+    def _lambda(self) -> torch.Tensor:
+        """:meth:`lambda_full`, reused while no gradient is recorded and the vectors are unchanged.
+
+        Decoding calls every layer once per token; the cache is keyed on the parameters'
+        version counters, which every in-place update (optimiser step, load) bumps.
+        """
+        if torch.is_grad_enabled():
+            return self.lambda_full()
+        params = (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)
+        key = tuple((p.data_ptr(), p._version, p.dtype) for p in params)
+        cached = getattr(self, "_lambda_cache", None)
+        if cached is None or cached[0] != key:
+            cached = self._lambda_cache = (key, self.lambda_full())
+        return cached[1]
+
     def split(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Projection outputs -> q1, q2 (B, h, N, d); k1, k2 (B, h_kv, N, d); v (B, h_kv, N, 2d)."""
         b, t, _ = q.shape
@@ -195,14 +210,18 @@ class DifferentialAttention(AttentionBase):
         q = self._stack(self._qk(_heads(self.q_proj(x), 2 * h, d), self.q_norm, rope), h)  # (B, 2, h, N, d)
         k = self._stack(self._qk(_heads(self.k_proj(x), 2 * hk, d), self.k_norm, rope), hk)
         v = self._value(self.v_proj(x))  # (B, h_kv, N, 2d)
+        kv_buffers = None
         if cache is not None:  # K stored as [K1 heads; K2 heads]: the bytes of a Transformer with 2 h_kv heads
             kk, v = cache.update(self.layer - 1, k.reshape(b, 2 * hk, t, d), v)
             k = kk.view(b, 2, hk, kk.shape[2], d)
-        lam = self.lambda_full()
+            kb, vb = cache.k[self.layer - 1], cache.v[self.layer - 1]  # whole buffers (fused decoding)
+            kv_buffers = kb.view(b, 2, hk, kb.shape[2], d), vb
+        lam = self._lambda()
         backend, p = self._backend(q.device), self._dropout_p()
         variant = backends.resolve_diff_variant(self.diff_variant, q.device, p, q.dtype)
         if backend == "sdpa" and variant == "fused":
-            o = backends.fused_attention(q, k, v, mask, self.scale, lam)  # (B, N, h, 2d)
+            kf, vf = kv_buffers if kv_buffers is not None else (k, v)
+            o = backends.fused_attention(q, kf, vf, mask, self.scale, lam)  # (B, N, h, 2d)
         else:
             q1, q2, k1, k2 = q[:, 0], q[:, 1], k[:, 0], k[:, 1]
             if backend == "eager":
@@ -215,12 +234,10 @@ class DifferentialAttention(AttentionBase):
                     o1, o2 = backends.diff_sdpa(q1, q2, k1, k2, v, mask, self.scale, p, variant)
                 o = upcast(o1) - lam * upcast(o2)
             o = o.transpose(1, 2)
+        out_dtype = _out_dtype(x)
         if self.head_norm is not None:  # fp32 statistics; (1 - lambda_init) folded into the gain
-            w = self.head_norm.weight
-            cd = upcast(o).dtype
-            w = (w.to(cd) if w is not None else torch.ones(2 * d, dtype=cd, device=o.device))
-            o = rms_norm(o, w * (1.0 - self.lambda_init), self.head_norm.eps, out_dtype=_out_dtype(x))
-        return self.out_proj(o.reshape(b, t, 2 * h * d).to(_out_dtype(x)))
+            o = rms_norm(o, self.head_norm.weight, self.head_norm.eps, 1.0 - self.lambda_init, out_dtype)
+        return self.out_proj(o.reshape(b, t, 2 * h * d).to(out_dtype))
 
 
 class DiffV2Attention(AttentionBase):
@@ -253,8 +270,15 @@ class DiffV2Attention(AttentionBase):
         lam = torch.sigmoid(F.linear(xf, self.lambda_proj.weight.to(xf.dtype)))  # (B, N, h), >= fp32
         self.last_lambda = lam.detach().mean()
         lam = lam.transpose(1, 2)[..., None]  # (B, h, N, 1)
-        if self._backend(q.device) == "eager":
-            o = backends.eager_v2_attention(q, k, v, lam, mask, self.scale, self._dropout_p(), self.probe, self.layer)
+        backend, p = self._backend(q.device), self._dropout_p()
+        if backend == "eager":
+            o = backends.eager_v2_attention(q, k, v, lam, mask, self.scale, p, self.probe, self.layer)
+        elif backend == "sdpa" and backends.resolve_v2_variant(self.diff_variant, q.device, p) == "fused":
+            b, _, n, d = q.shape
+            qs = q.view(b, self.n_heads, 2, n, d).transpose(1, 2)  # heads 2i, 2i+1 -> maps 1, 2
+            ks = k[:, None].expand(b, 2, *k.shape[1:])
+            o = backends.fused_attention(qs, ks, v, mask, self.scale, lam)  # (B, N, h, d)
+            return self.out_proj(o.reshape(b, n, -1).to(_out_dtype(x)))
         else:
             o = self._attend(q, k, v, mask)
             o = upcast(o[:, 0::2]) - lam * upcast(o[:, 1::2])

@@ -125,6 +125,18 @@ def resolve_diff_variant(variant: str, device: torch.device, dropout_p: float = 
     return "fused" if device.type == "cpu" else "2call"
 
 
+def resolve_v2_variant(variant: str, device: torch.device, dropout_p: float = 0.0) -> str:
+    """DIFF V2: ``fused`` (the per-token lambda combines the two maps before one d-wide value
+    product) or ``sdpa`` (one call over the 2h query heads, then the combine)."""
+    if variant in ("fused", "sdpa"):
+        return variant
+    if variant not in ("auto", "2call", "4call"):
+        raise ValueError(f"unknown DIFF V2 variant {variant!r}; one of auto, fused, sdpa")
+    if dropout_p > 0:
+        return "sdpa"
+    return "fused" if device.type == "cpu" else "sdpa"
+
+
 def fused_attention(q, k, v, mask: AttnMask, scale: float, lam: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One or two maps over one value, chunked and exact; q (B, M, H, N, d) -> (B, N, H, dv)."""
     from .fused import fused_attention as _fused

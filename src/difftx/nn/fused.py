@@ -22,7 +22,7 @@ buffers are allocated once per call and reused by every block.
 Layouts (views; only a block of Q is copied at a time):
     q   (B, M, H, Nq, d)    M maps (1: softmax, 2: differential), H query heads
     k   (B, M, Hk, Nk, d)   H a multiple of Hk (GQA: query head i uses K/V head i // (H / Hk))
-    v   (B, Hk, Nk, dv)
+    v   (B, Hk, Nk, dv)     Nk may exceed mask.n_k (a static cache's buffers): the rest is never read
     lam None (M = 1), a 0-dim tensor (DIFF V1) or (B, H, Nq, 1) (DIFF V2, per token)
     out (B, Nq, H, dv)      the order out_proj reads, no transpose needed
 """
@@ -115,6 +115,23 @@ def release_scratch() -> None:
     _SCRATCH.buffers = {}
 
 
+def _zero(t: torch.Tensor) -> torch.Tensor:
+    """The ignored ``input`` of baddbmm(beta=0), broadcastable to any batch."""
+    return torch.zeros((), dtype=t.dtype, device=t.device).expand(1, 1, 1)
+
+
+def _compact(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A (batch, rows, cols) operand the CPU's reduced-precision bmm takes without its own copy.
+
+    oneDNN's bf16 bmm needs batch stride = rows x cols; given a prefix slice it copies the
+    *transposed* view (a slow gather, 4x the GEMM), so copy the plain slice here instead.
+    fp32/fp64 GEMMs take strided slices as they are.
+    """
+    if dtype in (torch.float32, torch.float64) or t.is_contiguous():
+        return t
+    return t.contiguous()
+
+
 def _no_autocast(device_type: str):
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
@@ -166,13 +183,20 @@ class _Blocks:
         return buf[:numel].view(*shape)
 
     def q_block(self, i0: int, i1: int) -> torch.Tensor:
-        """(B*M*Hk, rep*C, d): the block's queries, grouped by K/V head (a view when rep = 1)."""
-        return self.q[:, :, :, i0:i1].reshape(self.b * self.m * self.hk, self.rep * (i1 - i0), self.d)
+        """(B*M*Hk, rep*C, d): the block's queries, grouped by K/V head."""
+        qc = self.q[:, :, :, i0:i1].reshape(self.b * self.m * self.hk, self.rep * (i1 - i0), self.d)
+        return _compact(qc, self.dtype)
+
+    def keys(self, ke: int) -> torch.Tensor:
+        return _compact(self.k3[:, :ke], self.dtype)
+
+    def values(self, ke: int) -> torch.Tensor:
+        return _compact(self.v3[:, :ke], self.dtype)
 
     def probs(self, qc: torch.Tensor, i0: int, i1: int, ke: int) -> torch.Tensor:
         """softmax(Q K^T scale) of the block, masked, in the compute dtype: (B, M, Hk, rep*C, ke)."""
         b, m, hk, rep, c = self.b, self.m, self.hk, self.rep, i1 - i0
-        kt = self.k3[:, :ke].transpose(1, 2)
+        kt = self.keys(ke).transpose(1, 2)
         s = self._take(self._s, b * m * hk, rep * c, ke)
         if self._low is not None:
             low = self._take(self._low, b * m * hk, rep * c, ke)
@@ -222,7 +246,7 @@ class _FusedAttention(torch.autograd.Function):
         out = q.new_empty(g.b, g.n, g.h, v.shape[-1])
         for i0, i1, ke in g.blocks():
             p = g.probs(g.q_block(i0, i1), i0, i1, ke)
-            o = torch.bmm(g.combine(p, g.lam_block(i0, i1)), v3[:, :ke])  # (B*Hk, rep*C, dv)
+            o = torch.bmm(g.combine(p, g.lam_block(i0, i1)), g.values(ke))  # (B*Hk, rep*C, dv)
             out[:, i0:i1] = o.view(g.b, g.h, i1 - i0, -1).transpose(1, 2)
         if any(ctx.needs_input_grad[:4]):
             ctx.save_for_backward(q, k3, v3, lam)
@@ -273,7 +297,7 @@ def _backward(ctx, dout):
         doc = dout[:, i0:i1].transpose(1, 2).reshape(b * hk, r, -1)
         _acc(dv[:, :ke], g.combine(p, lam_c).transpose(1, 2), doc, fresh)
         dp = g._take(g._comb, b * hk, r, ke)  # the combined map is consumed: reuse its buffer
-        torch.bmm(doc, v3[:, :ke].transpose(1, 2), out=dp)
+        torch.bmm(doc, g.values(ke).transpose(1, 2), out=dp)
         t = g._take(g._s, b, m, hk, r, ke)
         torch.mul(p, dp.view(b, 1, hk, r, ke), out=t)  # p_m * dP
         rs = t.sum(-1, keepdim=True)  # rowsum(p_m * dP), accumulated in fp32 by the reduction
@@ -283,7 +307,7 @@ def _backward(ctx, dout):
             ds = t.addcmul_(p, rs, value=-1.0)
         rs = rs.to(cd)
         ds = ds.view(b * m * hk, r, ke)
-        dqc = torch.bmm(ds, k3[:, :ke]).view(b, m, hk, r, d)
+        dqc = torch.bmm(ds, g.keys(ke)).view(b, m, hk, r, d)
         if m == 2:  # map 2 enters with weight -lambda: scale its small products, not the map
             if lam_c is None:
                 dlam -= rs[:, 1].sum()
@@ -329,13 +353,65 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
         raise ValueError("fused_attention takes one map without lambda or two maps with lambda")
     if chunk is None:
         chunk = chunk_size(b, m, h, n, k.shape[3])
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, lam))
     with _no_autocast(q.device.type):
+        if not needs_grad and n <= SMALL_QUERY:
+            return _few_queries(q, k, v, lam, mask, scale)
+        if k.shape[3] > mask.n_k:  # a cache's whole buffers: keep the written part
+            k, v = k[:, :, :, : mask.n_k], v[:, :, : mask.n_k]
         return _FusedAttention.apply(q, k, v, lam, mask, scale, chunk)
+
+
+SMALL_QUERY = 4  # up to this many queries (decoding), a single block without scratch bookkeeping
+
+
+def _few_queries(q, k, v, lam, mask: AttnMask, scale: float) -> torch.Tensor:
+    """Decoding: one block, no autograd, no scratch bookkeeping.
+
+    Logits come from K (Q^T), so a bf16 GEMM reads K without a transposed gather.  When K/V
+    are a static cache's whole buffers (longer than ``mask.n_k``), a bf16 GEMM over the whole
+    (compact) buffer with the unwritten tail masked beats copying the visible prefix, which
+    oneDNN would do on every call, as long as the tail is shorter than the prefix.
+    """
+    b, m, h, n, d = q.shape
+    hk = k.shape[2]
+    r = (h // hk) * n
+    ke = _key_end(mask, n)
+    cd = _compute_dtype(q.dtype)
+    md = q.dtype if (q.dtype == torch.bfloat16 and not FP32_MAPS_FOR_BF16) else cd
+    k3, v3 = _batched(k), _batched(v)
+    width = ke
+    if k3.shape[1] > ke and q.dtype not in (torch.float32, torch.float64) and k3.is_contiguous() \
+            and v3.is_contiguous() and k3.shape[1] <= 2 * ke:
+        width = k3.shape[1]  # the whole buffer; keys [ke, width) are masked below
+    k3, v3 = k3[:, :width], v3[:, :width]
+    qt = q.reshape(b * m * hk, r, d).transpose(1, 2)  # (BMH, d, r)
+    s = torch.baddbmm(_zero(q), k3, qt, beta=0, alpha=scale).transpose(1, 2)  # (BMH, r, width)
+    if s.dtype != md:
+        s = s.to(md)
+    s = s.reshape(b, m, hk, h // hk, n, width)
+    allowed, _ = _block_mask(mask, 0, n, ke, q.device)
+    if allowed is None and mask.causal and n > 1:  # causal rows within the block
+        qpos = torch.arange(mask.q_start, mask.q_start + n, device=q.device)[:, None]
+        allowed = (torch.arange(ke, device=q.device)[None] <= qpos)[None, None, None, None]
+    if width > ke:
+        s[..., ke:] = float("-inf")
+    if allowed is not None:
+        s[..., :ke] = s[..., :ke].masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, dim=-1).reshape(b, m, hk, r, width)
+    if m == 1:
+        p = p[:, 0]
+    elif lam.dim() == 0:
+        p = torch.add(p[:, 0], p[:, 1], alpha=-float(lam))
+    else:
+        p = torch.addcmul(p[:, 0], p[:, 1], lam.to(md).reshape(b, hk, r, 1), value=-1.0)
+    o = torch.bmm(p.reshape(b * hk, r, width).to(v.dtype), v3)  # (B*Hk, r, dv)
+    return o.view(b, h, n, -1).transpose(1, 2).contiguous()
 
 
 # ----------------------------------------------------------------------------- RMSNorm
 class _RMSNorm(torch.autograd.Function):
-    """y = x / sqrt(mean(x^2) + eps) * w over the last dim, statistics in the compute dtype.
+    """y = x / sqrt(mean(x^2) + eps) * (w * gain) over the last dim, statistics in the compute dtype.
 
     About half the passes of autograd through ``F.rms_norm``; saves x in its own dtype and
     the per-row 1/rms.  Mixed-dtype elementwise ops cost a hidden cast copy on the CPU, so
@@ -343,37 +419,57 @@ class _RMSNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, eps: float, out_dtype):
+    def forward(ctx, x, w, eps: float, gain: float, out_dtype):
         cd = _compute_dtype(x.dtype)
         xf = x.to(cd)
         rstd = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
         rstd = rstd.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
-        y = torch.mul(xf, rstd).mul_(w.to(cd))
+        y = torch.mul(xf, rstd)
+        if w is not None:
+            y.mul_(w.to(cd) * gain if gain != 1.0 else w.to(cd))
+        elif gain != 1.0:
+            y.mul_(gain)
         ctx.save_for_backward(x, w, rstd)
+        ctx.gain = gain
         return y.to(out_dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, w, rstd = ctx.saved_tensors
+        gain = ctx.gain
         with _no_autocast(dy.device.type), torch.no_grad():
             cd = rstd.dtype
             dim = x.shape[-1]
             xhat = x.to(cd).mul_(rstd) if x.dtype != cd else torch.mul(x, rstd)
             dyf = dy.to(cd)
-            g = torch.mul(dyf, w.to(cd))
+            g = torch.mul(dyf, w.to(cd) * gain) if w is not None else dyf * gain
             c = torch.linalg.vecdot(g, xhat, dim=-1).unsqueeze_(-1).div_(-dim)
             dx = g.addcmul_(xhat, c).mul_(rstd)
             dw = None
-            if ctx.needs_input_grad[1]:
-                dw = xhat.mul_(dyf).reshape(-1, dim).sum(0).to(w.dtype)
-            return dx.to(x.dtype), dw, None, None
+            if w is not None and ctx.needs_input_grad[1]:
+                dw = xhat.mul_(dyf).reshape(-1, dim).sum(0).mul_(gain).to(w.dtype)
+            return dx.to(x.dtype), dw, None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: Optional[torch.dtype] = None):
-    """RMSNorm of ``x`` over its last dim with gain ``weight``, in fp32 (fp64 for fp64) statistics.
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gain: float = 1.0,
+             out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """RMSNorm of ``x`` over its last dim times ``weight * gain`` (either may be absent), fp32 statistics.
 
-    Returns ``out_dtype`` (default: the compute dtype, as :class:`~difftx.nn.norms.RMSNorm`).
+    Returns ``out_dtype`` (default: the compute dtype, fp32 or fp64, as :class:`~difftx.nn.norms.RMSNorm`
+    computes).  Folding a constant ``gain`` in saves a pass (DIFF's (1 - lambda_init)).
     """
     cd = _compute_dtype(x.dtype)
+    out_dtype = out_dtype or cd
     with _no_autocast(x.device.type):
-        return _RMSNorm.apply(x, weight, eps, out_dtype or cd)
+        if x.numel() <= SMALL_NORM and not (torch.is_grad_enabled() and (x.requires_grad or (
+                weight is not None and weight.requires_grad))):  # decoding: fewest ops wins
+            w = None if weight is None else weight.to(cd)
+            w = w * gain if (w is not None and gain != 1.0) else w
+            y = torch.nn.functional.rms_norm(x.to(cd), (x.shape[-1],), w, eps)
+            if w is None and gain != 1.0:
+                y = y.mul_(gain)
+            return y.to(out_dtype)
+        return _RMSNorm.apply(x, weight, eps, gain, out_dtype)
+
+
+SMALL_NORM = 1 << 16
