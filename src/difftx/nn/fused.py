@@ -22,7 +22,8 @@ buffers are allocated once per call and reused by every block.
 Layouts (views; only a block of Q is copied at a time):
     q   (B, M, H, Nq, d)    M maps (1: softmax, 2: differential), H query heads
     k   (B, M, Hk, Nk, d)   H a multiple of Hk (GQA: query head i uses K/V head i // (H / Hk))
-    v   (B, Hk, Nk, dv)     Nk may exceed mask.n_k (a static cache's buffers): the rest is never read
+    v   (B, Hk, Nk, dv)     Nk may exceed mask.n_k (a static cache's buffers): positions past n_k
+                            get zero weight (they must hold finite values, as a KVCache does)
     lam None (M = 1), a 0-dim tensor (DIFF V1) or (B, H, Nq, 1) (DIFF V2, per token)
     out (B, Nq, H, dv)      the order out_proj reads, no transpose needed
 """
@@ -40,7 +41,7 @@ from .mask import AttnMask
 # One block of maps (B x M x H x chunk x keys) holds about this many elements: ~4 MB of fp32
 # keeps a block's scratch in cache on a laptop CPU and the memory linear in N.
 BLOCK_ELEMENTS = 1 << 20
-MIN_CHUNK = 16
+MIN_CHUNK = 64  # rows per block at least (GEMM efficiency at long N); memory stays linear in N
 # Under bf16 the maps' elementwise math runs on bf16 tensors (the softmax and row sums still
 # accumulate in fp32 inside their kernels): ~15% faster than fp32 maps, and about as accurate,
 # since the bf16 logits out of the GEMM dominate the error either way (docs/performance.md).
