@@ -234,14 +234,30 @@ def test_diff2_module_fused_equals_eager(dtype, h, hk, padded):
         _compare_modules(m, x, rope, mask, valid, fast, TOL[dtype])
 
 
-def test_v2_variant_names():
+def test_variant_choice():
     cpu = torch.device("cpu")
-    assert backends.resolve_v2_variant("auto", cpu) == "fused"
-    assert backends.resolve_v2_variant("auto", cpu, dropout_p=0.1) == "sdpa"
+    q = torch.zeros(1, 1, 4, 2, requires_grad=True)
+    for resolve in (backends.resolve_v2_variant, backends.resolve_softmax_variant):
+        assert resolve("auto", q) == "fused"  # training on the CPU
+        assert resolve("auto", q, dropout_p=0.1) == "sdpa"
+        with torch.no_grad():
+            assert resolve("auto", q) == "sdpa"  # inference: the flash forward
+        assert resolve("fused", q.detach()) == "fused"
+        with pytest.raises(ValueError):
+            resolve("bogus", q)
     assert backends.resolve_diff_variant("auto", cpu) == "fused"
     assert backends.resolve_diff_variant("auto", cpu, dropout_p=0.1) == "2call"
-    with pytest.raises(ValueError):
-        backends.resolve_v2_variant("bogus", cpu)
+    assert backends.resolve_diff_variant("sdpa", cpu) == "2call"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("h,hk,padded", [(4, 4, False), (4, 2, True)])
+def test_softmax_module_fused_equals_eager(dtype, h, hk, padded):
+    cfg = ModelConfig(attention="softmax", d_model=24, n_heads=h, n_kv_heads=hk, head_dim=6, n_layers=2)
+    m = _module(cfg, dtype)
+    x, rope, mask, valid = _module_inputs(cfg, padded, dtype)
+    for fast in (("sdpa", "fused"), ("sdpa", "auto"), ("sdpa", "sdpa")):
+        _compare_modules(m, x, rope, mask, valid, fast, TOL[dtype])
 
 
 # ----------------------------------------------------------------------------- decoding

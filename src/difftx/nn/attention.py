@@ -72,12 +72,14 @@ class AttentionBase(nn.Module):
         return self.dropout if self.training else 0.0
 
     def _attend(self, q, k, v, mask: AttnMask) -> torch.Tensor:
-        """Plain softmax attention through the chosen backend."""
+        """Plain softmax attention through the chosen backend: (B, H, N, d)."""
         backend, p = self._backend(q.device), self._dropout_p()
         if backend == "eager":
             return backends.eager_attention(q, k, v, mask, self.scale, p, self.probe, self.layer)
         if backend == "flex":
             return backends.flex(q, k, v, mask, self.scale)
+        if backends.resolve_softmax_variant(self.diff_variant, q, p) == "fused":
+            return backends.fused_attention(q[:, None], k[:, None], v, mask, self.scale).transpose(1, 2)
         return backends.sdpa(q, k, v, mask, self.scale, p)
 
 
@@ -273,7 +275,7 @@ class DiffV2Attention(AttentionBase):
         backend, p = self._backend(q.device), self._dropout_p()
         if backend == "eager":
             o = backends.eager_v2_attention(q, k, v, lam, mask, self.scale, p, self.probe, self.layer)
-        elif backend == "sdpa" and backends.resolve_v2_variant(self.diff_variant, q.device, p) == "fused":
+        elif backend == "sdpa" and backends.resolve_v2_variant(self.diff_variant, q, p) == "fused":
             b, _, n, d = q.shape
             qs = q.view(b, self.n_heads, 2, n, d).transpose(1, 2)  # heads 2i, 2i+1 -> maps 1, 2
             ks = k[:, None].expand(b, 2, *k.shape[1:])

@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from .mask import AttnMask
 from .norms import upcast
 
-DIFF_SDPA_VARIANTS = ("auto", "fused", "2call", "4call")
+# How attention reaches its kernel under the sdpa backend (``model.set_attention_backend("sdpa", v)``):
+# auto (the measured winner), fused (difftx.nn.fused), sdpa (SDPA; for DIFF = 2call), 2call, 4call.
+DIFF_SDPA_VARIANTS = ("auto", "fused", "sdpa", "2call", "4call")
 _FLEX = None
 
 
@@ -118,6 +120,8 @@ def resolve_diff_variant(variant: str, device: torch.device, dropout_p: float = 
       dropout mask per map as in the reference.
     * ``4call``: four SDPA calls of width d (2x), for kernels that need equal widths.
     """
+    if variant == "sdpa":
+        return "2call"
     if variant != "auto":
         return variant
     if dropout_p > 0:
@@ -125,16 +129,34 @@ def resolve_diff_variant(variant: str, device: torch.device, dropout_p: float = 
     return "fused" if device.type == "cpu" else "2call"
 
 
-def resolve_v2_variant(variant: str, device: torch.device, dropout_p: float = 0.0) -> str:
+def resolve_softmax_variant(variant: str, q: torch.Tensor, dropout_p: float = 0.0) -> str:
+    """Softmax attention: ``sdpa`` or ``fused`` (the one-map case of the fused kernel).
+
+    ``auto`` takes ``fused`` only where it was measured faster: training on the CPU, whose flash
+    backward is slow (a layer's forward + backward 5% faster in fp32, 10% in bf16); the CPU flash
+    forward wins for inference, and CUDA keeps SDPA.
+    """
+    if variant in ("fused", "sdpa"):
+        return variant
+    if variant not in ("auto", "2call", "4call"):
+        raise ValueError(f"unknown softmax attention variant {variant!r}; one of auto, fused, sdpa")
+    if dropout_p > 0 or q.device.type != "cpu" or not (torch.is_grad_enabled() and q.requires_grad):
+        return "sdpa"
+    return "fused"
+
+
+def resolve_v2_variant(variant: str, q: torch.Tensor, dropout_p: float = 0.0) -> str:
     """DIFF V2: ``fused`` (the per-token lambda combines the two maps before one d-wide value
-    product) or ``sdpa`` (one call over the 2h query heads, then the combine)."""
+    product) or ``sdpa`` (one call over the 2h query heads, then the combine).  ``auto``: fused for
+    training on the CPU; SDPA's flash forward wins for inference (its decoding reads K once, where
+    the fused kernel would stack K for both maps)."""
     if variant in ("fused", "sdpa"):
         return variant
     if variant not in ("auto", "2call", "4call"):
         raise ValueError(f"unknown DIFF V2 variant {variant!r}; one of auto, fused, sdpa")
-    if dropout_p > 0:
+    if dropout_p > 0 or q.device.type != "cpu" or not (torch.is_grad_enabled() and q.requires_grad):
         return "sdpa"
-    return "fused" if device.type == "cpu" else "sdpa"
+    return "fused"
 
 
 def fused_attention(q, k, v, mask: AttnMask, scale: float, lam: Optional[torch.Tensor] = None) -> torch.Tensor:

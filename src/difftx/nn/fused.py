@@ -116,9 +116,16 @@ def release_scratch() -> None:
     _SCRATCH.buffers = {}
 
 
+_ZEROS: dict = {}
+
+
 def _zero(t: torch.Tensor) -> torch.Tensor:
-    """The ignored ``input`` of baddbmm(beta=0), broadcastable to any batch."""
-    return torch.zeros((), dtype=t.dtype, device=t.device).expand(1, 1, 1)
+    """The ignored ``input`` of baddbmm(beta=0), broadcastable to any batch (one per dtype/device)."""
+    key = (t.dtype, t.device)
+    z = _ZEROS.get(key)
+    if z is None:
+        z = _ZEROS[key] = torch.zeros(1, 1, 1, dtype=t.dtype, device=t.device)
+    return z
 
 
 def _compact(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -162,7 +169,7 @@ class _Blocks:
         self._p = _scratch("p", n_maps, self.md, dev)  # probabilities
         self._low = _scratch("low", n_maps, self.dtype, dev) if self.dtype != self.md else None
         self._comb = _scratch("comb", n_maps // m, self.dtype, dev)  # combined map / dP, matmul dtype
-        self._zero = torch.zeros(1, 1, 1, dtype=self.dtype, **kw)
+        self._zero = _zero(q)
         # Causal without padding: key columns [q_start + i0, ke) of a block form a square whose
         # strict upper triangle is masked; adding -inf there is ~8x cheaper than masked_fill_.
         self._tri = None
@@ -396,7 +403,7 @@ def _few_queries(q, k, v, lam, mask: AttnMask, scale: float) -> torch.Tensor:
         qpos = torch.arange(mask.q_start, mask.q_start + n, device=q.device)[:, None]
         allowed = (torch.arange(ke, device=q.device)[None] <= qpos)[None, None, None, None]
     if width > ke:
-        s[..., ke:] = float("-inf")
+        s[..., ke:].fill_(float("-inf"))
     if allowed is not None:
         s[..., :ke] = s[..., :ke].masked_fill(~allowed, float("-inf"))
     p = torch.softmax(s, dim=-1).reshape(b, m, hk, r, width)
