@@ -89,6 +89,15 @@ def _heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
     return x.view(b, t, n, d).transpose(1, 2)
 
 
+def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """Under autocast, cast x once for the three projections (autocast would cast it per call)."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        if x.dtype != dtype and x.is_floating_point():
+            return x.to(dtype)
+    return x
+
+
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype out_proj computes in: the autocast dtype under autocast, else the input's."""
     if torch.is_autocast_enabled(x.device.type):
@@ -117,9 +126,10 @@ class SoftmaxAttention(AttentionBase):
 
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
         d = self.head_dim
-        q = self._qk(_heads(self.q_proj(x), self.n_heads, d), self.q_norm, rope)
-        k = self._qk(_heads(self.k_proj(x), self.n_kv_heads, d), self.k_norm, rope)
-        v = _heads(self.v_proj(x), self.n_kv_heads, d)
+        xa = _autocast_input(x)
+        q = self._qk(_heads(self.q_proj(xa), self.n_heads, d), self.q_norm, rope)
+        k = self._qk(_heads(self.k_proj(xa), self.n_kv_heads, d), self.k_norm, rope)
+        v = _heads(self.v_proj(xa), self.n_kv_heads, d)
         if cache is not None:
             k, v = cache.update(self.layer - 1, k, v)
         return self.out_proj(_merge(self._attend(q, k, v, mask)))
@@ -209,9 +219,10 @@ class DifferentialAttention(AttentionBase):
         b, t, _ = x.shape
         d, h, hk = self.head_dim, self.n_heads, self.n_kv_heads
         # QK-norm and RoPE act per d-wide component head: one call covers both maps.
-        q = self._stack(self._qk(_heads(self.q_proj(x), 2 * h, d), self.q_norm, rope), h)  # (B, 2, h, N, d)
-        k = self._stack(self._qk(_heads(self.k_proj(x), 2 * hk, d), self.k_norm, rope), hk)
-        v = self._value(self.v_proj(x))  # (B, h_kv, N, 2d)
+        xa = _autocast_input(x)
+        q = self._stack(self._qk(_heads(self.q_proj(xa), 2 * h, d), self.q_norm, rope), h)  # (B, 2, h, N, d)
+        k = self._stack(self._qk(_heads(self.k_proj(xa), 2 * hk, d), self.k_norm, rope), hk)
+        v = self._value(self.v_proj(xa))  # (B, h_kv, N, 2d)
         kv_buffers = None
         if cache is not None:  # K stored as [K1 heads; K2 heads]: the bytes of a Transformer with 2 h_kv heads
             kk, v = cache.update(self.layer - 1, k.reshape(b, 2 * hk, t, d), v)
@@ -263,9 +274,10 @@ class DiffV2Attention(AttentionBase):
 
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
         d = self.head_dim
-        q = self._qk(_heads(self.q_proj(x), 2 * self.n_heads, d), self.q_norm, rope)
-        k = self._qk(_heads(self.k_proj(x), self.n_kv_heads, d), self.k_norm, rope)
-        v = _heads(self.v_proj(x), self.n_kv_heads, d)
+        xa = _autocast_input(x)
+        q = self._qk(_heads(self.q_proj(xa), 2 * self.n_heads, d), self.q_norm, rope)
+        k = self._qk(_heads(self.k_proj(xa), self.n_kv_heads, d), self.k_norm, rope)
+        v = _heads(self.v_proj(xa), self.n_kv_heads, d)
         if cache is not None:
             k, v = cache.update(self.layer - 1, k, v)
         xf = upcast(x)

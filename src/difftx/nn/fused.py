@@ -201,10 +201,12 @@ class _Blocks:
     def values(self, ke: int) -> torch.Tensor:
         return _compact(self.v3[:, :ke], self.dtype)
 
-    def probs(self, qc: torch.Tensor, i0: int, i1: int, ke: int) -> torch.Tensor:
-        """softmax(Q K^T scale) of the block, masked, in the compute dtype: (B, M, Hk, rep*C, ke)."""
+    def probs(self, qc: torch.Tensor, kk: torch.Tensor, i0: int, i1: int, ke: int) -> torch.Tensor:
+        """softmax(Q K^T scale) of the block, masked, in the maps' dtype: (B, M, Hk, rep*C, ke).
+
+        ``kk`` is :meth:`keys` (ke), which the backward reuses for dQ."""
         b, m, hk, rep, c = self.b, self.m, self.hk, self.rep, i1 - i0
-        kt = self.keys(ke).transpose(1, 2)
+        kt = kk.transpose(1, 2)
         s = self._take(self._s, b * m * hk, rep * c, ke)
         if self._low is not None:
             low = self._take(self._low, b * m * hk, rep * c, ke)
@@ -253,7 +255,7 @@ class _FusedAttention(torch.autograd.Function):
         g = _Blocks(q, k3, v3, lam, mask, scale, chunk)
         out = q.new_empty(g.b, g.n, g.h, v.shape[-1])
         for i0, i1, ke in g.blocks():
-            p = g.probs(g.q_block(i0, i1), i0, i1, ke)
+            p = g.probs(g.q_block(i0, i1), g.keys(ke), i0, i1, ke)
             o = torch.bmm(g.combine(p, g.lam_block(i0, i1)), g.values(ke))  # (B*Hk, rep*C, dv)
             out[:, i0:i1] = o.view(g.b, g.h, i1 - i0, -1).transpose(1, 2)
         if any(ctx.needs_input_grad[:4]):
@@ -299,13 +301,13 @@ def _backward(ctx, dout):
         seen = max(seen, ke)
         c = i1 - i0
         r = rep * c
-        qc = g.q_block(i0, i1)
-        p = g.probs(qc, i0, i1, ke)  # recomputed: (B, M, Hk, R, ke)
+        qc, kk, vv = g.q_block(i0, i1), g.keys(ke), g.values(ke)
+        p = g.probs(qc, kk, i0, i1, ke)  # recomputed: (B, M, Hk, R, ke)
         lam_c = g.lam_block(i0, i1)
         doc = dout[:, i0:i1].transpose(1, 2).reshape(b * hk, r, -1)
         _acc(dv[:, :ke], g.combine(p, lam_c).transpose(1, 2), doc, fresh)
         dp = g._take(g._comb, b * hk, r, ke)  # the combined map is consumed: reuse its buffer
-        torch.bmm(doc, g.values(ke).transpose(1, 2), out=dp)
+        torch.bmm(doc, vv.transpose(1, 2), out=dp)
         t = g._take(g._s, b, m, hk, r, ke)
         torch.mul(p, dp.view(b, 1, hk, r, ke), out=t)  # p_m * dP
         rs = t.sum(-1, keepdim=True)  # rowsum(p_m * dP), accumulated in fp32 by the reduction
@@ -315,7 +317,7 @@ def _backward(ctx, dout):
             ds = t.addcmul_(p, rs, value=-1.0)
         rs = rs.to(cd)
         ds = ds.view(b * m * hk, r, ke)
-        dqc = torch.bmm(ds, g.keys(ke)).view(b, m, hk, r, d)
+        dqc = torch.bmm(ds, kk).view(b, m, hk, r, d)
         if m == 2:  # map 2 enters with weight -lambda: scale its small products, not the map
             if lam_c is None:
                 dlam -= rs[:, 1].sum()
