@@ -361,9 +361,9 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
     b, m, h, n, _ = q.shape
     if m not in (1, 2) or (m == 2) != (lam is not None):
         raise ValueError("fused_attention takes one map without lambda or two maps with lambda")
-    if chunk is None:
-        chunk = chunk_size(b, m, h, n, k.shape[3])
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, lam))
+    if chunk is None:  # inference keeps no recomputation state: twice the block is measured ~10% faster
+        chunk = chunk_size(b, m, h, n, min(k.shape[3], mask.n_k), BLOCK_ELEMENTS * (1 if needs_grad else 2))
     with _no_autocast(q.device.type):
         if not needs_grad and n <= SMALL_QUERY:
             return _few_queries(q, k, v, lam, mask, scale)
