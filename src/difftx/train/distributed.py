@@ -31,6 +31,7 @@ class World:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    owns_group: bool = False  # this World started the process group (and so ends it)
 
     @property
     def is_main(self) -> bool:
@@ -78,16 +79,19 @@ def init_world(device: str = "auto") -> World:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = pick_device(device, local_rank)
+    owns = False
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo",
                                 device_id=dev if dev.type == "cuda" else None)
+        owns = True
     if dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
-    return World(rank, world_size, local_rank, dev)
+    return World(rank, world_size, local_rank, dev, owns)
 
 
 def shutdown_world(world: World) -> None:
-    if world.distributed and dist.is_initialized():
+    """End the process group if :func:`init_world` started it (a caller's own group is left alone)."""
+    if world.owns_group and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -153,4 +157,15 @@ def gathered_params(model: nn.Module, mode: str):
         yield
     finally:
         for m in shards:
+            m.reshard()
+
+
+def reshard(model: nn.Module, mode: str) -> None:
+    """Return FSDP2 parameters to their sharded form (a no-grad forward leaves the root unsharded)."""
+    if mode != "fsdp":
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
             m.reshard()

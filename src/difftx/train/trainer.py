@@ -39,7 +39,8 @@ from ..models import build_model
 from ..optim import build_optimizer, lr_at, set_lr
 from . import checkpoint as ckpt
 from .config import TrainConfig
-from .distributed import World, full_tensor, gathered_params, parallelize, resolve_parallel, sync_gradients
+from .distributed import (World, full_tensor, gathered_params, parallelize, reshard, resolve_parallel,
+                          sync_gradients)
 from .domain import Domain
 from .metrics import MetricsLogger, Progress
 
@@ -196,6 +197,7 @@ class Trainer:
             with torch.no_grad(), self.autocast():
                 return self.domain.evaluate(self.model, split)
         finally:
+            reshard(self.model, self.parallel)
             self.model.train()
 
     # ------------------------------------------------------------------ the loop
