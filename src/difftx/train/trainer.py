@@ -62,6 +62,23 @@ def autocast_dtype(pref: str, device: torch.device) -> Optional[torch.dtype]:
     return torch.bfloat16 if fast else None
 
 
+CPU_EAGER_MAX_SEQ = 256
+
+
+def training_attention_backend(model_cfg, device: torch.device, dtype: Optional[torch.dtype],
+                               seq_len: int) -> Optional[str]:
+    """The backend to train with when the config says ``auto`` (None: leave it).
+
+    On a CPU under bf16 autocast, torch's flash-attention backward is slow in bf16:
+    for sequences up to 256 the eager path trains faster, softmax and DIFF alike
+    (benchmarks/results/train_nanogpt_cpu.md; 0.7x the step time at the nanoGPT shape).
+    """
+    if model_cfg.attn_backend == "auto" and device.type == "cpu" and dtype == torch.bfloat16 \
+            and seq_len <= CPU_EAGER_MAX_SEQ:
+        return "eager"
+    return None
+
+
 class Trainer:
     """Train ``model_cfg`` under ``cfg`` on ``domain``, writing into ``run_dir``.
 
@@ -82,6 +99,9 @@ class Trainer:
 
         torch.manual_seed(cfg.seed)  # the same initial weights on every process
         self.model = build_model(model_cfg).to(world.device)
+        backend = training_attention_backend(model_cfg, world.device, self.dtype, cfg.seq_len or 0)
+        if backend is not None:
+            self.model.set_attention_backend(backend)
         self.train_model = parallelize(self.model, world, self.parallel, cfg.compile)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                          betas=cfg.betas, momentum=cfg.momentum, nesterov=cfg.nesterov, eps=cfg.eps,
