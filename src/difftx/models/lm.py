@@ -18,7 +18,7 @@ from ..errors import DifftxError
 from ..nn.block import Block
 from ..nn.cache import KVCache
 from ..nn.mask import AttnMask
-from ..nn.norms import make_norm
+from ..nn.norms import compute_dtype, make_norm
 from ..nn.rope import RotaryEmbedding, sinusoidal_table
 from .common import ModelMixin
 from .init import init_weights
@@ -119,7 +119,8 @@ class DecoderLM(ModelMixin, nn.Module):
         loss = n_targets = None
         if targets is not None:
             flat = targets.reshape(-1)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), flat, ignore_index=-100,
+            logits_f = logits.to(compute_dtype(logits.dtype))
+            loss = F.cross_entropy(logits_f.reshape(-1, logits.shape[-1]), flat, ignore_index=-100,
                                    reduction="sum")
             n_targets = (flat != -100).sum()
             if loss_reduction == "mean":
