@@ -219,3 +219,14 @@ def group_grad_norms(model, n_layers: int) -> dict:
         "all": {g: math.sqrt(sum(d.get(g, 0.0) for d in sq)) for g in groups},
         "total": math.sqrt(total),
     }
+
+
+def json_safe(obj):
+    """``obj`` with non-finite floats (a diverged run's loss, an infinite tail index) as None: strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj

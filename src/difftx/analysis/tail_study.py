@@ -32,7 +32,8 @@ DEFAULT_WD = {"adamw": 0.1, "msgdw": 1e-4, "sgd": 0.0, "muon": 0.1}
 def sample_gradients(model, batches: Batches, start: int, n_batches: int, max_entries: int, seed: int = 0):
     """Mean gradient per block matrix, and the per-batch gradients on a fixed coordinate subset per kind.
 
-    Returns (means {(layer, kind): array}, samples {kind: array (n_batches, m)}).
+    Returns (means {(layer, kind): array}, samples {kind: array (n_batches, m)}, subsets {kind: indices}),
+    the subset indices pointing into the kind's gradients flattened and concatenated in layer order.
     """
     mats = [(name, p, *mk) for name, p in model.named_parameters() if (mk := matrix_kind(name)) is not None]
     kinds = [k for k in KIND_ORDER if any(m[3] == k for m in mats)]
@@ -54,13 +55,13 @@ def sample_gradients(model, batches: Batches, start: int, n_batches: int, max_en
             sums[name] += p.grad.detach().double()
     model.zero_grad(set_to_none=True)
     means = {(layer, kind): (sums[name] / n_batches).cpu().numpy() for name, _, layer, kind in mats}
-    return means, {k: np.stack(v) for k, v in rows.items()}
+    return means, {k: np.stack(v) for k, v in rows.items()}, {k: v.numpy() for k, v in subsets.items()}
 
 
 def measure(model, batches: Batches, start: int, n_batches: int = 16, max_entries: int = 32768,
             seed: int = 0) -> dict:
     """Entry and noise statistics of ``model`` at its current weights (see the module docstring)."""
-    means, samples = sample_gradients(model, batches, start, n_batches, max_entries, seed)
+    means, samples, _ = sample_gradients(model, batches, start, n_batches, max_entries, seed)
     kinds = list(samples)
     n_layers = 1 + max(layer for layer, _ in means)
     entries, noise = {}, {}
@@ -103,12 +104,14 @@ def run_tail_study(candidates: list[tuple[str, Callable[[], torch.nn.Module]]], 
                            loss_last=tr["losses"][-1], diverged=tr["diverged"])
                 if tr["diverged"]:
                     rows.append(row)
+                    if progress is not None:
+                        progress(f"tails: {name} / {opt_name}: diverged")
                     continue
             row.update(measure(model, batches, start=10_000_000, n_batches=noise_batches,
                                max_entries=max_noise_entries, seed=seed))
             rows.append(row)
             if progress is not None:
-                progress(f"tails: {name} / {opt_name} done")
+                progress(f"tails: {name} / {opt_name}: final loss {row.get('loss_last', float('nan')):.3f}")
     return {"steps": steps, "optimizers": opts, "clip": clip, "noise_batches": noise_batches,
             "max_noise_entries": max_noise_entries, "rows": rows}
 

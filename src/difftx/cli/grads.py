@@ -8,6 +8,7 @@ Thin: parses, builds the models and the local data, calls
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -144,7 +145,8 @@ def run(args) -> int:
 
     _check(args)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ConfigError("--out", f"{out} exists and is not a directory")
     t_start = time.perf_counter()
     text = common.load_text(args.data)
     meta = {"batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
@@ -169,9 +171,11 @@ def run(args) -> int:
         from ..accounting import count_parameters
 
         _set_threads(args, count_parameters(base))
+    settings = [] if args.checkpoint else [(s, common.setting_config(base, s)) for s in _split(args.settings)]
     tokens = common.tokenize(text, base_vocab, tokenizer)
     batches = common.Batches(tokens, args.seq_len, args.batch_size, seed=args.seed, device=args.device)
     lrs = {"adamw": args.lr_adamw, "msgdw": args.lr_msgdw}
+    out.mkdir(parents=True, exist_ok=True)
     plots = not args.no_plots
     if plots:
         from ..analysis import plots as plot_mod
@@ -195,7 +199,7 @@ def run(args) -> int:
                             lr=lrs.get(args.flow_optimizer, args.lr_adamw), clip=args.clip)
         res.update(meta=meta, paired=not args.unpaired and not args.checkpoint,
                    seconds=round(time.perf_counter() - t0, 2))
-        atomic_write_text(out / "flow.json", json.dumps(res, indent=1))
+        atomic_write_text(out / "flow.json", json.dumps(common.json_safe(res), indent=1))
         written.append("flow.json")
         table = flow.flow_table(res)
         print(f"gradient flow ({args.flow_optimizer}, {args.steps} steps, {res['seconds']} s):\n{table}\n")
@@ -208,7 +212,6 @@ def run(args) -> int:
 
     if args.only in (None, "tails"):
         t0 = time.perf_counter()
-        settings = [] if args.checkpoint else [(s, common.setting_config(base, s)) for s in _split(args.settings)]
         res = None
         for seed in range(args.seed, args.seed + args.seeds):
             if args.checkpoint:
@@ -218,7 +221,8 @@ def run(args) -> int:
             seed_batches = common.Batches(tokens, args.seq_len, args.batch_size, seed=seed, device=args.device)
             r = tail_study.run_tail_study(
                 candidates, seed_batches, _split(args.optimizers), tail_steps, lrs=lrs, clip=args.clip,
-                noise_batches=args.noise_batches, max_noise_entries=args.max_noise_entries, seed=seed)
+                noise_batches=args.noise_batches, max_noise_entries=args.max_noise_entries, seed=seed,
+                progress=lambda msg: print(msg, file=sys.stderr, flush=True))
             for row in r["rows"]:
                 row["seed"] = seed
             if res is None:
@@ -227,7 +231,7 @@ def run(args) -> int:
                 res["rows"] += r["rows"]
         res.update(meta=meta, seeds=list(range(args.seed, args.seed + args.seeds)),
                    seconds=round(time.perf_counter() - t0, 2))
-        atomic_write_text(out / "tails.json", json.dumps(res, indent=1))
+        atomic_write_text(out / "tails.json", json.dumps(common.json_safe(res), indent=1))
         written.append("tails.json")
         sections = [("entries", "q99_9_over_q50", "|g| entries, q99.9 / q50 (Gaussian: 4.9)"),
                     ("entries", "hill", "|g| entries, Hill tail index (top 1%; lower = heavier)"),
