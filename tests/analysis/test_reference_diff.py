@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from difftx.analysis.reference import bridge, diff
-from grads_helpers import assert_rel, grads_of, leaf, leaves
+from .grads_helpers import assert_rel, grads_of, leaf, leaves
 
 pytestmark = pytest.mark.reference
 
@@ -57,7 +57,7 @@ def torch_diff_block(t: dict, cfg: diff.DiffBlockConfig, X, cos=None, sin=None) 
 def _rope_tables(n, d, style):
     from difftx.nn.rope import RotaryEmbedding
 
-    cos, sin = RotaryEmbedding(d, 10000.0, style).cos_sin(torch.arange(n))
+    cos, sin = RotaryEmbedding(d, 10000.0, style).cos_sin(torch.arange(n), torch.float64)
     return cos.double().numpy()[0, 0], sin.double().numpy()[0, 0]
 
 
@@ -122,7 +122,7 @@ def test_reference_diff_block_matches_difftx_block(pairing, rope_style, backend)
         for name, prm in block.named_parameters():
             prm.normal_(0.0, 0.3 if "lambda" not in name else 0.1).add_(1.0 if "norm" in name else 0.0)
     N = 6
-    cos, sin = RotaryEmbedding(4, cfg.rope_theta, rope_style).cos_sin(torch.arange(N))
+    cos, sin = RotaryEmbedding(4, cfg.rope_theta, rope_style).cos_sin(torch.arange(N), torch.float64)
     x = torch.randn(2, N, 16, dtype=torch.float64, requires_grad=True)
     z = block(x, (cos, sin), AttnMask(causal=True, n_q=N, n_k=N))
     R = torch.randn_like(z)

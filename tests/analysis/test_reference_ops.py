@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from difftx.analysis.reference import ops
-from grads_helpers import assert_rel, leaf, rel_err
+from .grads_helpers import assert_rel, leaf, rel_err
 
 pytestmark = pytest.mark.reference
 
@@ -157,7 +157,7 @@ def test_reference_rope_matches_difftx_and_autograd(rng, style):
     from difftx.nn.rope import RotaryEmbedding, apply_rope
 
     x = rng.normal(size=(2, 3, 5, 8))
-    cos, sin = RotaryEmbedding(8, 10000.0, style).cos_sin(torch.arange(5))
+    cos, sin = RotaryEmbedding(8, 10000.0, style).cos_sin(torch.arange(5), torch.float64)
     out, R, (dx,) = _autograd(lambda x: apply_rope(x, cos.double(), sin.double(), style), x)
     c, s = cos.double().numpy()[0, 0], sin.double().numpy()[0, 0]
     assert_rel(ops.rope(x, c, s, style), out, "forward")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from difftx.analysis.reference import bridge, seed
-from grads_helpers import assert_rel, grads_of, leaves
+from .grads_helpers import assert_rel, grads_of, leaves
 
 pytestmark = pytest.mark.reference
 

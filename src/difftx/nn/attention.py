@@ -14,7 +14,7 @@ Differential attention (SPEC eq. 1-3), per differential head i of a layer l:
     head_i   = (softmax(Q1 K1^T / sqrt d) - lambda softmax(Q2 K2^T / sqrt d)) V
     out      = Concat_i((1 - lambda_init) RMSNorm(head_i)) W^O
 
-lambda, the softmax statistics and the per-head norm are computed in float32 (float64 for a float64 model).
+lambda, the softmax statistics and the per-head norm are computed in float32.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import nn
 
 from . import backends
 from .mask import AttnMask
-from .norms import RMSNorm, compute_dtype, make_norm
+from .norms import RMSNorm, make_norm, upcast
 from .rope import apply_rope
 
 
@@ -141,8 +141,8 @@ class DifferentialAttention(AttentionBase):
         self.head_norm = RMSNorm(2 * d, eps=1e-5, weight=cfg.head_norm_weight) if cfg.head_norm else None
 
     def lambda_full(self) -> torch.Tensor:
-        """The layer's scalar lambda, in float32 (float64 for float64 parameters) (SPEC eq. 2)."""
-        f = compute_dtype(self.lambda_q1.dtype)
+        """The layer's scalar lambda, in float32 (SPEC eq. 2)."""
+        f = torch.float64 if self.lambda_q1.dtype == torch.float64 else torch.float32
         l1 = torch.exp(torch.sum(self.lambda_q1.to(f) * self.lambda_k1.to(f)))
         l2 = torch.exp(torch.sum(self.lambda_q2.to(f) * self.lambda_k2.to(f)))
         return l1 - l2 + self.lambda_init
@@ -181,8 +181,7 @@ class DifferentialAttention(AttentionBase):
                 o1, o2 = backends.flex(q1, k1, v, mask, self.scale), backends.flex(q2, k2, v, mask, self.scale)
             else:
                 o1, o2 = backends.diff_sdpa(q1, q2, k1, k2, v, mask, self.scale, p, self.diff_variant)
-            f = compute_dtype(o1.dtype)
-            o = o1.to(f) - lam * o2.to(f)
+            o = upcast(o1) - lam * upcast(o2)
         if self.head_norm is not None:
             o = self.head_norm(o) * (1.0 - self.lambda_init)
         return self.out_proj(_merge(o.to(x.dtype)))
@@ -214,15 +213,15 @@ class DiffV2Attention(AttentionBase):
         v = _heads(self.v_proj(x), self.n_kv_heads, d)
         if cache is not None:
             k, v = cache.update(self.layer - 1, k, v)
-        f = compute_dtype(x.dtype)
-        lam = torch.sigmoid(F.linear(x.to(f), self.lambda_proj.weight.to(f)))  # (B, N, h), fp32
+        xf = upcast(x)
+        lam = torch.sigmoid(F.linear(xf, self.lambda_proj.weight.to(xf.dtype)))  # (B, N, h), >= fp32
         self.last_lambda = lam.detach().mean()
         lam = lam.transpose(1, 2)[..., None]  # (B, h, N, 1)
         if self._backend(q.device) == "eager":
             o = backends.eager_v2_attention(q, k, v, lam, mask, self.scale, self._dropout_p(), self.probe, self.layer)
         else:
             o = self._attend(q, k, v, mask)
-            o = o[:, 0::2].to(f) - lam * o[:, 1::2].to(f)
+            o = upcast(o[:, 0::2]) - lam * upcast(o[:, 1::2])
         return self.out_proj(_merge(o.to(x.dtype)))
 
 
