@@ -67,6 +67,8 @@ def test_grads_on_checkpoints(tmp_path, capsys, keep_threads):
     (["--preset", "vit-tiny"], "vision"),
     (["--preset", "no-such-preset"], "no-such-preset"),
     (["--data", "/nonexistent.txt"], "/nonexistent.txt"),
+    (["--device", "nonsense"], "--device"),
+    (["--seq-len", "100", "--preset", "nanogpt"], "max_seq_len"),
 ])
 def test_grads_bad_input_is_one_line_and_exit_2(tmp_path, capsys, keep_threads, argv, needle):
     rc = main(["grads", "--out", str(tmp_path / "o"), *TINY, *argv])

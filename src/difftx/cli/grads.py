@@ -76,6 +76,14 @@ def _check(args) -> None:
     for name in [args.flow_optimizer] + _split(args.optimizers):
         if name not in OPTIMIZERS:
             raise ConfigError("--optimizers", f"unknown optimiser {name!r}; one of {', '.join(OPTIMIZERS)}")
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ConfigError("--device", f"unknown torch device {args.device!r}; e.g. cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device", "cuda was asked for but torch sees no CUDA device; use --device cpu")
     if args.threads is not None and args.threads < 1:
         raise ConfigError("--threads", f"must be >= 1; got {args.threads}")
     if args.lr_adamw <= 0 or args.lr_msgdw <= 0:
@@ -138,123 +146,152 @@ def _set_threads(args, n_params: int) -> None:
         torch.set_num_threads(1)
 
 
-def run(args) -> int:
+class _Study:
+    """What both sections need: the models' source, the tokens, the output directory, the report."""
+
+    def __init__(self, args):
+        from ..analysis import common
+
+        self.args = args
+        self.out = Path(args.out)
+        if self.out.exists() and not self.out.is_dir():
+            raise ConfigError("--out", f"{self.out} exists and is not a directory")
+        text = common.load_text(args.data)
+        self.meta = {"batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
+                     "data": args.data or "python stdlib source (byte tokens)", "device": args.device}
+        self.loaded, self.base, self.settings = [], None, []
+        if args.checkpoint:
+            self.loaded = _load_checkpoints(args.checkpoint, args.device)
+            tokenizer = self.loaded[0][3]  # a checkpoint's own tokenizer.json, if it has one
+            vocab = min(m.config.vocab_size for _, _, m, _ in self.loaded)
+            for _, _, m, _ in self.loaded:
+                _check_seq_len(m.config, args.seq_len)
+            self.meta["checkpoints"] = {name: str(path) for name, path, _, _ in self.loaded}
+            self.tail_steps = 0 if args.tail_steps is None else args.tail_steps
+            _set_threads(args, max(m.num_parameters() for _, _, m, _ in self.loaded))
+        else:
+            from ..accounting import count_parameters
+
+            self.base = _base_config(args)
+            _check_seq_len(self.base, args.seq_len)
+            self.settings = [(s, common.setting_config(self.base, s)) for s in _split(args.settings)]
+            tokenizer, vocab = None, self.base.vocab_size
+            self.meta["base_config"] = self.base.to_dict()
+            self.tail_steps = 20 if args.tail_steps is None else args.tail_steps
+            _set_threads(args, count_parameters(self.base))
+        self.tokens = common.tokenize(text, vocab, tokenizer)
+        self.lrs = {"adamw": args.lr_adamw, "msgdw": args.lr_msgdw}
+        self.report = ["# difftx grads", ""]
+        self.written: list[str] = []
+        self.plots = None
+        if not args.no_plots:
+            from ..analysis import plots
+
+            if plots.have_matplotlib():
+                self.plots = plots
+            else:
+                print("difftx grads: matplotlib is not installed (pip install 'difftx[plot]'); writing JSON only")
+
+    def batches(self, seed: int):
+        from ..analysis.common import Batches
+
+        a = self.args
+        return Batches(self.tokens, a.seq_len, a.batch_size, seed=seed, device=a.device)
+
+    def write_json(self, name: str, obj: dict) -> None:
+        from ..analysis.common import json_safe
+        from ..io import atomic_write_text
+
+        atomic_write_text(self.out / name, json.dumps(json_safe(obj), indent=1))
+        self.written.append(name)
+
+
+def _flow_section(st: _Study) -> None:
+    from ..analysis import flow
+
+    args, t0 = st.args, time.perf_counter()
+    if st.loaded:
+        kinds = sorted(m.config.attention for _, _, m, _ in st.loaded)
+        if kinds == ["diff", "softmax"]:
+            models = {("diff" if m.config.attention == "diff" else "transformer"): m for _, _, m, _ in st.loaded}
+        else:
+            models = {name: m for name, _, m, _ in st.loaded}
+    else:
+        models = flow.twin_models(st.base, seed=args.seed, paired=not args.unpaired, device=args.device)
+    res = flow.run_flow(models, st.batches(args.seed), steps=args.steps, optimizer=args.flow_optimizer,
+                        lr=st.lrs.get(args.flow_optimizer, args.lr_adamw), clip=args.clip)
+    res.update(meta=st.meta, paired=not args.unpaired and not st.loaded, seconds=round(time.perf_counter() - t0, 2))
+    st.write_json("flow.json", res)
+    table = flow.flow_table(res)
+    print(f"gradient flow ({args.flow_optimizer}, {args.steps} steps, {res['seconds']} s):\n{table}\n")
+    st.report += ["## Gradient flow (DIFF paper, Appendix E)", "",
+                  f"Gradient Frobenius norms per group, {args.flow_optimizer} lr {res['lr']}, {args.steps} steps; "
+                  "ratio = DIFF / Transformer; the early ratio is the median over steps 1..K.", "", table, ""]
+    if st.plots is not None:
+        st.plots.plot_flow(res, st.out / "flow.png")
+        st.written.append("flow.png")
+
+
+TAIL_TABLES = [("entries", "q99_9_over_q50", "|g| entries, q99.9 / q50 (Gaussian: 4.9)"),
+               ("entries", "hill", "|g| entries, Hill tail index (top 1%; lower = heavier)"),
+               ("entries", "excess_kurtosis", "|g| entries, excess kurtosis (Gaussian: 0)"),
+               ("noise", "alpha_mohammadi", "gradient noise, Mohammadi alpha (2 = Gaussian; lower = heavier)")]
+
+
+def _tails_section(st: _Study) -> None:
     from .. import load_model
-    from ..analysis import common, flow, tail_study
+    from ..analysis import common, tail_study
+
+    args, t0 = st.args, time.perf_counter()
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    res = None
+    for seed in seeds:
+        if st.loaded:
+            candidates = [(name, (lambda p=path: load_model(p, device=args.device))) for name, path, _, _ in st.loaded]
+        else:
+            candidates = [(s, (lambda c=c, sd=seed: common.build(c, sd, args.device))) for s, c in st.settings]
+        r = tail_study.run_tail_study(
+            candidates, st.batches(seed), _split(args.optimizers), st.tail_steps, lrs=st.lrs, clip=args.clip,
+            noise_batches=args.noise_batches, max_noise_entries=args.max_noise_entries, seed=seed,
+            progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+        for row in r["rows"]:
+            row["seed"] = seed
+        if res is None:
+            res = r
+        else:
+            res["rows"] += r["rows"]
+    res.update(meta=st.meta, seeds=seeds, seconds=round(time.perf_counter() - t0, 2))
+    st.write_json("tails.json", res)
+    print(f"heavy tails ({st.tail_steps} steps, {args.noise_batches} noise batches, {len(seeds)} seed(s), "
+          f"{res['seconds']} s):")
+    st.report += ["## Heavy tails (DNT Fig. 1; Simsekli et al. 2019)", "",
+                  f"After {st.tail_steps} training steps per optimiser; entries are the mean of "
+                  f"{args.noise_batches} mini-batch gradients, noise their deviations.", ""]
+    for section, stat, title in TAIL_TABLES:
+        table = tail_study.tails_table(res, stat, section)
+        st.report += [f"### {title}", "", table, ""]
+        if stat in ("q99_9_over_q50", "alpha_mohammadi"):
+            print(f"{title}:\n{table}\n")
+    if st.plots is not None:
+        for opt in res["optimizers"]:
+            st.plots.plot_tail_histograms(res, opt, st.out / f"tails_hist_{opt}.png")
+            st.written.append(f"tails_hist_{opt}.png")
+        st.plots.plot_tail_summary(res, st.out / "tails_summary.png")
+        st.written.append("tails_summary.png")
+
+
+def run(args) -> int:
     from ..io import atomic_write_text
 
-    _check(args)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError("--out", f"{out} exists and is not a directory")
     t_start = time.perf_counter()
-    text = common.load_text(args.data)
-    meta = {"batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
-            "data": args.data or "python stdlib source (byte tokens)", "device": args.device}
-    report = ["# difftx grads", ""]
-
-    if args.checkpoint:
-        loaded = _load_checkpoints(args.checkpoint, args.device)
-        tokenizer = loaded[0][3]
-        base_vocab = min(m.config.vocab_size for _, _, m, _ in loaded)
-        for _, _, m, _ in loaded:
-            _check_seq_len(m.config, args.seq_len)
-        meta["checkpoints"] = {name: str(path) for name, path, _, _ in loaded}
-        tail_steps = 0 if args.tail_steps is None else args.tail_steps
-        _set_threads(args, max(m.num_parameters() for _, _, m, _ in loaded))
-    else:
-        base = _base_config(args)
-        _check_seq_len(base, args.seq_len)
-        tokenizer, base_vocab = None, base.vocab_size
-        meta["base_config"] = base.to_dict()
-        tail_steps = 20 if args.tail_steps is None else args.tail_steps
-        from ..accounting import count_parameters
-
-        _set_threads(args, count_parameters(base))
-    settings = [] if args.checkpoint else [(s, common.setting_config(base, s)) for s in _split(args.settings)]
-    tokens = common.tokenize(text, base_vocab, tokenizer)
-    batches = common.Batches(tokens, args.seq_len, args.batch_size, seed=args.seed, device=args.device)
-    lrs = {"adamw": args.lr_adamw, "msgdw": args.lr_msgdw}
-    out.mkdir(parents=True, exist_ok=True)
-    plots = not args.no_plots
-    if plots:
-        from ..analysis import plots as plot_mod
-
-        if not plot_mod.have_matplotlib():
-            print("difftx grads: matplotlib is not installed (pip install 'difftx[plot]'); writing JSON only")
-            plots = False
-    written = []
-
+    _check(args)
+    st = _Study(args)  # validates everything before anything is written
+    st.out.mkdir(parents=True, exist_ok=True)
     if args.only in (None, "flow"):
-        t0 = time.perf_counter()
-        if args.checkpoint:
-            kinds = [m.config.attention for _, _, m, _ in loaded]
-            if sorted(kinds) == ["diff", "softmax"]:
-                models = {("diff" if m.config.attention == "diff" else "transformer"): m for _, _, m, _ in loaded}
-            else:
-                models = {name: m for name, _, m, _ in loaded}
-        else:
-            models = flow.twin_models(base, seed=args.seed, paired=not args.unpaired, device=args.device)
-        res = flow.run_flow(models, batches, steps=args.steps, optimizer=args.flow_optimizer,
-                            lr=lrs.get(args.flow_optimizer, args.lr_adamw), clip=args.clip)
-        res.update(meta=meta, paired=not args.unpaired and not args.checkpoint,
-                   seconds=round(time.perf_counter() - t0, 2))
-        atomic_write_text(out / "flow.json", json.dumps(common.json_safe(res), indent=1))
-        written.append("flow.json")
-        table = flow.flow_table(res)
-        print(f"gradient flow ({args.flow_optimizer}, {args.steps} steps, {res['seconds']} s):\n{table}\n")
-        report += ["## Gradient flow (DIFF paper, Appendix E)", "",
-                   f"Gradient Frobenius norms per group, {args.flow_optimizer} lr {res['lr']}, {args.steps} steps; "
-                   "ratio = DIFF / Transformer; the early ratio is the median over steps 1..K.", "", table, ""]
-        if plots:
-            plot_mod.plot_flow(res, out / "flow.png")
-            written.append("flow.png")
-
+        _flow_section(st)
     if args.only in (None, "tails"):
-        t0 = time.perf_counter()
-        res = None
-        for seed in range(args.seed, args.seed + args.seeds):
-            if args.checkpoint:
-                candidates = [(name, (lambda p=path: load_model(p, device=args.device))) for name, path, _, _ in loaded]
-            else:
-                candidates = [(s, (lambda c=c, sd=seed: common.build(c, sd, args.device))) for s, c in settings]
-            seed_batches = common.Batches(tokens, args.seq_len, args.batch_size, seed=seed, device=args.device)
-            r = tail_study.run_tail_study(
-                candidates, seed_batches, _split(args.optimizers), tail_steps, lrs=lrs, clip=args.clip,
-                noise_batches=args.noise_batches, max_noise_entries=args.max_noise_entries, seed=seed,
-                progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-            for row in r["rows"]:
-                row["seed"] = seed
-            if res is None:
-                res = r
-            else:
-                res["rows"] += r["rows"]
-        res.update(meta=meta, seeds=list(range(args.seed, args.seed + args.seeds)),
-                   seconds=round(time.perf_counter() - t0, 2))
-        atomic_write_text(out / "tails.json", json.dumps(common.json_safe(res), indent=1))
-        written.append("tails.json")
-        sections = [("entries", "q99_9_over_q50", "|g| entries, q99.9 / q50 (Gaussian: 4.9)"),
-                    ("entries", "hill", "|g| entries, Hill tail index (top 1%; lower = heavier)"),
-                    ("entries", "excess_kurtosis", "|g| entries, excess kurtosis (Gaussian: 0)"),
-                    ("noise", "alpha_mohammadi", "gradient noise, Mohammadi alpha (2 = Gaussian; lower = heavier)")]
-        print(f"heavy tails ({tail_steps} steps, {args.noise_batches} noise batches, {args.seeds} seed(s), "
-              f"{res['seconds']} s):")
-        report += ["## Heavy tails (DNT Fig. 1; Simsekli et al. 2019)", "",
-                    f"After {tail_steps} training steps per optimiser; entries are the mean of "
-                    f"{args.noise_batches} mini-batch gradients, noise their deviations.", ""]
-        for section, stat, title in sections:
-            table = tail_study.tails_table(res, stat, section)
-            report += [f"### {title}", "", table, ""]
-            if stat in ("q99_9_over_q50", "alpha_mohammadi"):
-                print(f"{title}:\n{table}\n")
-        if plots:
-            for opt in res["optimizers"]:
-                plot_mod.plot_tail_histograms(res, opt, out / f"tails_hist_{opt}.png")
-                written.append(f"tails_hist_{opt}.png")
-            plot_mod.plot_tail_summary(res, out / "tails_summary.png")
-            written.append("tails_summary.png")
-
-    atomic_write_text(out / "report.md", "\n".join(report) + "\n")
-    written.append("report.md")
-    print(f"wrote {', '.join(written)} to {out} in {time.perf_counter() - t_start:.1f} s")
+        _tails_section(st)
+    atomic_write_text(st.out / "report.md", "\n".join(st.report) + "\n")
+    st.written.append("report.md")
+    print(f"wrote {', '.join(st.written)} to {st.out} in {time.perf_counter() - t_start:.1f} s")
     return 0
