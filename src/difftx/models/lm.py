@@ -18,7 +18,7 @@ from ..errors import DifftxError
 from ..nn.block import Block
 from ..nn.cache import KVCache
 from ..nn.mask import AttnMask
-from ..nn.norms import make_norm
+from ..nn.norms import make_norm, upcast
 from ..nn.rope import RotaryEmbedding, sinusoidal_table
 from .common import ModelMixin
 from .init import init_weights
@@ -106,7 +106,7 @@ class DecoderLM(ModelMixin, nn.Module):
             x = self.input_norm(x)
         x = F.dropout(x, cfg.dropout if self.training else 0.0)
 
-        rope = self.rope.cos_sin(position_ids) if self.rope is not None else None
+        rope = self.rope.cos_sin(position_ids, x.dtype) if self.rope is not None else None
         mask = AttnMask(causal=True, n_q=n, n_k=q_start + n, q_start=q_start, key_valid=key_valid)
         for block in self.layers:
             x = block(x, rope, mask, cache)
@@ -119,7 +119,8 @@ class DecoderLM(ModelMixin, nn.Module):
         loss = n_targets = None
         if targets is not None:
             flat = targets.reshape(-1)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), flat, ignore_index=-100,
+            # at least float32; a float64 model keeps float64 (gradient checks against a float64 reference)
+            loss = F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), flat, ignore_index=-100,
                                    reduction="sum")
             n_targets = (flat != -100).sum()
             if loss_reduction == "mean":

@@ -17,7 +17,7 @@ from torch import nn
 from ..errors import DifftxError
 from ..nn.block import Block
 from ..nn.mask import AttnMask
-from ..nn.norms import make_norm
+from ..nn.norms import make_norm, upcast
 from ..nn.rope import RotaryEmbedding, sinusoidal_table
 from .common import ModelMixin
 from .init import init_weights
@@ -82,7 +82,7 @@ class VisionEncoder(ModelMixin, nn.Module):
             x = self.input_norm(x)
         x = F.dropout(x, cfg.dropout if self.training else 0.0)
         n = x.shape[1]
-        rope = self.rope.cos_sin(torch.arange(n, device=x.device)) if self.rope is not None else None
+        rope = self.rope.cos_sin(torch.arange(n, device=x.device), x.dtype) if self.rope is not None else None
         mask = AttnMask(causal=False, n_q=n, n_k=n)
         for block in self.layers:
             x = block(x, rope, mask)
@@ -98,7 +98,7 @@ class VisionEncoder(ModelMixin, nn.Module):
         loss = None
         if targets is not None:
             if targets.dim() == 2:  # soft targets (mixup / cutmix)
-                loss = torch.sum(-targets * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
+                loss = torch.sum(-targets * F.log_softmax(upcast(logits), dim=-1), dim=-1).mean()
             else:
-                loss = F.cross_entropy(logits.float(), targets, label_smoothing=label_smoothing)
+                loss = F.cross_entropy(upcast(logits), targets, label_smoothing=label_smoothing)
         return VisionOutput(logits=logits, loss=loss)
