@@ -1,11 +1,6 @@
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from _helpers import write_corpus  # noqa: E402
+from ._helpers import write_corpus
 
 
 @pytest.fixture

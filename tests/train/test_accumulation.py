@@ -73,7 +73,7 @@ def test_per_micro_batch_mean_would_differ(tmp_path):
 
 
 def test_micro_batches_on_a_corpus(tmp_path, corpus, cache):
-    from _helpers import tiny
+    from ._helpers import tiny
     from difftx.train import train
 
     outs = {}

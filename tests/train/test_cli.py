@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from _helpers import cli_env
+from ._helpers import cli_env
 
 
 def _snapshot(run):

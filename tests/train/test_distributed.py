@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _helpers import GradRecorder, cli_env, losses, tiny, write_corpus
+from ._helpers import GradRecorder, cli_env, losses, tiny, write_corpus
 
 
 

@@ -12,7 +12,7 @@ import torch
 import difftx
 from difftx.errors import CheckpointError
 
-from _helpers import cli_env, losses
+from ._helpers import cli_env, losses
 
 TINY = ["--tokenizer", "char", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16",
         "--batch-size", "4", "--warmup", "1", "--dtype", "fp32", "--eval-batches", "2", "--no-progress", "--seed", "7"]

@@ -6,7 +6,7 @@ import torch
 
 import difftx
 from difftx.data import load_tokenizer
-from _helpers import losses
+from ._helpers import losses
 
 
 def _weights(path):
