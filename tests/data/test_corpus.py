@@ -83,3 +83,18 @@ def test_invalid_utf8_after_the_sniffed_head_names_the_offset(tmp_path):
     path.write_bytes(b"fine text\n" * 2000 + b"\xff oops\n")
     with pytest.raises(DataError, match=r"late.txt: not UTF-8 text \(bad byte at offset 20000\)"):
         list(resolve_corpus(str(path)).pieces())
+
+
+def test_saved_hugging_face_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"content": ["first doc", "second doc"], "n": [1, 2]})
+    ds.save_to_disk(str(tmp_path / "ds"))
+    c = resolve_corpus(str(tmp_path / "ds"), text_field="content")
+    assert c.sources[0].kind == "hf" and list(c.pieces()) == [("first doc", True), ("second doc", True)]
+    fp = c.fingerprint()
+    with pytest.raises(DataError, match="no column 'text'"):
+        list(resolve_corpus(str(tmp_path / "ds")).pieces())
+    datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "dd"))
+    assert [t for t, _ in resolve_corpus(str(tmp_path / "dd"), text_field="content").pieces()] == ["first doc",
+                                                                                                "second doc"]
+    assert resolve_corpus(str(tmp_path / "ds"), text_field="content").fingerprint() == fp

@@ -134,7 +134,11 @@ def run(args) -> int:
     if args.out is None:
         if args.resume == "auto":
             raise DifftxError("--resume auto continues the run in --out; give --out DIR")
-        args.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        out, n = base, 1
+        while out.exists():
+            out, n = base.with_name(f"{base.name}-{n}"), n + 1
+        args.out = str(out)
     explicit_train = set(train_kw) | (set(get_recipe_fields(args.recipe)) if args.recipe else set())
     summary = train(tcfg, mcfg, args.out, resume=args.resume, explicit_train=explicit_train,
                     explicit_model=set(model_kw) | ({"preset"} if args.preset else set()))

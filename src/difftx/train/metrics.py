@@ -23,7 +23,8 @@ METRICS_FILE = "metrics.jsonl"
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, enabled: bool = True, tensorboard: bool = False,
-                 resume_step: Optional[int] = None):
+                 resume_step: Optional[int] = None, history: Optional[Path] = None):
+        """``resume_step``: keep the rows up to it; ``history``: the run dir they come from (a fork)."""
         self.enabled = enabled
         self.path = Path(run_dir) / METRICS_FILE
         self.tb = None
@@ -32,7 +33,7 @@ class MetricsLogger:
         if resume_step is None:
             self.path.write_text("")
         else:
-            self._truncate_after(resume_step)
+            self._truncate_after(resume_step, Path(history or run_dir) / METRICS_FILE)
         self._f = open(self.path, "a", encoding="utf-8")
         if tensorboard:
             try:
@@ -42,13 +43,14 @@ class MetricsLogger:
                     from None
             self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
-    def _truncate_after(self, step: int) -> None:
+    def _truncate_after(self, step: int, source: Path) -> None:
         from ..io import atomic_write_text
 
-        if not self.path.is_file():
+        if not source.is_file():
+            self.path.write_text("")
             return
         keep = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+        for line in source.read_text(encoding="utf-8").splitlines():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:

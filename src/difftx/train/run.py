@@ -70,7 +70,7 @@ def _merge_resumed(saved: dict, source: Path, tcfg: TrainConfig, mcfg: ModelConf
     if "train" not in saved or "model" not in saved:
         raise ConfigError(None, f"{source / CONFIG_FILE}: not a difftx training run config (no 'train'/'model')")
     old_t, old_m = TrainConfig.from_dict(saved["train"]), ModelConfig.from_dict(saved["model"])
-    changes = {f: None for f in PER_RUN_FIELDS if f == "stop_at"}
+    changes = {"stop_at": None}  # a stop step is for one invocation only
     for f in explicit_train:
         new, old = getattr(tcfg, f), getattr(old_t, f)
         if f in RESUMABLE_CHANGES or f in PER_RUN_FIELDS:
@@ -90,6 +90,8 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
           announce=print) -> dict:
     """Run (or resume) a training run into directory ``out``; returns a summary dict."""
     out = Path(out)
+    if tcfg.tensorboard:
+        _require_tensorboard()
     world = init_world(tcfg.device)
     try:
         resume_ckpt = resolve_resume(resume, out)
@@ -143,3 +145,10 @@ def _epochs_to_steps(tcfg: TrainConfig, domain, world_size: int) -> TrainConfig:
     steps = max(1, math.ceil(tcfg.epochs * per_epoch))
     warmup = round((tcfg.warmup_epochs or 0) * per_epoch) if tcfg.warmup_epochs is not None else tcfg.warmup
     return tcfg.replace(steps=steps, warmup=warmup)
+
+
+def _require_tensorboard() -> None:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ConfigError("tensorboard", "needs the tensorboard package: pip install 'difftx[tensorboard]'") from None

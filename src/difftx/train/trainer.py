@@ -144,8 +144,8 @@ class Trainer:
         set_lr(self.optimizer, lr)
         batches = self.domain.train_batches(step, self.n_micro)
         totals = torch.tensor([sum(self.domain.count(b) for b in batches), sum(self.domain.size(b) for b in batches),
-                               len(batches[0][next(iter(batches[0]))]) * len(batches),
-                               1.0 if self._stop_signal is not None else 0.0],
+                               sum(len(next(iter(b.values()))) for b in batches),  # sequences (or images)
+                               1.0 if self._stop_signal is not None else 0.0],  # any process asked to stop
                               dtype=torch.float64, device=world.device)
         world.all_reduce_sum(totals)
         count, size, samples, stop = totals.tolist()
@@ -232,7 +232,8 @@ class Trainer:
             self.load_state_dict(ckpt.load_checkpoint(self, resume_from))
         stop_at = min(cfg.stop_at or cfg.steps, cfg.steps)
         logger = MetricsLogger(self.run_dir, world.is_main, cfg.tensorboard,
-                               resume_step=self.step if resume_from is not None else None)
+                               resume_step=self.step if resume_from is not None else None,
+                               history=Path(resume_from).parent.parent if resume_from is not None else None)
         progress = Progress(cfg.steps, self.step, cfg.progress, self.domain.unit, world.is_main)
         handlers = self._install_signals()
         self.model.train()
