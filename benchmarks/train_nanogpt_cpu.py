@@ -25,6 +25,7 @@ import os
 import pickle
 import platform
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -51,15 +52,28 @@ NANOGPT_FLAGS = ["--device=cpu", "--compile=False", "--eval_iters=200", "--log_i
                  "--lr_decay_iters=2000", "--dropout=0.0"]
 
 
+def timed(cmd: list[str], **kw) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Run ``cmd``; returns (process, wall seconds, CPU seconds of the child: user + system).
+
+    CPU seconds are what a shared machine distorts least: with one thread they approximate
+    the wall time the same run takes on a quiet machine.
+    """
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return proc, wall, cpu
+
+
 def run_difftx(arm: str, data: Path, work: Path, steps: int) -> dict:
     out = work / f"difftx-{arm}-{time.time_ns()}"
     cmd = [sys.executable, "-m", "difftx", "train", "--recipe", "nanogpt-char", "--data", str(data), "--out", str(out),
            "--no-progress", "--log-every", "100", "--diag-every", "0", "--cache-dir", str(work / "cache"),
            "--steps", str(steps), *ARMS[arm][0]]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - t0
+    proc, wall, cpu = timed(cmd, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"difftx arm {arm} failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -70,7 +84,7 @@ def run_difftx(arm: str, data: Path, work: Path, steps: int) -> dict:
     from difftx.config import ModelConfig
 
     return {"arm": arm, "impl": "difftx", "description": ARMS[arm][1], "val_loss": val[-1]["val_loss"],
-            "val_curve": [(r["step"], round(r["val_loss"], 4)) for r in val], "wall_s": wall,
+            "val_curve": [(r["step"], round(r["val_loss"], 4)) for r in val], "wall_s": wall, "cpu_s": cpu,
             "train_s": train_rows[-1]["elapsed"], "params": count_parameters(ModelConfig.from_dict(cfg["model"])),
             "command": " ".join(["difftx", *cmd[3:]])}
 
@@ -98,16 +112,14 @@ def run_nanogpt(nanogpt: Path, data: Path, work: Path, steps: int) -> dict:
              for f in NANOGPT_FLAGS]
     cmd = [sys.executable, str(nanogpt / "train.py"), str(nanogpt / "config" / "train_shakespeare_char.py"), *flags,
            f"--out_dir={wd / 'out'}"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=wd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    proc, wall, cpu = timed(cmd, cwd=wd)
     if proc.returncode != 0:
         raise SystemExit(f"nanoGPT failed:\n{proc.stderr[-3000:]}")
     evals = [(int(s), float(v)) for s, _, v in
              re.findall(r"step (\d+): train loss ([\d.]+), val loss ([\d.]+)", proc.stdout)]
     params = re.search(r"number of parameters: ([\d.]+)M", proc.stdout + proc.stderr)
     return {"arm": "nanogpt", "impl": "nanoGPT", "description": "karpathy/nanoGPT train.py, fp32 (its CPU path)",
-            "val_loss": evals[-1][1], "val_curve": evals, "wall_s": wall, "train_s": None,
+            "val_loss": evals[-1][1], "val_curve": evals, "wall_s": wall, "cpu_s": cpu, "train_s": None,
             "params": int(float(params.group(1)) * 1e6) if params else None,
             "command": "python train.py config/train_shakespeare_char.py " + " ".join(flags)}
 
@@ -119,26 +131,27 @@ def summarise(runs: list[dict]) -> list[dict]:
     rows = []
     for arm, rs in by_arm.items():
         row = dict(rs[0])
-        for k in ("val_loss", "wall_s", "train_s"):
+        for k in ("val_loss", "wall_s", "cpu_s", "train_s"):
             vals = [r[k] for r in rs if r[k] is not None]
             row[k] = statistics.median(vals) if vals else None
         row["repeats"] = len(rs)
         rows.append(row)
-    ref = next((r["wall_s"] for r in rows if r["arm"] == "nanogpt"), None)
+    ref = next((r for r in rows if r["arm"] == "nanogpt"), None)
     for r in rows:
-        r["wall_vs_nanogpt"] = r["wall_s"] / ref if ref else None
+        r["wall_vs_nanogpt"] = r["wall_s"] / ref["wall_s"] if ref else None
+        r["cpu_vs_nanogpt"] = r["cpu_s"] / ref["cpu_s"] if ref else None
     return rows
 
 
 def table(rows: list[dict], steps: int) -> str:
-    lines = [f"| arm | what | params | val loss @{steps} | wall s | train-loop s | wall / nanoGPT |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [f"| arm | what | params | val loss @{steps} | wall s | CPU s | CPU / nanoGPT | wall / nanoGPT |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         params = f"{r['params'] / 1e6:.3f}M" if r["params"] else "?"
-        train = f"{r['train_s']:.1f}" if r["train_s"] is not None else "-"
+        cpu_ratio = f"{r['cpu_vs_nanogpt']:.2f}" if r["cpu_vs_nanogpt"] else "-"
         ratio = f"{r['wall_vs_nanogpt']:.2f}" if r["wall_vs_nanogpt"] else "-"
         lines.append(f"| {r['arm']} | {r['description']} | {params} | {r['val_loss']:.4f} | {r['wall_s']:.1f} | "
-                     f"{train} | {ratio} |")
+                     f"{r['cpu_s']:.1f} | {cpu_ratio} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -170,8 +183,8 @@ def main() -> int:
             for arm in order:
                 r = run_nanogpt(args.nanogpt_dir.resolve(), args.data.resolve(), work, args.steps) \
                     if arm == "nanogpt" else run_difftx(arm, args.data.resolve(), work, args.steps)
-                print(f"[{rep + 1}/{args.repeats}] {arm}: val loss {r['val_loss']:.4f}, wall {r['wall_s']:.1f}s",
-                      flush=True)
+                print(f"[{rep + 1}/{args.repeats}] {arm}: val loss {r['val_loss']:.4f}, wall {r['wall_s']:.1f}s, "
+                      f"CPU {r['cpu_s']:.1f}s", flush=True)
                 runs.append(r)
     rows = summarise(runs)
     import torch
