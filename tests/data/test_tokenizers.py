@@ -1,4 +1,4 @@
-"""Tokenizers: round trips, the local BPE (reproducible, cached), saved HF tokenizer.json, load_tokenizer for all kinds."""
+"""Tokenizers: round trips, local BPE (reproducible, cached), a saved HF tokenizer.json, load_tokenizer for all."""
 
 import json
 
@@ -41,6 +41,10 @@ def test_bpe_is_reproducible_cached_and_round_trips(tmp_path):
     assert len(ids) < len(TEXT.encode()) / 2 and a.decode(ids) == TEXT
     np.testing.assert_array_equal(a.encode_array(TEXT), np.asarray(ids))
     assert load_tokenizer(a.save(tmp_path / "run")).encode(TEXT) == ids
+    # a reloaded (or broadcast) tokenizer has the same fingerprint, so it finds the same token shard
+    assert load_tokenizer(tmp_path / "run").fingerprint() == a.fingerprint()
+    from difftx.data.tokenizers import tokenizer_from_dict
+    assert tokenizer_from_dict(a.to_dict()).fingerprint() == a.fingerprint()
 
 
 def test_a_saved_hugging_face_tokenizer_json_loads(tmp_path):

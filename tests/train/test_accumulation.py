@@ -14,11 +14,10 @@ class PaddedDomain(Domain):
     """8 sequences of lengths 3..16 per step, right-padded per micro-batch (pads and the last position unscored)."""
 
     count = LMDomain.count
-    loss = LMDomain.loss
 
-    def __init__(self, cfg, world, per_micro_mean=False):
+    def __init__(self, cfg, world, wrong_scale=None):
         super().__init__(cfg, world)
-        self.per_micro_mean = per_micro_mean
+        self.wrong_scale = wrong_scale  # set: normalise each micro-batch by its own count (the classic mistake)
 
     def train_batches(self, step, n_micro):
         g = torch.Generator().manual_seed(step)
@@ -38,19 +37,19 @@ class PaddedDomain(Domain):
             out.append({"input_ids": x, "targets": y, "attention_mask": mask})
         return out
 
-    def loss(self, model, batch):  # noqa: F811  (optionally the wrong normalisation, to show the test can fail)
+    def loss(self, model, batch):
         total = LMDomain.loss(self, model, batch)
-        if self.per_micro_mean:
-            return total / LMDomain.count(self, batch) * self.cfg._expected_per_micro
+        if self.wrong_scale is not None:
+            return total / LMDomain.count(self, batch) * self.wrong_scale
         return total
 
 
 def _update(tmp_path, batch_size, accum, attention="softmax", **kw):
     cfg = TrainConfig(batch_size=batch_size, grad_accum=accum, optimizer="sgd", momentum=0.0, lr=0.5, warmup=0,
                       schedule="constant", grad_clip=0.0, weight_decay=0.0, dtype="fp32", steps=2, seq_len=16)
-    cfg._expected_per_micro = 8 * 15 / (8 / batch_size)  # a typical count, so the wrong variant has the right scale
     mcfg = ModelConfig(attention=attention, d_model=32, n_layers=2, n_heads=2, vocab_size=VOCAB, max_seq_len=16)
-    tr = Trainer(mcfg, cfg, PaddedDomain(cfg, World(), **kw), World(), tmp_path, {})
+    wrong = 9.5 * batch_size if kw.get("wrong") else None  # ~ targets per micro-batch: the same overall scale
+    tr = Trainer(mcfg, cfg, PaddedDomain(cfg, World(), wrong), World(), tmp_path, {})
     losses = [tr.train_step()["loss"] for _ in range(2)]
     return losses, {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
 
@@ -68,7 +67,7 @@ def test_micro_batches_equal_one_big_batch_padded(tmp_path, attention):
 def test_per_micro_batch_mean_would_differ(tmp_path):
     """The check above has teeth: averaging each micro-batch separately changes the update."""
     _, ref = _update(tmp_path, 8, 1)
-    _, wrong = _update(tmp_path, 2, 4, per_micro_mean=True)
+    _, wrong = _update(tmp_path, 2, 4, wrong=True)
     assert max((wrong[k] - ref[k]).abs().max().item() for k in ref) > 1e-4
 
 

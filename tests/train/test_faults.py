@@ -36,7 +36,7 @@ DYING = textwrap.dedent("""
 
 
 def _cli(*args, script=None):
-    cmd = [sys.executable, "-c", script, *map(str, args)] if script else [sys.executable, "-m", "difftx", *map(str, args)]
+    cmd = [sys.executable, *(["-c", script] if script else ["-m", "difftx"]), *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=300)
 
 

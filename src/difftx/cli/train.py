@@ -17,7 +17,7 @@ from ..errors import DifftxError
 TRAIN_FLAGS = ("data", "tokenizer", "bpe_vocab_size", "text_field", "val_fraction", "task", "domain", "cache_dir",
                "seq_len", "batch_size", "grad_accum", "global_batch", "steps", "epochs", "warmup_epochs", "optimizer",
                "lr", "min_lr", "schedule", "warmup", "weight_decay", "betas", "momentum", "nesterov", "eps",
-               "decay_all", "grad_clip", "dtype", "compile", "device", "parallel", "seed", "eval_every",
+               "decay_all", "grad_clip", "dtype", "compile", "device", "threads", "parallel", "seed", "eval_every",
                "eval_batches", "log_every", "diag_every", "checkpoint_every", "keep_last", "stop_at", "tensorboard",
                "progress", "task_options", "domain_options")
 MODEL_FLAGS = ("attention", "norms", "d_model", "n_layers", "n_heads", "vocab_size")
@@ -38,7 +38,7 @@ def _betas(text: str):
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a model on a text corpus, a synthetic task (or images with --domain vision)",
+    p = sub.add_parser("train", help="train a model on a text corpus or a synthetic task (images: --domain vision)",
                        description="Train a difftx model. With no arguments: the nano preset on the built-in corpus "
                                    "(this Python's standard library) for 500 steps. Values come from the defaults, "
                                    "then --recipe, then the flags you give.")
@@ -90,6 +90,8 @@ def add_parser(sub) -> None:
     r.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help="auto: bf16 autocast where the hardware has it")
     r.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     r.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
+    r.add_argument("--threads", type=int, help="CPU threads per process (default: torch's; 1 is best on a busy "
+                                               "machine or for tiny models)")
     r.add_argument("--parallel", choices=["auto", "none", "ddp", "fsdp"],
                    help="under torchrun: ddp (default) or fsdp (FSDP2 fully_shard)")
     r.add_argument("--seed", type=int, help="random seed (1337)")
@@ -122,7 +124,6 @@ def _list_recipes() -> int:
 def run(args) -> int:
     if args.list_recipes:
         return _list_recipes()
-    from ..config import ModelConfig  # noqa: F401  (import errors surface before any work)
     from ..train import resolve_configs, train
 
     args.task_options = _kv(args.task_opt)

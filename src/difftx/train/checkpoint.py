@@ -99,7 +99,8 @@ _DCP_ALLOWED = {
 
 class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if (module, name) in _DCP_ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _DCP_ALLOWED or is_dtype:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} (not checkpoint metadata)")
 

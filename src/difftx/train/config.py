@@ -23,7 +23,7 @@ PARALLEL = ("auto", "none", "ddp", "fsdp")
 # fields a resumed run may change (the rest must match the run being resumed)
 RESUMABLE_CHANGES = ("steps", "stop_at", "eval_every", "eval_batches", "log_every", "diag_every",
                      "checkpoint_every", "keep_last", "tensorboard", "progress", "compile", "cache_dir", "device",
-                     "parallel", "dtype")
+                     "parallel", "dtype", "threads")
 
 
 @dataclass
@@ -69,6 +69,7 @@ class TrainConfig:
     dtype: str = "auto"                   # auto: bf16 autocast where the hardware has it, else fp32
     compile: bool = False
     device: str = "auto"                  # auto | cpu | cuda
+    threads: Optional[int] = None         # CPU threads per process (torch.set_num_threads); None: torch's default
     parallel: str = "auto"                # auto (ddp when launched with several processes) | none | ddp | fsdp
     seed: int = 1337
 
@@ -116,7 +117,7 @@ class TrainConfig:
             positive_int(name)
         for name in ("warmup", "eval_every", "log_every", "diag_every", "checkpoint_every"):
             positive_int(name, allow_zero=True)
-        for name in ("seq_len", "global_batch", "stop_at"):
+        for name in ("seq_len", "global_batch", "stop_at", "threads"):
             positive_int(name, allow_none=True)
         positive_int("seed", allow_zero=True)
         number("lr", 0.0, lo_open=True)
@@ -144,8 +145,9 @@ class TrainConfig:
             return self.grad_accum
         per_step = self.batch_size * world_size
         if self.global_batch % per_step:
-            raise ConfigError("global_batch", f"{self.global_batch} is not a multiple of batch_size x processes = "
-                                              f"{self.batch_size} x {world_size}; adjust --batch-size or --global-batch")
+            raise ConfigError("global_batch", f"{self.global_batch} is not a multiple of batch_size x processes "
+                                              f"= {self.batch_size} x {world_size}; adjust --batch-size or "
+                                              "--global-batch")
         return self.global_batch // per_step
 
     def lr_kwargs(self) -> dict:

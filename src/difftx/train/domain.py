@@ -21,13 +21,12 @@ docs/training.md.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError
 from .config import TrainConfig
 from .distributed import World
 
@@ -241,7 +240,3 @@ class LMDomain(Domain):
 
 
 register_domain("lm")(LMDomain)
-
-
-def warn(msg: str) -> None:
-    print(f"difftx: {msg}", file=sys.stderr)

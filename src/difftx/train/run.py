@@ -35,7 +35,8 @@ from .recipes import get_recipe
 from .trainer import Trainer
 
 DEFAULT_PRESET = "nano"
-PER_RUN_FIELDS = ("stop_at", "progress", "compile", "device", "cache_dir", "tensorboard")  # not inherited on resume
+# may differ between the invocations of one run (stop_at is never inherited)
+PER_RUN_FIELDS = ("stop_at", "progress", "compile", "device", "cache_dir", "tensorboard", "threads")
 
 
 def resolve_configs(recipe: Optional[str] = None, train: Optional[dict] = None, model: Optional[dict] = None,
@@ -109,6 +110,8 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
                                         explicit_train, explicit_model)
             fixed_model |= {"vocab_size", "max_seq_len"}
 
+        if tcfg.threads:
+            torch.set_num_threads(tcfg.threads)
         domain = get_domain(tcfg, world)
         show = tcfg.progress if tcfg.progress is not None else sys.stderr.isatty()
         domain.prepare(source, progress=show and world.is_main)

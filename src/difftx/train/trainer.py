@@ -169,7 +169,8 @@ class Trainer:
             raise TrainingDiverged(
                 f"non-finite {'loss' if not math.isfinite(mean_loss) else 'gradient norm'} at step {step + 1} "
                 f"(loss {mean_loss}, grad norm {gnorm}); stopped before applying it. Last good checkpoint: "
-                f"{last[-1] if last else 'none'}. Lower --lr, raise --warmup, clip with --grad-clip or use --dtype fp32")
+                f"{last[-1] if last else 'none'}. Lower --lr, raise --warmup, clip with --grad-clip or use "
+                "--dtype fp32")
         for cb in self.callbacks:
             if hasattr(cb, "on_before_optimizer_step"):
                 cb.on_before_optimizer_step(self)
@@ -260,7 +261,8 @@ class Trainer:
                     self.last_eval = {"step": step, **self.evaluate("val")}
                     logger.log(self.last_eval)
                     if "val_loss" in self.last_eval:
-                        progress.write(f"step {step}: loss {row['loss']:.4f}, val_loss {self.last_eval['val_loss']:.4f}")
+                        progress.write(f"step {step}: loss {row['loss']:.4f}, "
+                                       f"val_loss {self.last_eval['val_loss']:.4f}")
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == stop_at:
                     saved_at = ckpt.save_checkpoint(self, step)
             if self.step == cfg.steps:
