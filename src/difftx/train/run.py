@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from ..io import CHECKPOINTS_DIR, CONFIG_FILE, FORMAT_KEY, FORMAT_VERSION, atomic_write_text
 from .checkpoint import read_json, remove_partial, resolve_resume
 from .config import RESUMABLE_CHANGES, TrainConfig
-from .distributed import init_world, shutdown_world
+from .distributed import init_world, resolve_parallel, shutdown_world
 from .domain import get_domain
 from .metrics import METRICS_FILE
 from .recipes import get_recipe
@@ -110,6 +110,9 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
                                         explicit_train, explicit_model)
             fixed_model |= {"vocab_size", "max_seq_len"}
 
+        tcfg.accumulation(world.world_size)  # checks that --global-batch divides; before anything is written
+        if resolve_parallel(tcfg.parallel, world) == "fsdp" and tcfg.optimizer == "muon":
+            raise ConfigError("optimizer", "muon needs whole matrices; use --parallel ddp with it")
         if tcfg.threads:
             torch.set_num_threads(tcfg.threads)
         domain = get_domain(tcfg, world)
@@ -130,6 +133,8 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
             domain.save_artifacts(out)
         world.barrier()
         trainer = Trainer(mcfg, tcfg, domain, world, out, run_config, callbacks)
+        if world.is_main and announce and not tcfg.threads and world.device.type == "cpu":
+            _hint_busy_cpu()  # after every input check, so a bad input still gets exactly one line
         if world.is_main and announce:
             what = f"resuming from {resume_ckpt}" if resume_ckpt else "training"
             announce(f"difftx train: {what}: {mcfg.attention} attention, {mcfg.preset or 'custom'} "
@@ -155,3 +160,16 @@ def _require_tensorboard() -> None:
         import tensorboard  # noqa: F401
     except ImportError:
         raise ConfigError("tensorboard", "needs the tensorboard package: pip install 'difftx[tensorboard]'") from None
+
+
+def _hint_busy_cpu() -> None:
+    """Say so when the CPU is oversubscribed: OpenMP threads then wait on each other (10x slower steps)."""
+    import os
+
+    try:
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    except OSError:
+        return
+    if torch.get_num_threads() > 1 and load > cores:
+        print(f"difftx train: the CPU is busy (load {load:.1f} on {cores} cores); --threads 1 may train much "
+              "faster", file=sys.stderr)

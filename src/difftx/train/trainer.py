@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from ..errors import ConfigError, DifftxError
+from ..errors import DifftxError
 from ..io import clean_state_dict
 from ..models import build_model
 from ..optim import build_optimizer, lr_at, set_lr
@@ -92,8 +92,6 @@ class Trainer:
         self.run_dir, self.run_config = Path(run_dir), run_config
         self.callbacks = list(callbacks)
         self.parallel = resolve_parallel(cfg.parallel, world)
-        if self.parallel == "fsdp" and cfg.optimizer == "muon":
-            raise ConfigError("optimizer", "muon needs whole matrices; use --parallel ddp with it")
         self.n_micro = cfg.accumulation(world.world_size)
         self.dtype = autocast_dtype(cfg.dtype, world.device)
 
