@@ -78,6 +78,11 @@ def run(args) -> int:
     if dst.is_dir() and any(dst.iterdir()) and not args.force:
         raise DifftxError(f"{dst}: directory is not empty; pick a new one or pass --force to overwrite")
     detected = detect_format(src)
+    if args.force and dst.is_dir() and dst.resolve() != src.resolve():
+        from ..interop.hf_io import BIN_FILE, BIN_INDEX, SAFE_INDEX
+
+        for stale in (SAFE_INDEX, BIN_FILE, BIN_INDEX):  # would shadow the new model.safetensors when read
+            (dst / stale).unlink(missing_ok=True)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     convert(src, dst, args.src_format, args.dst_format, pairing=args.pairing, rope_style=args.rope_style,
             diff_init=args.diff_init, dtype=dtype, depth=args.depth, variant=args.unilm_variant)
