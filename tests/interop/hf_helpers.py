@@ -35,7 +35,8 @@ def hf_llama(kind: str = "llama", heads: int = 4, kv: int = 2, tie: bool = False
     transformers = pytest.importorskip("transformers")
     common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                   num_attention_heads=heads, num_key_value_heads=kv, head_dim=16, max_position_embeddings=128,
-                  rms_norm_eps=eps, tie_word_embeddings=tie, attention_bias=bias)
+                  rms_norm_eps=eps, tie_word_embeddings=tie, attention_bias=bias,
+                  rope_parameters={"rope_type": "default", "rope_theta": 500.0})  # not the default: mapped
     if kind == "llama":
         cfg = transformers.LlamaConfig(mlp_bias=bias, **common)
         model = transformers.LlamaForCausalLM(cfg)

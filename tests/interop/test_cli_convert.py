@@ -11,7 +11,7 @@ import torch
 import difftx
 from difftx.errors import CheckpointError
 from difftx.interop.convert import convert, save_hf
-from hf_helpers import difftx_model, max_diff, tokens
+from .hf_helpers import difftx_model, max_diff, tokens
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 import difftx  # noqa: E402
 from difftx.errors import CheckpointError, ConfigError  # noqa: E402
 from difftx.interop.convert import convert, save_hf  # noqa: E402
-from hf_helpers import difftx_model, hf_llama, max_diff, tokens  # noqa: E402
+from .hf_helpers import difftx_model, hf_llama, max_diff, tokens  # noqa: E402
 
 TOL = 1e-5
 
@@ -126,3 +126,13 @@ def test_unsupported_config_is_one_clear_error(tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="llama3"):
         difftx.load_model(tmp_path / "hf")
+
+
+def test_llama_with_biases(tmp_path):
+    hf = hf_llama("llama", heads=4, kv=2, bias=True)
+    hf.save_pretrained(tmp_path / "hf")
+    model = difftx.load_model(tmp_path / "hf")
+    assert model.config.bias and model.layers[0].attn.q_proj.bias is not None
+    x = tokens(97)
+    with torch.no_grad():
+        assert max_diff(model(x).logits, hf(x).logits) < TOL

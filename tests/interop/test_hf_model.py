@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache  # noqa:
 
 import difftx  # noqa: E402
 from difftx.interop.hf import DifftxConfig, DifftxForCausalLM  # noqa: E402
-from hf_helpers import difftx_model, max_diff, tokens  # noqa: E402
+from .hf_helpers import difftx_model, max_diff, tokens  # noqa: E402
 
 KINDS = [
     dict(attention="softmax", n_heads=4, n_kv_heads=2),

@@ -8,7 +8,7 @@ import torch
 import difftx
 from difftx.interop.layouts import diff_components, pack_diff, relayout, rope_channel_index
 from difftx.nn.rope import RotaryEmbedding, apply_rope
-from hf_helpers import difftx_model, max_diff, tokens
+from .hf_helpers import difftx_model, max_diff, tokens
 
 
 def _relaid(model, **target):

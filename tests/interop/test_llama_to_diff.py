@@ -8,7 +8,7 @@ import torch
 import difftx
 from difftx.errors import ConfigError
 from difftx.interop.llama_to_diff import llama_to_diff
-from hf_helpers import difftx_model, max_diff, tokens
+from .hf_helpers import difftx_model, max_diff, tokens
 
 GQA = dict(attention="softmax", n_heads=4, n_kv_heads=2)
 

@@ -18,7 +18,7 @@ from difftx.data.tokenizers import ByteTokenizer
 from difftx.errors import DifftxError
 from difftx.interop import lm_eval as adapter
 from difftx.interop.lm_eval import DifftxLM
-from hf_helpers import difftx_model
+from .hf_helpers import difftx_model
 
 
 @pytest.fixture(scope="module")

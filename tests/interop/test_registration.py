@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from conftest import cli_env  # noqa: E402
+from ..conftest import cli_env  # noqa: E402
 
 LAZY = """
 import sys, difftx

@@ -126,6 +126,7 @@ def llama_config_dict(cfg: ModelConfig, fmt: str) -> dict:
         head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_theta=cfg.rope_theta,  # the pre-v5 spelling, for older transformers
         attention_bias=cfg.bias, attention_dropout=0.0, use_cache=True, dtype="float32",
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
