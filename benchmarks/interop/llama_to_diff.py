@@ -40,7 +40,7 @@ def batches(data: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
         yield x[:, :-1], x[:, 1:]
 
 
-def train(model, data, steps, lr, batch, seq, seed):
+def train(model, data, steps, lr, batch, seq, seed, label=""):
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     model.train()
@@ -54,6 +54,8 @@ def train(model, data, steps, lr, batch, seq, seed):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if (step + 1) % 50 == 0:
+            print(f"  {label} step {step + 1}/{steps} loss {float(loss):.3f}", file=sys.stderr, flush=True)
     model.eval()
     return model
 
@@ -89,7 +91,7 @@ def main(argv=None):
     cfg = difftx.ModelConfig(attention="softmax", d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
                              vocab_size=256, max_seq_len=args.seq, norms="S1", norm_eps=1e-6)
     t0 = time.time()
-    source = train(difftx.build_model(cfg), train_data, args.steps, 3e-3, args.batch, args.seq, args.seed)
+    source = train(difftx.build_model(cfg), train_data, args.steps, 3e-3, args.batch, args.seq, args.seed, "source")
     train_s = time.time() - t0
     gen = torch.Generator().manual_seed(args.seed + 1)
     x, y = next(batches(val_data, 32, args.seq, gen))
@@ -113,7 +115,7 @@ def main(argv=None):
 
     if args.finetune_steps:
         for name, model in [("source (Llama)", source)] + list(arms.items()):
-            tuned = train(model, train_data, args.finetune_steps, 1e-3, args.batch, args.seq, args.seed + 2)
+            tuned = train(model, train_data, args.finetune_steps, 1e-3, args.batch, args.seq, args.seed + 2, name)
             rows[name]["loss_after_finetune"] = measure(tuned, source_logits, x, y)["loss"]
 
     head = f"{'arm':30s} {'params':>8s} {'val loss':>9s} {'KL nats/tok':>12s} {'max|dlogit|':>12s} {'top1 agree':>10s}"

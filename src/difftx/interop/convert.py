@@ -30,7 +30,7 @@ import torch
 
 from ..config import NORM_FLAGS, NORM_PRESETS, ModelConfig
 from ..errors import CheckpointError, ConfigError, DifftxError
-from ..io import clean_state_dict, is_model_dir, load_safetensors, read_model_config, save_model
+from ..io import WEIGHTS_FILE, clean_state_dict, is_model_dir, load_safetensors, read_model_config, save_model
 from . import hf_io
 from .layouts import relayout
 
@@ -195,7 +195,7 @@ def detect_format(path) -> str:
     path = Path(path)
     if path.is_file():
         return "unilm"
-    if is_model_dir(path):
+    if is_model_dir(path) or _is_difftx_run(path):
         return "difftx"
     if hf_io.is_hf_dir(path):
         model_type = hf_io.read_hf_config(path)["model_type"]
@@ -207,6 +207,14 @@ def detect_format(path) -> str:
         raise CheckpointError(f"{path}: no such file or directory")
     raise CheckpointError(f"{path}: neither a difftx model directory nor a Hugging Face directory "
                           "(config.json with model_type)")
+
+
+def _is_difftx_run(path: Path) -> bool:
+    """A difftx training run or checkpoint directory (load_model resolves it to a model)."""
+    try:
+        return "difftx_format" in hf_io.read_json(path / hf_io.CONFIG_FILE)
+    except CheckpointError:
+        return False
 
 
 def read_hf_as_difftx(path) -> tuple[ModelConfig, dict]:
@@ -238,7 +246,12 @@ def read_any(path) -> tuple[ModelConfig, dict, str]:
         raise DifftxError(f"{path}: a unilm attention state dict holds one module, not a model; "
                           "use difftx.interop.unilm.load_unilm_attention")
     if fmt == "difftx":
-        return read_model_config(path), clean_state_dict(load_safetensors(Path(path) / "model.safetensors")), fmt
+        if is_model_dir(path):
+            return read_model_config(path), clean_state_dict(load_safetensors(Path(path) / WEIGHTS_FILE)), fmt
+        from ..io import load_model
+
+        model = load_model(path)  # a run or checkpoint directory: its newest checkpoint
+        return model.config, clean_state_dict(model.state_dict()), fmt
     cfg, state = read_hf_as_difftx(path)
     return cfg, state, fmt
 
@@ -336,8 +349,9 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
             raise DifftxError("unilm attention modules convert to difftx modules only (--to difftx)")
         return convert_unilm_file(src, dst, depth=depth, variant=variant, pairing=pairing, rope_style=rope_style)
     if dst_format is None:
-        if detected == "difftx":
-            raise DifftxError("converting a difftx model needs --to (hf-llama, hf-diffllama or hf-difftx)")
+        if detected == "difftx" and not (diff_init or pairing or rope_style):
+            raise DifftxError("converting a difftx model needs --to (hf-llama, hf-diffllama or hf-difftx), "
+                              "or --diff-init / --pairing / --rope-style")
         dst_format = "difftx"
     if dst_format not in FORMATS:
         raise DifftxError(f"unknown --to {dst_format!r}; one of {', '.join(FORMATS)}")
