@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
     p.add_argument("--from", dest="src_format", default="auto", choices=("auto",) + FORMATS + ("unilm",),
                    help="source format (default: detected from SRC)")
     p.add_argument("--to", dest="dst_format", choices=FORMATS,
-                   help="destination format (default: difftx; required when SRC is difftx)")
+                   help="destination format (default: difftx; a difftx SRC needs --to unless it is re-laid out or "
+                        "given --diff-init)")
     p.add_argument("--pairing", choices=("adjacent", "halves"),
                    help="DIFF head pairing of a difftx result (rows re-laid out; the function is unchanged)")
     p.add_argument("--rope-style", choices=("half", "interleaved"),
