@@ -153,7 +153,7 @@ def add_parser(sub) -> None:
 # ----------------------------------------------------------------------------- running
 def _say(args, msg: str) -> None:
     if not getattr(args, "quiet", False):
-        print(msg, file=sys.stderr, flush=True)
+        print(msg, flush=True)
 
 
 def _depths(values) -> list[float]:
@@ -268,13 +268,15 @@ def _run_lm_eval(args) -> int:
 def run(args) -> int:
     if args.eval_name == "lm-eval":
         return _run_lm_eval(args)
-    from ..evals.common import Timer, envelope, load_checkpoint, resolve_device, write_result
+    from ..evals.common import Timer, envelope, load_checkpoint, read_text_file, resolve_device, write_result
     from ..evals.quant import quantized_logits
 
     if args.eval_name == "quant" and args.quant_bits is not None:
         raise ConfigError("--quant-bits", "'difftx eval quant' sweeps --bits itself; leave --quant-bits out")
     if args.quant_bits is not None and not 2 <= args.quant_bits <= 32:
         raise ConfigError("--quant-bits", f"must be between 2 and 32, got {args.quant_bits}")
+    if getattr(args, "data", None) is not None:
+        read_text_file(args.data)  # a bad --data fails before the checkpoint loads
     device = resolve_device(args.device)
     model, tok = load_checkpoint(args.checkpoint, device=str(device))
     if getattr(model.config, "domain", "lm") != "lm":

@@ -103,15 +103,19 @@ class Haystack:
             raise DataError("the haystack corpus is empty")
 
     def take(self, rng, n_tokens: int) -> tuple[list[int], list[int]]:
-        """``n_tokens`` tokens from a random sentence on, and the sentence-start offsets within them (incl. 0 and end)."""
+        """``n_tokens`` tokens of whole sentences from a random sentence on, and the sentence boundaries in them.
+
+        The excess is cut from the front of the first sentence, so the last
+        boundary (depth 100%) is a real sentence end; the first is the start.
+        """
         i = int(rng.integers(len(self.sentences)))
-        ids, bounds = [], [0]
+        ids, ends = [], []
         while len(ids) < n_tokens:
             ids.extend(self.sentences[i % len(self.sentences)])
-            bounds.append(len(ids))
+            ends.append(len(ids))
             i += 1
-        ids = ids[:n_tokens]
-        return ids, sorted({min(b, n_tokens) for b in bounds})
+        cut = len(ids) - n_tokens
+        return ids[cut:], [0] + [e - cut for e in ends if e - cut > 0]
 
 
 @dataclass
