@@ -59,7 +59,8 @@ def _common(p, corpus: bool = True) -> None:
     p.add_argument("--no-plot", action="store_true", help="do not write NAME.png")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     if corpus:
-        p.add_argument("--data", default=None, help="UTF-8 text file (default: the built-in corpus)")
+        p.add_argument("--data", default=None,
+                       help="UTF-8 text file (default: the tail of the built-in corpus, the trainer's validation split)")
 
 
 def _niah_like(p) -> None:
@@ -147,6 +148,7 @@ def add_parser(sub) -> None:
     q.add_argument("--limit", type=float, default=None, help="examples per task (or a fraction)")
     q.add_argument("--batch-size", type=_positive, default=None, help="batch size")
     q.add_argument("--device", default=None, help="cpu, cuda, ...")
+    q.add_argument("--seed", type=int, default=None, help="the harness's seeds (default: the adapter's)")
     p.set_defaults(func=run)
 
 
@@ -253,7 +255,7 @@ def _run_lm_eval(args) -> int:
     from ..evals.common import Timer, envelope, write_result
 
     kwargs = {k: v for k, v in dict(num_fewshot=args.num_fewshot, limit=args.limit, batch_size=args.batch_size,
-                                    device=args.device).items() if v is not None}
+                                    device=args.device, seed=args.seed).items() if v is not None}
     with Timer() as t:
         try:
             results = run_lm_eval(args.checkpoint, args.tasks, **kwargs)

@@ -68,48 +68,46 @@ def context_limit(model, cap: Optional[int] = None) -> int:
 
 
 # ----------------------------------------------------------------------------- corpora
-_FALLBACK_MODULES = ("this.py", "textwrap.py", "argparse.py", "string.py", "difflib.py", "fractions.py",
-                     "statistics.py", "calendar.py", "heapq.py", "bisect.py", "shlex.py", "getopt.py",
-                     "optparse.py", "configparser.py", "csv.py", "pprint.py", "reprlib.py", "gettext.py")
-
-
-def _fallback_corpus(min_chars: int) -> str:
-    """A deterministic corpus present on every Python install: some standard-library modules' source."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+def _stdlib_tail(min_chars: int) -> str:
+    """Local fallback: the last ``min_chars`` characters of the sorted standard-library ``*.py`` files."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     parts, n = [], 0
-    for name in _FALLBACK_MODULES:
-        p = root / name
-        if p.is_file():
-            t = p.read_text(encoding="utf-8", errors="replace")
-            parts.append(t)
-            n += len(t)
-            if n >= min_chars:
-                break
+    for p in reversed(files):
+        t = p.read_text(encoding="utf-8", errors="replace")
+        parts.append(t)
+        n += len(t)
+        if n >= min_chars:
+            break
     if not parts:
         raise DataError("no built-in corpus found (the Python standard library source is missing); pass --data PATH")
-    return "\n".join(parts)
+    return "\n".join(reversed(parts))[-min_chars:]
 
 
 def corpus_text(path=None, min_chars: int = 200_000, split: str = "val") -> str:
-    """Text to evaluate on: the file at ``path``, else the built-in corpus.
+    """Text to evaluate on; the one place evaluations get a corpus from.
 
-    The built-in corpus comes from :mod:`difftx.data.corpus` when it exists (its
-    ``split`` part), else from a small local fallback (standard-library source).
-    This function is the only place evaluations get a default corpus from.
+    ``path``: a UTF-8 text file, read from its start (with
+    :mod:`difftx.data.corpus`, also a directory, glob or JSONL file, as
+    ``difftx train --data`` takes).  No path: the built-in corpus (the sorted
+    standard-library ``*.py`` files, as the trainer's); for ``split="val"`` its
+    last ``min_chars`` characters, inside the trainer's validation tail (the
+    last 10% of the stream, about 500 kB) when ``min_chars`` is below that.
     """
-    if path is not None:
-        return read_text_file(path)
     try:
-        from ..data import corpus as corpus_mod  # written by the training work; optional here
+        from ..data import corpus as corpus_mod  # the training work's corpus reader, when present
     except ImportError:
         corpus_mod = None
-    fn = getattr(corpus_mod, "builtin_text", None) if corpus_mod is not None else None
-    if fn is not None:
-        try:
-            return fn(split=split, min_chars=min_chars)
-        except TypeError:
-            return fn()
-    return _fallback_corpus(min_chars)
+    if path is not None:
+        p = Path(path)
+        if p.is_file() and p.suffix != ".jsonl":
+            return read_text_file(p)
+        if corpus_mod is None or not hasattr(corpus_mod, "resolve_corpus"):
+            return read_text_file(p)
+        return "\n".join(corpus_mod.resolve_corpus(str(path)).texts())
+    if corpus_mod is not None and hasattr(corpus_mod, "builtin_corpus"):
+        text = "\n".join(corpus_mod.builtin_corpus().texts())
+        return text[-min_chars:] if split == "val" else text
+    return _stdlib_tail(min_chars)
 
 
 def read_text_file(path) -> str:
@@ -129,7 +127,8 @@ def encode(tokenizer, text: str, what: str = "text") -> list[int]:
     try:
         return list(tokenizer.encode(text))
     except DataError as e:
-        raise DataError(f"cannot encode the {what} with this checkpoint's tokenizer: {e}") from None
+        raise DataError(f"cannot encode the {what} with this checkpoint's tokenizer ({e}); "
+                        "pass --data with text the tokenizer covers") from None
 
 
 # ----------------------------------------------------------------------------- probes
