@@ -106,7 +106,7 @@ class DecoderLM(ModelMixin, nn.Module):
             x = self.input_norm(x)
         x = F.dropout(x, cfg.dropout if self.training else 0.0)
 
-        rope = self.rope.cos_sin(position_ids) if self.rope is not None else None
+        rope = self.rope.cos_sin(position_ids, x.dtype) if self.rope is not None else None
         mask = AttnMask(causal=True, n_q=n, n_k=q_start + n, q_start=q_start, key_valid=key_valid)
         for block in self.layers:
             x = block(x, rope, mask, cache)

@@ -82,7 +82,7 @@ class VisionEncoder(ModelMixin, nn.Module):
             x = self.input_norm(x)
         x = F.dropout(x, cfg.dropout if self.training else 0.0)
         n = x.shape[1]
-        rope = self.rope.cos_sin(torch.arange(n, device=x.device)) if self.rope is not None else None
+        rope = self.rope.cos_sin(torch.arange(n, device=x.device), x.dtype) if self.rope is not None else None
         mask = AttnMask(causal=False, n_q=n, n_k=n)
         for block in self.layers:
             x = block(x, rope, mask)

@@ -27,7 +27,7 @@ from torch import nn
 
 from . import backends
 from .mask import AttnMask
-from .norms import RMSNorm, make_norm
+from .norms import RMSNorm, make_norm, upcast
 from .rope import apply_rope
 
 
@@ -142,7 +142,7 @@ class DifferentialAttention(AttentionBase):
 
     def lambda_full(self) -> torch.Tensor:
         """The layer's scalar lambda, in float32 (SPEC eq. 2)."""
-        f = torch.float32
+        f = torch.float64 if self.lambda_q1.dtype == torch.float64 else torch.float32
         l1 = torch.exp(torch.sum(self.lambda_q1.to(f) * self.lambda_k1.to(f)))
         l2 = torch.exp(torch.sum(self.lambda_q2.to(f) * self.lambda_k2.to(f)))
         return l1 - l2 + self.lambda_init
@@ -181,7 +181,7 @@ class DifferentialAttention(AttentionBase):
                 o1, o2 = backends.flex(q1, k1, v, mask, self.scale), backends.flex(q2, k2, v, mask, self.scale)
             else:
                 o1, o2 = backends.diff_sdpa(q1, q2, k1, k2, v, mask, self.scale, p, self.diff_variant)
-            o = o1.float() - lam * o2.float()
+            o = upcast(o1) - lam * upcast(o2)
         if self.head_norm is not None:
             o = self.head_norm(o) * (1.0 - self.lambda_init)
         return self.out_proj(_merge(o.to(x.dtype)))
@@ -213,14 +213,15 @@ class DiffV2Attention(AttentionBase):
         v = _heads(self.v_proj(x), self.n_kv_heads, d)
         if cache is not None:
             k, v = cache.update(self.layer - 1, k, v)
-        lam = torch.sigmoid(F.linear(x.float(), self.lambda_proj.weight.float()))  # (B, N, h), fp32
+        xf = upcast(x)
+        lam = torch.sigmoid(F.linear(xf, self.lambda_proj.weight.to(xf.dtype)))  # (B, N, h), >= fp32
         self.last_lambda = lam.detach().mean()
         lam = lam.transpose(1, 2)[..., None]  # (B, h, N, 1)
         if self._backend(q.device) == "eager":
             o = backends.eager_v2_attention(q, k, v, lam, mask, self.scale, self._dropout_p(), self.probe, self.layer)
         else:
             o = self._attend(q, k, v, mask)
-            o = o[:, 0::2].float() - lam * o[:, 1::2].float()
+            o = upcast(o[:, 0::2]) - lam * upcast(o[:, 1::2])
         return self.out_proj(_merge(o.to(x.dtype)))
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .mask import AttnMask
+from .norms import upcast
 
 DIFF_SDPA_VARIANTS = ("auto", "2call", "4call")
 _FLEX = None
@@ -41,7 +42,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 def eager_logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention logits q k^T * scale in float32, K/V heads repeated to the query heads."""
     k = repeat_kv(k, q.shape[1] // k.shape[1])
-    return torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    return torch.matmul(upcast(q), upcast(k).transpose(-1, -2)) * scale
 
 
 def masked_softmax(logits: torch.Tensor, mask: AttnMask) -> torch.Tensor:
@@ -62,7 +63,7 @@ def eager_attention(q, k, v, mask: AttnMask, scale: float, dropout_p: float = 0.
     if dropout_p > 0:
         probs = F.dropout(probs, dropout_p)
     v = repeat_kv(v, q.shape[1] // v.shape[1])
-    return torch.matmul(probs, v.float()).to(q.dtype)
+    return torch.matmul(probs, upcast(v)).to(q.dtype)
 
 
 def eager_diff_attention(q1, q2, k1, k2, v, lam: torch.Tensor, mask: AttnMask, scale: float,
@@ -76,7 +77,7 @@ def eager_diff_attention(q1, q2, k1, k2, v, lam: torch.Tensor, mask: AttnMask, s
         probe.observe(layer, [l1, l2], a1 - lam * a2, mask.dense(l1.device))
     if dropout_p > 0:
         a1, a2 = F.dropout(a1, dropout_p), F.dropout(a2, dropout_p)
-    v = repeat_kv(v, q1.shape[1] // v.shape[1]).float()
+    v = upcast(repeat_kv(v, q1.shape[1] // v.shape[1]))
     return torch.matmul(a1 - lam * a2, v)
 
 
@@ -91,7 +92,7 @@ def eager_v2_attention(q, k, v, lam: torch.Tensor, mask: AttnMask, scale: float,
         probe.observe(layer, [logits], probs[:, 0::2] - lam * probs[:, 1::2], mask.dense(logits.device))
     if dropout_p > 0:
         probs = F.dropout(probs, dropout_p)
-    o = torch.matmul(probs, repeat_kv(v, q.shape[1] // v.shape[1]).float())
+    o = torch.matmul(probs, upcast(repeat_kv(v, q.shape[1] // v.shape[1])))
     return o[:, 0::2] - lam * o[:, 1::2]
 
 

@@ -1,4 +1,4 @@
-"""Normalisation layers, computed in float32 whatever the activation dtype.
+"""Normalisation layers, computed in float32 (float64 for float64 inputs) whatever the activation dtype.
 
 RMSNorm is the default everywhere (per-head norm of DIFF, DNT's placements,
 QK-norm); LayerNorm is there for GPT-2/ViT layouts and the seed Transformer.
@@ -11,6 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least float32: half/bfloat16 go up to float32, float32/float64 stay as they are."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, over the last ``dim`` channels, in fp32."""
 
@@ -21,8 +26,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight is None else self.weight.float()
-        return F.rms_norm(x.float(), (self.dim,), w, self.eps).to(x.dtype)
+        xf = upcast(x)
+        w = None if self.weight is None else self.weight.to(xf.dtype)
+        return F.rms_norm(xf, (self.dim,), w, self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, weight={self.weight is not None}"
@@ -39,9 +45,10 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight is None else self.weight.float()
-        b = None if self.bias is None else self.bias.float()
-        return F.layer_norm(x.float(), (self.dim,), w, b, self.eps).to(x.dtype)
+        xf = upcast(x)
+        w = None if self.weight is None else self.weight.to(xf.dtype)
+        b = None if self.bias is None else self.bias.to(xf.dtype)
+        return F.layer_norm(xf, (self.dim,), w, b, self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, weight={self.weight is not None}"

@@ -13,6 +13,10 @@ from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
+    """Angles position * theta^(-2i/d).  No buffers: the frequencies are recomputed per call (a
+    few hundred numbers) so casting the model never degrades them.  Computed in float32 (exactly
+    as transformers' LLaMA does) or in float64 for float64 models."""
+
     def __init__(self, head_dim: int, theta: float = 10000.0, style: str = "half"):
         super().__init__()
         if head_dim % 2:
@@ -20,15 +24,19 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.theta = theta
         self.style = style
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 cos, sin of shape (B or 1, 1, N, d/2) for integer ``positions`` (N,) or (B, N)."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
+        """cos, sin of shape (B or 1, 1, N, d/2) for integer ``positions`` (N,) or (B, N)."""
         if positions.dim() == 1:
             positions = positions[None]
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        idx = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=positions.device).to(compute)
+        inv_freq = 1.0 / (self.theta ** (idx / self.head_dim))
+        freqs = positions.to(compute)[..., None] * inv_freq
         return freqs.cos()[:, None], freqs.sin()[:, None]
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}, style={self.style}"
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:

@@ -1,0 +1,99 @@
+"""generate(): greedy, sampling filters, stop tokens, batched left padding, cache vs no cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from difftx import DifftxError, ModelConfig, build_model
+from difftx.models.generation import sample_next
+
+
+def model_for(attention):
+    torch.manual_seed(0)
+    cfg = ModelConfig(attention=attention, d_model=32, n_layers=2, n_heads=2 if attention == "diff" else 4,
+                      vocab_size=53, max_seq_len=64)
+    return build_model(cfg).eval()
+
+
+@pytest.mark.parametrize("attention", ["softmax", "diff", "diff2"])
+def test_greedy_cache_equals_no_cache_and_argmax(attention):
+    model = model_for(attention)
+    x = torch.randint(0, 53, (2, 6))
+    a = model.generate(x, max_new_tokens=8, temperature=0)
+    b = model.generate(x, max_new_tokens=8, temperature=0, use_cache=False)
+    assert torch.equal(a, b)
+    assert a.shape == (2, 14) and torch.equal(a[:, :6], x)
+    # each generated token is the argmax of a full forward over its prefix
+    with torch.no_grad():
+        for t in range(6, 14):
+            assert torch.equal(model(a[:, :t]).logits[:, -1].argmax(-1), a[:, t])
+
+
+@pytest.mark.parametrize("attention", ["softmax", "diff", "diff2"])
+def test_batched_left_padding_equals_single_rows(attention):
+    model = model_for(attention)
+    rows = [torch.randint(1, 53, (n,)) for n in (3, 7, 5)]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        mask[i, width - len(r):] = 1
+    batched = model.generate(ids, max_new_tokens=6, temperature=0, attention_mask=mask)
+    for i, r in enumerate(rows):
+        single = model.generate(r[None], max_new_tokens=6, temperature=0)
+        assert torch.equal(batched[i, width:], single[0, len(r):])
+
+
+def test_sampling_filters():
+    logits = torch.tensor([[0.0, 5.0, 4.9, -1.0, 3.0]])
+    g = torch.Generator().manual_seed(0)
+    # top_k=1 and tiny top_p are greedy
+    assert all(int(sample_next(logits, 1.0, top_k=1, generator=g)) == 1 for _ in range(20))
+    assert all(int(sample_next(logits, 1.0, top_p=0.01, generator=g)) == 1 for _ in range(20))
+    # top_k=2 only ever yields the two largest
+    draws = {int(sample_next(logits, 1.0, top_k=2, generator=g)) for _ in range(200)}
+    assert draws == {1, 2}
+    # top_p=0.9: the smallest prefix of sorted tokens whose mass reaches 0.9: {1, 2}
+    probs = torch.softmax(logits, -1)[0]
+    assert float(probs[1] + probs[2]) > 0.9
+    draws = {int(sample_next(logits, 1.0, top_p=0.9, generator=g)) for _ in range(300)}
+    assert draws == {1, 2}
+    # high temperature spreads the mass
+    draws = {int(sample_next(logits, 100.0, generator=g)) for _ in range(500)}
+    assert draws == {0, 1, 2, 3, 4}
+
+
+def test_sampling_is_reproducible_with_a_generator():
+    model = model_for("diff")
+    x = torch.randint(0, 53, (2, 4))
+    a = model.generate(x, 10, temperature=0.8, top_k=20, generator=torch.Generator().manual_seed(3))
+    b = model.generate(x, 10, temperature=0.8, top_k=20, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+
+
+def test_stop_tokens_finish_rows():
+    model = model_for("softmax")
+    x = torch.randint(0, 53, (2, 4))
+    free = model.generate(x, max_new_tokens=10, temperature=0)
+    stop = int(free[0, 6])  # the third generated token of row 0
+    out = model.generate(x, max_new_tokens=10, temperature=0, stop_tokens=[stop], pad_token_id=-1)
+    gen0 = out[0, 4:].tolist()
+    first = gen0.index(stop)
+    assert all(t == -1 for t in gen0[first + 1:])
+    if stop not in free[1, 4:].tolist():
+        assert torch.equal(out[1, 4:], free[1, 4:out.shape[1]])
+
+
+def test_generation_respects_learned_position_limit():
+    cfg = ModelConfig(d_model=32, n_layers=1, n_heads=4, vocab_size=11, max_seq_len=8, positions="learned")
+    model = build_model(cfg)
+    with pytest.raises(DifftxError, match="max_seq_len"):
+        model.generate(torch.zeros(1, 5, dtype=torch.long), max_new_tokens=4)
+
+
+def test_generate_restores_training_mode():
+    model = model_for("diff").train()
+    model.generate(torch.zeros(1, 2, dtype=torch.long), 2)
+    assert model.training

@@ -1,0 +1,241 @@
+"""The decoder LM: causality, cache equals full forward, padding, norm placement, backends, save/load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import difftx
+import difftx.accounting
+from difftx import ModelConfig, build_model
+from difftx.nn.norms import LayerNorm, RMSNorm
+
+KINDS = ["softmax", "diff", "diff2"]
+
+
+def tiny(attention="softmax", **kw):
+    base = dict(d_model=32, n_layers=2, n_heads=4, vocab_size=61, max_seq_len=64)
+    if attention == "diff":
+        base.update(n_heads=2)
+    base.update(kw)
+    return ModelConfig(attention=attention, **base)
+
+
+@pytest.mark.parametrize("attention", KINDS)
+@pytest.mark.parametrize("norms", ["S1", "dnt", "post"])
+def test_causality(attention, norms):
+    torch.manual_seed(0)
+    model = build_model(tiny(attention, norms=norms)).eval()
+    x = torch.randint(0, 61, (2, 12))
+    t = 5
+    y = x.clone()
+    y[:, t] = (y[:, t] + 7) % 61
+    with torch.no_grad():
+        a, b = model(x).logits, model(y).logits
+    assert torch.equal(a[:, :t], b[:, :t]), "a change at t leaked into earlier positions"
+    assert (a[:, t:] - b[:, t:]).abs().amax(-1).min() > 0, "a change at t must change every later position"
+
+
+@pytest.mark.parametrize("attention", KINDS)
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_incremental_decoding_equals_full_forward(attention, positions):
+    torch.manual_seed(0)
+    model = build_model(tiny(attention, positions=positions, n_kv_heads=1 if attention == "diff" else 2)).eval()
+    x = torch.randint(0, 61, (3, 20))
+    with torch.no_grad():
+        full = model(x).logits
+        cache = model.new_cache(3, 20)
+        parts = [model(x[:, :7], cache=cache).logits]          # prefill
+        for t in range(7, 13):                                   # one token at a time
+            parts.append(model(x[:, t:t + 1], cache=cache).logits)
+        parts.append(model(x[:, 13:], cache=cache).logits)      # a chunk into a non-empty cache
+        inc = torch.cat(parts, dim=1)
+    assert (inc - full).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("attention", KINDS)
+def test_left_padding_matches_unpadded(attention):
+    """A left-padded row gives the logits of the same row without padding (positions skip the pads)."""
+    torch.manual_seed(0)
+    model = build_model(tiny(attention)).eval()
+    row = torch.randint(1, 61, (1, 9))
+    padded = torch.cat((torch.zeros(1, 4, dtype=torch.long), row), dim=1)
+    mask = torch.cat((torch.zeros(1, 4), torch.ones(1, 9)), dim=1)
+    with torch.no_grad():
+        ref = model(row).logits
+        out = model(padded, attention_mask=mask).logits[:, 4:]
+        assert (out - ref).abs().max() < 1e-5
+        # and incrementally through the cache
+        cache = model.new_cache(1, 20)
+        first = model(padded, attention_mask=mask, cache=cache).logits[:, 4:]
+        nxt = torch.tensor([[5]])
+        step = model(nxt, cache=cache).logits
+        ref_step = model(torch.cat((row, nxt), dim=1)).logits[:, -1:]
+    assert (first - ref).abs().max() < 1e-5
+    assert (step - ref_step).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("attention", KINDS)
+def test_backends_agree_at_model_level(attention):
+    torch.manual_seed(0)
+    model = build_model(tiny(attention, n_kv_heads=1 if attention == "diff" else 2)).eval()
+    x = torch.randint(0, 61, (2, 10))
+    mask = torch.ones(2, 10)
+    mask[1, :3] = 0
+    outs = {}
+    with torch.no_grad():
+        for backend in ["eager", "sdpa", "flex"]:
+            model.set_attention_backend(backend)
+            outs[backend] = model(x, attention_mask=mask).logits
+    for backend, out in outs.items():
+        assert (out[mask.bool()] - outs["eager"][mask.bool()]).abs().max() < 2e-5, backend
+
+
+def test_diff_kv_cache_bytes_equal_transformer():
+    base = tiny("softmax", n_kv_heads=2)
+    diff = base.twin("diff")
+    x = torch.randint(0, 61, (2, 10))
+    sizes = {}
+    for cfg in (base, diff):
+        model = build_model(cfg).eval()
+        cache = model.new_cache(2, 16)
+        with torch.no_grad():
+            model(x, cache=cache)
+        sizes[cfg.attention] = cache.bytes()
+    assert sizes["diff"] == sizes["softmax"]
+    assert difftx.accounting.kv_cache_bytes_per_token(diff) == difftx.accounting.kv_cache_bytes_per_token(base)
+
+
+EXPECTED_NORMS = {
+    "S1": {"attn_norm", "ffn_norm"},
+    "S2": {"attn_norm", "ffn_norm", "attn.q_norm", "attn.k_norm"},
+    "S3": {"attn_norm", "ffn_norm", "attn.q_norm", "attn.k_norm"},
+    "S4": {"attn_norm", "ffn_norm", "attn.q_norm", "attn.k_norm", "attn_mid_norm", "ffn_mid_norm"},
+    "S5": {"attn_norm", "attn.q_norm", "attn.k_norm", "attn_mid_norm", "ffn_mid_norm"},
+    "post": {"attn_post_norm", "ffn_post_norm"},
+}
+
+
+@pytest.mark.parametrize("norms", list(EXPECTED_NORMS))
+@pytest.mark.parametrize("attention", ["softmax", "diff"])
+def test_norm_placement_structure(norms, attention):
+    model = build_model(tiny(attention, norms=norms))
+    block_norms = {n for n, m in model.layers[0].named_modules() if isinstance(m, (RMSNorm, LayerNorm))}
+    block_norms.discard("attn.head_norm")  # DIFF's per-head norm is part of the attention, not a placement
+    assert block_norms == EXPECTED_NORMS[norms]
+    assert (model.input_norm is not None) == (norms in ("S3", "S4", "S5"))
+    assert (model.final_norm is not None) == (norms != "post")
+
+
+def test_norm_behaviour_mid_input_and_qk():
+    """MidNorm output has unit RMS before the residual add; so does InputNorm's; QK-norm's per head."""
+    torch.manual_seed(0)
+    model = build_model(tiny("diff", norms="dnt", d_model=64)).eval()
+    with torch.no_grad():
+        model.embed.weight.normal_(0, 1)  # so eps (1e-5) is negligible against the mean square
+    seen = {}
+
+    def grab(name):
+        def hook(_m, inp, out):
+            seen[name] = (inp[0].detach(), out.detach())
+        return hook
+
+    model.input_norm.register_forward_hook(grab("input"))
+    model.layers[1].attn_mid_norm.register_forward_hook(grab("mid_attn"))
+    model.layers[1].ffn_mid_norm.register_forward_hook(grab("mid_ffn"))
+    model.layers[0].attn.q_norm.register_forward_hook(grab("q"))
+    with torch.no_grad():
+        model(torch.randint(0, 61, (2, 10)) * 3 % 61)
+    eps = model.config.norm_eps
+    for name in ("input", "mid_attn", "mid_ffn", "q"):
+        inp, out = seen[name]
+        rms = out.pow(2).mean(-1).sqrt()
+        ms_in = inp.pow(2).mean(-1)
+        expected = (ms_in / (ms_in + eps)).sqrt()  # unit RMS up to the eps in the denominator
+        assert torch.allclose(rms, expected, atol=1e-5), name
+    assert seen["q"][1].shape[-1] == model.config.head_dim  # per component head
+
+
+def test_layer_norm_and_bias_variants_build_and_train_step():
+    cfg = tiny("softmax", norm="layer", ffn="relu", bias=True, positions="sinusoidal", init="xavier", norms="post")
+    model = build_model(cfg)
+    x = torch.randint(0, 61, (2, 8))
+    out = model(x, targets=x)
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_loss_reductions_and_ignore_index():
+    model = build_model(tiny("diff"))
+    x = torch.randint(0, 61, (2, 8))
+    y = x.clone()
+    y[0, :3] = -100
+    mean = model(x, targets=y).loss
+    out = model(x, targets=y, loss_reduction="sum")
+    assert int(out.n_targets) == 13
+    assert torch.allclose(out.loss / 13, mean)
+
+
+@pytest.mark.parametrize("attention", KINDS)
+def test_save_and_load_roundtrip(tmp_path, attention):
+    model = build_model(tiny(attention, tie_embeddings=attention == "diff")).eval()
+    difftx.save_model(model, tmp_path / "m")
+    loaded = difftx.load_model(tmp_path / "m")
+    x = torch.randint(0, 61, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, loaded(x).logits)
+    assert loaded.config == model.config
+
+
+def test_load_errors_name_the_problem(tmp_path):
+    from difftx import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no such file"):
+        difftx.load_model(tmp_path / "missing")
+    model = build_model(tiny("diff"))
+    d = difftx.save_model(model, tmp_path / "m")
+    weights = d / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncate
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        difftx.load_model(d)
+    other = build_model(tiny("diff", d_model=64))
+    difftx.save_model(other, tmp_path / "o")
+    (tmp_path / "o" / "config.json").write_text((d / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="has shape"):
+        difftx.load_model(tmp_path / "o")
+
+
+def test_learned_positions_reject_overlong_input():
+    model = build_model(tiny("softmax", positions="learned", max_seq_len=8))
+    with pytest.raises(difftx.DifftxError, match="max_seq_len"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_dropout_trains_and_eval_is_deterministic():
+    model = build_model(tiny("diff", dropout=0.3))
+    x = torch.randint(0, 61, (2, 8))
+    model.train()
+    a, b = model(x).logits, model(x).logits
+    assert not torch.equal(a, b)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, model(x).logits)
+
+
+@pytest.mark.parametrize("attention", KINDS)
+def test_bf16_autocast_close_to_fp32(attention):
+    torch.manual_seed(0)
+    model = build_model(tiny(attention, d_model=64)).eval()
+    x = torch.randint(0, 61, (2, 16))
+    with torch.no_grad():
+        ref = model(x, targets=x).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x, targets=x)
+    assert out.logits.dtype == torch.bfloat16
+    assert abs(float(out.loss) - float(ref)) < 0.02 * float(ref)
+    # backward works under autocast and lambda's gradient stays fp32
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x, targets=x).loss.backward()
+    if attention == "diff":
+        assert model.layers[0].attn.lambda_q1.grad.dtype == torch.float32

@@ -1,0 +1,39 @@
+"""The vision encoder builds for every attention kind and norm placement and classifies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from difftx import DifftxError, ModelConfig, build_model
+from difftx.models.vision import patchify
+
+
+@pytest.mark.parametrize("attention", ["softmax", "diff", "diff2"])
+@pytest.mark.parametrize("pooling,positions", [("cls", "learned"), ("mean", "rope")])
+def test_vision_forward_backward(attention, pooling, positions):
+    cfg = ModelConfig(domain="vision", attention=attention, d_model=32, n_layers=2,
+                      n_heads=2 if attention == "diff" else 4, image_size=8, patch_size=2, in_channels=1,
+                      num_classes=5, pooling=pooling, positions=positions, norms="dnt")
+    model = build_model(cfg)
+    images = torch.randn(3, 1, 8, 8)
+    out = model(images, targets=torch.tensor([0, 1, 4]))
+    assert out.logits.shape == (3, 5)
+    out.loss.backward()
+    assert model.patch_embed.weight.grad is not None
+
+
+def test_patchify_layout():
+    img = torch.arange(2 * 4 * 4, dtype=torch.float32).reshape(1, 2, 4, 4)
+    p = patchify(img, 2)
+    assert p.shape == (1, 4, 8)
+    # first patch: channel 0 rows 0-1 cols 0-1, then channel 1 the same
+    assert p[0, 0].tolist() == [0, 1, 4, 5, 16, 17, 20, 21]
+    assert p[0, 1].tolist() == [2, 3, 6, 7, 18, 19, 22, 23]
+
+
+def test_vision_rejects_wrong_image_shape():
+    cfg = ModelConfig(domain="vision", d_model=32, n_layers=1, n_heads=4, image_size=8, patch_size=2,
+                      in_channels=1, num_classes=3)
+    with pytest.raises(DifftxError, match="images must be"):
+        build_model(cfg)(torch.randn(2, 1, 10, 10))

@@ -1,0 +1,48 @@
+"""`difftx info`: listing, JSON, and bad input as one line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_info_list(cli):
+    r = cli("info", "--list")
+    assert r.returncode == 0
+    for name in ("diff-3b", "transformer-3b", "ldnt-small", "vdnt-large", "gpt2-124m", "small"):
+        assert name in r.stdout
+
+
+def test_info_json(cli):
+    r = cli("info", "diff-1.4b", "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert {"params", "flops_per_token", "kv_cache_bytes_per_token", "config"} <= set(info)
+    assert info["config"]["attention"] == "diff" and info["config"]["n_heads"] == 8
+    twin = json.loads(cli("info", "transformer-1.4b", "--json").stdout)
+    assert abs(info["params"] - twin["params"]) / twin["params"] < 1e-3
+    assert info["kv_cache_bytes_per_token"] == twin["kv_cache_bytes_per_token"]
+    assert info["flops_per_token"] > twin["flops_per_token"]  # DIFF's two maps
+
+
+def test_info_twin_and_overrides(cli):
+    r = cli("info", "small", "--attention", "diff", "--norms", "dnt", "--set", "n_layers=2", "--json")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads(r.stdout)["config"]
+    assert (cfg["attention"], cfg["n_heads"], cfg["n_layers"], cfg["mid_norm_ffn"]) == ("diff", 4, 2, True)
+
+
+def _one_line_error(r):
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def test_info_bad_input(cli):
+    assert "unknown preset" in _one_line_error(cli("info", "diff-999b"))
+    assert "d_model" in _one_line_error(cli("info", "small", "--set", "d_model=-3"))
+    assert "n_kv_heads" in _one_line_error(cli("info", "small", "--set", "n_kv_heads=3"))
+    assert "--attention" in _one_line_error(cli("info", "small", "--attention", "linear"))
+    assert "unrecognized" in _one_line_error(cli("info", "small", "--bogus"))
+    assert "invalid choice" in _one_line_error(cli("frobnicate"))

@@ -1,0 +1,124 @@
+"""ModelConfig validation, derived fields, twins and presets."""
+
+from __future__ import annotations
+
+import pytest
+
+from difftx import ConfigError, ModelConfig
+from difftx.accounting import count_parameters, flops_per_token, kv_cache_bytes_per_token
+from difftx.presets import PRESETS
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(attention="diff", d_model=100, n_heads=3), "d_model"),        # 100 % (2*3) != 0
+    (dict(attention="softmax", d_model=100, n_heads=3), "d_model"),
+    (dict(d_model=384, n_heads=6, n_kv_heads=4), "n_kv_heads"),
+    (dict(d_model=-8), "d_model"),
+    (dict(n_layers=0), "n_layers"),
+    (dict(vocab_size=-1), "vocab_size"),
+    (dict(head_dim=-4), "head_dim"),
+    (dict(attention="linear"), "attention"),
+    (dict(norms="S9"), "norms"),
+    (dict(norm="batch"), "norm"),
+    (dict(ffn="moe"), "ffn"),
+    (dict(positions="alibi"), "positions"),
+    (dict(pairing="random"), "pairing"),
+    (dict(rope_style="yarn"), "rope_style"),
+    (dict(dropout=1.5), "dropout"),
+    (dict(lambda_init="warm"), "lambda_init"),
+    (dict(attention="diff2", pairing="halves"), "pairing"),
+    (dict(domain="vision", image_size=30, patch_size=4), "patch_size"),
+    (dict(head_dim=5), "head_dim"),  # odd head dim cannot rotate
+])
+def test_invalid_configs_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError) as info:
+        ModelConfig(**kwargs)
+    assert info.value.field == field
+    assert str(info.value).startswith(field)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_preset_and_field():
+    with pytest.raises(ConfigError, match="preset"):
+        ModelConfig.from_preset("diff-999b")
+    with pytest.raises(ConfigError, match="n_layer"):
+        ModelConfig.from_dict({"n_layer": 3})
+
+
+def test_derived_fields():
+    cfg = ModelConfig(attention="diff", d_model=256, n_heads=4)
+    assert cfg.head_dim == 32  # d_model / (2 h)
+    assert cfg.n_kv_heads == 4
+    assert cfg.ffn_dim == 704  # 8/3 * 256 = 682.7 rounded up to a multiple of 64
+    soft = ModelConfig(attention="softmax", d_model=256, n_heads=8)
+    assert soft.head_dim == 32
+    assert ModelConfig(ffn="gelu", d_model=128).ffn_dim == 512
+    # replace re-derives what depends on a changed field, keeps explicit ones
+    assert cfg.replace(d_model=512).head_dim == 64
+    assert cfg.replace(d_model=512, head_dim=16).head_dim == 16
+
+
+def test_roundtrip_dict():
+    cfg = ModelConfig.from_preset("small", attention="diff", norms="dnt")
+    again = ModelConfig.from_dict(cfg.to_dict())
+    assert again == cfg
+
+
+@pytest.mark.parametrize("name,flags", [
+    ("S1", {"pre_norm_attn", "pre_norm_ffn", "final_norm"}),
+    ("S2", {"pre_norm_attn", "pre_norm_ffn", "final_norm", "qk_norm"}),
+    ("S3", {"pre_norm_attn", "pre_norm_ffn", "final_norm", "qk_norm", "input_norm"}),
+    ("S4", {"pre_norm_attn", "pre_norm_ffn", "final_norm", "qk_norm", "input_norm", "mid_norm_attn",
+            "mid_norm_ffn"}),
+    ("S5", {"pre_norm_attn", "final_norm", "qk_norm", "input_norm", "mid_norm_attn", "mid_norm_ffn"}),
+    ("dnt", {"pre_norm_attn", "final_norm", "qk_norm", "input_norm", "mid_norm_attn", "mid_norm_ffn"}),
+    ("post", {"post_norm"}),
+])
+def test_norm_presets_match_spec(name, flags):
+    cfg = ModelConfig(norms=name)
+    on = {k for k, v in cfg.norm_placement.items() if v}
+    assert on == flags
+    # an explicit flag overrides the preset
+    assert ModelConfig(norms=name, final_norm=False).final_norm is False
+
+
+def test_twins_are_matched():
+    base = ModelConfig.from_preset("small")
+    diff = base.twin("diff")
+    assert (diff.n_heads, diff.head_dim, diff.n_kv_heads) == (base.n_heads // 2, base.head_dim, base.n_kv_heads // 2)
+    assert diff.twin("softmax") == base.replace()
+    p_base, p_diff = count_parameters(base), count_parameters(diff)
+    assert abs(p_diff - p_base) / p_base < 1e-3
+    v2 = base.twin("diff2")
+    assert abs(count_parameters(v2) - p_base) / p_base < 2e-3
+    assert ModelConfig.from_preset("small", attention="diff") == diff.replace(preset="small")
+
+
+@pytest.mark.parametrize("size", ["830m", "1.4b", "2.8b", "3b", "6.8b", "13b"])
+def test_diff_presets_and_twins_match_parameters(size):
+    diff = ModelConfig.from_preset(f"diff-{size}")
+    twin = ModelConfig.from_preset(f"transformer-{size}")
+    assert twin.n_heads == 2 * diff.n_heads and twin.head_dim == diff.head_dim
+    pd, pt = count_parameters(diff), count_parameters(twin)
+    assert abs(pd - pt) / pt < 1e-3
+    # the paper's sizes: 12 L d^2 + V d (SwiGLU 8/3 d, tied embeddings) within 0.2%
+    approx = 12 * diff.n_layers * diff.d_model ** 2 + diff.vocab_size * diff.d_model
+    assert abs(pd - approx) / approx < 2e-3
+    assert kv_cache_bytes_per_token(diff) == kv_cache_bytes_per_token(twin)
+    # DIFF's attention does 1.5x the map FLOPs of its twin; the rest is identical
+    assert flops_per_token(diff, 2048) > flops_per_token(twin, 2048)
+
+
+def test_every_preset_builds_on_meta():
+    for name in PRESETS:
+        cfg = ModelConfig.from_preset(name)
+        assert count_parameters(cfg) > 0
+
+
+def test_known_parameter_counts():
+    # GPT-2 124M (nanoGPT, vocab padded to 50304, tied, no biases): 123.59M as nanoGPT reports 124M
+    assert abs(count_parameters(ModelConfig.from_preset("gpt2-124m")) - 124.0e6) / 124e6 < 0.01
+    # ViT-L/16: ~304M; V-DNT-Large (307M in the paper's count)
+    assert abs(count_parameters(ModelConfig.from_preset("vit-large")) - 304e6) / 304e6 < 0.02
+    small = count_parameters(ModelConfig.from_preset("small"))
+    assert 20e6 < small < 30e6
