@@ -11,8 +11,8 @@ KINDS = ("softmax", "diff", "diff2")
 
 def tiny_model(kind: str = "diff", seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    cfg = difftx.ModelConfig(attention=kind, d_model=64, n_layers=2, n_heads=2, vocab_size=256, max_seq_len=256,
-                             **overrides)
+    fields = dict(attention=kind, d_model=64, n_layers=2, n_heads=2, vocab_size=256, max_seq_len=256)
+    cfg = difftx.ModelConfig(**{**fields, **overrides})
     return difftx.build_model(cfg).eval()
 
 

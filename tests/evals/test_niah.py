@@ -148,3 +148,14 @@ def test_training_task_is_pure_and_targets_only_answers():
         want = [p - 1 for a, e in s.answers for p in range(a, e)]
         assert kept == want
         assert torch.equal(y[i][kept], ids[[p + 1 for p in kept]])
+
+
+def test_short_context_models_rope_extrapolates_learned_positions_skip():
+    rope = tiny_model("softmax", max_seq_len=64)
+    r = evaluate_niah(rope, TOK, grid="N1R1", depths=[0.5], samples=1, text=haystack_text(), generation=False)
+    assert [c["length"] for c in r["cells"]] == [128, 256]  # trained at 64, evaluated from 256 down
+    learned = tiny_model("softmax", max_seq_len=256, positions="learned")
+    r = evaluate_niah(learned, TOK, grid="N1R1", lengths=[128, 512], depths=[0.5], samples=1, text=haystack_text(),
+                      generation=False)
+    assert [c["length"] for c in r["cells"]] == [128]
+    assert "max_seq_len=256" in r["skipped"][0]["reason"]

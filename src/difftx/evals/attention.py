@@ -36,7 +36,7 @@ import torch
 
 from ..errors import ConfigError
 from ..nn.probe import AttentionProbe
-from .common import attach, batches, context_limit, map_batch_size, model_device, pad_right
+from .common import attach, batches, hard_limit, map_batch_size, model_device, pad_right, task_context
 from .niah import DEPTHS, REGION_NAMES, NiahBuilder, NiahSample
 from .common import rng_for
 
@@ -141,7 +141,10 @@ def evaluate_attention(model, tokenizer, depths: Sequence[float] = DEPTHS, lengt
     """Table 3: share of attention on the answer and on the noise context, per depth, per layer and averaged."""
     if normalize not in NORMALIZATIONS:
         raise ConfigError("normalize", f"must be one of {NORMALIZATIONS}, got {normalize!r}")
-    length = int(length or context_limit(model, 1024))
+    length = int(length or task_context(model))
+    if hard_limit(model) is not None and length > hard_limit(model):
+        raise ConfigError("length", f"{length} exceeds max_seq_len={hard_limit(model)} of a model with "
+                                    f"{model.config.positions} positions")
     builder = NiahBuilder(tokenizer, text=text, data=data, template=template, digits=digits)
     by_depth = []
     for di, d in enumerate(depths):

@@ -24,7 +24,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..nn.probe import AttentionProbe, attach_probe
 
 SCHEMA_VERSION = 1
@@ -62,9 +62,28 @@ def model_summary(model) -> dict:
 
 
 def context_limit(model, cap: Optional[int] = None) -> int:
-    """Longest sequence an evaluation should feed by default: max_seq_len, capped (RoPE could go further)."""
+    """The model's trained context, max_seq_len, capped (for LM windows: no extrapolation needed)."""
     n = int(model.config.max_seq_len)
     return min(n, cap) if cap else n
+
+
+def hard_limit(model) -> Optional[int]:
+    """The longest input the model can take at all: max_seq_len for learned/sinusoidal positions, else None."""
+    cfg = model.config
+    return int(cfg.max_seq_len) if cfg.positions in ("learned", "sinusoidal") else None
+
+
+def task_context(model, floor: int = 256, cap: int = 1024) -> int:
+    """Default context of the retrieval and in-context tasks: max_seq_len, at least ``floor``, at most ``cap``.
+
+    A needle or a demonstration costs tens of byte tokens, so a model trained at
+    64 tokens is evaluated at 256 (RoPE extrapolates; the JSON records the
+    model's max_seq_len beside the lengths).  Learned or sinusoidal positions
+    cannot go past max_seq_len, so there it is the limit.
+    """
+    n = int(model.config.max_seq_len)
+    hard = hard_limit(model)
+    return min(n, cap) if hard is not None else min(max(n, floor), cap)
 
 
 # ----------------------------------------------------------------------------- corpora
@@ -262,6 +281,22 @@ def pad_left(seqs: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.T
     ids = torch.tensor([[pad] * (n - len(s)) + s for s in seqs], dtype=torch.long)
     mask = torch.tensor([[0] * (n - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
     return ids, mask
+
+
+def parse_range(v, name: str) -> tuple[int, int]:
+    """3 -> (3, 3); '1-6' or (1, 6) -> (1, 6)."""
+    try:
+        if isinstance(v, str):
+            parts = v.split("-")
+            v = (int(parts[0]), int(parts[-1]))
+        elif isinstance(v, int):
+            v = (v, v)
+        lo, hi = int(v[0]), int(v[1])
+    except (ValueError, TypeError, IndexError):
+        raise ConfigError(name, f"must be a count or a range lo-hi, got {v!r}") from None
+    if not 1 <= lo <= hi:
+        raise ConfigError(name, f"must be a count or a range lo-hi with 1 <= lo <= hi, got {v!r}")
+    return lo, hi
 
 
 def rng_for(*key: int) -> np.random.Generator:

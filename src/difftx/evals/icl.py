@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import ConfigError, DataError
-from .common import batches, context_limit, encode, model_device, pad_left, rng_for
+from .common import batches, encode, hard_limit, model_device, pad_left, rng_for, task_context
 
 ARRANGEMENTS = ("random", "alternating")
 _CONS, _VOWELS = "bdfgklmnprstvz", "aeiou"
@@ -255,7 +255,9 @@ def evaluate_task(model, tokenizer, task: ClassificationTask, shots: Optional[Se
                   seeds: int = 3, arrangements: Sequence[str] = ARRANGEMENTS, max_len: Optional[int] = None,
                   seed: int = 0, batch_size: int = 16, progress: bool = False) -> dict:
     pb = PromptBuilder(tokenizer, task)
-    max_len = int(max_len or context_limit(model, 1024))
+    max_len = int(max_len or task_context(model))
+    if hard_limit(model) is not None:
+        max_len = min(max_len, hard_limit(model))
     longest_query = max(len(pb.query(ex)) for ex in task.test)
     pool = balanced_demos(task, len(task.train), seed)
     used, fit = 0, 0

@@ -27,7 +27,7 @@ import torch
 
 from ..data.tasks import register_task
 from ..errors import ConfigError
-from .common import batches, model_device, rng_for
+from .common import batches, hard_limit, model_device, parse_range, rng_for
 
 DEFAULT_LENGTHS = (64, 128, 256)
 DEFAULT_PAIRS = (4, 8, 16, 32)
@@ -93,7 +93,7 @@ def evaluate_mqar(model, lengths: Sequence[int] = DEFAULT_LENGTHS, pairs: Sequen
     vocab = int(vocab or model.config.vocab_size)
     if vocab > model.config.vocab_size:
         raise ConfigError("vocab", f"{vocab} exceeds the model's vocabulary ({model.config.vocab_size})")
-    limit = model.config.max_seq_len if model.config.positions in ("learned", "sinusoidal") else None
+    limit = hard_limit(model)
     cells, skipped = [], []
     for li, L in enumerate(lengths):
         for di, D in enumerate(pairs):
@@ -140,10 +140,10 @@ class MqarTask:
 
     def __init__(self, vocab: int, seq_len: int, seed: int = 0, pairs="4-16", power_a: float = 0.01,
                  random_non_queries: bool = True):
-        from .niah import _range
-
+        if not seq_len:
+            raise ConfigError("seq_len", "the mqar task needs a sequence length (--seq-len)")
         self.vocab, self.seq_len, self.seed = int(vocab), int(seq_len), int(seed)
-        self.pairs = _range(pairs, "pairs")
+        self.pairs = parse_range(pairs, "pairs")
         self.power_a, self.random_non_queries = float(power_a), bool(random_non_queries)
         why = check_shape(self.seq_len - self.seq_len % 2, self.pairs[1], self.vocab)
         if why:

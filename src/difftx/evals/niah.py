@@ -40,8 +40,8 @@ import torch
 
 from ..data.tasks import register_task
 from ..errors import ConfigError, DataError
-from .common import (batches, context_limit, corpus_text, encode, map_batch_size, model_device, pad_left,
-                     pad_right, rng_for)
+from .common import (batches, corpus_text, encode, hard_limit, map_batch_size, model_device, pad_left, pad_right,
+                     parse_range, rng_for, task_context)
 
 CITIES = (
     "Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Cairo", "Delhi", "Madrid", "Berlin", "Rome", "Vienna", "Prague",
@@ -134,6 +134,7 @@ class NiahBuilder:
     """Builds samples from one haystack for one tokenizer (tokenizes each piece once)."""
 
     def __init__(self, tokenizer, text: Optional[str] = None, data=None, template: str = "paper", digits: int = 5):
+        digits = int(digits)
         if not 1 <= digits <= 12:
             raise ConfigError("digits", f"must be between 1 and 12, got {digits}")
         self.tok = tokenizer
@@ -256,13 +257,17 @@ def evaluate_niah(model, tokenizer, grid=DEFAULT_GRID, lengths: Optional[Sequenc
                   batch_size: Optional[int] = None, progress: bool = False) -> dict:
     """Multi-needle retrieval accuracy per (N, R, length, depth) cell, the N x R table and heat maps."""
     grid = parse_grid(grid)
-    limit = context_limit(model, 1024)
+    limit, hard = task_context(model), hard_limit(model)
     lengths = sorted({int(x) for x in (lengths or (limit // 2, limit))})
     builder = NiahBuilder(tokenizer, text=text, data=data, template=template, digits=digits)
     cells, skipped = [], []
     for ci, (n, r) in enumerate(grid):
         need = builder.min_length(n, r)
         for li, length in enumerate(lengths):
+            if hard is not None and length > hard:
+                skipped.append({"needles": n, "queries": r, "length": length,
+                                "reason": f"longer than max_seq_len={hard} ({model.config.positions} positions)"})
+                continue
             if length < need:
                 skipped.append({"needles": n, "queries": r, "length": length,
                                 "reason": f"needs at least {need} tokens"})
@@ -341,19 +346,6 @@ def plot_niah(result: dict, path, metric: str = "teacher_forced") -> Optional[st
 
 
 # ----------------------------------------------------------------------------- training task
-def _range(v, name: str) -> tuple[int, int]:
-    """3 -> (3, 3); '1-6' or (1, 6) -> (1, 6)."""
-    if isinstance(v, str):
-        parts = v.split("-")
-        v = (int(parts[0]), int(parts[-1]))
-    elif isinstance(v, int):
-        v = (v, v)
-    lo, hi = int(v[0]), int(v[1])
-    if not 1 <= lo <= hi:
-        raise ConfigError(name, f"must be a count or a range lo-hi with 1 <= lo <= hi, got {v!r}")
-    return lo, hi
-
-
 class NiahTask:
     """Sampler for ``difftx train --task niah``: (x, y) of shape (B, seq_len), a pure function of (step, rank)."""
 
@@ -361,8 +353,10 @@ class NiahTask:
                  template: str = "paper", data=None, text: Optional[str] = None, loss_on: str = "answer"):
         if loss_on not in ("answer", "all"):
             raise ConfigError("loss_on", f"must be 'answer' or 'all', got {loss_on!r}")
+        if not seq_len:
+            raise ConfigError("seq_len", "the niah task needs a sequence length (--seq-len)")
         self.seq_len, self.seed, self.loss_on = int(seq_len), int(seed), loss_on
-        self.needles, self.queries = _range(needles, "needles"), _range(queries, "queries")
+        self.needles, self.queries = parse_range(needles, "needles"), parse_range(queries, "queries")
         self.builder = NiahBuilder(tokenizer, text=text, data=data, template=template, digits=digits)
         need = self.builder.min_length(self.needles[1], min(self.queries[1], self.needles[1]))
         if need > self.seq_len + 1:
