@@ -90,3 +90,10 @@ def test_evaluate_quant_rows():
                        metric_options={"text": "hello world. " * 60, "max_tokens": 128, "seq_len": 64})
     assert [x["bits"] for x in r["rows"]] == [None, 16, 4]
     assert r["rows"][0]["delta"] == 0.0 and abs(r["rows"][1]["delta"]) < 1e-4
+
+
+def test_evaluate_quant_with_another_evaluation_as_metric():
+    r = evaluate_quant(tiny_model("diff"), ByteTokenizer(), bits=[8], metric="mqar",
+                       metric_options={"lengths": [32], "pairs": [4], "samples": 4})
+    assert r["metric"] == "mqar_accuracy" and r["higher_is_better"] is True
+    assert [x["bits"] for x in r["rows"]] == [None, 8] and all(0 <= x["value"] <= 1 for x in r["rows"])

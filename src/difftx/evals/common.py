@@ -87,46 +87,46 @@ def task_context(model, floor: int = 256, cap: int = 1024) -> int:
 
 
 # ----------------------------------------------------------------------------- corpora
-def _stdlib_tail(min_chars: int) -> str:
-    """Local fallback: the last ``min_chars`` characters of the sorted standard-library ``*.py`` files."""
+VAL_FRACTION = 0.1  # the trainer's deterministic split: the last 10% of the stream is validation
+
+
+def _builtin_text() -> str:
+    """The built-in corpus: this Python's top-level standard-library ``*.py`` files, sorted (about 5 MB)."""
+    try:
+        from ..data import corpus as corpus_mod  # the training work's reader, when present
+    except ImportError:
+        corpus_mod = None
+    if corpus_mod is not None and hasattr(corpus_mod, "builtin_corpus"):
+        return "\n".join(corpus_mod.builtin_corpus().texts())
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    parts, n = [], 0
-    for p in reversed(files):
-        t = p.read_text(encoding="utf-8", errors="replace")
-        parts.append(t)
-        n += len(t)
-        if n >= min_chars:
-            break
-    if not parts:
+    if not files:
         raise DataError("no built-in corpus found (the Python standard library source is missing); pass --data PATH")
-    return "\n".join(reversed(parts))[-min_chars:]
+    return "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
 
 
 def corpus_text(path=None, min_chars: int = 200_000, split: str = "val") -> str:
-    """Text to evaluate on; the one place evaluations get a corpus from.
+    """Text to evaluate on (or to fill haystacks with); the one place evaluations get a corpus from.
 
-    ``path``: a UTF-8 text file, read from its start (with
-    :mod:`difftx.data.corpus`, also a directory, glob or JSONL file, as
-    ``difftx train --data`` takes).  No path: the built-in corpus (the sorted
-    standard-library ``*.py`` files, as the trainer's); for ``split="val"`` its
-    last ``min_chars`` characters, inside the trainer's validation tail (the
-    last 10% of the stream, about 500 kB) when ``min_chars`` is below that.
+    ``path``: a UTF-8 text file, read whole (with :mod:`difftx.data.corpus`, also
+    a directory, glob or JSONL file, as ``difftx train --data`` takes).  No
+    path: the built-in corpus, the trainer's: ``split="val"`` gives its last
+    10% (the trainer's validation split), cut to the last ``min_chars``
+    characters; ``split="train"`` the first 90%.
     """
-    try:
-        from ..data import corpus as corpus_mod  # the training work's corpus reader, when present
-    except ImportError:
-        corpus_mod = None
     if path is not None:
         p = Path(path)
         if p.is_file() and p.suffix != ".jsonl":
             return read_text_file(p)
-        if corpus_mod is None or not hasattr(corpus_mod, "resolve_corpus"):
+        try:
+            from ..data.corpus import resolve_corpus
+        except ImportError:
             return read_text_file(p)
-        return "\n".join(corpus_mod.resolve_corpus(str(path)).texts())
-    if corpus_mod is not None and hasattr(corpus_mod, "builtin_corpus"):
-        text = "\n".join(corpus_mod.builtin_corpus().texts())
-        return text[-min_chars:] if split == "val" else text
-    return _stdlib_tail(min_chars)
+        return "\n".join(resolve_corpus(str(path)).texts())
+    text = _builtin_text()
+    n_val = int(len(text) * VAL_FRACTION)
+    if split == "train":
+        return text[:len(text) - n_val]
+    return text[len(text) - min(n_val, min_chars):]
 
 
 def read_text_file(path) -> str:

@@ -133,14 +133,15 @@ class NiahSample:
 class NiahBuilder:
     """Builds samples from one haystack for one tokenizer (tokenizes each piece once)."""
 
-    def __init__(self, tokenizer, text: Optional[str] = None, data=None, template: str = "paper", digits: int = 5):
+    def __init__(self, tokenizer, text: Optional[str] = None, data=None, template: str = "paper", digits: int = 5,
+                 split: str = "val"):
         digits = int(digits)
         if not 1 <= digits <= 12:
             raise ConfigError("digits", f"must be between 1 and 12, got {digits}")
         self.tok = tokenizer
         self.template = _template(template)
         self.digits = digits
-        self.haystack = Haystack(text if text is not None else corpus_text(data, split="val"), tokenizer)
+        self.haystack = Haystack(text if text is not None else corpus_text(data, split=split), tokenizer)
         head = self.template.split("{number}")[0]
         self.query_text = head.rstrip()
         self.answer_gap = head[len(self.query_text):]
@@ -181,7 +182,8 @@ class NiahBuilder:
         d = float(rng.random()) if depth is None else float(depth)
         target = d * budget
         answer_at = min(bounds, key=lambda b: (abs(b - target), b))
-        where = [answer_at] + [int(bounds[j]) for j in rng.integers(len(bounds), size=needles - 1)]
+        others = [b for b in bounds if b != answer_at] or bounds  # the answer needle alone at its depth
+        where = [answer_at] + [int(others[j]) for j in rng.integers(len(others), size=needles - 1)]
         inserts: dict[int, list[int]] = {}
         for k in range(needles):
             inserts.setdefault(where[k], []).append(k)
@@ -357,7 +359,8 @@ class NiahTask:
             raise ConfigError("seq_len", "the niah task needs a sequence length (--seq-len)")
         self.seq_len, self.seed, self.loss_on = int(seq_len), int(seed), loss_on
         self.needles, self.queries = parse_range(needles, "needles"), parse_range(queries, "queries")
-        self.builder = NiahBuilder(tokenizer, text=text, data=data, template=template, digits=digits)
+        # haystacks from the training part of the built-in corpus (the evaluation uses its validation tail)
+        self.builder = NiahBuilder(tokenizer, text=text, data=data, template=template, digits=digits, split="train")
         need = self.builder.min_length(self.needles[1], min(self.queries[1], self.needles[1]))
         if need > self.seq_len + 1:
             raise ConfigError("seq_len", f"{self.seq_len} is too short for {self.needles[1]} needles "
