@@ -180,6 +180,7 @@ def plot_attention(result: dict, path) -> Optional[str]:
     layers = [r["layer"] for r in result["by_layer"]]
     for name in ("answer", "noise"):
         a2.plot(layers, [r[name] for r in result["by_layer"]], marker="o", label=name)
+    a2.set_xticks(layers)
     a2.set_xlabel("layer")
     a2.set_title("by layer (mean over depths)")
     a2.legend(fontsize=8)

@@ -237,7 +237,7 @@ class LogHistogram:
         self.max = max(self.max, float(x.max()))
         idx = torch.floor((torch.log10(x.clamp_min(1e-38)) - self.lo) * self.per_decade).long() + 1
         idx = idx.clamp(0, self.n_bins + 1)
-        self.counts += torch.bincount(idx.cpu(), minlength=self.n_bins + 2).double()
+        self.counts += torch.bincount(idx, minlength=self.n_bins + 2).cpu().double()
 
     def quantile(self, q: float) -> Optional[float]:
         if self.n == 0:

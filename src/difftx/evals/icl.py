@@ -124,7 +124,7 @@ def resolve_task(spec: str, n_test: int = 24, **jsonl_options) -> Classification
 
 # ----------------------------------------------------------------------------- prompts and scoring
 class LabelTrie:
-    """Token trie of the candidate labels; ``n_labels`` below each node lets decoding stop early."""
+    """Token trie of the candidate labels; each node knows the labels below it, so decoding can stop early."""
 
     def __init__(self, label_tokens: list[list[int]]):
         self.root: dict = {"children": {}, "labels": set()}
@@ -261,9 +261,9 @@ def evaluate_task(model, tokenizer, task: ClassificationTask, shots: Optional[Se
     longest_query = max(len(pb.query(ex)) for ex in task.test)
     pool = balanced_demos(task, len(task.train), seed)
     used, fit = 0, 0
-    for ex in pool:  # how many demonstrations fit beside the longest test input
+    for ex in pool:  # how many demonstrations fit beside the longest test input and its label
         used += len(pb.demo(ex))
-        if used + longest_query > max_len:
+        if used + longest_query + pb.trie.depth > max_len:
             break
         fit += 1
     if shots is None:
