@@ -103,3 +103,17 @@ def test_memory_is_flat_in_the_token_budget():
     big = evaluate_outliers(model, tokens, seq_len=32, max_tokens=64 * 32)
     assert big["tokens"] == 32 * small["tokens"]
     assert big["state_bytes"] == small["state_bytes"] < 400_000
+
+
+def test_peak_memory_does_not_grow_with_the_budget():
+    """Keeping the values would cost > 40 MB more at the larger budget (8.4M logits + 2.1M hidden entries)."""
+    import resource
+
+    model = tiny_model("diff")
+    tokens = torch.randint(0, 256, (16384,), generator=torch.Generator().manual_seed(3))
+    evaluate_outliers(model, tokens, seq_len=128, max_tokens=2048, batch_size=8)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    r = evaluate_outliers(model, tokens, seq_len=128, max_tokens=16384, batch_size=8)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert r["attention_logits"]["count"] == 16384 * 129 // 2 * 2 * 2 * 2
+    assert after - before < 16 * 1024

@@ -45,7 +45,13 @@ def load_checkpoint(path, device: Optional[str] = None, dtype: Optional[torch.dt
 def resolve_device(device: Optional[str]) -> torch.device:
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError("--device", f"{device!r} is not a device; use cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device", "CUDA is not available on this machine; use --device cpu")
+    return dev
 
 
 def model_device(model) -> torch.device:
