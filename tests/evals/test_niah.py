@@ -90,7 +90,7 @@ class NextTokenOracle(torch.nn.Module):
     def __init__(self, shift: int = 1):
         super().__init__()
         self.shift = shift
-        self.config = SimpleNamespace(n_heads=1, vocab_size=256, max_seq_len=4096)
+        self.config = SimpleNamespace(n_heads=1, vocab_size=256, max_seq_len=4096, positions="rope")
         self.w = torch.nn.Parameter(torch.zeros(1))
 
     def forward(self, ids, **kw):
@@ -159,3 +159,9 @@ def test_short_context_models_rope_extrapolates_learned_positions_skip():
                       generation=False)
     assert [c["length"] for c in r["cells"]] == [128]
     assert "max_seq_len=256" in r["skipped"][0]["reason"]
+
+
+def test_generation_at_max_seq_len_with_learned_positions():
+    model = tiny_model("softmax", max_seq_len=200, positions="learned")
+    r = evaluate_niah(model, TOK, grid="N1R1", lengths=[200], depths=[1.0], samples=2, text=haystack_text())
+    assert r["cells"][0]["generation"] is not None

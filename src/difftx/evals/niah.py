@@ -241,6 +241,8 @@ def score_generation(model, tokenizer, samples: Sequence[NiahSample], batch_size
         prompts = [samples[i].ids[:samples[i].answers[j][0]] for i, j in chunk]
         n_new = max(b - a for i, j in chunk for a, b in [samples[i].answers[j]]) + extra_tokens
         ids, mask = pad_left(prompts)
+        if hard_limit(model) is not None:  # learned positions: stay inside max_seq_len
+            n_new = max(1, min(n_new, hard_limit(model) - ids.shape[1]))
         out = model.generate(ids.to(device), max_new_tokens=n_new, do_sample=False, attention_mask=mask.to(device))
         for row, (i, j) in enumerate(chunk):
             text = tokenizer.decode(out[row, ids.shape[1]:].tolist())
