@@ -125,6 +125,9 @@ def add_parser(sub) -> None:
     q.add_argument("--metric", choices=["lm", "niah", "mqar", "icl"], default="lm",
                    help="what to measure at each width (default: lm validation loss)")
     q.add_argument("--max-tokens", type=_positive, default=4096, help="token budget of the lm metric (default: 4096)")
+    q.add_argument("--metric-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the metric's evaluation (repeatable; values parsed as JSON), e.g. "
+                        "--metric-opt template=short --metric-opt 'lengths=[128]'")
 
     q = ev.add_parser("icl", help=EVALS["icl"], description=EVALS["icl"])
     _common(q, corpus=False)
@@ -198,9 +201,11 @@ def _run_eval(args, model, tok) -> tuple[dict, dict]:
         return evaluate_outliers_text(model, tok, progress=prog, **s), s
     if name == "quant":
         from ..evals.quant import evaluate_quant
+        from .info import parse_overrides
         opts = {"lm": dict(data=args.data, max_tokens=args.max_tokens), "niah": dict(data=args.data, seed=args.seed),
                 "mqar": dict(seed=args.seed), "icl": dict(seed=args.seed)}[args.metric]
         opts.update(bs)
+        opts.update(parse_overrides(args.metric_opt))
         s = dict(bits=args.bits, granularity=args.quant_granularity, metric=args.metric, metric_options=opts)
         return evaluate_quant(model, tok, progress=prog, **s), s
     if name == "icl":

@@ -128,7 +128,7 @@ def evaluate_lm_text(model, tokenizer, text: Optional[str] = None, data=None, ma
                      **kwargs) -> dict:
     """:func:`evaluate_lm` on ``text``, a text file ``data``, or the built-in validation corpus."""
     if text is None:
-        text = corpus_text(data, min_chars=(max_tokens + 1) * 2, split="val")
+        text = corpus_text(data, min_chars=(max_tokens + 1) * 8, split="val")
     # tokenize no more text than the budget needs (bytes per token is at most ~8 for BPE on code)
     need = (max_tokens + 1) * 8 + 1
     tokens = encode(tokenizer, text[:need], "evaluation text")

@@ -119,7 +119,7 @@ def evaluate_outliers(model, tokens, seq_len: Optional[int] = None, max_tokens: 
 def evaluate_outliers_text(model, tokenizer, text: Optional[str] = None, data=None, max_tokens: int = 16384,
                            **kwargs) -> dict:
     if text is None:
-        text = corpus_text(data, min_chars=max_tokens * 2, split="val")
+        text = corpus_text(data, min_chars=(max_tokens + 1) * 8, split="val")
     tokens = encode(tokenizer, text[: max_tokens * 8 + 1], "evaluation text")
     return evaluate_outliers(model, tokens, max_tokens=max_tokens, **kwargs)
 

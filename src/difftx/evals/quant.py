@@ -145,7 +145,12 @@ def evaluate_quant(model, tokenizer, bits: Sequence[int] = DEFAULT_BITS, granula
     rows = []
     for b in [None, *bits]:
         with quantized_logits(model, b, granularity):
-            label, value, higher = fn(model, tokenizer, **opts)
+            try:
+                label, value, higher = fn(model, tokenizer, **opts)
+            except TypeError as e:
+                if "keyword argument" not in str(e):
+                    raise
+                raise ConfigError("metric_options", f"the {metric} evaluation rejected an option ({e})") from None
         rows.append({"bits": b, "value": value})
         if progress:
             print(f"  quant {('none' if b is None else f'{b}-bit'):>7}: {label} = {value:.4f}", flush=True)
