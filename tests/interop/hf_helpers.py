@@ -8,7 +8,7 @@ import torch
 import difftx
 
 
-def randomize_(model: torch.nn.Module, std: float = 0.15, seed: int = 0) -> torch.nn.Module:
+def randomize_(model: torch.nn.Module, std: float = 0.1, seed: int = 0) -> torch.nn.Module:
     """Overwrite every parameter with seeded noise (norm gains around 1) so wrong mappings show up."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
