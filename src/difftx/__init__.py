@@ -10,6 +10,9 @@ from .config import ModelConfig, lambda_init_for_layer
 from .errors import CheckpointError, ConfigError, DataError, DifftxError
 from .io import load_model, save_model
 from .models import build_model
+from .interop._hooks import install as _install_interop
+
+_install_interop()  # load_model on Hugging Face dirs; lazy AutoModel registration (no transformers import)
 
 __version__ = "0.1.0"
 

@@ -119,6 +119,7 @@ class ModelConfig:
     lambda_std: float = 0.1
     head_norm: bool = True
     head_norm_weight: bool = True
+    head_norm_eps: float = 1e-5  # the official code uses 1e-5; transformers' DiffLlama uses rms_norm_eps
 
     # conventions real checkpoints disagree on
     pairing: str = "adjacent"
@@ -189,7 +190,7 @@ class ModelConfig:
             positive(name)
         for name in ("head_dim", "n_kv_heads", "ffn_dim"):
             positive(name, allow_none=True)
-        for name in ("norm_eps", "init_std", "rope_theta"):
+        for name in ("norm_eps", "head_norm_eps", "init_std", "rope_theta"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or not math.isfinite(v):
                 raise ConfigError(name, f"must be a positive number; got {v!r}")

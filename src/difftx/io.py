@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Callable, Optional
@@ -27,6 +28,8 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT_KEY = "difftx_format"
 FORMAT_VERSION = 1
+CHECKPOINTS_DIR = "checkpoints"  # a training run's checkpoints: RUN/checkpoints/step_XXXXXXXX/
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 # resolvers: fn(path) -> model or None; tried in order for directories that are not difftx model dirs
 _RESOLVERS: list[Callable[[Path, Optional[str]], Optional[torch.nn.Module]]] = []
@@ -48,11 +51,16 @@ def clean_state_dict(sd: dict) -> dict:
     return out
 
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual permissions
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -144,6 +152,19 @@ def load_state_dict_into(model: torch.nn.Module, state: dict, source: str) -> No
     model.load_state_dict(state, strict=True)
 
 
+def list_checkpoints(run_dir) -> list[Path]:
+    """Complete checkpoints of a training run, oldest first.
+
+    The trainer assembles a checkpoint under a temporary name and renames it to
+    ``step_XXXXXXXX`` when complete, so every directory of that name is whole.
+    """
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
 def is_model_dir(path: Path) -> bool:
     path = Path(path)
     if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
@@ -171,6 +192,8 @@ def load_model(path, device: Optional[str] = None, dtype: Optional[torch.dtype] 
             path = path.parent
         else:
             raise CheckpointError(f"{path}: expected a directory or a .safetensors file")
+    if not is_model_dir(path) and list_checkpoints(path):
+        path = list_checkpoints(path)[-1]  # a training run: its newest complete checkpoint
     if not is_model_dir(path):
         for fn in _RESOLVERS:
             model = fn(path, device)

@@ -198,6 +198,7 @@ def test_lambda_reparameterisation_and_readout():
     half = build_model(cfg).to(torch.bfloat16)
     assert half.layers[0].attn.lambda_full().dtype == torch.float32
     # lambda vectors initialised N(0, lambda_std)
+    torch.manual_seed(1234)
     big = build_model(ModelConfig(attention="diff", d_model=512, n_heads=2, n_layers=2, lambda_std=0.1))
     sample = torch.cat([big.layers[0].attn.lambda_q1, big.layers[1].attn.lambda_k2])
     assert 0.08 < float(sample.std()) < 0.12

@@ -47,5 +47,5 @@ def _load_builtin_tasks() -> None:
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
+            if e.name is None or not (module == e.name or module.startswith(e.name + ".")):
+                raise  # a missing dependency inside an existing module is a real error

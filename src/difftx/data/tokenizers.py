@@ -1,9 +1,17 @@
-"""Tokenizers: ``byte`` (UTF-8 bytes, vocabulary 256) and ``char`` (a vocabulary built from the corpus).
+"""Tokenizers: ``byte`` (UTF-8 bytes, vocabulary 256), ``char`` (a vocabulary
+built from the corpus, as nanoGPT's shakespeare_char) and ``bpe`` (byte-level
+BPE trained locally with the ``tokenizers`` library, or any saved Hugging Face
+``tokenizer.json``).
 
 Every tokenizer saves itself to one JSON file (``tokenizer.json``) and
-:func:`load_tokenizer` reads it back (a file, or a directory holding one).
-``fingerprint()`` is a stable hash of what the tokenizer maps, used by the
-token-shard manifest.
+:func:`load_tokenizer` reads it back (a file, or a directory holding one): a
+difftx file has a ``difftx_tokenizer`` key, anything else with a ``model`` key
+is read as a Hugging Face tokenizer.  ``fingerprint()`` is a stable hash of
+what the tokenizer maps, used by the token-shard manifest and the BPE cache.
+
+:func:`build_tokenizer` turns ``--tokenizer byte|char|bpe|PATH`` into a
+tokenizer; trained BPE vocabularies are cached under ``cache_dir`` keyed by the
+corpus hash and the vocabulary size, so a rerun reuses the same file.
 """
 
 from __future__ import annotations
@@ -11,7 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
+
+import numpy as np
 
 from ..errors import DataError
 
@@ -28,6 +38,10 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """``encode`` as an int64 array (subclasses vectorise it for the token shards)."""
+        return np.asarray(self.encode(text), dtype=np.int64)
 
     def to_dict(self) -> dict:
         raise NotImplementedError
@@ -56,6 +70,9 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
 
     def to_dict(self) -> dict:
         return {"difftx_tokenizer": "byte"}
@@ -89,8 +106,144 @@ class CharTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return "".join(self.chars[int(i)] for i in ids if 0 <= int(i) < self.vocab_size)
 
+    def encode_array(self, text: str) -> np.ndarray:
+        points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        if not hasattr(self, "_lut"):
+            codes = np.array([ord(c) for c in self.chars], dtype=np.int64)
+            self._lut = np.full(int(codes.max()) + 1, -1, dtype=np.int64)
+            self._lut[codes] = np.arange(len(codes))
+        ids = np.full(points.shape, -1, dtype=np.int64)
+        known = points < len(self._lut)
+        ids[known] = self._lut[points[known]]
+        if (ids < 0).any():
+            self.encode(chr(int(points[int(np.argmax(ids < 0))])))  # raises the DataError naming it
+        return ids
+
     def to_dict(self) -> dict:
         return {"difftx_tokenizer": "char", "chars": self.chars}
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizers`` tokenizer (kind ``bpe``): trained here or loaded from tokenizer.json.
+
+    Encoding never adds special tokens; ``eos_id`` is the first of the usual
+    end-of-text tokens the vocabulary has (documents are separated by it).
+    """
+
+    kind = "bpe"
+    EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = next((i for i in map(tok.token_to_id, self.EOS_NAMES) if i is not None), None)
+        self._json = tok.to_str()
+
+    @classmethod
+    def from_str(cls, text: str, source: str = "tokenizer") -> "HFTokenizer":
+        tokenizers = _require_tokenizers()
+        try:
+            return cls(tokenizers.Tokenizer.from_str(text))
+        except Exception as e:  # the Rust deserializer raises plain Exceptions
+            raise DataError(f"{source}: not a readable Hugging Face tokenizer.json ({str(e)[:120]})") from None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_array(self, text: str, segment: int = 1 << 16) -> np.ndarray:
+        """Encode in ~64 KB segments cut after newlines (parallel in Rust; same result every run)."""
+        parts, start = [], 0
+        while start < len(text):
+            end = text.find("\n", start + segment)
+            end = len(text) if end < 0 else end + 1
+            parts.append(text[start:end])
+            start = end
+        ids = [i for seg in self.encode_batch(parts) for i in seg] if parts else []
+        return np.asarray(ids, dtype=np.int64)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def to_dict(self) -> dict:
+        return json.loads(self._json)
+
+    def save(self, path) -> Path:
+        from ..io import atomic_write_text
+
+        path = Path(path)
+        if path.is_dir() or not path.suffix:
+            path = path / TOKENIZER_FILE
+        atomic_write_text(path, self._json)
+        return path
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self._json.encode()).hexdigest()[:16]
+
+
+def _require_tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise DataError("the bpe tokenizer needs the `tokenizers` package: pip install 'difftx[bpe]'") from None
+    return tokenizers
+
+
+BPE_FORMAT = 1  # bump when train_bpe changes what it produces (invalidates the cache)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
+    """Byte-level BPE (GPT-2 style pre-tokenisation) with ``<|endoftext|>``, trained on ``texts``.
+
+    Deterministic for the same texts in the same order.
+    """
+    tokenizers = _require_tokenizers()
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise DataError(f"bpe vocabulary size must be at least 257 (256 bytes + <|endoftext|>); got {vocab_size}")
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return HFTokenizer(tok)
+
+
+def build_tokenizer(spec: str, texts: Optional[Callable[[], Iterable[str]]] = None, corpus_hash: str = "",
+                    bpe_vocab_size: int = 4096, cache_dir: Optional[Path] = None) -> Tokenizer:
+    """``byte``, ``char``, ``bpe`` or a path to a saved tokenizer.
+
+    ``texts()`` yields the corpus (needed by ``char`` and ``bpe``); ``corpus_hash``
+    keys the BPE cache in ``cache_dir/tokenizers``.
+    """
+    if spec == "byte":
+        return ByteTokenizer()
+    if spec in ("char", "bpe"):
+        if texts is None:
+            raise DataError(f"the {spec} tokenizer is built from the training corpus; give --data or a saved tokenizer")
+        if spec == "char":
+            chars: set[str] = set()
+            for t in texts():
+                chars.update(t)
+            return CharTokenizer(chars)
+        cached = None
+        if cache_dir is not None:
+            key = hashlib.sha256(f"bpe{BPE_FORMAT}:{bpe_vocab_size}:{corpus_hash}".encode()).hexdigest()[:16]
+            cached = Path(cache_dir) / "tokenizers" / f"bpe-{bpe_vocab_size}-{key}.json"
+            if cached.is_file():
+                return load_tokenizer(cached)
+        tok = train_bpe(texts(), bpe_vocab_size)
+        if cached is not None:
+            tok.save(cached)
+        return tok
+    path = Path(spec)
+    if not path.exists():
+        raise DataError(f"--tokenizer {spec!r}: not byte, char, bpe or an existing tokenizer.json / directory")
+    return load_tokenizer(path)
 
 
 def tokenizer_from_dict(data: dict, source: str = "tokenizer") -> Tokenizer:
@@ -99,7 +252,9 @@ def tokenizer_from_dict(data: dict, source: str = "tokenizer") -> Tokenizer:
         return ByteTokenizer()
     if kind == "char":
         return CharTokenizer(data["chars"])
-    raise DataError(f"{source}: not a difftx tokenizer (unknown kind {kind!r})")
+    if kind is None and isinstance(data, dict) and isinstance(data.get("model"), dict):
+        return HFTokenizer.from_str(json.dumps(data), source)
+    raise DataError(f"{source}: not a difftx or Hugging Face tokenizer (unknown kind {kind!r})")
 
 
 def load_tokenizer(path) -> Tokenizer:
@@ -110,7 +265,10 @@ def load_tokenizer(path) -> Tokenizer:
     if not path.is_file():
         raise DataError(f"{path}: tokenizer file not found")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: tokenizer is not valid JSON ({e})") from None
+    if isinstance(data, dict) and "difftx_tokenizer" not in data and isinstance(data.get("model"), dict):
+        return HFTokenizer.from_str(text, str(path))  # keep the file's exact bytes (and fingerprint)
     return tokenizer_from_dict(data, str(path))

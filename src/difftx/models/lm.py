@@ -18,7 +18,7 @@ from ..errors import DifftxError
 from ..nn.block import Block
 from ..nn.cache import KVCache
 from ..nn.mask import AttnMask
-from ..nn.norms import make_norm
+from ..nn.norms import make_norm, upcast
 from ..nn.rope import RotaryEmbedding, sinusoidal_table
 from .common import ModelMixin
 from .init import init_weights
@@ -119,7 +119,8 @@ class DecoderLM(ModelMixin, nn.Module):
         loss = n_targets = None
         if targets is not None:
             flat = targets.reshape(-1)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), flat, ignore_index=-100,
+            # at least float32; a float64 model keeps float64 (gradient checks against a float64 reference)
+            loss = F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), flat, ignore_index=-100,
                                    reduction="sum")
             n_targets = (flat != -100).sum()
             if loss_reduction == "mean":

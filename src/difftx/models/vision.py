@@ -17,7 +17,7 @@ from torch import nn
 from ..errors import DifftxError
 from ..nn.block import Block
 from ..nn.mask import AttnMask
-from ..nn.norms import make_norm
+from ..nn.norms import make_norm, upcast
 from ..nn.rope import RotaryEmbedding, sinusoidal_table
 from .common import ModelMixin
 from .init import init_weights
@@ -98,7 +98,7 @@ class VisionEncoder(ModelMixin, nn.Module):
         loss = None
         if targets is not None:
             if targets.dim() == 2:  # soft targets (mixup / cutmix)
-                loss = torch.sum(-targets * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
+                loss = torch.sum(-targets * F.log_softmax(upcast(logits), dim=-1), dim=-1).mean()
             else:
-                loss = F.cross_entropy(logits.float(), targets, label_smoothing=label_smoothing)
+                loss = F.cross_entropy(upcast(logits), targets, label_smoothing=label_smoothing)
         return VisionOutput(logits=logits, loss=loss)

@@ -158,7 +158,7 @@ class DifferentialAttention(AttentionBase):
         std = cfg.lambda_std
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
             self.register_parameter(name, nn.Parameter(torch.zeros(d, dtype=torch.float32).normal_(0, std)))
-        self.head_norm = RMSNorm(2 * d, eps=1e-5, weight=cfg.head_norm_weight) if cfg.head_norm else None
+        self.head_norm = RMSNorm(2 * d, eps=cfg.head_norm_eps, weight=cfg.head_norm_weight) if cfg.head_norm else None
 
     def lambda_full(self) -> torch.Tensor:
         """The layer's scalar lambda, in float32 (SPEC eq. 2)."""

@@ -1,0 +1,129 @@
+"""Gradient flow of DIFF versus the Transformer (DIFF paper, Appendix E; SPEC section 2).
+
+The appendix argues that the gradients of W^Q, W^K, W^V, W^O under
+differential attention have the form of softmax attention's, up to constant
+factors, so Transformer hyper-parameters carry over.  This module measures it:
+two matched models (``ModelConfig.twin``: a Transformer with 2h heads and DIFF
+with h heads, same parameter count), by default with *paired* initialisation
+(every tensor the two share by name and shape starts equal), see the same
+batches; per layer and per parameter group (W_Q, W_K, W_V, W_O, FFN, norms,
+lambda) we record the gradient's Frobenius norm at initialisation and over the
+first K optimiser steps, and the DIFF / Transformer ratio per group.
+
+Groups have the same shapes in both models except ``norms`` (DIFF adds the
+per-head norm's gain) and ``lambda`` (DIFF only, so it has no ratio).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+import torch
+
+from ..config import ModelConfig
+from ..optim import build_optimizer
+from .common import FLOW_GROUPS, Batches, build, copy_matching, group_grad_norms, train
+
+PAIR = ("diff", "transformer")
+
+
+def twin_models(base: ModelConfig, seed: int = 0, paired: bool = True, device="cpu") -> dict[str, torch.nn.Module]:
+    """{"transformer": softmax twin, "diff": DIFF twin} of ``base``, optionally with paired initialisation."""
+    cfg_t = base if base.attention == "softmax" else base.twin("softmax")
+    cfg_d = base if base.attention == "diff" else cfg_t.twin("diff")
+    transformer, diff = build(cfg_t, seed, device), build(cfg_d, seed, device)
+    if paired:
+        copy_matching(transformer, diff)
+    return {"transformer": transformer, "diff": diff}
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b not in (None, 0.0) else None
+
+
+def _ratios(num: dict, den: dict) -> dict:
+    """Per-group ratio of two ``group_grad_norms`` results (all layers and per layer)."""
+    groups = [g for g in FLOW_GROUPS if g in num["all"] and g in den["all"]]
+    return {
+        "all": {g: _ratio(num["all"][g], den["all"][g]) for g in groups},
+        "layers": [{g: _ratio(a.get(g), b.get(g)) for g in groups} for a, b in zip(num["layers"], den["layers"])],
+        "total": _ratio(num["total"], den["total"]),
+    }
+
+
+def _median_ratios(per_step: list[dict]) -> dict:
+    """Median over steps of each ratio (robust to the odd noisy batch)."""
+    if not per_step:
+        return {}
+
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    groups = list(per_step[0]["all"])
+    n_layers = len(per_step[0]["layers"])
+    return {
+        "all": {g: med([r["all"][g] for r in per_step]) for g in groups},
+        "layers": [{g: med([r["layers"][i][g] for r in per_step]) for g in groups} for i in range(n_layers)],
+        "total": med([r["total"] for r in per_step]),
+    }
+
+
+def run_flow(models: dict[str, torch.nn.Module], batches: Batches, steps: int = 20, optimizer: str = "adamw",
+             lr: float = 1e-3, weight_decay: float = 0.0, clip: float = 1.0) -> dict:
+    """Record gradient norms of each model over ``steps`` + 1 gradient evaluations (step 0 = the given weights).
+
+    All models see the same batches.  With a "diff" and a "transformer" model the
+    result carries ``ratio``: per step, at ``init`` (step 0) and the median over
+    steps 1..K (``early``).
+    """
+    out: dict = {"optimizer": optimizer, "lr": lr, "weight_decay": weight_decay, "clip": clip, "steps": steps,
+                 "groups": list(FLOW_GROUPS), "models": {}}
+    for name, model in models.items():
+        n_layers = model.config.n_layers
+        norms: list[dict] = []
+        opt = build_optimizer(model, optimizer, lr=lr, weight_decay=weight_decay)
+        record = lambda step, m: norms.append(group_grad_norms(m, n_layers))  # noqa: E731
+        result = train(model, opt, batches, steps + 1, clip=clip, on_grads=record)
+        cfg = model.config
+        out["models"][name] = {
+            "attention": cfg.attention, "n_heads": cfg.n_heads, "head_dim": cfg.head_dim, "norms_setting": cfg.norms,
+            "params": model.num_parameters(), "loss": result["losses"], "diverged": result["diverged"],
+            "lambdas": model.lambdas() if cfg.attention == "diff" else None, "grad_norms": norms,
+        }
+    if all(k in out["models"] for k in PAIR):
+        d, t = out["models"]["diff"]["grad_norms"], out["models"]["transformer"]["grad_norms"]
+        per_step = [_ratios(a, b) for a, b in zip(d, t)]
+        out["ratio"] = {"definition": "||grad DIFF|| / ||grad Transformer|| per group (Frobenius norm)",
+                        "init": per_step[0], "early": _median_ratios(per_step[1:]), "per_step": per_step}
+    return out
+
+
+def flow_table(result: dict) -> str:
+    """A markdown table: per group, norms at init, the DIFF/Transformer ratio at init and early, per layer at init."""
+    models = result["models"]
+    if "ratio" not in result:
+        lines = ["| model | group | " + " | ".join(f"step {s}" for s in (0, result["steps"])) + " |",
+                 "|---|---|---|---|"]
+        for name, m in models.items():
+            for g, v in m["grad_norms"][0]["all"].items():
+                last = m["grad_norms"][-1]["all"].get(g)
+                lines.append(f"| {name} | {g} | {v:.3g} | {last:.3g} |")
+        return "\n".join(lines)
+    r, d0, t0 = result["ratio"], models["diff"]["grad_norms"][0], models["transformer"]["grad_norms"][0]
+    n_layers = len(r["init"]["layers"])
+    head = ["group", "Transformer at init", "DIFF at init", "ratio at init", f"ratio steps 1-{result['steps']}"]
+    head += [f"L{i + 1} at init" for i in range(n_layers)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
+    for g in FLOW_GROUPS:
+        if g not in d0["all"]:
+            continue
+        row = [g, fmt(t0["all"].get(g)), fmt(d0["all"][g]), fmt(r["init"]["all"].get(g)),
+               fmt(r["early"].get("all", {}).get(g))]
+        row += [fmt(layer.get(g)) for layer in r["init"]["layers"]]
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("| total | " + " | ".join([fmt(t0["total"]), fmt(d0["total"]), fmt(r["init"]["total"]),
+                                            fmt(r["early"].get("total"))] + ["" for _ in range(n_layers)]) + " |")
+    return "\n".join(lines)

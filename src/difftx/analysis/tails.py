@@ -1,0 +1,153 @@
+"""Heavy-tail estimators for gradient entries and gradient noise (NumPy only).
+
+Two different questions, two families of estimators (notes/dnt-and-normalisation-research.md, section 7):
+
+* How spread are the entries |g| of one gradient across a weight matrix (DNT Fig. 1)?
+  Log-binned histograms, quantile ratios q99.9/q50 and max/RMS, excess
+  kurtosis, and a Hill estimator of the tail index of |g|.
+* How heavy-tailed is the mini-batch gradient *noise* g_B - E[g] (Simsekli et
+  al., 2019)?  :func:`mohammadi_alpha`, the alpha-stable index estimator of
+  Mohammadi et al. (2015, Cor. 2.4) that Simsekli et al. use, on centred samples.
+
+What each one can and cannot tell apart (measured in tests/analysis/test_tails.py):
+
+* ``mohammadi_alpha`` is accurate for alpha-stable data with alpha < 2 but
+  saturates near 2: a Gaussian reads about 1.95-2.0, and a finite-variance heavy
+  tail (Student-t with 3 degrees of freedom) reads close to a Gaussian.
+* ``hill_index`` is uncapped: Gaussian data give large values (~5-10 for
+  k = 1% of 65k samples), Student-t(nu) about nu, alpha-stable about alpha.  It
+  depends on k (the number of order statistics used).
+* Kurtosis is only meaningful for finite fourth moments; with alpha < 2 it
+  grows with the sample size.  Reported, with that caveat.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+# fixed log10 bin edges, so histograms of different models overlay bin for bin
+HIST_EDGES = np.arange(-14.0, 2.0 + 1e-9, 0.2)
+
+
+def _flat(x) -> np.ndarray:
+    a = np.asarray(x, dtype=np.float64).reshape(-1)
+    return a[np.isfinite(a)]
+
+
+def quantile_ratio(x, hi: float = 0.999, lo: float = 0.5) -> float:
+    """q_hi(|x|) / q_lo(|x|): 4.9 for a Gaussian at (0.999, 0.5); larger for heavier tails."""
+    a = np.abs(_flat(x))
+    q_lo = np.quantile(a, lo)
+    return float(np.quantile(a, hi) / q_lo) if q_lo > 0 else math.inf
+
+
+def max_over_rms(x) -> float:
+    """max |x| / sqrt(mean x^2): about sqrt(2 ln N) for a Gaussian of N entries."""
+    a = _flat(x)
+    rms = math.sqrt(float(np.mean(a * a)))
+    return float(np.max(np.abs(a)) / rms) if rms > 0 else math.inf
+
+
+def excess_kurtosis(x) -> float:
+    """E[(x - mean)^4] / var^2 - 3 (0 for a Gaussian; grows with N when the tail index is below 4)."""
+    a = _flat(x)
+    c = a - a.mean()
+    c2 = c * c
+    var = float(np.mean(c2))
+    return float(np.mean(c2 * c2) / var ** 2 - 3.0) if var > 0 else math.nan
+
+
+def hill_index(x, k_frac: float = 0.01, k: Optional[int] = None) -> float:
+    """Hill's estimator of the tail index of |x| from its k largest values.
+
+    alpha = k / sum_{i<=k} log(X_(i) / X_(k+1)), X_(1) >= X_(2) >= ... the order
+    statistics of the non-zero |x|.  ``k`` defaults to ``k_frac`` of them (at least 10).
+    """
+    a = np.abs(_flat(x))
+    a = a[a > 0]
+    if a.size < 20:
+        return math.nan
+    if k is None:
+        k = max(10, int(k_frac * a.size))
+    k = min(k, a.size - 1)
+    top = np.partition(a, a.size - k - 1)[a.size - k - 1:]  # the k+1 largest, unsorted
+    threshold = top.min()
+    logs = np.log(top / threshold)
+    s = float(logs.sum())
+    return float(k / s) if s > 0 else math.inf
+
+
+def mohammadi_alpha(x, m: Optional[int] = None, shuffle: bool = True, seed: int = 0) -> float:
+    """Tail index of symmetric alpha-stable samples (Mohammadi et al. 2015, Cor. 2.4; Simsekli et al. 2019).
+
+    With N = m * n samples X and Y_j the sums of n disjoint blocks of m samples,
+    1 / alpha = (mean log|Y| - mean log|X|) / log m.  ``x`` must be centred (the
+    estimator assumes symmetry).  m defaults to floor(sqrt(N)); the N mod m
+    leftover samples are dropped.  ``shuffle`` (seeded) mixes the samples before
+    blocking, so that neighbouring coordinates of a gradient do not share a block.
+    The result is in (0, ~2] for stable data; values a little above 2 mean "no
+    heavier than Gaussian".
+    """
+    a = _flat(x)
+    if a.size < 16:
+        return math.nan
+    if shuffle:
+        a = np.random.default_rng(seed).permutation(a)
+    if m is None:
+        m = int(math.isqrt(a.size))
+    n = a.size // m
+    a = a[: n * m]
+    scale = np.median(np.abs(a))
+    if scale > 0:
+        a = a / scale  # the estimator is scale-free; this keeps the log's guard eps negligible for tiny gradients
+    eps = np.spacing(1.0)
+    y = a.reshape(n, m).sum(axis=1)
+    inv = (np.mean(np.log(np.abs(y) + eps)) - np.mean(np.log(np.abs(a) + eps))) / math.log(m)
+    return float(1.0 / inv) if inv > 0 else math.inf
+
+
+def log_histogram(x, edges: np.ndarray = HIST_EDGES) -> dict:
+    """Fractions of the non-zero |x| in log10 bins (``edges`` in log10 units), plus the zero fraction."""
+    a = np.abs(_flat(x))
+    nz = a[a > 0]
+    counts, _ = np.histogram(np.log10(nz), bins=edges) if nz.size else (np.zeros(len(edges) - 1), None)
+    total = max(a.size, 1)
+    return {"log10_edges": [round(float(e), 6) for e in edges], "fraction": (counts / total).tolist(),
+            "zero_fraction": float((a.size - nz.size) / total)}
+
+
+def entry_stats(x, k_frac: float = 0.01) -> dict:
+    """Every entry-distribution statistic of one gradient tensor (or a pool of them)."""
+    a = _flat(x)
+    absx = np.abs(a)
+    q = {f"q{p:g}".replace(".", "_"): float(np.quantile(absx, p / 100)) for p in (50, 90, 99, 99.9)}
+    return {
+        "n": int(a.size),
+        "rms": float(math.sqrt(np.mean(a * a))) if a.size else math.nan,
+        "max_abs": float(absx.max()) if a.size else math.nan,
+        **q,
+        "q99_9_over_q50": quantile_ratio(a),
+        "max_over_rms": max_over_rms(a),
+        "excess_kurtosis": excess_kurtosis(a),
+        "hill": hill_index(a, k_frac),
+    }
+
+
+def noise_stats(samples, seed: int = 0, k_frac: float = 0.01) -> dict:
+    """Tail statistics of gradient noise: ``samples`` (B, n) mini-batch gradients at fixed weights.
+
+    Each row is centred by the mean over the B batches (column-wise), then all
+    B * n centred values are pooled, as in Simsekli et al. (2019).
+    """
+    s = np.asarray(samples, dtype=np.float64)
+    noise = (s - s.mean(axis=0, keepdims=True)).reshape(-1)
+    return {
+        "n": int(noise.size),
+        "alpha_mohammadi": mohammadi_alpha(noise, seed=seed),
+        "hill": hill_index(noise, k_frac),
+        "q99_9_over_q50": quantile_ratio(noise),
+        "excess_kurtosis": excess_kurtosis(noise),
+    }

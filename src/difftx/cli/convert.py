@@ -1,0 +1,96 @@
+"""``difftx convert SRC DST``: checkpoints between difftx, transformers (Llama, DiffLlama, difftx) and unilm.
+
+A thin layer over :func:`difftx.interop.convert.convert`.  ``--verify`` reloads
+the result with difftx and prints the largest logit difference to the source on
+a fixed random batch (and the KL divergence for ``--diff-init``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import DifftxError
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def add_parser(sub) -> None:
+    from ..interop.convert import FORMATS
+    from ..interop.llama_to_diff import DIFF_INIT_MODES
+
+    p = sub.add_parser(
+        "convert", help="convert checkpoints between difftx and Hugging Face / official layouts",
+        description="Convert SRC (a difftx model dir, a Hugging Face llama / diffllama / difftx dir, or a weights "
+                    "file of official unilm attention modules) into DST. Loading never runs code from SRC.")
+    p.add_argument("src", metavar="SRC", help="source directory (or unilm weights file)")
+    p.add_argument("dst", metavar="DST", help="destination directory")
+    p.add_argument("--from", dest="src_format", default="auto", choices=("auto",) + FORMATS + ("unilm",),
+                   help="source format (default: detected from SRC)")
+    p.add_argument("--to", dest="dst_format", choices=FORMATS,
+                   help="destination format (default: difftx; a difftx SRC needs --to unless it is re-laid out or "
+                        "given --diff-init)")
+    p.add_argument("--pairing", choices=("adjacent", "halves"),
+                   help="DIFF head pairing of a difftx result (rows re-laid out; the function is unchanged)")
+    p.add_argument("--rope-style", choices=("half", "interleaved"),
+                   help="RoPE channel order of a difftx result (rows re-laid out; the function is unchanged)")
+    p.add_argument("--diff-init", choices=DIFF_INIT_MODES,
+                   help="turn a softmax (Llama) model into DIFF for continued training: exact (same function, "
+                        "2x attention), twin-zero (matched size, half of each head exact), twin (the paper's DIFF)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="store weights in this dtype (default: as the source)")
+    p.add_argument("--depth", type=int, help="unilm: 0-based layer index of a module whose key prefix has none")
+    p.add_argument("--unilm-variant", choices=("flash", "naive"), default="flash",
+                   help="unilm: which official file's GQA pairing the weights were trained with (default flash)")
+    p.add_argument("--verify", action="store_true",
+                   help="reload the result and print the max logit difference to the source on random tokens")
+    p.add_argument("--force", action="store_true", help="overwrite a DST that already holds a model")
+    p.set_defaults(func=run)
+
+
+def _verify(src: Path, dst: Path, diff_init) -> str:
+    import torch
+
+    from ..io import load_model
+
+    a, b = load_model(src), load_model(dst)
+    a, b = a.float(), b.float()
+    g = torch.Generator().manual_seed(0)
+    n = min(32, a.config.max_seq_len)
+    x = torch.randint(0, a.config.vocab_size, (2, n), generator=g)
+    with torch.no_grad():
+        la, lb = a(x).logits.float(), b(x).logits.float()
+    msg = f"max |logit difference| {float((la - lb).abs().max()):.3g} on 2x{n} random tokens"
+    if diff_init:
+        kl = torch.nn.functional.kl_div(lb.log_softmax(-1), la.log_softmax(-1), log_target=True,
+                                        reduction="none").sum(-1).mean()
+        msg += f", KL(source || result) {float(kl):.4g} nats/token"
+    return msg
+
+
+def run(args) -> int:
+    import torch
+
+    from ..interop.convert import convert, detect_format
+
+    src, dst = Path(args.src), Path(args.dst)
+    if args.depth is not None and args.depth < 0:
+        raise DifftxError(f"--depth must be >= 0 (0-based layer index); got {args.depth}")
+    if dst.exists() and not dst.is_dir():
+        raise DifftxError(f"{dst}: exists and is not a directory")
+    if dst.is_dir() and any(dst.iterdir()) and not args.force:
+        raise DifftxError(f"{dst}: directory is not empty; pick a new one or pass --force to overwrite")
+    detected = detect_format(src)
+    if args.force and dst.is_dir() and dst.resolve() != src.resolve():
+        from ..interop.hf_io import BIN_FILE, BIN_INDEX, SAFE_INDEX
+
+        for stale in (SAFE_INDEX, BIN_FILE, BIN_INDEX):  # would shadow the new model.safetensors when read
+            (dst / stale).unlink(missing_ok=True)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    convert(src, dst, args.src_format, args.dst_format, pairing=args.pairing, rope_style=args.rope_style,
+            diff_init=args.diff_init, dtype=dtype, depth=args.depth, variant=args.unilm_variant)
+    to = args.dst_format or "difftx"
+    print(f"converted {src} ({detected}) -> {dst} ({to if detected != 'unilm' else 'difftx attention modules'})")
+    if args.verify:
+        if detected == "unilm":
+            raise DifftxError("--verify compares whole models; unilm files hold attention modules")
+        print(_verify(src, dst, args.diff_init))
+    return 0

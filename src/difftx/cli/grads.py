@@ -1,0 +1,297 @@
+"""``difftx grads``: gradient flow (DIFF vs Transformer) and heavy-tailed gradients (S1..S5, DIFF; AdamW, mSGDW).
+
+Thin: parses, builds the models and the local data, calls
+:mod:`difftx.analysis.flow` and :mod:`difftx.analysis.tail_study`, writes
+``flow.json``, ``tails.json``, ``report.md`` and PNGs into ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..errors import ConfigError, DifftxError
+
+DEFAULT_SETTINGS = "S1,S2,S3,S4,S5,diff"
+TINY = dict(d_model=64, n_layers=2)  # the default model: preset "nano" shrunk to 2 x 64 (4 heads of 16)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "grads", help="gradient flow (DIFF vs Transformer) and heavy-tail analysis",
+        description="Gradient flow of matched DIFF and Transformer models (DIFF paper, Appendix E) and the "
+                    "distribution of gradient entries and gradient noise across norm settings and optimisers "
+                    "(DNT Fig. 1, Simsekli et al. 2019).  By default a tiny model (preset nano at 2 x 64) on the "
+                    "byte-tokenised Python standard library source, in well under a minute on a CPU.")
+    p.add_argument("--out", required=True, help="output directory for flow.json, tails.json, report.md and PNGs")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="base preset (see `difftx info --list`); default: nano at 2 layers x 64")
+    src.add_argument("--checkpoint", action="append", default=[], metavar="PATH",
+                     help="analyse a saved model or run directory instead (repeatable; a DIFF and a softmax "
+                          "checkpoint together give flow ratios)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a ModelConfig field of the base config (repeatable), e.g. --set n_layers=4")
+    p.add_argument("--only", choices=["flow", "tails"], help="run only one of the two studies")
+    p.add_argument("--steps", type=int, default=20, help="gradient-flow optimiser steps after initialisation (20)")
+    p.add_argument("--flow-optimizer", default="adamw", help="optimiser of the gradient-flow runs (adamw)")
+    p.add_argument("--unpaired", action="store_true",
+                   help="initialise the DIFF and Transformer twins independently (default: shared tensors equal)")
+    p.add_argument("--tail-steps", type=int, default=None,
+                   help="training steps before the tail measurement (20; 0 for checkpoints: measure as saved)")
+    p.add_argument("--settings", default=DEFAULT_SETTINGS,
+                   help=f"norm settings / attention kinds for the tail study ({DEFAULT_SETTINGS}; also dnt, diff-S5)")
+    p.add_argument("--optimizers", default="adamw,msgdw", help="optimisers for the tail study (adamw,msgdw)")
+    p.add_argument("--lr-adamw", type=float, default=3e-3, help="AdamW learning rate (3e-3)")
+    p.add_argument("--lr-msgdw", type=float, default=0.3, help="mSGDW learning rate (0.3)")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip, 0 for none (1.0, as DNT)")
+    p.add_argument("--noise-batches", type=int, default=12, help="mini-batch gradients per noise estimate (12)")
+    p.add_argument("--max-noise-entries", type=int, default=8192,
+                   help="coordinates sampled per matrix kind for the noise estimate (8192)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per batch (8)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (64)")
+    p.add_argument("--data", help="a text file to byte-tokenise (default: the Python standard library source)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation and data seed (0)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="repeat the tail study over this many seeds (seed, seed+1, ...); tables show mean +- sd (1)")
+    p.add_argument("--device", default="cpu", help="torch device (cpu)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 for models under 5M parameters, whose small matmuls "
+                        "only lose to threading overhead; else torch's default)")
+    p.add_argument("--no-plots", action="store_true", help="write JSON and report.md only")
+    p.set_defaults(func=run)
+
+
+def _check(args) -> None:
+    from ..optim import OPTIMIZERS
+
+    for flag, value, low in (("--steps", args.steps, 0), ("--batch-size", args.batch_size, 1), ("--seeds", args.seeds, 1),
+                             ("--seq-len", args.seq_len, 2), ("--noise-batches", args.noise_batches, 2),
+                             ("--max-noise-entries", args.max_noise_entries, 16)):
+        if value < low:
+            raise ConfigError(flag, f"must be >= {low}; got {value}")
+    if args.tail_steps is not None and args.tail_steps < 0:
+        raise ConfigError("--tail-steps", f"must be >= 0; got {args.tail_steps}")
+    for name in [args.flow_optimizer] + _split(args.optimizers):
+        if name not in OPTIMIZERS:
+            raise ConfigError("--optimizers", f"unknown optimiser {name!r}; one of {', '.join(OPTIMIZERS)}")
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ConfigError("--device", f"unknown torch device {args.device!r}; e.g. cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device", "cuda was asked for but torch sees no CUDA device; use --device cpu")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError("--threads", f"must be >= 1; got {args.threads}")
+    if args.lr_adamw <= 0 or args.lr_msgdw <= 0:
+        raise ConfigError("--lr-adamw/--lr-msgdw", "learning rates must be positive")
+
+
+def _split(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _base_config(args):
+    from ..config import ModelConfig
+    from .info import parse_overrides
+
+    overrides = parse_overrides(args.set)
+    try:
+        if args.preset:
+            cfg = ModelConfig.from_preset(args.preset, **overrides)
+        else:
+            cfg = ModelConfig.from_preset("nano", **{**TINY, **overrides})
+    except TypeError as e:
+        raise DifftxError(str(e)) from None
+    if cfg.domain != "lm":
+        raise ConfigError("--preset", f"{args.preset!r} is a {cfg.domain} model; difftx grads studies language models")
+    return cfg
+
+
+def _check_seq_len(cfg, seq_len: int) -> None:
+    if cfg.positions in ("learned", "sinusoidal") and seq_len > cfg.max_seq_len:
+        raise ConfigError("--seq-len", f"{seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+
+
+def _load_checkpoints(paths: list[str], device: str):
+    from .. import load_model
+    from ..data.tokenizers import load_tokenizer
+    from ..errors import DataError
+
+    loaded = []
+    for i, path in enumerate(paths):
+        model = load_model(path, device=device)
+        if model.config.domain != "lm":
+            raise ConfigError("--checkpoint", f"{path} is a {model.config.domain} model; grads studies language models")
+        try:
+            tok = load_tokenizer(path)
+        except DataError:
+            tok = None
+        name = Path(path).resolve().name or f"model{i}"
+        if any(name == n for n, *_ in loaded):
+            name = f"{name}-{i}"
+        loaded.append((name, path, model, tok))
+    return loaded
+
+
+def _set_threads(args, n_params: int) -> None:
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    elif n_params < 5_000_000 and not str(args.device).startswith("cuda"):
+        torch.set_num_threads(1)
+
+
+class _Study:
+    """What both sections need: the models' source, the tokens, the output directory, the report."""
+
+    def __init__(self, args):
+        from ..analysis import common
+
+        self.args = args
+        self.out = Path(args.out)
+        if self.out.exists() and not self.out.is_dir():
+            raise ConfigError("--out", f"{self.out} exists and is not a directory")
+        text = common.load_text(args.data)
+        self.meta = {"batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
+                     "data": args.data or "python stdlib source (byte tokens)", "device": args.device}
+        self.loaded, self.base, self.settings = [], None, []
+        if args.checkpoint:
+            self.loaded = _load_checkpoints(args.checkpoint, args.device)
+            tokenizer = self.loaded[0][3]  # a checkpoint's own tokenizer.json, if it has one
+            vocab = min(m.config.vocab_size for _, _, m, _ in self.loaded)
+            for _, _, m, _ in self.loaded:
+                _check_seq_len(m.config, args.seq_len)
+            self.meta["checkpoints"] = {name: str(path) for name, path, _, _ in self.loaded}
+            self.tail_steps = 0 if args.tail_steps is None else args.tail_steps
+            _set_threads(args, max(m.num_parameters() for _, _, m, _ in self.loaded))
+        else:
+            from ..accounting import count_parameters
+
+            self.base = _base_config(args)
+            _check_seq_len(self.base, args.seq_len)
+            self.settings = [(s, common.setting_config(self.base, s)) for s in _split(args.settings)]
+            tokenizer, vocab = None, self.base.vocab_size
+            self.meta["base_config"] = self.base.to_dict()
+            self.tail_steps = 20 if args.tail_steps is None else args.tail_steps
+            _set_threads(args, count_parameters(self.base))
+        self.tokens = common.tokenize(text, vocab, tokenizer)
+        self.lrs = {"adamw": args.lr_adamw, "msgdw": args.lr_msgdw}
+        self.report = ["# difftx grads", ""]
+        self.written: list[str] = []
+        self.plots = None
+        if not args.no_plots:
+            from ..analysis import plots
+
+            if plots.have_matplotlib():
+                self.plots = plots
+            else:
+                print("difftx grads: matplotlib is not installed (pip install 'difftx[plot]'); writing JSON only")
+
+    def batches(self, seed: int):
+        from ..analysis.common import Batches
+
+        a = self.args
+        return Batches(self.tokens, a.seq_len, a.batch_size, seed=seed, device=a.device)
+
+    def write_json(self, name: str, obj: dict) -> None:
+        from ..analysis.common import json_safe
+        from ..io import atomic_write_text
+
+        atomic_write_text(self.out / name, json.dumps(json_safe(obj), indent=1))
+        self.written.append(name)
+
+
+def _flow_section(st: _Study) -> None:
+    from ..analysis import flow
+
+    args, t0 = st.args, time.perf_counter()
+    if st.loaded:
+        kinds = sorted(m.config.attention for _, _, m, _ in st.loaded)
+        if kinds == ["diff", "softmax"]:
+            models = {("diff" if m.config.attention == "diff" else "transformer"): m for _, _, m, _ in st.loaded}
+        else:
+            models = {name: m for name, _, m, _ in st.loaded}
+    else:
+        models = flow.twin_models(st.base, seed=args.seed, paired=not args.unpaired, device=args.device)
+    res = flow.run_flow(models, st.batches(args.seed), steps=args.steps, optimizer=args.flow_optimizer,
+                        lr=st.lrs.get(args.flow_optimizer, args.lr_adamw), clip=args.clip)
+    res.update(meta=st.meta, paired=not args.unpaired and not st.loaded, seconds=round(time.perf_counter() - t0, 2))
+    st.write_json("flow.json", res)
+    table = flow.flow_table(res)
+    print(f"gradient flow ({args.flow_optimizer}, {args.steps} steps, {res['seconds']} s):\n{table}\n")
+    st.report += ["## Gradient flow (DIFF paper, Appendix E)", "",
+                  f"Gradient Frobenius norms per group, {args.flow_optimizer} lr {res['lr']}, {args.steps} steps; "
+                  "ratio = DIFF / Transformer; the early ratio is the median over steps 1..K.", "", table, ""]
+    if st.plots is not None:
+        st.plots.plot_flow(res, st.out / "flow.png")
+        st.written.append("flow.png")
+
+
+TAIL_TABLES = [("entries", "q99_9_over_q50", "|g| entries, q99.9 / q50 (Gaussian: 4.9)"),
+               ("entries", "hill", "|g| entries, Hill tail index (top 1%; lower = heavier)"),
+               ("entries", "excess_kurtosis", "|g| entries, excess kurtosis (Gaussian: 0)"),
+               ("noise", "alpha_mohammadi", "gradient noise, Mohammadi alpha (2 = Gaussian; lower = heavier)")]
+
+
+def _tails_section(st: _Study) -> None:
+    from .. import load_model
+    from ..analysis import common, tail_study
+
+    args, t0 = st.args, time.perf_counter()
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    res = None
+    for seed in seeds:
+        if st.loaded:
+            candidates = [(name, (lambda p=path: load_model(p, device=args.device))) for name, path, _, _ in st.loaded]
+        else:
+            candidates = [(s, (lambda c=c, sd=seed: common.build(c, sd, args.device))) for s, c in st.settings]
+        r = tail_study.run_tail_study(
+            candidates, st.batches(seed), _split(args.optimizers), st.tail_steps, lrs=st.lrs, clip=args.clip,
+            noise_batches=args.noise_batches, max_noise_entries=args.max_noise_entries, seed=seed,
+            progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+        for row in r["rows"]:
+            row["seed"] = seed
+        if res is None:
+            res = r
+        else:
+            res["rows"] += r["rows"]
+    res.update(meta=st.meta, seeds=seeds, seconds=round(time.perf_counter() - t0, 2))
+    st.write_json("tails.json", res)
+    print(f"heavy tails ({st.tail_steps} steps, {args.noise_batches} noise batches, {len(seeds)} seed(s), "
+          f"{res['seconds']} s):")
+    st.report += ["## Heavy tails (DNT Fig. 1; Simsekli et al. 2019)", "",
+                  f"After {st.tail_steps} training steps per optimiser; entries are the mean of "
+                  f"{args.noise_batches} mini-batch gradients, noise their deviations.", ""]
+    for section, stat, title in TAIL_TABLES:
+        table = tail_study.tails_table(res, stat, section)
+        st.report += [f"### {title}", "", table, ""]
+        if stat in ("q99_9_over_q50", "alpha_mohammadi"):
+            print(f"{title}:\n{table}\n")
+    if st.plots is not None:
+        for opt in res["optimizers"]:
+            st.plots.plot_tail_histograms(res, opt, st.out / f"tails_hist_{opt}.png")
+            st.written.append(f"tails_hist_{opt}.png")
+        st.plots.plot_tail_summary(res, st.out / "tails_summary.png")
+        st.written.append("tails_summary.png")
+
+
+def run(args) -> int:
+    from ..io import atomic_write_text
+
+    t_start = time.perf_counter()
+    _check(args)
+    st = _Study(args)  # validates everything before anything is written
+    st.out.mkdir(parents=True, exist_ok=True)
+    if args.only in (None, "flow"):
+        _flow_section(st)
+    if args.only in (None, "tails"):
+        _tails_section(st)
+    atomic_write_text(st.out / "report.md", "\n".join(st.report) + "\n")
+    st.written.append("report.md")
+    print(f"wrote {', '.join(st.written)} to {st.out} in {time.perf_counter() - t_start:.1f} s")
+    return 0

@@ -1,0 +1,187 @@
+"""Token shards: a corpus tokenised once into a memory-mapped file, reused on every rerun.
+
+Layout under ``cache_dir/shards/<key>/``: ``tokens.bin`` (uint16 when the
+vocabulary fits, else uint32; documents separated by the tokenizer's EOS when it
+has one) and ``manifest.json`` (tokenizer fingerprint, per-source content hashes
+and token counts, dtype).  The key hashes the tokenizer and the corpus
+contents, so a changed file or tokenizer gets a fresh shard and an unchanged one
+is reused.  The manifest is written last, atomically: a shard without one is an
+interrupted build and is rebuilt.
+
+The train/validation split is deterministic: the last ``val_fraction`` of the
+token stream is validation (nanoGPT's split for a single file).
+
+:class:`WindowSampler` draws the (seq_len + 1)-token windows of a training
+step as a pure function of ``(seed, step)``: resuming needs no sampler state,
+and the windows of a step are the same whatever the number of processes or
+micro-batches they are split into.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..errors import DataError
+from .corpus import Corpus
+from .tokenizers import Tokenizer
+
+SHARD_FORMAT = 1
+TOKENS_FILE = "tokens.bin"
+MANIFEST_FILE = "manifest.json"
+
+
+def default_cache_dir() -> Path:
+    """``$DIFFTX_CACHE``, else ``$XDG_CACHE_HOME/difftx``, else ``~/.cache/difftx``."""
+    if os.environ.get("DIFFTX_CACHE"):
+        return Path(os.environ["DIFFTX_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "difftx"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+@dataclass
+class TokenData:
+    tokens: np.ndarray  # memory-mapped, the whole stream
+    n_train: int
+    manifest: dict
+    path: Path
+
+    @property
+    def train(self) -> np.ndarray:
+        return self.tokens[: self.n_train]
+
+    @property
+    def val(self) -> np.ndarray:
+        return self.tokens[self.n_train:]
+
+
+def shard_key(corpus: Corpus, tokenizer: Tokenizer) -> str:
+    import hashlib
+
+    return hashlib.sha256(f"{SHARD_FORMAT}:{tokenizer.fingerprint()}:{corpus.fingerprint()}".encode()).hexdigest()[:16]
+
+
+def _read_manifest(folder: Path) -> Optional[dict]:
+    try:
+        manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    size = (folder / TOKENS_FILE).stat().st_size if (folder / TOKENS_FILE).is_file() else -1
+    if size != manifest.get("n_tokens", -2) * np.dtype(manifest.get("dtype", "uint16")).itemsize:
+        return None
+    return manifest
+
+
+def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool) -> dict:
+    from tqdm.auto import tqdm
+
+    from ..io import atomic_write_text
+
+    dtype = token_dtype(tokenizer.vocab_size)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{TOKENS_FILE}.{os.getpid()}.tmp"
+    sources, total = [], 0
+    eos = np.asarray([tokenizer.eos_id], dtype=dtype) if tokenizer.eos_id is not None else None
+    bar = tqdm(total=corpus.nbytes(), unit="B", unit_scale=True, desc="tokenising", disable=not progress,
+               leave=False)
+    try:
+        with open(tmp, "wb") as f:
+            for src in corpus.sources:
+                count = 0
+                for text, end in src.pieces():
+                    ids = tokenizer.encode_array(text)
+                    if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
+                        raise DataError(f"{src.name}: the tokenizer produced id {int(ids.max())} outside its "
+                                        f"vocabulary of {tokenizer.vocab_size}")
+                    f.write(ids.astype(dtype).tobytes())
+                    count += ids.size
+                    if end and eos is not None:
+                        f.write(eos.tobytes())
+                        count += 1
+                    bar.update(len(text.encode("utf-8")) if src.kind != "hf" else 0)
+                sources.append({"path": src.name, "kind": src.kind, "sha256": src.sha256(), "tokens": count})
+                total += count
+            f.flush()
+            os.fsync(f.fileno())
+        if total == 0:
+            raise DataError(f"{corpus.description}: no tokens (the data holds no text); give non-empty text")
+        os.replace(tmp, folder / TOKENS_FILE)
+    finally:
+        bar.close()
+        if tmp.exists():
+            tmp.unlink()
+    manifest = {
+        "shard_format": SHARD_FORMAT,
+        "tokenizer": {"kind": tokenizer.kind, "fingerprint": tokenizer.fingerprint(),
+                      "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
+        "corpus": corpus.description,
+        "corpus_fingerprint": corpus.fingerprint(),
+        "sources": sources,
+        "n_tokens": total,
+        "dtype": dtype.name,
+    }
+    atomic_write_text(folder / MANIFEST_FILE, json.dumps(manifest, indent=1))
+    return manifest
+
+
+def prepare_tokens(corpus: Corpus, tokenizer: Tokenizer, cache_dir: Optional[Path] = None,
+                   val_fraction: float = 0.1, progress: bool = True, build: bool = True) -> TokenData:
+    """Tokenise ``corpus`` into the cache (or reuse the shard from an earlier run) and memory-map it.
+
+    ``build=False`` only opens an existing shard (the non-zero ranks of a
+    distributed run, after rank 0 built it).
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    folder = cache_dir / "shards" / shard_key(corpus, tokenizer)
+    manifest = _read_manifest(folder)
+    if manifest is None:
+        if not build:
+            raise DataError(f"{folder}: token shard missing (rank 0 should have built it)")
+        manifest = _tokenise(corpus, tokenizer, folder, progress)
+    tokens = np.memmap(folder / TOKENS_FILE, dtype=np.dtype(manifest["dtype"]), mode="r")
+    n = len(tokens)
+    n_train = n - int(round(n * val_fraction)) if val_fraction > 0 else n
+    return TokenData(tokens, n_train, dict(manifest, val_fraction=val_fraction, n_train=n_train,
+                                           n_val=n - n_train, path=str(folder)), folder)
+
+
+class WindowSampler:
+    """(seq_len + 1)-token windows of a token array: inputs x = w[:-1], targets y = w[1:].
+
+    ``offsets(step, n)`` draws the window starts of one step from a generator
+    seeded by ``(seed, step)``, uniformly over the array (nanoGPT's sampling,
+    made stateless).  ``fixed(n)`` is the same ``n`` windows on every call (the
+    validation set).
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, what: str = "train"):
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.seed = seed
+        self.span = len(tokens) - seq_len  # number of valid starts
+        if self.span < 1:
+            raise DataError(f"the {what} split has {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
+                            f"give more data, a smaller --seq-len or a different --val-fraction")
+
+    def offsets(self, step: int, n: int) -> np.ndarray:
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 0, step])))
+        return rng.integers(0, self.span, size=n)
+
+    def fixed(self, n: int, seed: int = 0) -> np.ndarray:
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 1])))
+        return rng.integers(0, self.span, size=n)
+
+    def gather(self, offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        w = np.stack([np.asarray(self.tokens[o: o + self.seq_len + 1], dtype=np.int64) for o in offsets])
+        w = torch.from_numpy(w)
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()

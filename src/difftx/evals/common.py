@@ -1,0 +1,372 @@
+"""What every evaluation shares: loading, corpora, probes that compose, streaming statistics, output.
+
+* :func:`load_checkpoint` -- model + tokenizer from a run / checkpoint / model directory.
+* :func:`corpus_text` -- the one seam for the default corpus (``--data`` wins).
+* :func:`attach` -- attach an attention probe *on top of* one already attached
+  (so ``with quantized_logits(model, 8): evaluate_attention(...)`` quantizes
+  the logits the allocation probe sees).
+* :class:`TopK` and :class:`LogHistogram` -- running top-k and a log-spaced
+  histogram (a quantile sketch with bounded relative error): state of fixed
+  size however many values stream through.
+* :func:`write_result` -- ``NAME.json`` with a common envelope (see docs/evals.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sysconfig
+import time
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, DataError
+from ..nn.probe import AttentionProbe, attach_probe
+
+SCHEMA_VERSION = 1
+
+
+# ----------------------------------------------------------------------------- loading
+def load_checkpoint(path, device: Optional[str] = None, dtype: Optional[torch.dtype] = None):
+    """(model, tokenizer) from a difftx model, checkpoint or training-run directory; model in eval mode."""
+    from ..data import load_tokenizer
+    from ..io import load_model
+
+    model = load_model(path, device=device, dtype=dtype)
+    model.eval()
+    tokenizer = load_tokenizer(path)
+    return model, tokenizer
+
+
+def resolve_device(device: Optional[str]) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError("--device", f"{device!r} is not a device; use cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device", "CUDA is not available on this machine; use --device cpu")
+    return dev
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def model_summary(model) -> dict:
+    cfg = model.config
+    return {
+        "attention": cfg.attention, "d_model": cfg.d_model, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
+        "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len,
+        "positions": cfg.positions, "parameters": model.num_parameters(),
+    }
+
+
+def context_limit(model, cap: Optional[int] = None) -> int:
+    """The model's trained context, max_seq_len, capped (for LM windows: no extrapolation needed)."""
+    n = int(model.config.max_seq_len)
+    return min(n, cap) if cap else n
+
+
+def hard_limit(model) -> Optional[int]:
+    """The longest input the model can take at all: max_seq_len for learned/sinusoidal positions, else None."""
+    cfg = model.config
+    return int(cfg.max_seq_len) if cfg.positions in ("learned", "sinusoidal") else None
+
+
+def task_context(model, floor: int = 256, cap: int = 1024) -> int:
+    """Default context of the retrieval and in-context tasks: max_seq_len, at least ``floor``, at most ``cap``.
+
+    A needle or a demonstration costs tens of byte tokens, so a model trained at
+    64 tokens is evaluated at 256 (RoPE extrapolates; the JSON records the
+    model's max_seq_len beside the lengths).  Learned or sinusoidal positions
+    cannot go past max_seq_len, so there it is the limit.
+    """
+    n = int(model.config.max_seq_len)
+    hard = hard_limit(model)
+    return min(n, cap) if hard is not None else min(max(n, floor), cap)
+
+
+# ----------------------------------------------------------------------------- corpora
+VAL_FRACTION = 0.1  # the trainer's deterministic split: the last 10% of the stream is validation
+
+
+def _builtin_text() -> str:
+    """The built-in corpus: this Python's top-level standard-library ``*.py`` files, sorted (about 5 MB)."""
+    try:
+        from ..data import corpus as corpus_mod  # the training work's reader, when present
+    except ImportError:
+        corpus_mod = None
+    if corpus_mod is not None and hasattr(corpus_mod, "builtin_corpus"):
+        return "\n".join(corpus_mod.builtin_corpus().texts())
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    if not files:
+        raise DataError("no built-in corpus found (the Python standard library source is missing); pass --data PATH")
+    return "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+
+
+def corpus_text(path=None, min_chars: int = 200_000, split: str = "val") -> str:
+    """Text to evaluate on (or to fill haystacks with); the one place evaluations get a corpus from.
+
+    ``path``: a UTF-8 text file, read whole (with :mod:`difftx.data.corpus`, also
+    a directory, glob or JSONL file, as ``difftx train --data`` takes).  No
+    path: the built-in corpus, the trainer's: ``split="val"`` gives its last
+    10% (the trainer's validation split), cut to the last ``min_chars``
+    characters; ``split="train"`` the first 90%.
+    """
+    if path is not None:
+        p = Path(path)
+        if p.is_file() and p.suffix != ".jsonl":
+            return read_text_file(p)
+        try:
+            from ..data.corpus import resolve_corpus
+        except ImportError:
+            return read_text_file(p)
+        return "\n".join(resolve_corpus(str(path)).texts())
+    text = _builtin_text()
+    n_val = int(len(text) * VAL_FRACTION)
+    if split == "train":
+        return text[:len(text) - n_val]
+    return text[len(text) - min(n_val, min_chars):]
+
+
+def read_text_file(path) -> str:
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{p}: data file not found; pass a UTF-8 text file with --data")
+    raw = p.read_bytes()
+    if not raw.strip():
+        raise DataError(f"{p}: data file is empty")
+    if b"\x00" in raw[:65536]:
+        raise DataError(f"{p}: looks binary (NUL bytes); pass a UTF-8 text file")
+    return raw.decode("utf-8", errors="replace")
+
+
+def encode(tokenizer, text: str, what: str = "text") -> list[int]:
+    """tokenizer.encode with an error that says what could not be encoded."""
+    try:
+        return list(tokenizer.encode(text))
+    except DataError as e:
+        raise DataError(f"cannot encode the {what} with this checkpoint's tokenizer ({e}); "
+                        "pass --data with text the tokenizer covers") from None
+
+
+# ----------------------------------------------------------------------------- probes
+class ChainProbe(AttentionProbe):
+    """Two probes as one: logits go through ``first`` then ``second``; both observe."""
+
+    def __init__(self, first: AttentionProbe, second: AttentionProbe):
+        self.first, self.second = first, second
+
+    def transform_logits(self, layer, index, logits):
+        return self.second.transform_logits(layer, index, self.first.transform_logits(layer, index, logits))
+
+    def observe(self, layer, logits, effective, mask):
+        self.first.observe(layer, logits, effective, mask)
+        self.second.observe(layer, logits, effective, mask)
+
+
+def current_probe(model) -> Optional[AttentionProbe]:
+    mods = model.attention_modules()
+    return mods[0].probe if mods else None
+
+
+@contextlib.contextmanager
+def attach(model, probe: AttentionProbe):
+    """attach_probe that keeps a probe already attached (it runs first: e.g. a quantizer)."""
+    outer = current_probe(model)
+    with attach_probe(model, probe if outer is None else ChainProbe(outer, probe)):
+        yield probe
+
+
+def valid_values(t: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The entries of ``t`` (B, H, Nq, Nk) that the (broadcastable, True = attend) mask keeps, flattened."""
+    if mask is None:
+        return t.reshape(-1)
+    return t[mask.expand_as(t)]
+
+
+# ----------------------------------------------------------------------------- streaming statistics
+class TopK:
+    """The k largest values seen so far (state: at most k floats)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.values = torch.empty(0, dtype=torch.float64)
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1)
+        if x.numel() == 0:
+            return
+        top = torch.topk(x, min(self.k, x.numel())).values.to("cpu", torch.float64)
+        both = torch.cat((self.values, top))
+        self.values = torch.topk(both, min(self.k, both.numel())).values
+
+    def top(self, i: int) -> Optional[float]:
+        """The i-th largest value (1-based), None when fewer than i values were seen."""
+        return float(self.values[i - 1]) if self.values.numel() >= i else None
+
+    def state_bytes(self) -> int:
+        return self.values.numel() * 8
+
+
+class LogHistogram:
+    """Counts of non-negative values in log-spaced bins: quantiles with relative error <= 10**(1/(2*per_decade)) - 1.
+
+    Values below ``10**lo`` are counted in an underflow bin (reported as 0),
+    values above ``10**hi`` in an overflow bin (reported as the running max).
+    With the defaults (1e-8 .. 1e8, 200 bins per decade) the relative error of
+    a quantile is at most 0.58%.
+    """
+
+    def __init__(self, lo: float = -8.0, hi: float = 8.0, per_decade: int = 200):
+        self.lo, self.hi, self.per_decade = lo, hi, per_decade
+        self.n_bins = int(round((hi - lo) * per_decade))
+        self.counts = torch.zeros(self.n_bins + 2, dtype=torch.float64)  # [underflow, bins..., overflow]
+        self.max = 0.0
+        self.n = 0
+
+    @property
+    def rel_error(self) -> float:
+        return 10 ** (1 / (2 * self.per_decade)) - 1
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1).float()
+        if x.numel() == 0:
+            return
+        self.n += x.numel()
+        self.max = max(self.max, float(x.max()))
+        idx = torch.floor((torch.log10(x.clamp_min(1e-38)) - self.lo) * self.per_decade).long() + 1
+        idx = idx.clamp(0, self.n_bins + 1)
+        self.counts += torch.bincount(idx, minlength=self.n_bins + 2).cpu().double()
+
+    def quantile(self, q: float) -> Optional[float]:
+        if self.n == 0:
+            return None
+        rank = math.floor(q * (self.n - 1))  # 0-based rank of the 'lower' quantile (torch.median's choice)
+        cum = torch.cumsum(self.counts, 0)
+        b = int(torch.searchsorted(cum, torch.tensor(rank + 1.0, dtype=torch.float64)))
+        if b == 0:
+            return 0.0
+        if b >= self.n_bins + 1:
+            return self.max
+        centre = 10 ** (self.lo + (b - 1 + 0.5) / self.per_decade)  # geometric centre of the bin
+        return min(centre, self.max)
+
+    def median(self) -> Optional[float]:
+        return self.quantile(0.5)
+
+    def state_bytes(self) -> int:
+        return self.counts.numel() * 8
+
+
+# ----------------------------------------------------------------------------- batching helpers
+def batches(seq: Sequence, size: int) -> Iterable[Sequence]:
+    for i in range(0, len(seq), size):
+        yield seq[i:i + size]
+
+
+def map_batch_size(n_heads: int, seq_len: int, budget_elems: int = 1 << 24, cap: int = 64) -> int:
+    """Rows per batch so one fp32 attention map (B, H, N, N) stays near ``budget_elems`` elements."""
+    return int(max(1, min(cap, budget_elems // max(1, n_heads * seq_len * seq_len))))
+
+
+def pad_right(seqs: list[list[int]], pad: int = 0) -> torch.Tensor:
+    n = max(len(s) for s in seqs)
+    return torch.tensor([s + [pad] * (n - len(s)) for s in seqs], dtype=torch.long)
+
+
+def pad_left(seqs: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and attention mask (1 = token)."""
+    n = max(len(s) for s in seqs)
+    ids = torch.tensor([[pad] * (n - len(s)) + s for s in seqs], dtype=torch.long)
+    mask = torch.tensor([[0] * (n - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
+    return ids, mask
+
+
+def parse_range(v, name: str) -> tuple[int, int]:
+    """3 -> (3, 3); '1-6' or (1, 6) -> (1, 6)."""
+    try:
+        if isinstance(v, str):
+            parts = v.split("-")
+            v = (int(parts[0]), int(parts[-1]))
+        elif isinstance(v, int):
+            v = (v, v)
+        lo, hi = int(v[0]), int(v[1])
+    except (ValueError, TypeError, IndexError):
+        raise ConfigError(name, f"must be a count or a range lo-hi, got {v!r}") from None
+    if not 1 <= lo <= hi:
+        raise ConfigError(name, f"must be a count or a range lo-hi with 1 <= lo <= hi, got {v!r}")
+    return lo, hi
+
+
+def rng_for(*key: int) -> np.random.Generator:
+    """A numpy Generator that is a pure function of the integers in ``key`` (seed, step, rank, ...)."""
+    return np.random.default_rng(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in key]))
+
+
+# ----------------------------------------------------------------------------- output
+def _clean(obj):
+    """JSON-safe: numpy / torch scalars to Python, NaN/inf to None."""
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return _clean(obj.tolist())
+    if isinstance(obj, np.ndarray):
+        return _clean(obj.tolist())
+    if isinstance(obj, (np.floating, float)):
+        f = float(obj)
+        return f if math.isfinite(f) else None
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    return obj
+
+
+def envelope(name: str, results: dict, model=None, checkpoint=None, settings: Optional[dict] = None,
+             seconds: Optional[float] = None, quant: Optional[dict] = None) -> dict:
+    from .. import __version__
+
+    return _clean({
+        "eval": name, "schema_version": SCHEMA_VERSION, "difftx_version": __version__,
+        "checkpoint": None if checkpoint is None else str(checkpoint),
+        "model": None if model is None else model_summary(model),
+        "settings": settings or {}, "quant": quant, "seconds": seconds, "results": results,
+    })
+
+
+def write_result(out_dir, name: str, doc: dict) -> Path:
+    from ..io import atomic_write_text
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    atomic_write_text(path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def pyplot():
+    """matplotlib.pyplot with a file backend, or None when matplotlib is not installed (plot extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+class Timer:
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t0

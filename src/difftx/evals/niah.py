@@ -1,0 +1,396 @@
+"""Multi-needle retrieval (DIFF paper section 3.4, Table 2, Fig. 5) and the ``niah`` training task.
+
+A sample is a haystack of real text with N needles "The special magic number
+for CITY is: NUMBER." inserted at sentence boundaries, followed by R queries:
+
+    <haystack ... needle ... needle ...>
+    The special magic number for CITY_1 is: NUMBER_1
+    The special magic number for CITY_2 is: NUMBER_2
+
+The first query's needle (the *answer needle*) sits at the requested depth
+(0% = before the first haystack token, 100% = after the last); the other
+needles, queries included, at random boundaries.  ``length`` is the whole
+sequence in tokens, queries and answers included; the haystack fills what the
+needles and queries leave.  Pieces are tokenized separately and concatenated,
+so every span is known exactly (the attention evaluation uses them).
+
+Scoring, per query:
+
+* teacher-forced exact match: every answer token is the argmax given the true
+  prefix (earlier queries see earlier answers) -- measurable on tiny models;
+* generation: greedy decoding from the prompt up to the query; correct when the
+  number appears in the generated text (the paper's protocol).
+
+A sample's accuracy is the mean over its R queries; a cell (N, R, length,
+depth) averages S samples.  Results: the N x R table (Table 2, averaged over
+depths and lengths) and one depth x length heat map per N x R (Fig. 5).
+
+The training task (``difftx train --task niah``) draws the same samples with a
+random depth, targets on the answer tokens only (``loss_on="all"`` for every
+token), as a pure function of (seed, step, rank, row).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from ..data.tasks import register_task
+from ..errors import ConfigError, DataError
+from .common import (batches, corpus_text, encode, hard_limit, map_batch_size, model_device, pad_left, pad_right,
+                     parse_range, rng_for, task_context)
+
+CITIES = (
+    "Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Cairo", "Delhi", "Madrid", "Berlin", "Rome", "Vienna", "Prague",
+    "Dublin", "Lisbon", "Athens", "Warsaw", "Nairobi", "Seoul", "Hanoi", "Manila", "Jakarta", "Bangkok", "Sydney",
+    "Toronto", "Chicago", "Boston", "Denver", "Houston", "Havana", "Bogota", "Quito", "Santiago", "Caracas",
+    "Montevideo", "Kyiv", "Riga", "Vilnius", "Tallinn", "Helsinki", "Stockholm", "Copenhagen", "Amsterdam",
+    "Brussels", "Zurich", "Geneva", "Milan", "Naples", "Porto", "Seville", "Valencia", "Marseille", "Lyon",
+    "Munich", "Hamburg", "Istanbul", "Ankara", "Tehran", "Baghdad", "Karachi", "Mumbai", "Chennai", "Dhaka",
+    "Shanghai", "Beijing", "Osaka", "Kyoto", "Busan", "Taipei", "Singapore", "Perth", "Auckland", "Accra",
+    "Dakar", "Kinshasa", "Casablanca", "Tunis", "Algiers", "Addis Ababa", "Rio de Janeiro", "Buenos Aires",
+    "Mexico City", "Los Angeles", "San Francisco", "New York", "Cape Town", "Kuala Lumpur", "Hong Kong",
+)
+TEMPLATES = {
+    "paper": "The special magic number for {city} is: {number}.",  # the DIFF paper / LWM protocol
+    "short": "{city}: {number}.",  # for small contexts on byte tokenizers
+}
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+DEFAULT_GRID = ((1, 1), (2, 2), (4, 2), (6, 2))  # Table 2
+# token regions of a sample (used by the attention evaluation)
+NOISE, ANSWER, ANSWER_NEEDLE, OTHER_NEEDLE, QUERY = 0, 1, 2, 3, 4
+REGION_NAMES = ("noise", "answer", "answer_needle", "other_needles", "query")
+
+
+def parse_grid(spec) -> list[tuple[int, int]]:
+    """'N1R1,N2R2' (or [(1, 1), (2, 2)]) -> [(1, 1), (2, 2)]."""
+    if not isinstance(spec, str):
+        return [(int(n), int(r)) for n, r in spec]
+    out = []
+    for item in spec.split(","):
+        m = re.fullmatch(r"\s*N(\d+)\s*R(\d+)\s*", item, flags=re.I)
+        if not m:
+            raise ConfigError("grid", f"cell {item!r} is not of the form N<needles>R<queries>, e.g. N4R2")
+        n, r = int(m.group(1)), int(m.group(2))
+        if not 1 <= r <= n:
+            raise ConfigError("grid", f"cell {item!r}: need 1 <= R <= N")
+        if n > len(CITIES):
+            raise ConfigError("grid", f"cell {item!r}: at most {len(CITIES)} needles")
+        out.append((n, r))
+    return out
+
+
+def _template(name_or_text: str) -> str:
+    t = TEMPLATES.get(name_or_text, name_or_text)
+    if "{city}" not in t or "{number}" not in t or t.index("{city}") > t.index("{number}"):
+        raise ConfigError("template", f"needle template {t!r} needs '{{city}}' before '{{number}}' "
+                                      f"(or a name: {', '.join(TEMPLATES)})")
+    return t
+
+
+class Haystack:
+    """A corpus split at sentence boundaries ('.', '!' or '?' before whitespace, or a newline), pre-tokenized."""
+
+    def __init__(self, text: str, tokenizer, max_chars: int = 1_000_000):
+        text = text[:max_chars]
+        cuts = [0] + [m.end() for m in re.finditer(r"[.!?]\s+|\n+", text)] + [len(text)]
+        pieces = [text[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+        self.sentences = [s for s in (encode(tokenizer, p, "haystack text") for p in pieces) if s]
+        if not self.sentences:
+            raise DataError("the haystack corpus is empty")
+
+    def take(self, rng, n_tokens: int) -> tuple[list[int], list[int]]:
+        """``n_tokens`` tokens of whole sentences from a random sentence on, and the sentence boundaries in them.
+
+        The excess is cut from the front of the first sentence, so the last
+        boundary (depth 100%) is a real sentence end; the first is the start.
+        """
+        i = int(rng.integers(len(self.sentences)))
+        ids, ends = [], []
+        while len(ids) < n_tokens:
+            ids.extend(self.sentences[i % len(self.sentences)])
+            ends.append(len(ids))
+            i += 1
+        cut = len(ids) - n_tokens
+        return ids[cut:], [0] + [e - cut for e in ends if e - cut > 0]
+
+
+@dataclass
+class NiahSample:
+    ids: list[int]
+    regions: list[int]  # one region id per token (NOISE, ANSWER, ...)
+    answers: list[tuple[int, int]]  # [start, end) token spans of the R answers at the end
+    numbers: list[str]
+    cities: list[str]
+    depth: float
+    needles: int
+    meta: dict = field(default_factory=dict)
+
+
+class NiahBuilder:
+    """Builds samples from one haystack for one tokenizer (tokenizes each piece once)."""
+
+    def __init__(self, tokenizer, text: Optional[str] = None, data=None, template: str = "paper", digits: int = 5,
+                 split: str = "val"):
+        digits = int(digits)
+        if not 1 <= digits <= 12:
+            raise ConfigError("digits", f"must be between 1 and 12, got {digits}")
+        self.tok = tokenizer
+        self.template = _template(template)
+        self.digits = digits
+        self.haystack = Haystack(text if text is not None else corpus_text(data, split=split), tokenizer)
+        head = self.template.split("{number}")[0]
+        self.query_text = head.rstrip()
+        self.answer_gap = head[len(self.query_text):]
+
+    def _needle(self, city: str, number: str) -> tuple[list[int], list[int]]:
+        """Needle tokens and their regions (number tokens marked ANSWER, the rest ANSWER_NEEDLE)."""
+        before, after = self.template.split("{number}")
+        pre = encode(self.tok, before.format(city=city), "needle")
+        num = encode(self.tok, number, "needle number")
+        post = encode(self.tok, after.format(city=city) + " ", "needle")
+        return pre + num + post, [ANSWER_NEEDLE] * len(pre) + [ANSWER] * len(num) + [ANSWER_NEEDLE] * len(post)
+
+    def min_length(self, needles: int, queries: int) -> int:
+        """Tokens the needles and queries of the longest city names need (the haystack gets the rest)."""
+        city = max(CITIES, key=lambda c: len(encode(self.tok, c, "city")))
+        n = "9" * self.digits
+        needle = len(self._needle(city, n)[0])
+        qa = len(encode(self.tok, "\n" + self.query_text.format(city=city), "query")) + \
+            len(encode(self.tok, self.answer_gap + n, "answer"))
+        return needles * needle + queries * qa + 1
+
+    def sample(self, rng, length: int, needles: int, queries: int, depth: Optional[float] = None) -> NiahSample:
+        """One sample of exactly ``length`` tokens; ``depth`` None draws it uniformly."""
+        cities = [CITIES[i] for i in rng.choice(len(CITIES), size=needles, replace=False)]
+        lo = 10 ** (self.digits - 1) if self.digits > 1 else 0
+        numbers = [str(int(v)) for v in rng.choice(10 ** self.digits - lo, size=needles, replace=False) + lo]
+        pieces = [self._needle(c, n) for c, n in zip(cities, numbers)]
+        qa = []
+        for c, n in zip(cities[:queries], numbers[:queries]):
+            q = encode(self.tok, "\n" + self.query_text.format(city=c), "query")
+            qa.append((q, encode(self.tok, self.answer_gap + n, "answer")))
+        fixed = sum(len(p[0]) for p in pieces) + sum(len(q) + len(a) for q, a in qa)
+        budget = length - fixed
+        if budget < 1:
+            raise DataError(f"a length of {length} tokens cannot hold {needles} needles and {queries} queries "
+                            f"({fixed} tokens); use longer --lengths, fewer needles or --template short")
+        hay, bounds = self.haystack.take(rng, budget)
+        d = float(rng.random()) if depth is None else float(depth)
+        target = d * budget
+        answer_at = min(bounds, key=lambda b: (abs(b - target), b))
+        others = [b for b in bounds if b != answer_at] or bounds  # the answer needle alone at its depth
+        where = [answer_at] + [int(others[j]) for j in rng.integers(len(others), size=needles - 1)]
+        inserts: dict[int, list[int]] = {}
+        for k in range(needles):
+            inserts.setdefault(where[k], []).append(k)
+        inserts = {b: [int(k) for k in rng.permutation(ks)] for b, ks in inserts.items()}  # random order at a boundary
+
+        ids, regions, prev = [], [], 0
+        for b in sorted(set(bounds) | set(inserts)):
+            ids += hay[prev:b]
+            regions += [NOISE] * (b - prev)
+            prev = b
+            for k in inserts.get(b, []):
+                p_ids, p_reg = pieces[k]
+                ids += p_ids
+                regions += p_reg if k == 0 else [OTHER_NEEDLE] * len(p_ids)
+        ids += hay[prev:]
+        regions += [NOISE] * (len(hay) - prev)
+        answers = []
+        for q, a in qa:
+            ids += q
+            regions += [QUERY] * len(q)
+            answers.append((len(ids), len(ids) + len(a)))
+            ids += a
+            regions += [QUERY] * len(a)
+        assert len(ids) == length, (len(ids), length)
+        return NiahSample(ids, regions, answers, numbers[:queries], cities, d, needles,
+                          {"answer_needle_at": answer_at / budget if budget else 0.0})
+
+
+# ----------------------------------------------------------------------------- scoring
+@torch.no_grad()
+def score_teacher_forced(model, samples: Sequence[NiahSample], batch_size: int) -> list[tuple[list[bool], list[float]]]:
+    """Per sample: per-query exact match and per-query token accuracy of the answers under teacher forcing."""
+    device, out = model_device(model), []
+    for chunk in batches(list(samples), batch_size):
+        ids = pad_right([s.ids for s in chunk]).to(device)
+        pred = model(ids).logits.argmax(-1).cpu()
+        for i, s in enumerate(chunk):
+            em, acc = [], []
+            for a, b in s.answers:
+                ok = pred[i, a - 1:b - 1] == torch.tensor(s.ids[a:b])
+                em.append(bool(ok.all()))
+                acc.append(float(ok.float().mean()))
+            out.append((em, acc))
+    return out
+
+
+@torch.no_grad()
+def score_generation(model, tokenizer, samples: Sequence[NiahSample], batch_size: int,
+                     extra_tokens: int = 2) -> list[list[bool]]:
+    """Per sample, per query: does the number appear in the greedy continuation of the prompt up to the query."""
+    device = model_device(model)
+    jobs = [(i, j) for i, s in enumerate(samples) for j in range(len(s.answers))]
+    found: dict[tuple[int, int], bool] = {}
+    for chunk in batches(jobs, batch_size):
+        prompts = [samples[i].ids[:samples[i].answers[j][0]] for i, j in chunk]
+        n_new = max(b - a for i, j in chunk for a, b in [samples[i].answers[j]]) + extra_tokens
+        ids, mask = pad_left(prompts)
+        if hard_limit(model) is not None:  # learned positions: stay inside max_seq_len
+            n_new = max(1, min(n_new, hard_limit(model) - ids.shape[1]))
+        out = model.generate(ids.to(device), max_new_tokens=n_new, do_sample=False, attention_mask=mask.to(device))
+        for row, (i, j) in enumerate(chunk):
+            text = tokenizer.decode(out[row, ids.shape[1]:].tolist())
+            found[(i, j)] = samples[i].numbers[j] in text
+    return [[found[(i, j)] for j in range(len(s.answers))] for i, s in enumerate(samples)]
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def evaluate_niah(model, tokenizer, grid=DEFAULT_GRID, lengths: Optional[Sequence[int]] = None,
+                  depths: Sequence[float] = DEPTHS, samples: int = 4, digits: int = 5, template: str = "paper",
+                  text: Optional[str] = None, data=None, seed: int = 0, generation: bool = True,
+                  batch_size: Optional[int] = None, progress: bool = False) -> dict:
+    """Multi-needle retrieval accuracy per (N, R, length, depth) cell, the N x R table and heat maps."""
+    grid = parse_grid(grid)
+    limit, hard = task_context(model), hard_limit(model)
+    lengths = sorted({int(x) for x in (lengths or (limit // 2, limit))})
+    builder = NiahBuilder(tokenizer, text=text, data=data, template=template, digits=digits)
+    cells, skipped = [], []
+    for ci, (n, r) in enumerate(grid):
+        need = builder.min_length(n, r)
+        for li, length in enumerate(lengths):
+            if hard is not None and length > hard:
+                skipped.append({"needles": n, "queries": r, "length": length,
+                                "reason": f"longer than max_seq_len={hard} ({model.config.positions} positions)"})
+                continue
+            if length < need:
+                skipped.append({"needles": n, "queries": r, "length": length,
+                                "reason": f"needs at least {need} tokens"})
+                continue
+            for di, d in enumerate(depths):
+                ss = [builder.sample(rng_for(seed, ci, li, di, k), length, n, r, d) for k in range(samples)]
+                cells.append(({"needles": n, "queries": r, "length": length, "depth": float(d)}, ss))
+    if not cells:
+        raise DataError(f"no N x R cell fits the lengths {lengths} (e.g. {skipped[0]['reason']} for "
+                        f"N{skipped[0]['needles']}R{skipped[0]['queries']}); pass longer --lengths, a smaller "
+                        "--grid or --template short")
+    for cell, ss in cells:
+        bs = batch_size or map_batch_size(model.config.n_heads, cell["length"], cap=16)
+        tf = score_teacher_forced(model, ss, bs)
+        cell["samples"] = len(ss)
+        cell["teacher_forced"] = _mean([_mean([float(e) for e in em]) for em, _ in tf])
+        cell["token_accuracy"] = _mean([_mean(acc) for _, acc in tf])
+        if generation:
+            gen = score_generation(model, tokenizer, ss, bs)
+            cell["generation"] = _mean([_mean([float(g) for g in row]) for row in gen])
+        else:
+            cell["generation"] = None
+        if progress:
+            print(f"  niah N{cell['needles']}R{cell['queries']} len {cell['length']} depth {cell['depth']:.2f}: "
+                  f"tf {cell['teacher_forced']:.2f} gen {cell['generation'] if generation else '-'}", flush=True)
+    cells = [c for c, _ in cells]
+    return summarize(cells, skipped, lengths, list(map(float, depths)))
+
+
+def summarize(cells: list[dict], skipped: list[dict], lengths: list[int], depths: list[float]) -> dict:
+    metrics = ("teacher_forced", "token_accuracy", "generation")
+    table, heatmaps = {}, {}
+    for key in dict.fromkeys(f"N{c['needles']}R{c['queries']}" for c in cells):
+        mine = [c for c in cells if f"N{c['needles']}R{c['queries']}" == key]
+        table[key] = {m: _mean([c[m] for c in mine]) for m in metrics}
+        lens = [L for L in lengths if any(c["length"] == L for c in mine)]
+        heatmaps[key] = {"depths": depths, "lengths": lens}
+        for m in metrics:
+            heatmaps[key][m] = [[_mean([c[m] for c in mine if c["depth"] == d and c["length"] == L])
+                                 for L in lens] for d in depths]
+    overall = {m: _mean([c[m] for c in cells]) for m in metrics}
+    return {"cells": cells, "table": table, "heatmaps": heatmaps, "overall": overall, "skipped": skipped}
+
+
+def plot_niah(result: dict, path, metric: str = "teacher_forced") -> Optional[str]:
+    """Left: the N x R table as bars; right: the depth x length heat map of the hardest N x R cell."""
+    from .common import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return None
+    keys = list(result["table"])
+    hm_key = keys[-1]
+    hm = result["heatmaps"][hm_key]
+    grid = [[float("nan") if v is None else v for v in row] for row in hm[metric]]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    a1.bar(keys, [result["table"][k][metric] or 0.0 for k in keys])
+    a1.set_ylim(0, 1)
+    a1.set_ylabel(f"accuracy ({metric.replace('_', '-')})")
+    a1.set_title("multi-needle retrieval (Table 2)")
+    im = a2.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    a2.set_xticks(range(len(hm["lengths"])), [str(x) for x in hm["lengths"]])
+    a2.set_yticks(range(len(hm["depths"])), [f"{int(d * 100)}%" for d in hm["depths"]])
+    a2.set_xlabel("context length (tokens)")
+    a2.set_ylabel("answer depth")
+    a2.set_title(f"{hm_key} by depth and length (Fig. 5)")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            if v == v:
+                a2.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+    fig.colorbar(im, ax=a2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- training task
+class NiahTask:
+    """Sampler for ``difftx train --task niah``: (x, y) of shape (B, seq_len), a pure function of (step, rank)."""
+
+    def __init__(self, tokenizer, seq_len: int, seed: int = 0, needles="1-6", queries="1-2", digits: int = 5,
+                 template: str = "paper", data=None, text: Optional[str] = None, loss_on: str = "answer"):
+        if loss_on not in ("answer", "all"):
+            raise ConfigError("loss_on", f"must be 'answer' or 'all', got {loss_on!r}")
+        if not seq_len:
+            raise ConfigError("seq_len", "the niah task needs a sequence length (--seq-len)")
+        self.seq_len, self.seed, self.loss_on = int(seq_len), int(seed), loss_on
+        self.needles, self.queries = parse_range(needles, "needles"), parse_range(queries, "queries")
+        # haystacks from the training part of the built-in corpus (the evaluation uses its validation tail)
+        self.builder = NiahBuilder(tokenizer, text=text, data=data, template=template, digits=digits, split="train")
+        need = self.builder.min_length(self.needles[1], min(self.queries[1], self.needles[1]))
+        if need > self.seq_len + 1:
+            raise ConfigError("seq_len", f"{self.seq_len} is too short for {self.needles[1]} needles "
+                                         f"(needs {need - 1}); raise --seq-len, lower needles or template=short")
+
+    def sample(self, step: int, rank: int, row: int) -> NiahSample:
+        rng = rng_for(self.seed, step, rank, row, 0x4E1A)
+        n = int(rng.integers(self.needles[0], self.needles[1] + 1))
+        r = int(rng.integers(self.queries[0], min(self.queries[1], n) + 1))
+        return self.builder.sample(rng, self.seq_len + 1, n, r, depth=None)
+
+    def batch(self, batch_size: int, step: int, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        xs, ys = [], []
+        for row in range(batch_size):
+            s = self.sample(step, rank, row)
+            ids = torch.tensor(s.ids, dtype=torch.long)
+            y = ids[1:].clone()
+            if self.loss_on == "answer":
+                keep = torch.zeros_like(y, dtype=torch.bool)
+                for a, b in s.answers:
+                    keep[a - 1:b - 1] = True
+                y[~keep] = -100
+            xs.append(ids[:-1])
+            ys.append(y)
+        return torch.stack(xs), torch.stack(ys)
+
+
+@register_task("niah")
+def niah_task(tokenizer, seq_len: int, seed: int = 0, **options) -> NiahTask:
+    """Multi-needle retrieval samples (options: needles, queries, digits, template, data, loss_on)."""
+    return NiahTask(tokenizer, seq_len, seed, **options)

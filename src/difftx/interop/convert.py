@@ -1,0 +1,408 @@
+"""Checkpoint conversion between difftx and Hugging Face layouts, both ways, without transformers.
+
+Formats (``--from`` / ``--to`` of ``difftx convert``):
+
+* ``difftx``: a difftx model directory (``config.json`` with ``difftx_format`` + ``model.safetensors``).
+* ``hf-llama``: transformers' ``LlamaForCausalLM`` <-> the difftx softmax Transformer
+  (pre-norm ``S1``, RMSNorm, SwiGLU, RoPE; GQA kept as is).
+* ``hf-diffllama``: transformers' ``DiffLlamaForCausalLM`` <-> difftx DIFF.  DiffLlama's
+  conventions are expressed as config fields, so its weights load unpermuted:
+  ``num_attention_heads`` counts component heads (difftx ``n_heads`` = half of it),
+  ``pairing='halves'``, ``rope_style='half'``, per-head RMSNorm without weight
+  (``head_norm_weight=False``) and with ``rms_norm_eps``, and ``lambda_init_fn(layer_idx)``
+  with a 0-based index equal to difftx's 1-based schedule.  Exporting a difftx DIFF
+  model with other conventions re-lays its rows out first (:mod:`.layouts`).
+* ``hf-difftx``: :class:`difftx.interop.hf.DifftxForCausalLM` (``model_type='difftx'``),
+  any attention kind and norm placement.
+
+Every tensor is checked by name and shape against what the config implies; a
+mismatch raises :class:`~difftx.errors.CheckpointError` naming the tensor.  Nothing
+is unpickled and no code from the directory runs (see :mod:`.hf_io`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..config import NORM_FLAGS, NORM_PRESETS, ModelConfig
+from ..errors import CheckpointError, ConfigError, DifftxError
+from ..io import WEIGHTS_FILE, clean_state_dict, is_model_dir, load_safetensors, read_model_config, save_model
+from . import hf_io
+from .layouts import relayout
+
+HF_FORMATS = ("hf-llama", "hf-diffllama", "hf-difftx")
+FORMATS = ("difftx",) + HF_FORMATS
+MODEL_TYPES = {"llama": "hf-llama", "diffllama": "hf-diffllama", "difftx": "hf-difftx"}
+ARCHITECTURES = {"hf-llama": "LlamaForCausalLM", "hf-diffllama": "DiffLlamaForCausalLM",
+                 "hf-difftx": "DifftxForCausalLM"}
+HF_DIFFTX_PREFIX = "model."  # DifftxForCausalLM holds the DecoderLM as ``.model``
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some old checkpoints saved
+
+
+# ---------------------------------------------------------------------- configs
+def _llama_like_config(hf: dict, src: str, diff: bool) -> ModelConfig:
+    """difftx config for a Llama / DiffLlama ``config.json`` (``src`` names it in errors)."""
+
+    def need(key):
+        if hf.get(key) is None:
+            raise CheckpointError(f"{src}: '{key}' is missing")
+        return hf[key]
+
+    heads, d_model = need("num_attention_heads"), need("hidden_size")
+    kv = hf.get("num_key_value_heads") or heads
+    head_dim = hf.get("head_dim") or d_model // heads
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise CheckpointError(f"{src}: hidden_act={act!r} is not supported; difftx's SwiGLU uses silu")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type != "default":
+        raise CheckpointError(f"{src}: RoPE scaling {rope_type!r} is not supported by difftx (only plain RoPE)")
+    theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or hf.get("rope_theta", 10000.0)
+    attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if attn_bias != mlp_bias:
+        raise CheckpointError(f"{src}: attention_bias={attn_bias} but mlp_bias={mlp_bias}; difftx has one "
+                              "'bias' switch for attention and FFN")
+    fields = dict(
+        domain="lm", d_model=d_model, n_layers=need("num_hidden_layers"), head_dim=head_dim,
+        ffn_dim=need("intermediate_size"), vocab_size=need("vocab_size"),
+        max_seq_len=hf.get("max_position_embeddings", 2048), norms="S1", norm="rms",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), ffn="swiglu", positions="rope", rope_style="half",
+        rope_theta=float(theta), tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bias=attn_bias,
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
+    if not diff:
+        fields.update(attention="softmax", n_heads=heads, n_kv_heads=kv)
+    else:
+        if heads % 2 or kv % 2:
+            raise CheckpointError(f"{src}: DiffLlama needs even num_attention_heads and num_key_value_heads; "
+                                  f"got {heads} and {kv}")
+        fields.update(attention="diff", n_heads=heads // 2, n_kv_heads=kv // 2, pairing="halves",
+                      head_norm=True, head_norm_weight=False, head_norm_eps=fields["norm_eps"],
+                      lambda_init="schedule", lambda_std=float(hf.get("lambda_std_dev") or 0.1))
+    try:
+        return ModelConfig(**fields)
+    except ConfigError as e:
+        raise CheckpointError(f"{src}: cannot be expressed as a difftx config: {e}") from None
+
+
+def _require(cfg: ModelConfig, fmt: str, field: str, ok: bool, why: str) -> None:
+    if not ok:
+        raise ConfigError(field, f"cannot export to {fmt}: {why} (got {getattr(cfg, field, None)!r})")
+
+
+def _check_llama_like(cfg: ModelConfig, fmt: str) -> None:
+    want = "softmax" if fmt == "hf-llama" else "diff"
+    _require(cfg, fmt, "domain", cfg.domain == "lm", "only language models")
+    _require(cfg, fmt, "attention", cfg.attention == want, f"{fmt} holds attention={want!r}")
+    s1 = {f: bool(NORM_PRESETS["S1"].get(f, False)) for f in NORM_FLAGS}
+    for flag in NORM_FLAGS:
+        _require(cfg, fmt, flag, getattr(cfg, flag) == s1[flag],
+                 "Llama-style blocks are pre-norm (norms='S1') with a final norm")
+    _require(cfg, fmt, "norm", cfg.norm == "rms", "Llama uses RMSNorm")
+    _require(cfg, fmt, "ffn", cfg.ffn == "swiglu", "Llama uses a SwiGLU FFN")
+    _require(cfg, fmt, "positions", cfg.positions == "rope", "Llama uses rotary positions")
+    if fmt == "hf-diffllama":
+        _require(cfg, fmt, "bias", not cfg.bias, "DiffLlama's FFN has no bias")
+        _require(cfg, fmt, "head_norm", cfg.head_norm, "DiffLlama always applies the per-head RMSNorm")
+        _require(cfg, fmt, "lambda_init", cfg.lambda_init == "schedule",
+                 "DiffLlama always uses the depth schedule 0.8 - 0.6 exp(-0.3 (l-1))")
+        _require(cfg, fmt, "head_norm_eps", cfg.head_norm_eps == cfg.norm_eps,
+                 f"DiffLlama's per-head norm uses rms_norm_eps = norm_eps = {cfg.norm_eps}")
+
+
+def llama_config_dict(cfg: ModelConfig, fmt: str) -> dict:
+    """The transformers ``config.json`` for ``cfg`` as LlamaForCausalLM or DiffLlamaForCausalLM."""
+    diff = fmt == "hf-diffllama"
+    heads, kv = (2 * cfg.n_heads, 2 * cfg.n_kv_heads) if diff else (cfg.n_heads, cfg.n_kv_heads)
+    out = dict(
+        architectures=[ARCHITECTURES[fmt]], model_type="diffllama" if diff else "llama",
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=heads, num_key_value_heads=kv,
+        head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_theta=cfg.rope_theta,  # the pre-v5 spelling, for older transformers
+        attention_bias=cfg.bias, attention_dropout=0.0, use_cache=True, dtype="float32",
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    if diff:
+        out["lambda_std_dev"] = cfg.lambda_std
+    else:
+        out["mlp_bias"] = cfg.bias
+    return out
+
+
+# ---------------------------------------------------------------------- tensor names
+def llama_key_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(transformers name, difftx name) for every tensor of a Llama / DiffLlama-shaped difftx model."""
+    pairs = [("model.embed_tokens.weight", "embed.weight")]
+    suffixes = ("weight", "bias") if cfg.bias else ("weight",)
+    for i in range(cfg.n_layers):
+        a, b = f"model.layers.{i}.", f"layers.{i}."
+        pairs += [(a + "input_layernorm.weight", b + "attn_norm.weight"),
+                  (a + "post_attention_layernorm.weight", b + "ffn_norm.weight")]
+        for hf_name, dx_name in (("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"),
+                                 ("o_proj", "out_proj")):
+            pairs += [(a + f"self_attn.{hf_name}.{s}", b + f"attn.{dx_name}.{s}") for s in suffixes]
+        for hf_name, dx_name in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
+            pairs += [(a + f"mlp.{hf_name}.{s}", b + f"ffn.{dx_name}.{s}") for s in suffixes]
+        if cfg.attention == "diff":
+            pairs += [(a + f"self_attn.{n}", b + f"attn.{n}")
+                      for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
+    pairs.append(("model.norm.weight", "final_norm.weight"))
+    if not cfg.tie_embeddings:
+        pairs.append(("lm_head.weight", "lm_head.weight"))
+    return pairs
+
+
+def expected_shapes(cfg: ModelConfig) -> dict:
+    """difftx tensor name -> shape, from a model built on the meta device (nothing allocated)."""
+    from ..models import build_model
+
+    return {k: tuple(v.shape) for k, v in build_model(cfg, device="meta").state_dict().items()}
+
+
+def map_and_check(state: dict, pairs: list[tuple[str, str]], shapes: dict, source: str,
+                  ignore: tuple = ()) -> dict:
+    """Rename ``state`` (source names) to target names; errors name the first bad source tensor."""
+    wanted = {src: dst for src, dst in pairs}
+    for name in state:
+        if name not in wanted and not name.endswith(_IGNORED_SUFFIXES) and name not in ignore:
+            raise CheckpointError(f"{source}: unexpected tensor '{name}'; the weights do not match the config")
+    out = {}
+    for src, dst in pairs:
+        if src not in state:
+            raise CheckpointError(f"{source}: tensor '{src}' is missing; the weights do not match the config")
+        t = state[src]
+        if tuple(t.shape) != shapes[dst]:
+            raise CheckpointError(f"{source}: tensor '{src}' has shape {tuple(t.shape)}, the config implies "
+                                  f"{shapes[dst]}; the weights do not match the config")
+        out[dst] = t
+    missing = set(shapes) - set(out)
+    if missing:  # a difftx tensor no pair provides: a config this format cannot hold
+        raise CheckpointError(f"{source}: nothing provides difftx tensor '{sorted(missing)[0]}'")
+    return out
+
+
+# ---------------------------------------------------------------------- reading
+def detect_format(path) -> str:
+    """``difftx``, ``hf-llama``, ``hf-diffllama``, ``hf-difftx`` or ``unilm`` (a weights file)."""
+    path = Path(path)
+    if path.is_file():
+        return "unilm"
+    if is_model_dir(path) or _is_difftx_run(path):
+        return "difftx"
+    if hf_io.is_hf_dir(path):
+        model_type = hf_io.read_hf_config(path)["model_type"]
+        if model_type in MODEL_TYPES:
+            return MODEL_TYPES[model_type]
+        raise CheckpointError(f"{path}: model_type {model_type!r} is not supported; "
+                              f"difftx converts {', '.join(sorted(MODEL_TYPES))}")
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    raise CheckpointError(f"{path}: neither a difftx model directory nor a Hugging Face directory "
+                          "(config.json with model_type)")
+
+
+def _is_difftx_run(path: Path) -> bool:
+    """A difftx training run or checkpoint directory (load_model resolves it to a model)."""
+    try:
+        return "difftx_format" in hf_io.read_json(path / hf_io.CONFIG_FILE)
+    except CheckpointError:
+        return False
+
+
+def read_hf_as_difftx(path) -> tuple[ModelConfig, dict]:
+    """(difftx config, difftx state dict) of a Hugging Face llama / diffllama / difftx directory."""
+    path = Path(path)
+    hf = hf_io.read_hf_config(path)
+    src = str(path / hf_io.CONFIG_FILE)
+    fmt = MODEL_TYPES.get(hf["model_type"])
+    if fmt is None:
+        raise CheckpointError(f"{src}: model_type {hf['model_type']!r} is not supported; "
+                              f"difftx converts {', '.join(sorted(MODEL_TYPES))}")
+    if fmt == "hf-difftx":
+        cfg = model_config_from_hf(hf, src)
+        raw = hf_io.read_hf_weights(path)
+        state = {k[len(HF_DIFFTX_PREFIX):] if k.startswith(HF_DIFFTX_PREFIX) else k: v for k, v in raw.items()}
+        shapes = expected_shapes(cfg)
+        return cfg, map_and_check(state, [(k, k) for k in shapes], shapes, str(path))
+    cfg = _llama_like_config(hf, src, diff=fmt == "hf-diffllama")
+    ignore = ("lm_head.weight",) if cfg.tie_embeddings else ()
+    state = map_and_check(hf_io.read_hf_weights(path), llama_key_pairs(cfg), expected_shapes(cfg), str(path),
+                          ignore=ignore)
+    return cfg, state
+
+
+def read_any(path) -> tuple[ModelConfig, dict, str]:
+    """(config, difftx state dict, detected format) of a difftx or Hugging Face model directory."""
+    fmt = detect_format(path)
+    if fmt == "unilm":
+        raise DifftxError(f"{path}: a unilm attention state dict holds one module, not a model; "
+                          "use difftx.interop.unilm.load_unilm_attention")
+    if fmt == "difftx":
+        if is_model_dir(path):
+            return read_model_config(path), clean_state_dict(load_safetensors(Path(path) / WEIGHTS_FILE)), fmt
+        from ..io import load_model
+
+        model = load_model(path)  # a run or checkpoint directory: its newest checkpoint
+        return model.config, clean_state_dict(model.state_dict()), fmt
+    cfg, state = read_hf_as_difftx(path)
+    return cfg, state, fmt
+
+
+def load_hf_model(path, device: Optional[str] = None):
+    """A difftx :class:`~difftx.models.DecoderLM` from a Hugging Face directory (the load_model resolver)."""
+    from ..io import load_state_dict_into
+    from ..models import build_model
+
+    cfg, state = read_hf_as_difftx(path)
+    model = build_model(cfg)
+    load_state_dict_into(model, state, str(path))
+    if device is not None:
+        model = model.to(device)
+    return model.eval()
+
+
+def resolve_hf_dir(path: Path, device: Optional[str] = None):
+    """``difftx.io`` resolver: Hugging Face llama / diffllama / difftx directories, else None."""
+    if not hf_io.is_hf_dir(path):
+        return None
+    if hf_io.read_hf_config(path).get("model_type") not in MODEL_TYPES:
+        return None
+    return load_hf_model(path, device)
+
+
+# ---------------------------------------------------------------------- writing
+def difftx_to_hf(cfg: ModelConfig, state: dict, fmt: str) -> tuple[dict, dict]:
+    """(config.json dict, tensors) of a difftx model in Hugging Face format ``fmt``."""
+    state = clean_state_dict(state)
+    if fmt == "hf-difftx":
+        return hf_config_dict(cfg), {HF_DIFFTX_PREFIX + k: v for k, v in state.items()}
+    if fmt not in ("hf-llama", "hf-diffllama"):
+        raise DifftxError(f"unknown Hugging Face format {fmt!r}; one of {', '.join(HF_FORMATS)}")
+    _check_llama_like(cfg, fmt)
+    if fmt == "hf-diffllama":
+        for i in range(cfg.n_layers):
+            w = state.get(f"layers.{i}.attn.head_norm.weight")
+            if w is not None and not torch.equal(w, torch.ones_like(w)):
+                raise ConfigError("head_norm_weight", f"cannot export to hf-diffllama: layer {i}'s per-head norm "
+                                  "has a trained gain and DiffLlama's groupnorm has none")
+        state = {k: v for k, v in state.items() if not k.endswith("head_norm.weight")}
+        cfg = cfg.replace(head_norm_weight=False)
+    cfg, state = relayout(state, cfg, pairing="halves" if fmt == "hf-diffllama" else None, rope_style="half")
+    dx_to_hf = {dst: src for src, dst in llama_key_pairs(cfg)}
+    return llama_config_dict(cfg, fmt), {dx_to_hf[k]: v for k, v in state.items()}
+
+
+def save_hf(model_or_state, path, fmt: str, cfg: Optional[ModelConfig] = None,
+            dtype: Optional[torch.dtype] = None) -> Path:
+    """Write a difftx model (or ``state`` + ``cfg``) as a Hugging Face directory of format ``fmt``."""
+    if isinstance(model_or_state, torch.nn.Module):
+        cfg, state = model_or_state.config, model_or_state.state_dict()
+    else:
+        state = model_or_state
+    hf_config, tensors = difftx_to_hf(cfg, state, fmt)
+    return hf_io.write_hf_dir(path, hf_config, tensors, dtype)
+
+
+def _copy_tokenizer(src: Path, dst: Path, src_fmt: str, dst_fmt: str) -> None:
+    if src.is_file():
+        return
+    src_hf, dst_hf = src_fmt != "difftx", dst_fmt != "difftx"
+    if src_hf == dst_hf:
+        names = hf_io.HF_TOKENIZER_FILES + (hf_io.DIFFTX_TOKENIZER_IN_HF,) if src_hf else ("tokenizer.json",)
+        hf_io.copy_files(src, dst, names)
+    elif dst_hf:  # a difftx tokenizer.json is not a Hugging Face tokenizer: keep it under another name
+        if (src / "tokenizer.json").is_file():
+            shutil.copyfile(src / "tokenizer.json", dst / hf_io.DIFFTX_TOKENIZER_IN_HF)
+    else:
+        if (src / hf_io.DIFFTX_TOKENIZER_IN_HF).is_file():
+            shutil.copyfile(src / hf_io.DIFFTX_TOKENIZER_IN_HF, dst / "tokenizer.json")
+        else:
+            hf_io.copy_files(src, dst, hf_io.HF_TOKENIZER_FILES)
+
+
+def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None, *,
+            pairing: Optional[str] = None, rope_style: Optional[str] = None, diff_init: Optional[str] = None,
+            dtype: Optional[torch.dtype] = None, depth: Optional[int] = None, variant: str = "flash") -> Path:
+    """Convert the model at ``src`` into directory ``dst`` (the library side of ``difftx convert``).
+
+    ``pairing`` / ``rope_style`` re-lay a difftx output out (function unchanged);
+    ``diff_init`` turns a softmax (Llama) model into DIFF for continued training
+    (see :mod:`.llama_to_diff`).  ``depth`` / ``variant`` apply to unilm weight
+    files (see :mod:`.unilm`).  Returns ``dst``.
+    """
+    src, dst = Path(src), Path(dst)
+    detected = detect_format(src)
+    if src_format not in ("auto", detected):
+        raise DifftxError(f"{src}: --from {src_format} but this looks like {detected}")
+    if detected == "unilm":
+        from .unilm import convert_unilm_file
+
+        if dst_format not in (None, "difftx"):
+            raise DifftxError("unilm attention modules convert to difftx modules only (--to difftx)")
+        return convert_unilm_file(src, dst, depth=depth, variant=variant, pairing=pairing, rope_style=rope_style)
+    if dst_format is None:
+        if detected == "difftx" and not (diff_init or pairing or rope_style):
+            raise DifftxError("converting a difftx model needs --to (hf-llama, hf-diffllama or hf-difftx), "
+                              "or --diff-init / --pairing / --rope-style")
+        dst_format = "difftx"
+    if dst_format not in FORMATS:
+        raise DifftxError(f"unknown --to {dst_format!r}; one of {', '.join(FORMATS)}")
+    if dst.resolve() == src.resolve():
+        raise DifftxError(f"{dst}: the destination is the source; pick another directory")
+    cfg, state, _ = read_any(src)
+    if diff_init is not None:
+        from .llama_to_diff import llama_to_diff
+
+        cfg, state = llama_to_diff(cfg, state, mode=diff_init, pairing=pairing or "adjacent")
+    if dst_format == "difftx":
+        if pairing or rope_style:
+            cfg, state = relayout(state, cfg, pairing=pairing, rope_style=rope_style)
+        from ..io import load_state_dict_into
+        from ..models import build_model
+
+        model = build_model(cfg)
+        load_state_dict_into(model, state, str(src))
+        if dtype is not None:
+            model = model.to(dtype)
+        save_model(model, dst)
+    else:
+        save_hf(state, dst, dst_format, cfg=cfg, dtype=dtype)
+    _copy_tokenizer(src, dst, detected, dst_format)
+    return dst
+
+
+# ---------------------------------------------------------------------- the hf-difftx config (no transformers needed)
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """``config.json`` of a :class:`~difftx.interop.hf.DifftxForCausalLM` directory.
+
+    The difftx ModelConfig lives under ``difftx``; the standard names next to it
+    (``hidden_size``, ...) are derived from it for tools that read them.
+    """
+    return dict(architectures=[ARCHITECTURES["hf-difftx"]], model_type="difftx", difftx=cfg.to_dict(),
+                **hf_standard_fields(cfg))
+
+
+def hf_standard_fields(cfg: ModelConfig) -> dict:
+    """transformers' standard config attributes, derived from a difftx config (``n_heads`` as difftx counts them)."""
+    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
+                num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings)
+
+
+def model_config_from_hf(hf: dict, src: str = "config.json") -> ModelConfig:
+    """The difftx ModelConfig stored in an hf-difftx ``config.json``."""
+    data = hf.get("difftx")
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{src}: model_type 'difftx' but no 'difftx' object with the model config")
+    try:
+        return ModelConfig.from_dict(data)
+    except ConfigError as e:
+        raise CheckpointError(f"{src}: invalid difftx model config: {e}") from None

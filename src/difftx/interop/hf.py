@@ -1,0 +1,169 @@
+"""difftx language models as transformers models: ``AutoModelForCausalLM`` and ``generate`` for every layout.
+
+:class:`DifftxConfig` (``model_type='difftx'``) carries a difftx
+:class:`~difftx.ModelConfig`; :class:`DifftxForCausalLM` holds a difftx
+:class:`~difftx.models.DecoderLM` as ``.model`` (no model code is duplicated),
+so every attention kind (softmax, diff, diff2) and every norm placement works.
+
+Caches.  transformers passes one of its ``Cache`` objects (``DynamicCache`` by
+default, ``StaticCache`` with ``cache_implementation="static"``, offloaded or
+quantized variants) as ``past_key_values``.  :class:`_CacheView` shows it to the
+difftx attention modules through the interface of difftx's own ``KVCache``
+(``update(layer, k, v)``, ``length``, ``key_valid``).  A DIFF layer's cache entry
+is K = [K1; K2] (2 h_kv heads of d) and V (h_kv heads of 2d); V is stored in the
+transformers cache as 2 h_kv heads of d, so K and V have one shape and every
+cache class (static ones allocate V like K) works, with exactly the bytes of a
+Transformer with 2 h_kv KV heads.
+
+Importing this module imports transformers (seconds) and registers the classes
+with ``AutoConfig`` / ``AutoModelForCausalLM``; ``import difftx`` does not import
+it but registers lazily (see :mod:`difftx.interop._hooks`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ..models.lm import DecoderLM
+from ..nn.rope import RotaryEmbedding, sinusoidal_table
+from .hf_config import DifftxConfig, register_config
+
+
+class _CacheView:
+    """A transformers ``Cache`` seen through difftx's ``KVCache`` interface, for one forward call.
+
+    ``length`` and ``key_valid`` describe the positions cached before this call;
+    positions are passed explicitly, so ``advance`` has nothing to do.
+    """
+
+    def __init__(self, cache: Cache, length: int, key_valid: torch.Tensor):
+        self.cache = cache
+        self.length = length
+        self.key_valid = key_valid
+        self.padded = not bool(key_valid.all())
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[2]
+        split_v = v.shape[-1] != k.shape[-1]  # DIFF: V of 2d -> two heads of d
+        if split_v:
+            b, hv, n, dv = v.shape
+            v = v.reshape(b, hv, n, 2, dv // 2).transpose(2, 3).reshape(b, 2 * hv, n, dv // 2)
+        keys, values = self.cache.update(k, v, layer)
+        keys, values = keys[:, :, :end], values[:, :, :end]  # static caches return their whole buffer
+        if split_v:
+            values = values.reshape(b, hv, 2, end, dv // 2).transpose(2, 3).reshape(b, hv, end, dv)
+        return keys, values
+
+    def advance(self, n: int, step_valid: Optional[torch.Tensor] = None) -> None:
+        pass
+
+
+class DifftxPreTrainedModel(PreTrainedModel):
+    config: DifftxConfig
+    config_class = DifftxConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Block"]
+    _skip_keys_device_placement = ["past_key_values"]
+    supports_gradient_checkpointing = False
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        """Parameters keep difftx's own init; only computed buffers are (re)filled (meta-device loading)."""
+        if isinstance(module, RotaryEmbedding):
+            d = module.head_dim
+            inv = 1.0 / (module.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+            module.inv_freq.copy_(inv.float())
+        elif isinstance(module, DecoderLM) and hasattr(module, "pos_table"):
+            cfg = module.config
+            module.pos_table.copy_(sinusoidal_table(cfg.max_seq_len, cfg.d_model))
+
+
+class DifftxForCausalLM(DifftxPreTrainedModel, GenerationMixin):
+    """A difftx :class:`~difftx.models.DecoderLM` behind transformers' causal-LM interface."""
+
+    def __init__(self, config: DifftxConfig, model: Optional[DecoderLM] = None):
+        super().__init__(config)
+        self.model = model if model is not None else DecoderLM(config.model_config)
+        self.post_init()
+
+    @classmethod
+    def from_difftx(cls, model: DecoderLM) -> "DifftxForCausalLM":
+        """Wrap an existing difftx model (weights shared, not copied)."""
+        return cls(DifftxConfig.from_model_config(model.config), model=model)
+
+    def get_input_embeddings(self):
+        return self.model.embed
+
+    def set_input_embeddings(self, value):
+        self.model.embed = value
+
+    def get_output_embeddings(self):
+        return self.model.lm_head
+
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
+        """Keep the 2-D padding mask for every cache class; the difftx model builds its own masks."""
+        return attention_mask
+
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, past_key_values: Optional[Cache] = None,
+                inputs_embeds: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
+                use_cache: Optional[bool] = None, logits_to_keep: int = 0, return_dict: Optional[bool] = None,
+                **kwargs) -> CausalLMOutputWithPast:
+        """transformers semantics: ``labels`` are shifted inside; ``attention_mask`` covers cached + new tokens."""
+        if inputs_embeds is not None:
+            raise ValueError("DifftxForCausalLM takes input_ids, not inputs_embeds")
+        if input_ids is None:
+            raise ValueError("input_ids is required")
+        b, n = input_ids.shape
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache()
+        past = int(past_key_values.get_seq_length()) if past_key_values is not None else 0
+        step_mask = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError("DifftxForCausalLM takes a 2-D attention_mask (batch, past + new tokens)")
+            full = attention_mask.to(device=input_ids.device, dtype=torch.bool)
+            if full.shape[1] == n and past > 0:  # only the new tokens' mask: earlier ones count as real
+                full = torch.cat((torch.ones(b, past, dtype=torch.bool, device=full.device), full), dim=1)
+            if full.shape[1] != past + n:
+                raise ValueError(f"attention_mask covers {full.shape[1]} positions; expected past ({past}) "
+                                 f"+ new ({n}) = {past + n}")
+            step_mask = full[:, past:]
+            if position_ids is None:
+                position_ids = (full.long().cumsum(-1) - 1).clamp_min(0)[:, past:]
+        else:
+            full = torch.ones(b, past + n, dtype=torch.bool, device=input_ids.device)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + n, device=input_ids.device)[None].expand(b, n)
+        view = _CacheView(past_key_values, past, full[:, :past]) if past_key_values is not None else None
+        out = self.model(input_ids, attention_mask=step_mask, position_ids=position_ids, cache=view)
+        logits = out.logits
+        if logits_to_keep:
+            logits = logits[:, -logits_to_keep:] if isinstance(logits_to_keep, int) else logits[:, logits_to_keep]
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=out.logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits,
+                                      past_key_values=past_key_values if use_cache else None)
+
+
+def register() -> None:
+    """Register with AutoConfig / AutoModelForCausalLM (idempotent)."""
+    register_config()
+    try:
+        AutoModelForCausalLM.register(DifftxConfig, DifftxForCausalLM, exist_ok=True)
+    except TypeError:
+        try:
+            AutoModelForCausalLM.register(DifftxConfig, DifftxForCausalLM)
+        except ValueError:
+            pass
+
+
+register()

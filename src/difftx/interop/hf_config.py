@@ -1,0 +1,65 @@
+"""``DifftxConfig``: the transformers config of a difftx LM (cheap to import: no model classes).
+
+Kept apart from :mod:`.hf` so that registering with ``AutoConfig`` needs only
+transformers' configuration module, which ``AutoConfig`` has loaded anyway.
+"""
+
+from __future__ import annotations
+
+from transformers import AutoConfig, PreTrainedConfig
+
+from ..config import ModelConfig
+from .convert import hf_standard_fields, model_config_from_hf
+
+
+class DifftxConfig(PreTrainedConfig):
+    """transformers config of a difftx LM: the ModelConfig dict under ``difftx``.
+
+    ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads`` (difftx's
+    ``n_heads``: differential heads for ``diff``), ``num_key_value_heads``,
+    ``head_dim``, ``vocab_size``, ``max_position_embeddings`` and
+    ``tie_word_embeddings`` are derived from it on every construction.
+    """
+
+    model_type = "difftx"
+    difftx: dict | None = None
+    vocab_size: int | None = None
+    hidden_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int | None = None
+    tie_word_embeddings: bool = False
+    use_cache: bool = True
+
+    def __post_init__(self, **kwargs):
+        cfg = model_config_from_hf({"difftx": self.difftx}, "DifftxConfig") if self.difftx else ModelConfig()
+        if cfg.domain != "lm":
+            raise ValueError("DifftxConfig holds language models (domain='lm')")
+        self.difftx = cfg.to_dict()
+        for key, value in hf_standard_fields(cfg).items():
+            setattr(self, key, value)
+        super().__post_init__(**kwargs)
+
+    @classmethod
+    def from_model_config(cls, cfg: ModelConfig, **kwargs) -> "DifftxConfig":
+        return cls(difftx=cfg.to_dict(), **kwargs)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.difftx)
+
+
+def register_config() -> None:
+    """Register ``model_type='difftx'`` with AutoConfig (idempotent)."""
+    try:
+        AutoConfig.register(DifftxConfig.model_type, DifftxConfig, exist_ok=True)
+    except TypeError:  # older transformers without exist_ok
+        try:
+            AutoConfig.register(DifftxConfig.model_type, DifftxConfig)
+        except ValueError:
+            pass
+
+
+register_config()

@@ -1,0 +1,115 @@
+"""Reading and writing Hugging Face model directories without transformers and without running code.
+
+A Hugging Face directory is ``config.json`` plus weights in ``model.safetensors``,
+sharded safetensors (``model.safetensors.index.json``) or, for old checkpoints,
+``pytorch_model.bin`` (read with ``torch.load(weights_only=True)``, which cannot
+execute code).  ``auto_map`` / custom code in the directory is never imported:
+loading is JSON + tensors only, the equivalent of ``trust_remote_code=False``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..errors import CheckpointError
+from ..io import atomic_write_text, load_safetensors, save_safetensors
+
+CONFIG_FILE = "config.json"
+SAFE_FILE = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_FILE = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+# tokenizer files that travel unchanged between Hugging Face directories
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                      "vocab.json", "merges.txt", "generation_config.json")
+# a difftx tokenizer inside a Hugging Face directory (tokenizer.json there means the HF format)
+DIFFTX_TOKENIZER_IN_HF = "difftx_tokenizer.json"
+
+
+def read_json(path: Path, what: str = "config") -> dict:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {what} not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}); the file is corrupt") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_hf_config(path) -> dict:
+    """``config.json`` of a Hugging Face directory; it must name a ``model_type``."""
+    cfg = read_json(Path(path) / CONFIG_FILE)
+    if "model_type" not in cfg:
+        raise CheckpointError(f"{Path(path) / CONFIG_FILE}: no 'model_type'; not a Hugging Face model config")
+    return cfg
+
+
+def is_hf_dir(path) -> bool:
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file():
+        return False
+    try:
+        data = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+    except Exception:
+        return False
+    return isinstance(data, dict) and "model_type" in data and "difftx_format" not in data
+
+
+def _load_bin(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot read as a weights-only torch file ({type(e).__name__}); "
+                              "re-save it as safetensors") from None
+
+
+def read_hf_weights(path) -> dict:
+    """All tensors of a Hugging Face directory (single file or shards), on CPU."""
+    path = Path(path)
+    for index_name, loader in ((SAFE_INDEX, load_safetensors), (BIN_INDEX, _load_bin)):
+        index = path / index_name
+        if index.is_file():
+            weight_map = read_json(index, "weight index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no 'weight_map'; the index is corrupt")
+            state: dict = {}
+            for shard in sorted(set(weight_map.values())):
+                shard_path = (path / shard).resolve()
+                if shard_path.parent != path.resolve():
+                    raise CheckpointError(f"{index}: shard {shard!r} lies outside the model directory")
+                state.update(loader(shard_path))
+            return state
+    if (path / SAFE_FILE).is_file():
+        return load_safetensors(path / SAFE_FILE)
+    if (path / BIN_FILE).is_file():
+        return _load_bin(path / BIN_FILE)
+    raise CheckpointError(f"{path}: no weights ({SAFE_FILE}, {SAFE_INDEX} or {BIN_FILE})")
+
+
+def write_hf_dir(path, config: dict, state: dict, dtype: Optional[torch.dtype] = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (atomic files) into directory ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    save_safetensors(state, path / SAFE_FILE, metadata={"format": "pt"})
+    atomic_write_text(path / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True))
+    return path
+
+
+def copy_files(src, dst, names) -> list[str]:
+    """Copy whichever of ``names`` exist in ``src`` to ``dst``; returns the names copied."""
+    copied = []
+    for name in names:
+        if (Path(src) / name).is_file():
+            shutil.copyfile(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+    return copied

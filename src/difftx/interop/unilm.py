@@ -1,0 +1,188 @@
+"""The official microsoft/unilm differential attention module -> a difftx DifferentialAttention.
+
+The official module (``Diff-Transformer/multihead_flashdiff_{1,2}.py``,
+``multihead_diffattn.py``) holds ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``
+(no biases), ``lambda_q1``, ``lambda_k1``, ``lambda_q2``, ``lambda_k2`` and ``subln``
+(an RMSNorm over 2d, eps 1e-5, with a weight in the current files and without
+one in early versions).  Its conventions map onto difftx config fields, so its
+weights load unpermuted: ``pairing='adjacent'`` (component heads 2i, 2i+1 are
+Q1, Q2 of head i; V of a group is 2d contiguous), ``rope_style='interleaved'``
+(flash-attn's ``apply_rotary_emb(..., interleaved=True)``), ``head_norm_weight``
+= whether ``subln.weight`` exists, and ``lambda_init_fn(depth)`` with a 0-based
+depth = difftx's schedule at layer depth + 1.
+
+GQA: the flash files pair (Q1_i, K1_g) and (Q2_i, K2_g) with g = i // n_rep,
+which is difftx's layout (``variant='flash'``, the default).  The naive file's
+``repeat_kv`` over component heads instead pairs both maps of head i with key
+component (2i) // n_rep and (2i + 1) // n_rep (SPEC notes, "verified
+inconsistency"); ``variant='naive'`` reproduces that exactly by expanding the
+keys and values to one K/V group per head (n_kv_heads = n_heads).  Without GQA
+the two variants are the same.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import CheckpointError, ConfigError
+from ..io import atomic_write_text, load_safetensors, load_state_dict_into, save_safetensors
+from .layouts import relayout
+
+LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+REQUIRED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "out_proj.weight") + LAMBDAS
+MODULES_FILE, MODULES_WEIGHTS = "attention.json", "attention.safetensors"
+
+
+def unilm_to_difftx(state: dict, depth: int, rope_theta: float = 10000.0, variant: str = "flash",
+                    source: str = "unilm state dict") -> tuple[ModelConfig, dict]:
+    """(config, difftx attention state dict without prefix) for one official module at 0-based ``depth``."""
+    if variant not in ("flash", "naive"):
+        raise ConfigError("variant", f"must be 'flash' or 'naive'; got {variant!r}")
+    for key in REQUIRED:
+        if key not in state:
+            raise CheckpointError(f"{source}: tensor '{key}' is missing; not an official DIFF attention module")
+    for key in state:
+        if key not in REQUIRED and key != "subln.weight":
+            raise CheckpointError(f"{source}: unexpected tensor '{key}' (the official module has no biases)")
+    d = state["lambda_q1"].shape[0]
+    e = state["q_proj.weight"].shape[1]
+    rows = {k: state[k + ".weight"].shape[0] for k in ("q_proj", "k_proj", "v_proj")}
+    if rows["q_proj"] % (2 * d) or rows["k_proj"] % (2 * d):
+        bad = "q_proj.weight" if rows["q_proj"] % (2 * d) else "k_proj.weight"
+        raise CheckpointError(f"{source}: tensor '{bad}' has {state[bad].shape[0]} rows, not a multiple of "
+                              f"2 * head_dim = {2 * d} (head_dim from lambda_q1)")
+    h, hk = rows["q_proj"] // (2 * d), rows["k_proj"] // (2 * d)
+    expected = {"k_proj.weight": (2 * hk * d, e), "v_proj.weight": (2 * hk * d, e),
+                "out_proj.weight": (e, 2 * h * d), "subln.weight": (2 * d,), **{k: (d,) for k in LAMBDAS}}
+    for key, shape in expected.items():
+        if key in state and tuple(state[key].shape) != shape:
+            raise CheckpointError(f"{source}: tensor '{key}' has shape {tuple(state[key].shape)}, "
+                                  f"expected {shape} for {h} heads of head_dim {d}")
+    if h % hk:
+        raise CheckpointError(f"{source}: {h} heads are not a multiple of {hk} K/V heads")
+    out = {k: v for k, v in state.items() if k != "subln.weight"}
+    if "subln.weight" in state:
+        out["head_norm.weight"] = state["subln.weight"]
+    n_rep = h // hk
+    if variant == "naive" and n_rep > 1:  # one K/V group per head, keys as the naive repeat_kv pairs them
+        k = state["k_proj.weight"].reshape(2 * hk, d, e)
+        v = state["v_proj.weight"].reshape(hk, 2 * d, e)
+        out["k_proj.weight"] = torch.stack([k[(2 * i + j) // n_rep] for i in range(h) for j in (0, 1)]).reshape(-1, e)
+        out["v_proj.weight"] = torch.stack([v[i // n_rep] for i in range(h)]).reshape(-1, e)
+        hk = h
+    cfg = ModelConfig(attention="diff", d_model=e, n_layers=depth + 1, n_heads=h, n_kv_heads=hk, head_dim=d,
+                      pairing="adjacent", rope_style="interleaved", rope_theta=rope_theta, head_norm=True,
+                      head_norm_weight="subln.weight" in state, head_norm_eps=1e-5, lambda_init="schedule",
+                      bias=False)
+    return cfg, out
+
+
+def load_unilm_attention(state, depth: int, rope_theta: float = 10000.0, variant: str = "flash",
+                         pairing: Optional[str] = None, rope_style: Optional[str] = None):
+    """A difftx :class:`~difftx.nn.attention.DifferentialAttention` with the official module's weights.
+
+    ``state``: the module's state dict or a path to a safetensors / weights-only
+    torch file holding it.  ``depth``: the official 0-based layer index (lambda_init
+    uses it).  ``pairing`` / ``rope_style`` optionally re-lay the rows out (the
+    module then expects inputs rotated in that style; the function is unchanged).
+    Returns ``(module, config)``; call it as ``module(x, rope, mask)``.
+    """
+    from ..nn.attention import DifferentialAttention
+
+    source = str(state) if not isinstance(state, dict) else "unilm state dict"
+    if not isinstance(state, dict):
+        state = read_weights_file(Path(state))
+    cfg, sd = unilm_to_difftx(state, depth, rope_theta, variant, source)
+    if pairing or rope_style:
+        prefix = f"layers.{depth}.attn."
+        cfg, full = relayout({prefix + k: v for k, v in sd.items()}, cfg, pairing=pairing, rope_style=rope_style)
+        sd = {k[len(prefix):]: v for k, v in full.items()}
+    module = DifferentialAttention(cfg, layer=depth + 1)
+    load_state_dict_into(module, sd, source)
+    return module.eval(), cfg
+
+
+def read_weights_file(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    if path.suffix == ".safetensors":
+        return load_safetensors(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a safetensors or weights-only torch file ({type(e).__name__})") from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]  # fairseq/torchscale-style checkpoints keep weights under "model"
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: expected a state dict")
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def split_modules(state: dict) -> dict[str, dict]:
+    """Group a state dict into official attention modules by the prefix before ``q_proj.weight``."""
+    prefixes = [k[: -len("q_proj.weight")] for k in state if k.endswith("q_proj.weight")]
+    modules = {}
+    for p in prefixes:
+        own = {k[len(p):]: v for k, v in state.items() if k.startswith(p)}
+        if all(key in own for key in LAMBDAS):
+            modules[p] = {k: v for k, v in own.items() if k in REQUIRED or k == "subln.weight"}
+    return modules
+
+
+def depth_from_prefix(prefix: str) -> Optional[int]:
+    m = re.search(r"(?:^|\.)(\d+)\.", prefix)
+    return int(m.group(1)) if m else None
+
+
+def convert_unilm_file(src, dst, depth: Optional[int] = None, rope_theta: float = 10000.0,
+                       variant: str = "flash", pairing: Optional[str] = None,
+                       rope_style: Optional[str] = None) -> Path:
+    """Convert every official attention module in weights file ``src`` into directory ``dst``.
+
+    Writes ``attention.safetensors`` (difftx names under each module's prefix) and
+    ``attention.json`` (per prefix: difftx layer and ModelConfig); read them back
+    with :func:`load_attention_modules`.  The depth of each module is taken from
+    the first number in its prefix (``layers.3.self_attn.`` -> 3) or ``depth``.
+    """
+    src, dst = Path(src), Path(dst)
+    modules = split_modules(read_weights_file(src))
+    if not modules:
+        raise CheckpointError(f"{src}: no official DIFF attention module (q_proj.weight + lambda_q1 ...) inside")
+    tensors, index = {}, {}
+    for prefix, state in sorted(modules.items()):
+        layer_depth = depth if depth is not None else depth_from_prefix(prefix)
+        if layer_depth is None:
+            raise CheckpointError(f"{src}: cannot tell the depth of module '{prefix or '<root>'}' "
+                                  "(lambda_init depends on it); pass --depth")
+        module, cfg = load_unilm_attention(state, layer_depth, rope_theta, variant, pairing, rope_style)
+        tensors.update({prefix + k: v for k, v in module.state_dict().items()})
+        index[prefix] = {"layer": layer_depth + 1, "model": cfg.to_dict()}
+    dst.mkdir(parents=True, exist_ok=True)
+    save_safetensors(tensors, dst / MODULES_WEIGHTS, metadata={"format": "pt"})
+    atomic_write_text(dst / MODULES_FILE, json.dumps({"difftx_attention_modules": 1, "modules": index}, indent=2))
+    return dst
+
+
+def load_attention_modules(path) -> dict:
+    """{prefix: DifferentialAttention} from a directory written by :func:`convert_unilm_file`."""
+    from ..nn.attention import DifferentialAttention
+
+    path = Path(path)
+    try:
+        index = json.loads((path / MODULES_FILE).read_text())["modules"]
+    except (FileNotFoundError, KeyError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a converted attention-module directory ({e})") from None
+    state = load_safetensors(path / MODULES_WEIGHTS)
+    out = {}
+    for prefix, entry in index.items():
+        module = DifferentialAttention(ModelConfig.from_dict(entry["model"]), layer=entry["layer"])
+        own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        load_state_dict_into(module, own, str(path / MODULES_WEIGHTS))
+        out[prefix] = module.eval()
+    return out

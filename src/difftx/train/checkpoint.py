@@ -1,0 +1,303 @@
+"""Checkpoints: ``RUN/checkpoints/step_XXXXXXXX/``, each one a loadable model directory.
+
+A checkpoint holds
+
+* ``config.json`` (the run's resolved model + training config; ``difftx.load_model`` reads it),
+  ``model.safetensors`` (full weights, no wrapper prefixes), ``tokenizer.json``;
+* ``optimizer.pt`` (one process or DDP; read with ``torch.load(weights_only=True)``), or for
+  FSDP ``sharded/`` (torch.distributed.checkpoint: model and optimizer tensors, each rank its
+  shards) plus ``optimizer_groups.json``;
+* ``trainer_state.json`` (step, tokens and samples seen, the data position, elapsed time) and
+  ``rng/rank_N.json`` (every RNG state of each process: torch, CUDA, Python, NumPy).
+
+Writes are atomic at two levels: each file goes to a temporary name and is renamed, and the
+checkpoint is assembled in ``.step_XXXXXXXX.tmp/`` and renamed to ``step_XXXXXXXX`` only when
+complete, so a crash (even SIGKILL) mid-write leaves the previous checkpoints untouched and the
+partial one invisible (it is removed on the next start).  Nothing is unpickled as code: the
+one pickle-based file format involved (DCP's ``.metadata``) is read with an allow-list
+unpickler.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointError
+from ..io import (CHECKPOINTS_DIR, CONFIG_FILE, WEIGHTS_FILE, atomic_write_bytes, atomic_write_text,
+                  clean_state_dict, list_checkpoints, load_safetensors, load_state_dict_into, save_safetensors)
+
+STATE_FILE = "trainer_state.json"
+OPTIM_FILE = "optimizer.pt"
+SHARDED_DIR = "sharded"
+OPTIM_GROUPS_FILE = "optimizer_groups.json"
+RNG_DIR = "rng"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def remove_partial(run_dir: Path) -> list[Path]:
+    """Delete checkpoints that were being written when a process died (``.step_*.tmp``)."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    gone = [p for p in root.glob(".step_*.tmp")] if root.is_dir() else []
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
+# ---------------------------------------------------------------------- RNG state as JSON
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(base64.b64decode(s), dtype=np.uint8).copy())
+
+
+def rng_state() -> dict:
+    py = random.getstate()
+    npy = np.random.get_state()
+    state = {"torch": _b64(torch.get_rng_state()),
+             "python": [py[0], list(py[1]), py[2]],
+             "numpy": [npy[0], npy[1].tolist(), int(npy[2]), int(npy[3]), float(npy[4])]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(_unb64(state["torch"]))
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+
+
+# ---------------------------------------------------------------------- safe DCP reading
+_DCP_ALLOWED = {
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+} | {("torch.distributed.checkpoint.metadata", n) for n in (
+    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+    "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")}
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _DCP_ALLOWED or is_dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} (not checkpoint metadata)")
+
+
+def _safe_dcp_reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            meta_path = Path(self.path) / ".metadata"
+            try:
+                with open(meta_path, "rb") as f:
+                    metadata = _AllowListUnpickler(f).load()
+            except Exception as e:
+                raise CheckpointError(f"{meta_path}: unreadable sharded-checkpoint metadata ({type(e).__name__}: "
+                                      f"{str(e)[:100]}); the checkpoint is corrupt, use another") from None
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
+def _safe_dcp_planner():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class TensorsOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            raise CheckpointError(f"sharded checkpoint entry {read_item.dest_index.fqn!r} is pickled bytes; "
+                                  "difftx checkpoints hold tensors only, refusing to unpickle it")
+
+    return TensorsOnlyPlanner()
+
+
+# ---------------------------------------------------------------------- save
+def _json_groups(groups: list[dict]) -> list[dict]:
+    out = []
+    for g in groups:
+        g = dict(g)
+        for k, v in g.items():
+            if isinstance(v, tuple):
+                g[k] = list(v)
+            elif isinstance(v, torch.Tensor):
+                g[k] = v.item()
+        out.append(g)
+    return out
+
+
+def save_checkpoint(trainer, step: int) -> Path:
+    """Write checkpoint ``step`` (collective in a distributed run); returns its directory."""
+    world, root = trainer.world, trainer.run_dir / CHECKPOINTS_DIR
+    final = root / step_dir_name(step)
+    tmp = root / f".{step_dir_name(step)}.tmp"
+    if world.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    world.barrier()
+
+    if trainer.parallel == "fsdp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        optim_sd = get_optimizer_state_dict(trainer.model, trainer.optimizer)
+        dcp.save({"model": get_model_state_dict(trainer.model), "optim": optim_sd["state"]},
+                 storage_writer=dcp.FileSystemWriter(str(tmp / SHARDED_DIR)))
+        full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if world.is_main:
+            save_safetensors(clean_state_dict(full), tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+            atomic_write_text(tmp / OPTIM_GROUPS_FILE, json.dumps(_json_groups(optim_sd["param_groups"])))
+    elif world.is_main:
+        save_safetensors(clean_state_dict(trainer.model.state_dict()), tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        buf = io.BytesIO()
+        torch.save(trainer.optimizer.state_dict(), buf)
+        atomic_write_bytes(tmp / OPTIM_FILE, buf.getvalue())
+
+    atomic_write_text(tmp / RNG_DIR / f"rank_{world.rank}.json", json.dumps(rng_state()))
+    if world.is_main:
+        atomic_write_text(tmp / CONFIG_FILE, json.dumps(trainer.run_config, indent=2))
+        trainer.domain.save_artifacts(tmp)
+        atomic_write_text(tmp / STATE_FILE, json.dumps(trainer.state_dict(), indent=2))
+    world.barrier()
+    if world.is_main:
+        old = None
+        if final.exists():  # re-saving a step (resumed and stopped at once): swap, then drop the old one
+            old = root / f".{step_dir_name(step)}.old"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in list_checkpoints(trainer.run_dir)[:-trainer.cfg.keep_last]:
+            shutil.rmtree(stale, ignore_errors=True)
+    world.barrier()
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------- load
+def read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: {what} missing; the checkpoint is incomplete, use another")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({e}); the file is corrupt, use another "
+                              "checkpoint") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {what} is not a JSON object; the file is corrupt")
+    return data
+
+
+def _torch_load(path: Path, device) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: optimizer state missing; the checkpoint is incomplete, use another")
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path}: refused to load ({str(e).splitlines()[0][:120]}); difftx loads tensors "
+                              "only (weights_only=True), never code") from None
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable optimizer state ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:120]}); the file is truncated or corrupt") from None
+
+
+def load_checkpoint(trainer, path: Path) -> dict:
+    """Restore model, optimizer, RNG and trainer state from checkpoint ``path``; returns the trainer state."""
+    path = Path(path)
+    state = read_json(path / STATE_FILE, "trainer state")
+    sharded = (path / SHARDED_DIR).is_dir()
+    if sharded != (trainer.parallel == "fsdp"):
+        saved = "fsdp" if sharded else "a single process or ddp"
+        raise CheckpointError(f"{path}: saved with {saved}; resume it with the same --parallel "
+                              f"(this run uses {trainer.parallel})")
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                             set_model_state_dict, set_optimizer_state_dict)
+
+        model_sd = get_model_state_dict(trainer.model)
+        optim_sd = get_optimizer_state_dict(trainer.model, trainer.optimizer)
+        target = {"model": model_sd, "optim": optim_sd["state"]}
+        try:
+            dcp.load(target, storage_reader=_safe_dcp_reader(path / SHARDED_DIR), planner=_safe_dcp_planner())
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{path / SHARDED_DIR}: cannot read the sharded state ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:120]})") from None
+        groups = json.loads((path / OPTIM_GROUPS_FILE).read_text()) if (path / OPTIM_GROUPS_FILE).is_file() \
+            else optim_sd["param_groups"]
+        for g in groups:
+            if "betas" in g:
+                g["betas"] = tuple(g["betas"])
+        set_model_state_dict(trainer.model, target["model"])
+        set_optimizer_state_dict(trainer.model, trainer.optimizer, {"state": target["optim"], "param_groups": groups})
+    else:
+        weights = path / WEIGHTS_FILE
+        load_state_dict_into(trainer.model, load_safetensors(weights), str(weights))
+        optim = _torch_load(path / OPTIM_FILE, trainer.world.device)
+        try:
+            trainer.optimizer.load_state_dict(optim)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise CheckpointError(f"{path / OPTIM_FILE}: does not match this model's optimizer ({e})") from None
+    rng_file = path / RNG_DIR / f"rank_{trainer.world.rank}.json"
+    if rng_file.is_file():
+        set_rng_state(read_json(rng_file, "RNG state"))
+    return state
+
+
+def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
+    """``--resume auto`` (the newest checkpoint in ``run_dir``, or None) or ``--resume PATH``."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        ckpts = list_checkpoints(run_dir)
+        return ckpts[-1] if ckpts else None
+    path = Path(resume)
+    if not path.exists():
+        raise CheckpointError(f"--resume {resume}: no such checkpoint or run directory")
+    if (path / STATE_FILE).is_file() or (path / WEIGHTS_FILE).is_file():
+        return path
+    ckpts = list_checkpoints(path)
+    if not ckpts:
+        raise CheckpointError(f"--resume {resume}: no checkpoint in it (expected {CHECKPOINTS_DIR}/step_*/)")
+    return ckpts[-1]

@@ -1,0 +1,242 @@
+"""The domain-specific parts of training, behind one small interface: batches, loss, evaluation.
+
+The loop in :mod:`difftx.train.trainer` knows nothing about text or images; it
+asks a :class:`Domain` for
+
+* ``train_batches(step, n_micro)``: this process's micro-batches of a step
+  (dicts of CPU tensors; a pure function of the step, so resuming is exact),
+* ``count(batch)``: how many targets a batch scores (tokens not equal to -100,
+  or images); gradients are normalised by the count of the whole step,
+* ``loss(model, batch)``: the loss *summed* over those targets,
+* ``evaluate(model, split)``: metrics such as ``{"val_loss": ...}``, reduced
+  over processes,
+
+plus the artifacts that go with a checkpoint (``save_artifacts``: the
+tokenizer) and the model-config fields the data decides (``model_overrides``:
+vocabulary size, sequence length).  :class:`LMDomain` is the language-model
+domain, over a corpus or a registered synthetic task.  Another domain (e.g.
+``vision``) subclasses :class:`Domain` and calls :func:`register_domain`; see
+docs/training.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from ..errors import ConfigError
+from .config import TrainConfig
+from .distributed import World
+
+DOMAINS: dict[str, Callable[[TrainConfig, World], "Domain"]] = {}
+VAL_STEP_BASE = 1 << 40  # task samplers: validation batches use steps from here on, disjoint from training
+
+
+def register_domain(name: str):
+    """Register ``factory(train_cfg, world) -> Domain`` for ``difftx train --domain NAME``."""
+    def deco(factory):
+        DOMAINS[name] = factory
+        return factory
+
+    return deco
+
+
+def get_domain(cfg: TrainConfig, world: World) -> "Domain":
+    if cfg.domain not in DOMAINS:
+        import importlib
+
+        try:  # domains living elsewhere register themselves on import
+            importlib.import_module(f"difftx.train.{cfg.domain}")
+        except ModuleNotFoundError as e:
+            if e.name != f"difftx.train.{cfg.domain}":
+                raise
+    if cfg.domain not in DOMAINS:
+        raise ConfigError("domain", f"unknown or unavailable domain {cfg.domain!r}; available: {', '.join(DOMAINS)}")
+    return DOMAINS[cfg.domain](cfg, world)
+
+
+class Domain:
+    """Base class: override what your domain needs.  Batches are dicts of tensors."""
+
+    name = "base"
+    unit = "tok"          # what size() counts, for the throughput display (tok, img)
+    eval_splits = ("val",)  # splits evaluated at the end of training (e.g. ("val", "test"))
+
+    def __init__(self, cfg: TrainConfig, world: World):
+        self.cfg = cfg
+        self.world = world
+
+    def prepare(self, run_dir: Optional[Path] = None, progress: bool = True) -> None:
+        """Load or build the data; ``run_dir`` holds artifacts of a run being resumed."""
+
+    def describe(self) -> dict:
+        return {}
+
+    def model_overrides(self, model_cfg, fixed: frozenset = frozenset()) -> dict:
+        """ModelConfig fields the data decides; ``fixed`` names fields the user set (check, don't change)."""
+        return {}
+
+    def save_artifacts(self, path: Path) -> None:
+        pass
+
+    def steps_per_epoch(self, global_batch: int) -> Optional[float]:
+        return None
+
+    def train_batches(self, step: int, n_micro: int) -> list[dict]:
+        raise NotImplementedError
+
+    def count(self, batch: dict) -> int:
+        raise NotImplementedError
+
+    def size(self, batch: dict) -> int:
+        return int(next(iter(batch.values())).numel())
+
+    def loss(self, model, batch: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def evaluate(self, model, split: str = "val") -> dict:
+        return {}
+
+
+class LMDomain(Domain):
+    """Next-token prediction over a tokenised corpus or a synthetic task."""
+
+    name = "lm"
+
+    def __init__(self, cfg: TrainConfig, world: World):
+        super().__init__(cfg, world)
+        self.tokenizer = None
+        self.data = None
+        self.sampler = None
+        self.task = None
+        self.corpus = None
+
+    # ------------------------------------------------------------------ data
+    def prepare(self, run_dir: Optional[Path] = None, progress: bool = True) -> None:
+        from ..data.tokenizers import build_tokenizer, load_tokenizer
+
+        cfg = self.cfg
+        saved = Path(run_dir) / "tokenizer.json" if run_dir is not None else None
+        if cfg.task is not None:
+            from ..data.tasks import get_task
+
+            factory = get_task(cfg.task)
+            self.tokenizer = load_tokenizer(saved) if saved and saved.is_file() else build_tokenizer(cfg.tokenizer)
+            try:
+                self.task = factory(self.tokenizer, cfg.seq_len, cfg.seed, **cfg.task_options)
+            except TypeError as e:
+                raise ConfigError("task_options", f"task {cfg.task!r} rejected its options ({e})") from None
+            return
+        from ..data.corpus import resolve_corpus
+        from ..data.shards import WindowSampler, default_cache_dir, prepare_tokens
+
+        self.corpus = resolve_corpus(cfg.data, cfg.text_field)
+        cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+        if saved is not None and saved.is_file():
+            self.tokenizer = load_tokenizer(saved)
+        elif self.world.is_main:
+            self.tokenizer = build_tokenizer(cfg.tokenizer, self.corpus.texts, self.corpus.fingerprint(),
+                                             cfg.bpe_vocab_size, cache)
+        if self.world.distributed:  # rank 0 builds the tokenizer and the shard; the others read them
+            self.tokenizer = self._share_tokenizer()
+        if self.world.is_main:
+            self.data = prepare_tokens(self.corpus, self.tokenizer, cache, cfg.val_fraction, progress)
+        self.world.barrier()
+        if not self.world.is_main:
+            self.data = prepare_tokens(self.corpus, self.tokenizer, cache, cfg.val_fraction, build=False)
+        self.sampler = WindowSampler(self.data.train, cfg.seq_len, cfg.seed, "train")
+        self.val_sampler = WindowSampler(self.data.val, cfg.seq_len, cfg.seed, "validation") \
+            if self.data.n_train < len(self.data.tokens) else None
+
+    def _share_tokenizer(self):
+        from ..data.tokenizers import tokenizer_from_dict
+
+        data = self.world.broadcast_object(self.tokenizer.to_dict() if self.world.is_main else None)
+        return self.tokenizer if self.world.is_main else tokenizer_from_dict(data)
+
+    def describe(self) -> dict:
+        tok = {"kind": self.tokenizer.kind, "vocab_size": self.tokenizer.vocab_size,
+               "fingerprint": self.tokenizer.fingerprint()}
+        if self.task is not None:
+            return {"task": self.cfg.task, "task_options": self.cfg.task_options, "tokenizer": tok}
+        m = self.data.manifest
+        return {"corpus": m["corpus"], "corpus_fingerprint": m["corpus_fingerprint"], "shard": m["path"],
+                "n_tokens": m["n_tokens"], "n_train": m["n_train"], "n_val": m["n_val"], "dtype": m["dtype"],
+                "sources": len(m["sources"]), "tokenizer": tok}
+
+    def model_overrides(self, model_cfg, fixed: frozenset = frozenset()) -> dict:
+        vocab = self.tokenizer.vocab_size
+        if "vocab_size" not in fixed:
+            return {"vocab_size": vocab}
+        if model_cfg.vocab_size < vocab:
+            raise ConfigError("vocab_size", f"the model's vocabulary ({model_cfg.vocab_size}) is smaller than the "
+                                            f"{self.tokenizer.kind} tokenizer's ({vocab}); raise --vocab-size or "
+                                            f"drop it to use {vocab}")
+        return {}
+
+    def save_artifacts(self, path: Path) -> None:
+        self.tokenizer.save(Path(path))
+
+    def steps_per_epoch(self, global_batch: int) -> Optional[float]:
+        if self.data is None:
+            return None
+        return self.data.n_train / (global_batch * self.cfg.seq_len)
+
+    # ------------------------------------------------------------------ batches
+    def train_batches(self, step: int, n_micro: int) -> list[dict]:
+        b, rank = self.cfg.batch_size, self.world.rank
+        if self.task is not None:
+            out = []
+            for m in range(n_micro):
+                x, y = self.task.batch(b, step * n_micro + m, rank)
+                out.append({"input_ids": x, "targets": y})
+            return out
+        per_rank = b * n_micro
+        offsets = self.sampler.offsets(step, per_rank * self.world.world_size)[rank * per_rank:(rank + 1) * per_rank]
+        out = []
+        for m in range(n_micro):
+            x, y = self.sampler.gather(offsets[m * b:(m + 1) * b])
+            out.append({"input_ids": x, "targets": y})
+        return out
+
+    def count(self, batch: dict) -> int:
+        return int((batch["targets"] != -100).sum())
+
+    def size(self, batch: dict) -> int:
+        return int(batch["input_ids"].numel())
+
+    def loss(self, model, batch: dict) -> torch.Tensor:
+        out = model(batch["input_ids"], targets=batch["targets"], attention_mask=batch.get("attention_mask"),
+                    loss_reduction="sum")
+        return out.loss
+
+    # ------------------------------------------------------------------ evaluation
+    def _val_batches(self) -> list[dict]:
+        n, b, w = self.cfg.eval_batches, self.cfg.batch_size, self.world
+        n = -(-n // w.world_size) * w.world_size  # every process runs the same number of batches
+        mine = range(w.rank, n, w.world_size)
+        if self.task is not None:
+            return [dict(zip(("input_ids", "targets"), self.task.batch(b, VAL_STEP_BASE + i, 0))) for i in mine]
+        if self.val_sampler is None:
+            return []
+        offsets = self.val_sampler.fixed(n * b)
+        return [dict(zip(("input_ids", "targets"), self.val_sampler.gather(offsets[i * b:(i + 1) * b])))
+                for i in mine]
+
+    def evaluate(self, model, split: str = "val") -> dict:
+        batches = self._val_batches()
+        if not batches:
+            return {}
+        device = self.world.device
+        total = torch.zeros(2, dtype=torch.float64, device=device)
+        for batch in batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            total[0] += self.loss(model, batch).double()
+            total[1] += self.count(batch)
+        self.world.all_reduce_sum(total)
+        return {"val_loss": float(total[0] / total[1].clamp_min(1))}
+
+
+register_domain("lm")(LMDomain)

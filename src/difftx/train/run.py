@@ -1,0 +1,175 @@
+"""From configs to a finished run directory: the one entry point the CLI and Python users call.
+
+:func:`resolve_configs` applies the precedence defaults < recipe < explicit
+values and ties the sequence length to the model.  :func:`train` checks the
+output directory (a run there is never overwritten without ``--resume``),
+reloads the saved config when resuming (only the fields in
+``RESUMABLE_CHANGES`` may change), prepares the domain's data *before* writing
+anything, then writes the run directory and runs the :class:`Trainer`.
+
+Run directory contract (docs/training.md): ``config.json`` (difftx_format,
+model, train, data, world), ``tokenizer.json``, ``metrics.jsonl``,
+``checkpoints/step_XXXXXXXX/`` (each a loadable model directory).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+
+from ..accounting import count_parameters
+from ..config import ModelConfig
+from ..errors import ConfigError
+from ..io import CHECKPOINTS_DIR, CONFIG_FILE, FORMAT_KEY, FORMAT_VERSION, atomic_write_text
+from .checkpoint import read_json, remove_partial, resolve_resume
+from .config import RESUMABLE_CHANGES, TrainConfig
+from .distributed import init_world, resolve_parallel, shutdown_world
+from .domain import get_domain
+from .metrics import METRICS_FILE
+from .recipes import get_recipe
+from .trainer import Trainer
+
+DEFAULT_PRESET = "nano"
+# may differ between the invocations of one run (stop_at is never inherited)
+PER_RUN_FIELDS = ("stop_at", "progress", "compile", "device", "cache_dir", "tensorboard", "threads")
+
+
+def resolve_configs(recipe: Optional[str] = None, train: Optional[dict] = None, model: Optional[dict] = None,
+                    preset: Optional[str] = None) -> tuple[TrainConfig, ModelConfig]:
+    """TrainConfig and ModelConfig from defaults < recipe < the explicit ``train`` / ``model`` fields."""
+    train, model = dict(train or {}), dict(model or {})
+    r = get_recipe(recipe) if recipe else None
+    tcfg = TrainConfig(**{**(r.train if r else {}), **train})
+    preset = preset or (r.preset if r else DEFAULT_PRESET)
+    overrides = {**(r.model if r else {}), **model}
+    if tcfg.seq_len is not None and "max_seq_len" not in model:
+        overrides["max_seq_len"] = tcfg.seq_len
+    mcfg = ModelConfig.from_preset(preset, **overrides)
+    if tcfg.seq_len is None:
+        tcfg = tcfg.replace(seq_len=mcfg.max_seq_len)
+    if mcfg.domain != tcfg.domain:
+        raise ConfigError("domain", f"preset {preset!r} is a {mcfg.domain} model but the run's domain is "
+                                    f"{tcfg.domain!r}; pick a matching --preset or --domain")
+    if tcfg.seq_len > mcfg.max_seq_len and mcfg.positions in ("learned", "sinusoidal"):
+        raise ConfigError("seq_len", f"{tcfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len} "
+                                     f"({mcfg.positions} positions)")
+    return tcfg, mcfg
+
+
+def run_exists(path: Path) -> bool:
+    return any((path / name).exists() for name in (CONFIG_FILE, METRICS_FILE, CHECKPOINTS_DIR))
+
+
+def _merge_resumed(saved: dict, source: Path, tcfg: TrainConfig, mcfg: ModelConfig, explicit_train: Iterable[str],
+                   explicit_model: Iterable[str]) -> tuple[TrainConfig, ModelConfig]:
+    """The saved configs, with the explicitly given fields that a resumed run may change."""
+    if "train" not in saved or "model" not in saved:
+        raise ConfigError(None, f"{source / CONFIG_FILE}: not a difftx training run config (no 'train'/'model')")
+    old_t, old_m = TrainConfig.from_dict(saved["train"]), ModelConfig.from_dict(saved["model"])
+    changes = {"stop_at": None}  # a stop step is for one invocation only
+    for f in explicit_train:
+        new, old = getattr(tcfg, f), getattr(old_t, f)
+        if f in RESUMABLE_CHANGES or f in PER_RUN_FIELDS:
+            changes[f] = new
+        elif new != old:
+            raise ConfigError(f, f"is {old!r} in the run being resumed ({source}), {new!r} here; a resumed run "
+                                 "keeps its config (start a new --out to change it)")
+    for f in explicit_model:
+        if getattr(mcfg, f) != getattr(old_m, f):
+            raise ConfigError(f, f"is {getattr(old_m, f)!r} in the run being resumed ({source}), "
+                                 f"{getattr(mcfg, f)!r} here; a resumed run keeps its model")
+    return old_t.replace(**changes), old_m
+
+
+def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = None,
+          explicit_train: Iterable[str] = (), explicit_model: Iterable[str] = (), callbacks=(),
+          announce=print) -> dict:
+    """Run (or resume) a training run into directory ``out``; returns a summary dict."""
+    out = Path(out)
+    if tcfg.tensorboard:
+        _require_tensorboard()
+    world = init_world(tcfg.device)
+    try:
+        resume_ckpt = resolve_resume(resume, out)
+        source = resume_ckpt if resume_ckpt is not None else (
+            out if resume == "auto" and (out / CONFIG_FILE).is_file() else None)
+        if source is None and run_exists(out):
+            raise ConfigError("out", f"{out} already holds a training run; pass --resume auto to continue it or "
+                                     "choose a new --out (nothing was changed)")
+        if resume_ckpt is not None and resume_ckpt.resolve().parent.parent != out.resolve() and run_exists(out):
+            raise ConfigError("out", f"{out} already holds another training run; choose a new --out to continue "
+                                     f"{resume_ckpt} there")
+        fixed_model = set(explicit_model)
+        if source is not None:
+            tcfg, mcfg = _merge_resumed(read_json(source / CONFIG_FILE, "run config"), source, tcfg, mcfg,
+                                        explicit_train, explicit_model)
+            fixed_model |= {"vocab_size", "max_seq_len"}
+
+        tcfg.accumulation(world.world_size)  # checks that --global-batch divides; before anything is written
+        if resolve_parallel(tcfg.parallel, world) == "fsdp" and tcfg.optimizer == "muon":
+            raise ConfigError("optimizer", "muon needs whole matrices; use --parallel ddp with it")
+        if tcfg.threads:
+            torch.set_num_threads(tcfg.threads)
+        domain = get_domain(tcfg, world)
+        show = tcfg.progress if tcfg.progress is not None else sys.stderr.isatty()
+        domain.prepare(source, progress=show and world.is_main)
+        mcfg = mcfg.replace(**domain.model_overrides(mcfg, frozenset(fixed_model))) if source is None else mcfg
+        domain.model_overrides(mcfg, frozenset(fixed_model | {"vocab_size"}))  # the final check
+        if tcfg.epochs is not None and source is None:
+            tcfg = _epochs_to_steps(tcfg, domain, world.world_size)
+
+        run_config = {FORMAT_KEY: FORMAT_VERSION, "model": mcfg.to_dict(), "train": tcfg.to_dict(),
+                      "data": domain.describe(), "world_size": world.world_size,
+                      "torch": torch.__version__}
+        if world.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            remove_partial(out)
+            atomic_write_text(out / CONFIG_FILE, json.dumps(run_config, indent=2))
+            domain.save_artifacts(out)
+        world.barrier()
+        trainer = Trainer(mcfg, tcfg, domain, world, out, run_config, callbacks)
+        if world.is_main and announce and not tcfg.threads and world.device.type == "cpu":
+            _hint_busy_cpu()  # after every input check, so a bad input still gets exactly one line
+        if world.is_main and announce:
+            what = f"resuming from {resume_ckpt}" if resume_ckpt else "training"
+            announce(f"difftx train: {what}: {mcfg.attention} attention, {mcfg.preset or 'custom'} "
+                     f"({count_parameters(mcfg):,} params), {tcfg.steps} steps on {world.world_size} x "
+                     f"{world.device.type} ({trainer.parallel}, {'bf16' if trainer.dtype else 'fp32'}) -> {out}")
+        return trainer.fit(resume_ckpt)
+    finally:
+        shutdown_world(world)
+
+
+def _epochs_to_steps(tcfg: TrainConfig, domain, world_size: int) -> TrainConfig:
+    global_batch = tcfg.batch_size * tcfg.accumulation(world_size) * world_size
+    per_epoch = domain.steps_per_epoch(global_batch)
+    if per_epoch is None:
+        raise ConfigError("epochs", f"the {tcfg.domain} domain does not know its dataset size; give --steps")
+    steps = max(1, math.ceil(tcfg.epochs * per_epoch))
+    warmup = round((tcfg.warmup_epochs or 0) * per_epoch) if tcfg.warmup_epochs is not None else tcfg.warmup
+    return tcfg.replace(steps=steps, warmup=warmup)
+
+
+def _require_tensorboard() -> None:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ConfigError("tensorboard", "needs the tensorboard package: pip install 'difftx[tensorboard]'") from None
+
+
+def _hint_busy_cpu() -> None:
+    """Say so when the CPU is oversubscribed: OpenMP threads then wait on each other (10x slower steps)."""
+    import os
+
+    try:
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    except OSError:
+        return
+    if torch.get_num_threads() > 1 and load > cores:
+        print(f"difftx train: the CPU is busy (load {load:.1f} on {cores} cores); --threads 1 may train much "
+              "faster", file=sys.stderr)

@@ -1,0 +1,85 @@
+"""``difftx grads`` end to end at tiny settings: JSON, PNGs, report; checkpoints; bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import difftx
+from difftx.cli import main
+
+TINY = ["--set", "d_model=32", "--set", "n_layers=1", "--seq-len", "16", "--batch-size", "2", "--steps", "2",
+        "--tail-steps", "2", "--noise-batches", "2", "--max-noise-entries", "64"]
+
+
+@pytest.fixture
+def keep_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_grads_writes_json_pngs_and_report(tmp_path, capsys, keep_threads):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "g"
+    rc = main(["grads", "--out", str(out), *TINY, "--settings", "S1,S5,diff"])
+    stdout = capsys.readouterr().out
+    assert rc == 0
+    assert "gradient flow" in stdout and "heavy tails" in stdout
+    strict = dict(parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    flow = json.loads((out / "flow.json").read_text(), **strict)
+    assert set(flow["models"]) == {"diff", "transformer"} and flow["paired"]
+    assert set(flow["ratio"]["init"]["all"]) == {"W_Q", "W_K", "W_V", "W_O", "FFN", "norms"}
+    assert len(flow["models"]["diff"]["grad_norms"]) == 3
+    tails = json.loads((out / "tails.json").read_text(), **strict)
+    assert [(row["setting"], row["optimizer"]) for row in tails["rows"]] == [
+        (s, o) for s in ("S1", "S5", "diff") for o in ("adamw", "msgdw")]
+    assert tails["rows"][0]["noise"]["all"]["alpha_mohammadi"] > 0
+    for png in ("flow.png", "tails_hist_adamw.png", "tails_hist_msgdw.png", "tails_summary.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    report = (out / "report.md").read_text()
+    assert "Gradient flow" in report and "Mohammadi" in report
+
+
+def test_grads_on_checkpoints(tmp_path, capsys, keep_threads):
+    cfg = difftx.ModelConfig.from_preset("nano", d_model=32, n_layers=1)
+    for name, c in (("transformer", cfg), ("diff", cfg.twin("diff"))):
+        difftx.save_model(difftx.build_model(c), tmp_path / name)
+    out = tmp_path / "out"
+    rc = main(["grads", "--out", str(out), "--checkpoint", str(tmp_path / "diff"), "--checkpoint",
+               str(tmp_path / "transformer"), "--seq-len", "16", "--batch-size", "2", "--steps", "1",
+               "--noise-batches", "2", "--max-noise-entries", "64", "--no-plots"])
+    assert rc == 0, capsys.readouterr().err
+    flow = json.loads((out / "flow.json").read_text())
+    assert "ratio" in flow and not flow["paired"]
+    tails = json.loads((out / "tails.json").read_text())
+    assert [(r["setting"], r["optimizer"]) for r in tails["rows"]] == [("diff", "none"), ("transformer", "none")]
+    assert not list(out.glob("*.png"))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--settings", "S9"], "S9"),
+    (["--seq-len", "1"], "--seq-len"),
+    (["--optimizers", "adamw,lion"], "lion"),
+    (["--checkpoint", "/nonexistent/model"], "/nonexistent/model"),
+    (["--preset", "vit-tiny"], "vision"),
+    (["--preset", "no-such-preset"], "no-such-preset"),
+    (["--data", "/nonexistent.txt"], "/nonexistent.txt"),
+    (["--device", "nonsense"], "--device"),
+    (["--seq-len", "100", "--preset", "nanogpt"], "max_seq_len"),
+])
+def test_grads_bad_input_is_one_line_and_exit_2(tmp_path, capsys, keep_threads, argv, needle):
+    rc = main(["grads", "--out", str(tmp_path / "o"), *TINY, *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err.startswith("difftx grads: error:") and needle in err and "\n" not in err
+
+
+def test_grads_command_line_rejects_a_bad_setting(cli, tmp_path):
+    """The real ``python -m difftx grads``: a bad setting fails fast, one line, exit 2, nothing written."""
+    r = cli("grads", "--out", tmp_path / "o", "--settings", "S1,S9", timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith("difftx grads: error:") and "S9" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "o" / "flow.json").exists()

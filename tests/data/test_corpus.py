@@ -1,0 +1,100 @@
+"""Corpus resolution: file, directory, glob, JSONL, the built-in corpus, and clear errors."""
+
+import json
+
+import pytest
+
+from difftx.data.corpus import PIECE_BYTES, resolve_corpus
+from difftx.errors import DataError
+
+
+def _texts(corpus):
+    return "".join(corpus.texts())
+
+
+def test_file_directory_glob(tmp_path):
+    (tmp_path / "b.txt").write_text("bravo\n")
+    (tmp_path / "a.txt").write_text("alpha\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.md").write_text("charlie\n")
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / ".hidden" / "x.txt").write_text("secret\n")
+    (tmp_path / "img.png").write_bytes(b"\x89PNG\x00\x00\x01")
+    assert _texts(resolve_corpus(str(tmp_path / "a.txt"))) == "alpha\n"
+    d = resolve_corpus(str(tmp_path))  # sorted, hidden and binary files left out
+    assert [s.path.name for s in d.sources] == ["a.txt", "b.txt", "c.md"]
+    assert _texts(d) == "alpha\nbravo\ncharlie\n"
+    assert [s.path.name for s in resolve_corpus(str(tmp_path / "*.txt")).sources] == ["a.txt", "b.txt"]
+
+
+def test_fingerprint_follows_contents_not_names(tmp_path):
+    (tmp_path / "x.txt").write_text("same text\n")
+    (tmp_path / "y.txt").write_text("same text\n")
+    fx = resolve_corpus(str(tmp_path / "x.txt")).fingerprint()
+    assert fx == resolve_corpus(str(tmp_path / "y.txt")).fingerprint()
+    (tmp_path / "y.txt").write_text("other text\n")
+    assert fx != resolve_corpus(str(tmp_path / "y.txt")).fingerprint()
+
+
+def test_jsonl(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"body": t, "id": i}) for i, t in enumerate(["one", "two"])) + "\n")
+    c = resolve_corpus(str(path), text_field="body")
+    assert list(c.pieces()) == [("one", True), ("two", True)]
+    with pytest.raises(DataError, match=r"docs.jsonl:1: no string field 'text'"):
+        list(resolve_corpus(str(path)).pieces())
+    path.write_text('{"text": "ok"}\n{broken\n')
+    with pytest.raises(DataError, match=r"docs.jsonl:2: not a JSON object"):
+        list(resolve_corpus(str(path)).pieces())
+
+
+def test_big_files_come_in_pieces_cut_at_newlines(tmp_path):
+    line = "é" * 99 + "\n"
+    path = tmp_path / "big.txt"
+    path.write_text(line * (PIECE_BYTES // 150))
+    pieces = list(resolve_corpus(str(path)).pieces())
+    assert len(pieces) >= 2 and all(t.endswith("\n") for t, _ in pieces if t)
+    assert [end for _, end in pieces][-1] is True and "".join(t for t, _ in pieces) == path.read_text()
+
+
+def test_builtin_corpus_is_the_standard_library():
+    c = resolve_corpus(None)
+    names = {s.path.name for s in c.sources}
+    assert {"os.py", "json"} & names and "standard library" in c.description
+    assert 1_000_000 < c.nbytes() < 50_000_000
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda p: None, "no such file or directory"),
+    (lambda p: p.write_text(""), "empty"),
+    (lambda p: p.write_text("  \n\n"), "only whitespace"),
+    (lambda p: p.write_bytes(b"\x00\x01\x02" * 100), "binary"),
+    (lambda p: p.write_bytes(b"\xff\xfe" * 100), "binary"),
+])
+def test_bad_paths(tmp_path, setup, message):
+    path = tmp_path / "data.txt"
+    setup(path)
+    with pytest.raises(DataError, match=message):
+        resolve_corpus(str(path))
+
+
+def test_invalid_utf8_after_the_sniffed_head_names_the_offset(tmp_path):
+    path = tmp_path / "late.txt"
+    path.write_bytes(b"fine text\n" * 2000 + b"\xff oops\n")
+    with pytest.raises(DataError, match=r"late.txt: not UTF-8 text \(bad byte at offset 20000\)"):
+        list(resolve_corpus(str(path)).pieces())
+
+
+def test_saved_hugging_face_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"content": ["first doc", "second doc"], "n": [1, 2]})
+    ds.save_to_disk(str(tmp_path / "ds"))
+    c = resolve_corpus(str(tmp_path / "ds"), text_field="content")
+    assert c.sources[0].kind == "hf" and list(c.pieces()) == [("first doc", True), ("second doc", True)]
+    fp = c.fingerprint()
+    with pytest.raises(DataError, match="no column 'text'"):
+        list(resolve_corpus(str(tmp_path / "ds")).pieces())
+    datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "dd"))
+    assert [t for t, _ in resolve_corpus(str(tmp_path / "dd"), text_field="content").pieces()] == ["first doc",
+                                                                                                "second doc"]
+    assert resolve_corpus(str(tmp_path / "ds"), text_field="content").fingerprint() == fp

@@ -1,0 +1,71 @@
+"""Token shards: manifest, reuse on rerun, dtype, deterministic split, stateless window sampling."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from difftx.data.corpus import resolve_corpus
+from difftx.data.shards import MANIFEST_FILE, TOKENS_FILE, WindowSampler, prepare_tokens, token_dtype
+from difftx.data.tokenizers import ByteTokenizer, CharTokenizer
+from difftx.errors import DataError
+
+
+@pytest.fixture
+def two_files(tmp_path):
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "a.txt").write_text("hello world\n" * 50)
+    (d / "b.txt").write_text("goodbye moon\n" * 30)
+    return d
+
+
+def test_manifest_and_contents(two_files, tmp_path):
+    corpus = resolve_corpus(str(two_files))
+    tok = CharTokenizer.from_text("".join(corpus.texts()))
+    data = prepare_tokens(corpus, tok, tmp_path / "cache", val_fraction=0.1, progress=False)
+    m = json.loads((data.path / MANIFEST_FILE).read_text())
+    assert m["tokenizer"]["fingerprint"] == tok.fingerprint() and m["dtype"] == "uint16"
+    assert [s["tokens"] for s in m["sources"]] == [600, 390]  # char tokenizer: no EOS between documents
+    assert m["sources"][0]["sha256"] == corpus.sources[0].sha256()
+    assert tok.decode(data.tokens) == "hello world\n" * 50 + "goodbye moon\n" * 30
+    assert data.n_train == 990 - 99 and len(data.val) == 99  # the last 10% is validation
+    np.testing.assert_array_equal(data.val, data.tokens[891:])
+
+
+def test_rerun_reuses_the_shard_and_a_change_rebuilds_it(two_files, tmp_path):
+    cache, tok = tmp_path / "cache", ByteTokenizer()
+    first = prepare_tokens(resolve_corpus(str(two_files)), tok, cache, progress=False)
+    stamp = os.stat(first.path / TOKENS_FILE).st_mtime_ns
+    again = prepare_tokens(resolve_corpus(str(two_files)), tok, cache, progress=False)
+    assert again.path == first.path and os.stat(again.path / TOKENS_FILE).st_mtime_ns == stamp
+    (two_files / "b.txt").write_text("changed\n" * 30)
+    changed = prepare_tokens(resolve_corpus(str(two_files)), tok, cache, progress=False)
+    assert changed.path != first.path
+    # an interrupted build (no manifest) is rebuilt, not trusted
+    (changed.path / MANIFEST_FILE).unlink()
+    rebuilt = prepare_tokens(resolve_corpus(str(two_files)), tok, cache, progress=False)
+    assert (rebuilt.path / MANIFEST_FILE).is_file() and len(rebuilt.tokens) == len(changed.tokens)
+
+
+def test_dtype_follows_the_vocabulary():
+    assert token_dtype(256) == np.uint16 and token_dtype(65536) == np.uint16 and token_dtype(100_288) == np.uint32
+
+
+def test_window_sampler_is_a_pure_function_of_seed_and_step():
+    tokens = np.arange(1000, dtype=np.uint16)
+    s = WindowSampler(tokens, seq_len=8, seed=3)
+    a, b = s.offsets(5, 12), s.offsets(5, 12)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, s.offsets(6, 12))
+    assert not np.array_equal(a, WindowSampler(tokens, 8, seed=4).offsets(5, 12))
+    assert a.min() >= 0 and a.max() <= 1000 - 9
+    x, y = s.gather(a[:2])
+    assert x.shape == (2, 8) and (y[:, :-1] == x[:, 1:]).all() and (y[:, -1] == x[:, -1] + 1).all()
+    np.testing.assert_array_equal(s.fixed(6), s.fixed(6))
+
+
+def test_too_little_data_is_a_clear_error():
+    with pytest.raises(DataError, match="fewer than seq_len"):
+        WindowSampler(np.arange(8, dtype=np.uint16), seq_len=16, seed=0, what="validation")

@@ -1,0 +1,74 @@
+"""Tokenizers: round trips, local BPE (reproducible, cached), a saved HF tokenizer.json, load_tokenizer for all."""
+
+import json
+
+import numpy as np
+import pytest
+
+from difftx.data.tokenizers import (ByteTokenizer, CharTokenizer, HFTokenizer, build_tokenizer, load_tokenizer,
+                                    train_bpe)
+from difftx.errors import DataError
+
+TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak. Ünïcödé ✓\n" * 30
+
+
+@pytest.mark.parametrize("tok", [ByteTokenizer(), CharTokenizer.from_text(TEXT)])
+def test_round_trip_and_vectorised_encoding(tok, tmp_path):
+    ids = tok.encode(TEXT)
+    assert tok.decode(ids) == TEXT
+    np.testing.assert_array_equal(tok.encode_array(TEXT), np.asarray(ids))
+    back = load_tokenizer(tok.save(tmp_path))
+    assert back.encode(TEXT) == ids and back.fingerprint() == tok.fingerprint()
+
+
+def test_char_tokenizer_names_an_unknown_character():
+    tok = CharTokenizer.from_text("abc")
+    with pytest.raises(DataError, match="'z' is not in its vocabulary"):
+        tok.encode_array("abz")
+
+
+def test_bpe_is_reproducible_cached_and_round_trips(tmp_path):
+    texts = lambda: iter([TEXT[i:i + 500] for i in range(0, len(TEXT), 500)])  # noqa: E731
+    a = build_tokenizer("bpe", texts, "corpus-hash", 300, tmp_path)
+    cached = list((tmp_path / "tokenizers").glob("bpe-300-*.json"))
+    assert len(cached) == 1
+    b = train_bpe(texts(), 300)
+    assert a.fingerprint() == b.fingerprint()  # same corpus, same vocabulary
+    c = build_tokenizer("bpe", lambda: iter(["unused"]), "corpus-hash", 300, tmp_path)
+    assert c.fingerprint() == a.fingerprint()  # from the cache: the texts were not read
+    assert a.kind == "bpe" and a.vocab_size == 300 and a.eos_id is not None
+    ids = a.encode(TEXT)
+    assert len(ids) < len(TEXT.encode()) / 2 and a.decode(ids) == TEXT
+    np.testing.assert_array_equal(a.encode_array(TEXT), np.asarray(ids))
+    assert load_tokenizer(a.save(tmp_path / "run")).encode(TEXT) == ids
+    # a reloaded (or broadcast) tokenizer has the same fingerprint, so it finds the same token shard
+    assert load_tokenizer(tmp_path / "run").fingerprint() == a.fingerprint()
+    from difftx.data.tokenizers import tokenizer_from_dict
+    assert tokenizer_from_dict(a.to_dict()).fingerprint() == a.fingerprint()
+
+
+def test_a_saved_hugging_face_tokenizer_json_loads(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "</s>": 3}
+    hf = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = build_tokenizer(str(tmp_path))  # a directory holding tokenizer.json
+    assert isinstance(tok, HFTokenizer) and tok.vocab_size == 4 and tok.eos_id == 3
+    assert tok.encode("hello world nope") == [1, 2, 0]
+
+
+def test_load_tokenizer_errors(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(DataError, match="not valid JSON"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"something": 1}))
+    with pytest.raises(DataError, match="not a difftx or Hugging Face tokenizer"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(DataError, match="built from the training corpus"):
+        build_tokenizer("char")
+    with pytest.raises(DataError, match="not byte, char, bpe"):
+        build_tokenizer("wordpiece")

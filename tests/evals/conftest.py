@@ -1,0 +1,35 @@
+"""Shared fixtures for the evaluation tests: tiny models, a checkpoint, a haystack text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import difftx
+from difftx.data import ByteTokenizer
+
+from evals_helpers import haystack_text, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These models are tiny: one thread is faster than two, and much faster on a shared, busy CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def tok():
+    return ByteTokenizer()
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """A saved tiny DIFF model + byte tokenizer (the run-directory layout load_model/load_tokenizer accept)."""
+    d = tmp_path_factory.mktemp("ckpt")
+    difftx.save_model(tiny_model("diff"), d)
+    ByteTokenizer().save(d)
+    (d / "haystack.txt").write_text(haystack_text(), encoding="utf-8")
+    return d

@@ -1,0 +1,98 @@
+"""In-context classification: solvable synthetic tasks, arrangements, constrained decoding against a reference."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from difftx.data import ByteTokenizer
+from difftx.errors import DataError
+from difftx.evals.icl import (LabelTrie, PromptBuilder, arrange, balanced_demos, constrained_classify, evaluate_icl,
+                              jsonl_task, synthetic_task)
+from evals_helpers import tiny_model
+
+TOK = ByteTokenizer()
+
+
+@pytest.mark.parametrize("classes", [6, 50, 150])
+def test_synthetic_task_is_solvable_from_demonstrations(classes):
+    t = synthetic_task(classes, n_train_per_class=4, n_test=40)
+    assert len(set(t.labels)) == classes and len(t.train) == 4 * classes
+    assert t.labels == synthetic_task(classes, n_train_per_class=4, n_test=40).labels  # fixed by its seed
+    # a word -> label lookup learnt from the training examples classifies every test input
+    votes: dict = {}
+    for ex in t.train:
+        for w in ex.text.split():
+            votes.setdefault(w, Counter())[ex.label] += 1
+    keyword = {w: c.most_common(1)[0][0] for w, c in votes.items() if len(c) == 1}
+    for ex in t.test:
+        guess = Counter(keyword[w] for w in ex.text.split() if w in keyword)
+        assert guess.most_common(1)[0][0] == ex.label
+
+
+def test_demonstrations_balanced_and_arrangements():
+    t = synthetic_task(6, n_train_per_class=8)
+    demos = balanced_demos(t, 14, seed=0)
+    counts = Counter(d.label for d in demos)
+    assert len(counts) == 6 and max(counts.values()) - min(counts.values()) <= 1
+    assert balanced_demos(t, 14, seed=0) == demos
+    for s in range(3):
+        r = arrange(demos, "random", s)
+        assert sorted(map(id, r)) == sorted(map(id, demos))
+        a = arrange(demos[:12], "alternating", s)
+        labels = [d.label for d in a]
+        assert len(set(labels[:6])) == 6 and len(set(labels[6:])) == 6 and labels[:6] == labels[6:]
+    assert arrange(demos, "random", 0) != arrange(demos, "random", 1)
+
+
+def _reference_decode(model, prompt, trie):
+    """Greedy trie decoding with full recomputation (no cache) -- the independent reference."""
+    node, seq = trie.root, list(prompt)
+    while len(node["labels"]) > 1:
+        with torch.no_grad():
+            logits = model(torch.tensor([seq])).logits[0, -1]
+        allowed = list(node["children"])
+        best = allowed[int(logits[allowed].argmax())]
+        node, seq = node["children"][best], seq + [best]
+    return next(iter(node["labels"]))
+
+
+@pytest.mark.parametrize("kind", ["softmax", "diff"])
+def test_constrained_decoding_with_shared_prefix_matches_reference(kind):
+    model = tiny_model(kind)
+    t = synthetic_task(6, n_train_per_class=4, n_test=10)
+    pb = PromptBuilder(TOK, t)
+    prefix = [x for ex in t.train[:5] for x in pb.demo(ex)]
+    queries = [pb.query(ex) for ex in t.test]
+    got = constrained_classify(model, prefix, queries, pb.trie, batch_size=4)
+    want = [_reference_decode(model, prefix + q, pb.trie) for q in queries]
+    assert got == want
+    assert constrained_classify(model, [], [prefix + q for q in queries], pb.trie, batch_size=3) == want
+
+
+def test_label_trie_rejects_duplicates():
+    with pytest.raises(DataError):
+        LabelTrie([[1, 2], [1, 2]])
+
+
+def test_evaluate_icl_statistics(tmp_path):
+    model = tiny_model("diff")
+    r = evaluate_icl(model, TOK, tasks=["synthetic-6"], shots=[1, 4, 10_000], seeds=3, test_examples=6, max_len=300)
+    t = r["tasks"][0]
+    assert [p["shots"] for p in t["curves"]["random"]] == [1, 4] and t["skipped"][0]["shots"] == 10_000
+    for pts in t["curves"].values():
+        for p in pts:
+            assert len(p["accuracies"]) == 3
+            assert p["worst"] <= p["mean"] <= p["best"] and p["margin"] == pytest.approx(p["best"] - p["worst"])
+    assert 0 <= r["overall_accuracy"] <= 1
+
+
+def test_jsonl_task(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps({"text": f"item {i}", "label": ["pos", "neg"][i % 2]}) for i in range(30)))
+    t = jsonl_task(f, n_test=6)
+    assert t.labels == ["neg", "pos"] and len(t.test) == 6 and len(t.train) == 24
+    f.write_text('{"text": "x"}\n')
+    with pytest.raises(DataError, match=":1: expected"):
+        jsonl_task(f)

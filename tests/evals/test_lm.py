@@ -1,0 +1,58 @@
+"""LM evaluation: AR-Hit classification of constructed sequences, loss against the model's own loss."""
+
+import math
+
+import torch
+
+from difftx.evals.lm import ar_hit_mask, evaluate_lm
+from evals_helpers import tiny_model
+
+
+def test_ar_hit_constructed_sequence():
+    # tokens:        a b c a b d a b c
+    # prediction t predicts w[t+1]; hit iff bigram (w[t], w[t+1]) occurred at some s < t
+    w = torch.tensor([[1, 2, 3, 1, 2, 4, 1, 2, 3]])
+    hit = ar_hit_mask(w, vocab_size=8)[0].tolist()
+    # bigrams at t: (1,2) (2,3) (3,1) (1,2) (2,4) (4,1) (1,2) (2,3)
+    assert hit == [False, False, False, True, False, False, True, True]
+
+
+def test_ar_hit_rows_are_independent_and_overlap_counts():
+    w = torch.tensor([[5, 5, 5, 5], [1, 5, 5, 2]])
+    hit = ar_hit_mask(w, vocab_size=8)
+    # row 0: (5,5) at t=0 first, repeated at t=1 and t=2 (overlapping occurrences count)
+    assert hit[0].tolist() == [False, True, True]
+    # row 1 must not see row 0's bigrams
+    assert hit[1].tolist() == [False, False, False]
+
+
+def test_loss_matches_model_loss_and_cumulative_ends_at_loss():
+    model = tiny_model("softmax")
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 256, (4 * 32 + 1,))
+    r = evaluate_lm(model, tokens, seq_len=32, max_tokens=4 * 32, batch_size=3)
+    x = torch.stack([tokens[i * 32:(i + 1) * 32] for i in range(4)])
+    y = torch.stack([tokens[i * 32 + 1:(i + 1) * 32 + 1] for i in range(4)])
+    with torch.no_grad():
+        ref = float(model(x, targets=y).loss)
+    assert abs(r["loss"] - ref) < 1e-5
+    assert r["tokens"] == 128 and r["windows"] == 4
+    assert abs(r["perplexity"] - math.exp(ref)) < 1e-3 * math.exp(ref)
+    assert r["by_position"]["position"][-1] == 32
+    assert abs(r["by_position"]["cumulative_nll"][-1] - ref) < 1e-5
+    # AR-Hit and Others partition the tokens and the loss
+    n_h, n_o = r["ar_hit"]["tokens"], r["others"]["tokens"]
+    assert n_h + n_o == 128
+    lh = r["ar_hit"]["loss"] or 0.0
+    assert abs((lh * n_h + r["others"]["loss"] * n_o) / 128 - ref) < 1e-5
+
+
+def test_frequency_threshold_moves_frequent_bigrams_to_others():
+    model = tiny_model("softmax")
+    tokens = torch.tensor([1, 2] * 40 + [3, 4, 5, 3, 4, 5] + [7] * 7)
+    base = evaluate_lm(model, tokens, seq_len=len(tokens) - 1, max_tokens=10_000)
+    rare = evaluate_lm(model, tokens, seq_len=len(tokens) - 1, max_tokens=10_000, ar_max_freq=2)
+    # (3,4) and (4,5) occur twice (rare), (1,2), (2,1) and (7,7) are frequent
+    assert rare["ar_hit"]["tokens"] == 2
+    assert base["ar_hit"]["tokens"] > rare["ar_hit"]["tokens"]
+    assert abs(base["loss"] - rare["loss"]) < 1e-9

@@ -1,0 +1,88 @@
+"""MQAR: the generator's structure (Zoology's), an oracle scores 1, the training task is pure."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from difftx.data import ByteTokenizer
+from difftx.data.tasks import get_task
+from difftx.errors import ConfigError
+from difftx.evals.common import rng_for
+from difftx.evals.mqar import check_shape, evaluate_mqar, mqar_accuracy, mqar_batch, mqar_example
+
+
+@pytest.mark.parametrize("random_fill", [True, False])
+def test_example_structure(random_fill):
+    V, L, D = 256, 128, 16
+    for k in range(20):
+        x, y = mqar_example(rng_for(k), L, D, V, random_non_queries=random_fill)
+        keys, values = x[0:2 * D:2], x[1:2 * D:2]
+        assert len(set(keys)) == D and len(set(values)) == D
+        assert ((1 <= keys) & (keys < V // 2)).all() and ((V // 2 <= values) & (values < V)).all()
+        q = np.nonzero(y != -100)[0]
+        assert len(q) == D and (q >= 2 * D).all() and ((q - 2 * D) % 2 == 0).all()
+        lookup = dict(zip(keys.tolist(), values.tolist()))
+        assert sorted(x[q].tolist()) == sorted(keys.tolist())  # every key queried once
+        assert all(lookup[int(x[p])] == int(y[p]) for p in q)
+        if not random_fill:
+            others = np.setdiff1d(np.arange(2 * D, L), q)
+            assert (x[others] == 0).all()
+
+
+def test_power_law_puts_queries_near_the_context():
+    near = np.mean([np.nonzero(mqar_example(rng_for(k), 256, 8, 256, power_a=0.01)[1] != -100)[0].mean()
+                    for k in range(30)])
+    flat = np.mean([np.nonzero(mqar_example(rng_for(k), 256, 8, 256, power_a=1.0)[1] != -100)[0].mean()
+                    for k in range(30)])
+    assert near < flat - 20
+
+
+def test_shape_checks():
+    assert check_shape(64, 16, 256) is None
+    assert "exceeds" in check_shape(64, 17, 256)
+    assert "vocabulary" in check_shape(1024, 200, 256)
+    with pytest.raises(ConfigError):
+        mqar_example(rng_for(0), 64, 17, 256)
+
+
+class RecallOracle(torch.nn.Module):
+    """Reads the 2D-token context of key-value pairs and predicts a key's value wherever the key recurs."""
+
+    def __init__(self, pairs: int):
+        super().__init__()
+        self.pairs = pairs
+        self.config = SimpleNamespace(vocab_size=256, max_seq_len=4096, positions="rope")
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, ids, **kw):
+        logits = torch.zeros(*ids.shape, 256)
+        for b, row in enumerate(ids.tolist()):
+            lookup = dict(zip(row[0:2 * self.pairs:2], row[1:2 * self.pairs:2]))
+            for t in range(2 * self.pairs, len(row)):
+                if row[t] in lookup:
+                    logits[b, t, lookup[row[t]]] = 1
+        return SimpleNamespace(logits=logits)
+
+
+def test_oracle_scores_one_and_tiny_model_sweep():
+    x, y = mqar_batch(rng_for(1), 8, 64, 8, 256, random_non_queries=False)
+    c, t = mqar_accuracy(RecallOracle(8), x, y)
+    assert c == t == 64
+    from evals_helpers import tiny_model
+
+    r = evaluate_mqar(tiny_model("softmax"), lengths=[32, 64], pairs=[4, 16], samples=4)
+    assert [(c["seq_len"], c["pairs"]) for c in r["cells"]] == [(32, 4), (64, 4), (64, 16)]
+    assert r["skipped"][0]["seq_len"] == 32 and r["skipped"][0]["pairs"] == 16
+    assert 0.0 <= r["overall_accuracy"] <= 1.0
+
+
+def test_training_task_is_pure():
+    task = get_task("mqar")(ByteTokenizer(), 65, seed=2, pairs="4-8")
+    x, y = task.batch(3, step=5, rank=0)
+    assert x.shape == y.shape == (3, 65)
+    assert torch.equal(x, task.batch(3, step=5, rank=0)[0])
+    assert not torch.equal(x, task.batch(3, step=6, rank=0)[0])
+    assert not torch.equal(x, task.batch(3, step=5, rank=1)[0])
+    assert ((y == -100) | (y >= 128)).all()

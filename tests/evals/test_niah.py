@@ -1,0 +1,167 @@
+"""Multi-needle retrieval: the generator's answers, spans and depths; scoring alignment; the training task."""
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from difftx.data import ByteTokenizer
+from difftx.data.tasks import get_task
+from difftx.errors import DataError
+from difftx.evals.common import rng_for
+from difftx.evals.niah import (ANSWER, ANSWER_NEEDLE, NOISE, OTHER_NEEDLE, QUERY, NiahBuilder, evaluate_niah,
+                               parse_grid, score_generation, score_teacher_forced)
+from evals_helpers import haystack_text, tiny_model
+
+TOK = ByteTokenizer()
+NEEDLE = re.compile(r"The special magic number for ([A-Za-z ]+?) is: (\d+)\. ")
+
+
+def builder(**kw):
+    return NiahBuilder(TOK, text=haystack_text(), **kw)
+
+
+@pytest.mark.parametrize("n,r", [(1, 1), (4, 2), (6, 3)])
+def test_needles_answers_and_spans(n, r):
+    b = builder()
+    for k in range(5):
+        s = b.sample(rng_for(7, k), 600, n, r, depth=0.5)
+        assert len(s.ids) == len(s.regions) == 600
+        text = TOK.decode(s.ids)
+        found = dict(NEEDLE.findall(text))
+        assert len(found) == n and set(found) == set(s.cities)  # every needle inserted once, all cities distinct
+        assert len(set(found.values())) == n  # distinct numbers
+        # each query asks for one of the needle cities and its answer span holds that city's number
+        for (a, e), city, number in zip(s.answers, s.cities[:r], s.numbers):
+            assert TOK.decode(s.ids[a:e]) == " " + number
+            assert found[city] == number
+            assert TOK.decode(s.ids[:a]).endswith(f"The special magic number for {city} is:")
+        # the ANSWER region is exactly the first query's number inside its needle
+        ans = [i for i, g in enumerate(s.regions) if g == ANSWER]
+        assert TOK.decode([s.ids[i] for i in ans]) == s.numbers[0]
+        assert ans == list(range(ans[0], ans[-1] + 1))
+        # needle regions decode to needles, noise to haystack sentences only
+        needle_text = TOK.decode([t for t, g in zip(s.ids, s.regions) if g in (ANSWER, ANSWER_NEEDLE)])
+        assert needle_text == f"The special magic number for {s.cities[0]} is: {s.numbers[0]}. "
+        other = TOK.decode([t for t, g in zip(s.ids, s.regions) if g == OTHER_NEEDLE])
+        assert len(NEEDLE.findall(other)) == n - 1
+        assert "magic" not in TOK.decode([t for t, g in zip(s.ids, s.regions) if g == NOISE])
+        assert s.regions[s.answers[0][0] - 1] == QUERY
+
+
+def test_needles_sit_at_sentence_boundaries():
+    b = builder()
+    for k in range(10):
+        s = b.sample(rng_for(3, k), 500, 5, 1, depth=None)
+        text = TOK.decode(s.ids)
+        for m in NEEDLE.finditer(text):
+            before = text[:m.start()]
+            assert before == "" or before.endswith(". ") or before.endswith("\n") or NEEDLE.search(before[-60:])
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_answer_depth(depth):
+    b = builder()
+    s = b.sample(rng_for(1, int(depth * 100)), 800, 1, 1, depth=depth)
+    ans = [i for i, g in enumerate(s.regions) if g == ANSWER]
+    hay = [i for i, g in enumerate(s.regions) if g == NOISE]
+    before = sum(1 for i in hay if i < ans[0])
+    frac = before / len(hay)
+    assert abs(frac - depth) < 0.06  # nearest sentence boundary (sentences here are ~35 tokens of ~700)
+    if depth == 0.0:
+        assert s.regions[0] == ANSWER_NEEDLE
+    if depth == 1.0:
+        assert before == len(hay)
+
+
+def test_too_short_and_grid_errors():
+    b = builder()
+    with pytest.raises(DataError, match="cannot hold"):
+        b.sample(rng_for(0), 100, 4, 2, depth=0.0)
+    assert parse_grid("N1R1, n4r2") == [(1, 1), (4, 2)]
+    with pytest.raises(ValueError, match="1 <= R <= N"):
+        parse_grid("N1R2")
+
+
+class NextTokenOracle(torch.nn.Module):
+    """Logits that put all mass on the true next input token (what teacher forcing must count as correct)."""
+
+    def __init__(self, shift: int = 1):
+        super().__init__()
+        self.shift = shift
+        self.config = SimpleNamespace(n_heads=1, vocab_size=256, max_seq_len=4096, positions="rope")
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, ids, **kw):
+        nxt = torch.roll(ids, -self.shift, dims=1)
+        return SimpleNamespace(logits=torch.nn.functional.one_hot(nxt, 256).float())
+
+
+class RetrievalOracle(NextTokenOracle):
+    """Generates by reading the prompt: finds the needle for the last queried city and emits its number."""
+
+    def generate(self, ids, max_new_tokens, attention_mask=None, **kw):
+        rows = []
+        for row, m in zip(ids.tolist(), attention_mask.tolist()):
+            text = TOK.decode([t for t, v in zip(row, m) if v])
+            city = re.findall(r"The special magic number for ([A-Za-z ]+?) is:$", text)[-1]
+            number = re.search(rf"The special magic number for {city} is: (\d+)\.", text).group(1)
+            new = TOK.encode(" " + number)[:max_new_tokens]
+            rows.append(row + new + [0] * (max_new_tokens - len(new)))
+        return torch.tensor(rows)
+
+
+def test_scoring_alignment_with_oracles():
+    b = builder()
+    samples = [b.sample(rng_for(5, k), 400, 3, 2, depth=0.25 * (k % 5)) for k in range(6)]
+    assert all(em == [True, True] for em, _ in score_teacher_forced(NextTokenOracle(1), samples, 4))
+    # predicting the current token instead of the next is wrong everywhere in a random number
+    assert not any(any(em) for em, _ in score_teacher_forced(NextTokenOracle(0), samples, 4))
+    assert all(g == [True, True] for g in score_generation(RetrievalOracle(), TOK, samples, 4))
+
+
+def test_evaluate_niah_tiny_model_runs_and_skips_cells_that_do_not_fit():
+    r = evaluate_niah(tiny_model("diff"), TOK, grid="N1R1,N4R2", lengths=[128, 256], depths=[0.0, 1.0], samples=2,
+                      text=haystack_text())
+    assert {(c["needles"], c["length"]) for c in r["cells"]} == {(1, 128), (1, 256)}
+    assert [s["needles"] for s in r["skipped"]] == [4, 4]
+    assert set(r["table"]) == {"N1R1"}
+    hm = r["heatmaps"]["N1R1"]
+    assert len(hm["teacher_forced"]) == 2 and len(hm["teacher_forced"][0]) == 2
+    assert 0.0 <= r["overall"]["teacher_forced"] <= 1.0
+
+
+def test_training_task_is_pure_and_targets_only_answers():
+    task = get_task("niah")(TOK, 300, seed=3, needles="1-3", queries="1-2", text=haystack_text())
+    x, y = task.batch(4, step=11, rank=1)
+    x2, y2 = task.batch(4, step=11, rank=1)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert not torch.equal(task.batch(4, step=12, rank=1)[0], x)
+    assert not torch.equal(task.batch(4, step=11, rank=0)[0], x)
+    assert x.shape == y.shape == (4, 300)
+    for i in range(4):
+        s = task.sample(11, 1, i)
+        ids = torch.tensor(s.ids)
+        assert torch.equal(x[i], ids[:-1])
+        kept = (y[i] != -100).nonzero().flatten().tolist()
+        want = [p - 1 for a, e in s.answers for p in range(a, e)]
+        assert kept == want
+        assert torch.equal(y[i][kept], ids[[p + 1 for p in kept]])
+
+
+def test_short_context_models_rope_extrapolates_learned_positions_skip():
+    rope = tiny_model("softmax", max_seq_len=64)
+    r = evaluate_niah(rope, TOK, grid="N1R1", depths=[0.5], samples=1, text=haystack_text(), generation=False)
+    assert [c["length"] for c in r["cells"]] == [128, 256]  # trained at 64, evaluated from 256 down
+    learned = tiny_model("softmax", max_seq_len=256, positions="learned")
+    r = evaluate_niah(learned, TOK, grid="N1R1", lengths=[128, 512], depths=[0.5], samples=1, text=haystack_text(),
+                      generation=False)
+    assert [c["length"] for c in r["cells"]] == [128]
+    assert "max_seq_len=256" in r["skipped"][0]["reason"]
+
+
+def test_generation_at_max_seq_len_with_learned_positions():
+    model = tiny_model("softmax", max_seq_len=200, positions="learned")
+    r = evaluate_niah(model, TOK, grid="N1R1", lengths=[200], depths=[1.0], samples=2, text=haystack_text())
+    assert r["cells"][0]["generation"] is not None

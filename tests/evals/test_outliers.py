@@ -1,0 +1,119 @@
+"""Outliers: streaming top-k / median against exact values, planted outliers found, memory flat in the budget."""
+
+import pytest
+import torch
+
+from difftx.evals.common import LogHistogram, TopK, attach, valid_values
+from difftx.evals.outliers import evaluate_outliers
+from difftx.nn.probe import AttentionProbe
+from evals_helpers import tiny_model
+
+
+def test_streaming_topk_and_median_match_exact():
+    g = torch.Generator().manual_seed(0)
+    chunks = [torch.randn(1000 + 37 * i, generator=g).abs() * (1 + i) for i in range(20)]
+    chunks[7][123] = 5000.0  # a planted outlier
+    top, hist = TopK(100), LogHistogram()
+    for c in chunks:
+        top.update(c)
+        hist.update(c)
+    allv = torch.cat(chunks).double()
+    exact = torch.topk(allv, 100).values
+    assert top.top(1) == 5000.0
+    assert torch.equal(top.values, exact)
+    med = float(torch.median(allv))
+    assert abs(hist.median() - med) <= hist.rel_error * med
+    assert abs(hist.quantile(0.9) - float(torch.quantile(allv, 0.9, interpolation="lower"))) <= 0.006 * hist.quantile(0.9)
+    assert hist.n == allv.numel()
+
+
+def test_histogram_edge_cases():
+    h = LogHistogram()
+    assert h.median() is None
+    h.update(torch.zeros(5))
+    h.update(torch.tensor([2.0 ** 40]))
+    assert h.median() == 0.0 and h.quantile(1.0) == 2.0 ** 40
+
+
+def _pass_through_model(kind):
+    """Blocks whose outputs equal their inputs (attention and FFN outputs zeroed): hidden states = embeddings."""
+    model = tiny_model(kind)
+    with torch.no_grad():
+        for block in model.layers:
+            block.attn.out_proj.weight.zero_()
+            block.ffn.w_down.weight.zero_()
+    return model
+
+
+@pytest.mark.parametrize("kind", ["softmax", "diff"])
+def test_planted_hidden_state_outlier_is_found(kind):
+    model = _pass_through_model(kind)
+    with torch.no_grad():
+        model.embed.weight[ord("e"), 5] = -1234.5
+        model.embed.weight[ord("q"), 9] = 777.25
+    tokens = torch.tensor(list(b"the quick brown fox jumps over the lazy dog " * 8))
+    r = evaluate_outliers(model, tokens, seq_len=64, max_tokens=256)
+    h = r["hidden_states"]
+    assert h["top1"] == 1234.5 and h["by_layer"][0]["top1"] == h["by_layer"][1]["top1"] == 1234.5
+    # reference: every layer outputs the embeddings of the tokens
+    ref = model.embed.weight.detach()[tokens[:256]].abs().double().reshape(-1).repeat(len(model.layers))
+    exact = torch.topk(ref, 100).values
+    n_e = int((tokens[:256] == ord("e")).sum()) * len(model.layers)
+    assert exact[n_e - 1] == 1234.5 and exact[n_e] == 777.25  # both planted values are among the top 100
+    for i in (1, 2, 3, 10, 100):
+        assert h[f"top{i}"] == pytest.approx(float(exact[i - 1]), rel=1e-6)
+    assert h["median"] == pytest.approx(float(torch.median(ref)), rel=h["median_rel_error"])
+
+
+class CollectAll(AttentionProbe):
+    def __init__(self):
+        self.values = []
+
+    def observe(self, layer, logits, effective, mask):
+        for lg in logits:
+            self.values.append(valid_values(lg, mask).abs().double())
+
+
+@pytest.mark.parametrize("kind", ["softmax", "diff", "diff2"])
+def test_logit_statistics_equal_an_exact_reference(kind):
+    model = tiny_model(kind)
+    with torch.no_grad():
+        model.layers[1].attn.q_proj.weight.mul_(40.0)  # make some large logits
+    tokens = torch.randint(0, 256, (4 * 48,), generator=torch.Generator().manual_seed(1))
+    r = evaluate_outliers(model, tokens, seq_len=48, max_tokens=4 * 48, batch_size=3)
+    ref = CollectAll()
+    with attach(model, ref), torch.no_grad():
+        model(tokens.view(4, 48))
+    allv = torch.cat(ref.values)
+    n_maps = 2 if kind == "diff" else 1
+    heads = model.config.n_heads * (2 if kind == "diff2" else 1)
+    assert allv.numel() == r["attention_logits"]["count"] == 4 * (48 * 49 // 2) * heads * n_maps * 2
+    exact = torch.topk(allv, 100).values
+    s = r["attention_logits"]
+    for i in (1, 2, 3, 10, 100):
+        assert abs(s[f"top{i}"] - float(exact[i - 1])) <= 1e-5 * float(exact[0])
+    med = float(torch.median(allv))
+    assert abs(s["median"] - med) <= s["median_rel_error"] * med
+
+
+def test_memory_is_flat_in_the_token_budget():
+    model = tiny_model("diff")
+    tokens = torch.randint(0, 256, (64 * 32,), generator=torch.Generator().manual_seed(2))
+    small = evaluate_outliers(model, tokens, seq_len=32, max_tokens=64)
+    big = evaluate_outliers(model, tokens, seq_len=32, max_tokens=64 * 32)
+    assert big["tokens"] == 32 * small["tokens"]
+    assert big["state_bytes"] == small["state_bytes"] < 400_000
+
+
+def test_peak_memory_does_not_grow_with_the_budget():
+    """Keeping the values would cost > 40 MB more at the larger budget (8.4M logits + 2.1M hidden entries)."""
+    import resource
+
+    model = tiny_model("diff")
+    tokens = torch.randint(0, 256, (16384,), generator=torch.Generator().manual_seed(3))
+    evaluate_outliers(model, tokens, seq_len=128, max_tokens=2048, batch_size=8)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    r = evaluate_outliers(model, tokens, seq_len=128, max_tokens=16384, batch_size=8)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert r["attention_logits"]["count"] == 16384 * 129 // 2 * 2 * 2 * 2
+    assert after - before < 16 * 1024

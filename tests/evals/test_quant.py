@@ -1,0 +1,99 @@
+"""Attention-logit quantization: the absmax grid, 16 bits equal to none, composition with other probes."""
+
+import pytest
+import torch
+
+from difftx.data import ByteTokenizer
+from difftx.evals.common import attach
+from difftx.evals.lm import evaluate_lm
+from difftx.evals.quant import LogitQuantizer, absmax_quantize, evaluate_quant, quantized_logits
+from difftx.nn.probe import AttentionProbe
+from evals_helpers import tiny_model
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8, 16])
+@pytest.mark.parametrize("granularity", ["head", "row", "tensor"])
+def test_absmax_grid(bits, granularity):
+    x = torch.randn(2, 3, 5, 7) * 4
+    q = absmax_quantize(x, bits, granularity)
+    qmax = 2 ** (bits - 1) - 1
+    dims = {"row": (-1,), "head": (-1, -2), "tensor": (0, 1, 2, 3)}[granularity]
+    amax = x.abs().amax(dim=dims, keepdim=True)
+    scale = amax / qmax
+    levels = q / scale
+    assert torch.allclose(levels, levels.round(), atol=1e-3)  # on the integer grid
+    assert (levels.abs() <= qmax + 1e-3).all()
+    assert ((q - x).abs() <= scale / 2 + 1e-6).all()  # round to nearest
+    assert torch.allclose(q.abs().amax(dim=dims, keepdim=True), amax)  # the absmax survives exactly
+
+
+def test_masked_entries_do_not_set_the_scale():
+    x = torch.tensor([[[[1.0, 100.0], [1.0, 0.5]]]])  # the 100 sits above the diagonal (a future key)
+    valid = torch.tensor([[True, False], [True, True]])
+    q = absmax_quantize(x, 4, "head", valid)
+    assert q[0, 0, 0, 0] == 1.0 and q[0, 0, 1, 1] == pytest.approx(3 / 7)  # scale 1/7, not 100/7
+
+
+@pytest.mark.parametrize("kind", ["softmax", "diff", "diff2"])
+def test_16_bits_equals_none_and_4_bits_does_not(kind):
+    """Stated tolerance: at 16 bits each logit moves by <= max|logit| / 65534, so the model's output logits stay
+    within 1e-4 of the unquantized ones (measured ~1e-5) and the loss within 1e-4; 4 bits moves them > 1e-2."""
+    model = tiny_model(kind)
+    with torch.no_grad():
+        for m in model.attention_modules():
+            m.q_proj.weight.mul_(30.0)  # attention logits of size ~10 so that coarse grids matter
+    tokens = torch.randint(0, 256, (4 * 64 + 1,), generator=torch.Generator().manual_seed(0))
+    x = tokens[:256].view(4, 64)
+    with torch.no_grad():
+        base_logits = model(x).logits
+        base = evaluate_lm(model, tokens, seq_len=64, max_tokens=256)["loss"]
+        with quantized_logits(model, 16):
+            q16_logits = model(x).logits
+            q16 = evaluate_lm(model, tokens, seq_len=64, max_tokens=256)["loss"]
+        with quantized_logits(model, 4):
+            q4_logits = model(x).logits
+    assert (q16_logits - base_logits).abs().max() < 1e-4
+    assert abs(q16 - base) < 1e-4
+    assert (q4_logits - base_logits).abs().max() > 1e-2
+    assert all(m.probe is None for m in model.attention_modules())  # nothing left attached
+
+
+class Record(AttentionProbe):
+    def __init__(self):
+        self.logits = []
+
+    def observe(self, layer, logits, effective, mask):
+        self.logits += logits
+
+
+def test_probes_inside_see_quantized_logits():
+    model = tiny_model("diff")
+    rec = Record()
+    with quantized_logits(model, 4, "head"), attach(model, rec), torch.no_grad():
+        model(torch.randint(0, 256, (2, 16)))
+    assert len(rec.logits) == 2 * 2  # 2 layers x 2 maps
+    for lg in rec.logits:
+        n = len(torch.unique(lg.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), 0)[0, 0]))
+        assert n <= 2 ** 4 - 1  # at most 15 levels per map
+
+
+def test_quantizer_rejects_bad_settings():
+    with pytest.raises(ValueError):
+        LogitQuantizer(1)
+    with pytest.raises(ValueError):
+        LogitQuantizer(8, "block")
+
+
+def test_evaluate_quant_rows():
+    model = tiny_model("softmax")
+    r = evaluate_quant(model, ByteTokenizer(), bits=[16, 4], metric="lm",
+                       metric_options={"text": "hello world. " * 60, "max_tokens": 128, "seq_len": 64})
+    assert [x["bits"] for x in r["rows"]] == [None, 16, 4]
+    assert r["rows"][0]["delta"] == 0.0 and abs(r["rows"][1]["delta"]) < 1e-4
+
+
+def test_evaluate_quant_with_another_evaluation_as_metric():
+    r = evaluate_quant(tiny_model("diff"), ByteTokenizer(), bits=[8], metric="mqar",
+                       metric_options={"lengths": [32], "pairs": [4], "samples": 4})
+    assert r["metric"] == "mqar_accuracy" and r["higher_is_better"] is True
+    assert [x["bits"] for x in r["rows"]] == [None, 8] and all(0 <= x["value"] <= 1 for x in r["rows"])

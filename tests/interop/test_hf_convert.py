@@ -1,0 +1,138 @@
+"""transformers Llama / DiffLlama <-> difftx: exact round trips on random local models, GQA included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import difftx  # noqa: E402
+from difftx.errors import CheckpointError, ConfigError  # noqa: E402
+from difftx.interop.convert import convert, save_hf  # noqa: E402
+from .hf_helpers import difftx_model, hf_llama, max_diff, tokens  # noqa: E402
+
+TOL = 1e-5
+
+LAYOUTS = [
+    ("llama", 4, 4, False),   # MHA
+    ("llama", 4, 2, False),   # GQA
+    ("llama", 4, 1, True),    # MQA, tied embeddings
+    ("diffllama", 4, 4, False),
+    ("diffllama", 4, 2, False),  # GQA: 2 differential heads over 1 K/V group
+    ("diffllama", 8, 4, True),
+]
+
+
+@pytest.mark.parametrize("kind,heads,kv,tie", LAYOUTS)
+def test_hf_to_difftx_and_back(tmp_path, kind, heads, kv, tie):
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_llama(kind, heads=heads, kv=kv, tie=tie)
+    hf.save_pretrained(tmp_path / "hf")
+    x = tokens(97)
+    with torch.no_grad():
+        ref = hf(x).logits
+
+    convert(tmp_path / "hf", tmp_path / "dx")
+    model = difftx.load_model(tmp_path / "dx")
+    cfg = model.config
+    assert cfg.attention == ("softmax" if kind == "llama" else "diff")
+    assert cfg.n_kv_heads == (kv if kind == "llama" else kv // 2)
+    with torch.no_grad():
+        assert max_diff(model(x).logits, ref) < TOL
+
+    convert(tmp_path / "dx", tmp_path / "hf2", dst_format=f"hf-{kind}")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation="eager").eval()
+    assert type(back).__name__ == type(hf).__name__
+    with torch.no_grad():
+        assert max_diff(back(x).logits, ref) < TOL
+    # the same tensors come back under the same names
+    sd_a, sd_b = hf.state_dict(), back.state_dict()
+    for name, t in sd_a.items():
+        assert torch.equal(t, sd_b[name]), name
+
+
+def test_load_model_reads_hf_dirs_directly(tmp_path):
+    hf = hf_llama("diffllama", heads=4, kv=2)
+    hf.save_pretrained(tmp_path / "hf")
+    x = tokens(97)
+    with torch.no_grad():
+        assert max_diff(difftx.load_model(tmp_path / "hf")(x).logits, hf(x).logits) < TOL
+
+
+@pytest.mark.parametrize("pairing,rope_style", [("adjacent", "half"), ("adjacent", "interleaved"),
+                                                ("halves", "interleaved")])
+def test_difftx_diff_exports_to_diffllama_from_any_layout(tmp_path, pairing, rope_style):
+    from transformers import AutoModelForCausalLM
+
+    model = difftx_model(attention="diff", n_heads=2, n_kv_heads=1, head_norm_weight=False, norm_eps=1e-5,
+                         pairing=pairing, rope_style=rope_style)
+    save_hf(model, tmp_path / "hf", "hf-diffllama")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    x = tokens(97)
+    with torch.no_grad():
+        assert max_diff(hf(x).logits, model(x).logits) < TOL
+
+
+def test_a_wrong_layout_is_detected_by_these_checks(tmp_path):
+    """Guard for the tests above: loading halves-paired weights as adjacent changes the logits a lot."""
+    hf = hf_llama("diffllama", heads=4, kv=2)
+    hf.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "dx")
+    model = difftx.load_model(tmp_path / "dx")
+    wrong = difftx.build_model(model.config.replace(pairing="adjacent"))
+    wrong.load_state_dict(model.state_dict())
+    x = tokens(97)
+    with torch.no_grad():
+        assert max_diff(wrong(x).logits, hf(x).logits) > 1e-2
+
+
+def test_export_refuses_what_the_target_cannot_hold():
+    model = difftx_model(attention="softmax", n_heads=4, norms="S2")
+    with pytest.raises(ConfigError, match="qk_norm"):
+        save_hf(model, "/nonexistent", "hf-llama")
+    model = difftx_model(attention="diff", n_heads=2, norm_eps=1e-5)  # trained head-norm gain
+    with pytest.raises(ConfigError, match="head_norm_weight"):
+        save_hf(model, "/nonexistent", "hf-diffllama")
+    model = difftx_model(attention="diff", n_heads=2, head_norm_weight=False, lambda_init=0.5, norm_eps=1e-5)
+    with pytest.raises(ConfigError, match="lambda_init"):
+        save_hf(model, "/nonexistent", "hf-diffllama")
+
+
+def test_shape_mismatch_names_the_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf_llama("llama", heads=4, kv=2).save_pretrained(tmp_path / "hf")
+    path = tmp_path / "hf" / "model.safetensors"
+    sd = load_file(path)
+    sd["model.layers.1.self_attn.k_proj.weight"] = sd["model.layers.1.self_attn.k_proj.weight"][:16]
+    save_file(sd, path)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.self_attn\.k_proj\.weight' has shape \(16, 64\)"):
+        difftx.load_model(tmp_path / "hf")
+    del sd["model.layers.1.self_attn.k_proj.weight"]
+    save_file(sd, path)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.self_attn\.k_proj\.weight' is missing"):
+        difftx.load_model(tmp_path / "hf")
+
+
+def test_unsupported_config_is_one_clear_error(tmp_path):
+    import json
+
+    hf_llama("llama").save_pretrained(tmp_path / "hf")
+    cfg_path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="llama3"):
+        difftx.load_model(tmp_path / "hf")
+
+
+def test_llama_with_biases(tmp_path):
+    hf = hf_llama("llama", heads=4, kv=2, bias=True)
+    hf.save_pretrained(tmp_path / "hf")
+    model = difftx.load_model(tmp_path / "hf")
+    assert model.config.bias and model.layers[0].attn.q_proj.bias is not None
+    x = tokens(97)
+    with torch.no_grad():
+        assert max_diff(model(x).logits, hf(x).logits) < TOL

@@ -1,0 +1,103 @@
+"""DifftxForCausalLM: every attention kind behind transformers' API, its caches and generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache  # noqa: E402
+
+import difftx  # noqa: E402
+from difftx.interop.hf import DifftxConfig, DifftxForCausalLM  # noqa: E402
+from .hf_helpers import difftx_model, max_diff, tokens  # noqa: E402
+
+KINDS = [
+    dict(attention="softmax", n_heads=4, n_kv_heads=2),
+    dict(attention="diff", n_heads=2, n_kv_heads=1),                       # GQA DIFF: V of 2d in the cache
+    dict(attention="diff", n_heads=2, norms="dnt", pairing="halves"),      # DNT placement
+    dict(attention="diff2", n_heads=2, n_kv_heads=1, norms="post", positions="learned", norm="layer"),
+]
+IDS = ["softmax-gqa", "diff-gqa", "diff-dnt", "diff2-post-learned"]
+
+
+@pytest.fixture(scope="module", params=KINDS, ids=IDS)
+def saved(request, tmp_path_factory):
+    model = difftx_model(seed=3, **request.param)
+    path = tmp_path_factory.mktemp("hfdx")
+    DifftxForCausalLM.from_difftx(model).save_pretrained(path)
+    return model, path, AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def test_save_and_auto_load(saved):
+    model, path, hf = saved
+    assert (path / "model.safetensors").is_file()
+    assert AutoConfig.from_pretrained(path).model_config == model.config
+    assert isinstance(hf, DifftxForCausalLM)
+    x = tokens(97)
+    with torch.no_grad():
+        assert max_diff(hf(x).logits, model(x).logits) == 0.0
+    with torch.no_grad():  # difftx.load_model reads the same directory
+        assert max_diff(difftx.load_model(path)(x).logits, model(x).logits) == 0.0
+
+
+def test_loss_is_transformers_shifted_cross_entropy(saved):
+    model, path, hf = saved
+    x = tokens(97)
+    with torch.no_grad():
+        loss = hf(x, labels=x).loss
+        ref = model(x[:, :-1], targets=x[:, 1:]).loss
+    assert abs(float(loss) - float(ref)) < 1e-5
+
+
+def test_incremental_decoding_through_a_dynamic_cache(saved):
+    model, path, hf = saved
+    x = tokens(97, n=12)
+    cache = DynamicCache()
+    with torch.no_grad():
+        full = model(x).logits
+        steps = [hf(x[:, :5], past_key_values=cache, use_cache=True).logits]
+        for t in range(5, 12):
+            steps.append(hf(x[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+    assert cache.get_seq_length() == 12
+    assert max_diff(torch.cat(steps, dim=1), full) < 1e-5
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_generate_matches_difftx_generate(saved, cache_implementation):
+    model, path, hf = saved
+    x = tokens(97, n=7)
+    ours = model.generate(x, max_new_tokens=10, temperature=0)
+    theirs = hf.generate(x, max_new_tokens=10, do_sample=False, cache_implementation=cache_implementation)
+    assert torch.equal(ours, theirs)
+    assert len(set(ours[:, 7:].flatten().tolist())) > 2  # not a degenerate repeat of one token
+
+
+def test_generate_with_left_padding(saved):
+    model, path, hf = saved
+    x = tokens(97, n=9)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    ours = model.generate(x, max_new_tokens=8, temperature=0, attention_mask=mask)
+    theirs = hf.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours, theirs)
+    alone = model.generate(x[:1, 3:], max_new_tokens=8, temperature=0)  # padding changes nothing
+    assert torch.equal(theirs[0, 3:], alone[0])
+
+
+def test_config_round_trip_and_standard_fields():
+    cfg = difftx.ModelConfig(attention="diff", d_model=64, n_heads=2, n_kv_heads=1, vocab_size=50, lambda_init=0.5)
+    hc = DifftxConfig.from_model_config(cfg)
+    assert hc.model_config == cfg
+    assert (hc.hidden_size, hc.num_hidden_layers, hc.num_attention_heads, hc.num_key_value_heads, hc.head_dim) == \
+        (64, cfg.n_layers, 2, 1, 16)
+    again = DifftxConfig.from_dict(hc.to_dict())
+    assert again.model_config == cfg
+
+
+def test_wrapper_shares_weights_with_the_difftx_model():
+    model = difftx_model(attention="diff", n_heads=2)
+    hf = DifftxForCausalLM.from_difftx(model)
+    assert hf.model is model
+    assert hf.get_input_embeddings() is model.embed

@@ -1,0 +1,146 @@
+"""Official microsoft/unilm DIFF attention module -> difftx DifferentialAttention, against a reference forward.
+
+The reference below restates the official module's computation (adjacent
+component heads, interleaved RoPE on d-wide heads, lambda_init from the 0-based
+depth, subln over 2d, x (1 - lambda_init)) independently of difftx's code, for
+both GQA pairings the official files use.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from difftx.errors import CheckpointError
+from difftx.interop.unilm import convert_unilm_file, load_attention_modules, load_unilm_attention
+from difftx.nn.mask import AttnMask
+from difftx.nn.rope import RotaryEmbedding
+
+
+def official_state(e=64, h=2, hk=2, subln=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    d = e // h // 2
+    sd = {"q_proj.weight": torch.randn(2 * h * d, e, generator=g) * 0.2,
+          "k_proj.weight": torch.randn(2 * hk * d, e, generator=g) * 0.2,
+          "v_proj.weight": torch.randn(2 * hk * d, e, generator=g) * 0.2,
+          "out_proj.weight": torch.randn(e, 2 * h * d, generator=g) * 0.2}
+    for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        sd[name] = torch.randn(d, generator=g) * 0.3
+    if subln:
+        sd["subln.weight"] = 1 + 0.2 * torch.randn(2 * d, generator=g)
+    return sd
+
+
+def reference_forward(sd, x, depth, naive=False, theta=10000.0):
+    """The official module's math, restated: returns (B, N, E)."""
+    b, n, e = x.shape
+    d = sd["lambda_q1"].shape[0]
+    h, hk = sd["q_proj.weight"].shape[0] // (2 * d), sd["k_proj.weight"].shape[0] // (2 * d)
+    rep = h // hk
+    q = (x @ sd["q_proj.weight"].T).view(b, n, 2 * h, d)
+    k = (x @ sd["k_proj.weight"].T).view(b, n, 2 * hk, d)
+    v = (x @ sd["v_proj.weight"].T).view(b, n, hk, 2 * d)
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(n, dtype=torch.float64)[:, None] * inv  # (n, d/2)
+    cos, sin = ang.cos().float()[None, :, None], ang.sin().float()[None, :, None]
+
+    def rot(t):  # interleaved: channels (2j, 2j+1) rotate together
+        a, c = t[..., 0::2], t[..., 1::2]
+        return torch.stack((a * cos - c * sin, a * sin + c * cos), dim=-1).flatten(-2)
+
+    q, k = rot(q), rot(k)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    lam_init = 0.8 - 0.6 * math.exp(-0.3 * depth)
+    lam = (torch.exp((sd["lambda_q1"] * sd["lambda_k1"]).sum()) - torch.exp((sd["lambda_q2"] * sd["lambda_k2"]).sum())
+           + lam_init)
+    heads = []
+    for i in range(h):
+        if naive:  # repeat_kv over component heads: component c uses key component c // rep
+            k1, k2 = k[:, :, (2 * i) // rep], k[:, :, (2 * i + 1) // rep]
+        else:
+            k1, k2 = k[:, :, 2 * (i // rep)], k[:, :, 2 * (i // rep) + 1]
+        maps = []
+        for qq, kk in ((q[:, :, 2 * i], k1), (q[:, :, 2 * i + 1], k2)):
+            s = (qq @ kk.transpose(1, 2)) / math.sqrt(d)
+            maps.append(s.masked_fill(~causal, float("-inf")).softmax(-1))
+        o = (maps[0] - lam * maps[1]) @ v[:, :, i // rep]
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5)
+        if "subln.weight" in sd:
+            o = o * sd["subln.weight"]
+        heads.append(o * (1 - lam_init))
+    return torch.cat(heads, dim=-1) @ sd["out_proj.weight"].T
+
+
+def run_difftx(module, x):
+    n = x.shape[1]
+    rope = RotaryEmbedding(module.head_dim, 10000.0, module.rope_style).cos_sin(torch.arange(n))
+    return module(x, rope, AttnMask(causal=True, n_q=n, n_k=n))
+
+
+@pytest.mark.parametrize("h,hk,subln,naive", [(2, 2, True, False), (2, 2, False, False), (4, 2, True, False),
+                                              (4, 2, True, True), (4, 1, False, True)])
+@pytest.mark.parametrize("depth", [0, 5])
+def test_official_module_matches_reference(h, hk, subln, naive, depth):
+    sd = official_state(h=h, hk=hk, subln=subln)
+    module, cfg = load_unilm_attention(sd, depth, variant="naive" if naive else "flash")
+    assert module.layer == depth + 1 and cfg.head_norm_weight == subln
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (run_difftx(module, x) - reference_forward(sd, x, depth, naive=naive)).abs().max()
+    assert float(diff) < 1e-5
+
+
+def test_the_two_gqa_variants_really_differ():
+    sd = official_state(h=4, hk=2)
+    x = torch.randn(1, 7, 64)
+    with torch.no_grad():
+        flash = run_difftx(load_unilm_attention(sd, 0)[0], x)
+        naive = reference_forward(sd, x, 0, naive=True)
+    assert float((flash - naive).abs().max()) > 1e-3
+
+
+def test_relaid_module_keeps_the_function():
+    sd = official_state(h=4, hk=2)
+    x = torch.randn(1, 7, 64)
+    module, cfg = load_unilm_attention(sd, 2, pairing="halves", rope_style="half")
+    assert (cfg.pairing, cfg.rope_style) == ("halves", "half")
+    with torch.no_grad():
+        assert float((run_difftx(module, x) - reference_forward(sd, x, 2)).abs().max()) < 1e-5
+
+
+def test_file_conversion_reads_depth_from_prefixes(tmp_path):
+    from safetensors.torch import save_file
+
+    state = {}
+    for depth in (0, 3):
+        state.update({f"decoder.layers.{depth}.self_attn.{k}": v for k, v in official_state(seed=depth).items()})
+    state["decoder.embed_tokens.weight"] = torch.zeros(5, 64)  # other tensors are ignored
+    save_file(state, tmp_path / "ckpt.safetensors")
+    convert_unilm_file(tmp_path / "ckpt.safetensors", tmp_path / "out")
+    modules = load_attention_modules(tmp_path / "out")
+    assert sorted(modules) == ["decoder.layers.0.self_attn.", "decoder.layers.3.self_attn."]
+    x = torch.randn(1, 5, 64)
+    with torch.no_grad():
+        out = run_difftx(modules["decoder.layers.3.self_attn."], x)
+    assert float((out - reference_forward(official_state(seed=3), x, 3)).abs().max()) < 1e-5
+
+
+def test_bad_module_errors_name_the_tensor():
+    sd = official_state()
+    sd["k_proj.weight"] = sd["k_proj.weight"][:-1]
+    with pytest.raises(CheckpointError, match="'k_proj.weight' has 63 rows"):
+        load_unilm_attention(sd, 0)
+    sd = official_state()
+    sd["v_proj.weight"] = sd["v_proj.weight"][:32]
+    with pytest.raises(CheckpointError, match=r"'v_proj.weight' has shape \(32, 64\)"):
+        load_unilm_attention(sd, 0)
+    sd = official_state()
+    sd["q_proj.bias"] = torch.zeros(64)
+    with pytest.raises(CheckpointError, match="unexpected tensor 'q_proj.bias'"):
+        load_unilm_attention(sd, 0)
+    sd = official_state()
+    del sd["lambda_k2"]
+    with pytest.raises(CheckpointError, match="'lambda_k2' is missing"):
+        load_unilm_attention(sd, 0)

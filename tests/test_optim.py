@@ -1,0 +1,143 @@
+"""Optimisers and schedules: mSGDW against torch SGD + decoupled decay, parameter groups, schedules, Muon."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from difftx import ModelConfig, build_model
+from difftx.errors import ConfigError
+from difftx.optim import MSGDW, build_optimizer, is_no_decay, lr_at, param_groups, set_lr
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread is fastest, and the CPU may be shared
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(attention="diff", **kw):
+    torch.manual_seed(0)
+    return build_model(ModelConfig(attention=attention, d_model=32, n_layers=2, n_heads=2, vocab_size=40,
+                                   max_seq_len=16, bias=True, **kw))
+
+
+def _loss(model, step):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 40, (3, 12), generator=g)
+    return model(x, targets=x).loss
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_msgdw_equals_sgd_plus_decoupled_decay(nesterov):
+    ours, ref = _model(), _model()
+    wd, mu = 0.05, 0.9
+    opt = MSGDW(ours.parameters(), lr=0.1, momentum=mu, weight_decay=wd, nesterov=nesterov)
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=mu, weight_decay=0.0, nesterov=nesterov)
+    for step in range(5):
+        lr = 0.1 * (1 - step / 10)  # a changing learning rate, as under a schedule
+        set_lr(opt, lr), set_lr(sgd, lr)
+        for model, o in ((ours, opt), (ref, sgd)):
+            o.zero_grad()
+            _loss(model, step).backward()
+        opt.step()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.mul_(1 - lr * wd)  # decoupled: shrink the weights, not the gradient
+        sgd.step()
+        for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step} {n}: {m}")
+
+
+def test_msgdw_is_not_coupled_l2():
+    """torch SGD's weight_decay (L2 in the gradient, then momentum) gives a different trajectory."""
+    ours, coupled = _model(), _model()
+    opt = MSGDW(ours.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    sgd = torch.optim.SGD(coupled.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    for step in range(3):
+        for model, o in ((ours, opt), (coupled, sgd)):
+            o.zero_grad()
+            _loss(model, step).backward()
+            o.step()
+    diff = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), coupled.parameters()))
+    assert diff > 1e-5
+
+
+def test_no_decay_groups():
+    model = _model("diff", norms="dnt")
+    groups = {g["name"]: g for g in param_groups(model, 0.1)}
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay = {names[id(p)] for p in groups["no_decay"]["params"]}
+    decay = {names[id(p)] for p in groups["decay"]["params"]}
+    assert groups["no_decay"]["weight_decay"] == 0.0 and groups["decay"]["weight_decay"] == 0.1
+    assert "embed.weight" in no_decay and "layers.0.attn.lambda_q1" in no_decay
+    assert "layers.0.attn.head_norm.weight" in no_decay and "layers.0.attn.q_norm.weight" in no_decay
+    assert "layers.1.attn.q_proj.bias" in no_decay and "input_norm.weight" in no_decay
+    assert "layers.0.attn.q_proj.weight" in decay and "layers.1.ffn.w_down.weight" in decay and "lm_head.weight" in decay
+    assert decay.isdisjoint(no_decay) and decay | no_decay == set(names.values())
+    everything = param_groups(model, 0.1, decay_all=True)
+    assert len(everything) == 1 and len(everything[0]["params"]) == len(names)
+    vit = build_model(ModelConfig.from_preset("vit-tiny"))
+    assert is_no_decay("cls_token", vit.cls_token) and is_no_decay("pos_embed", vit.pos_embed)
+    assert not is_no_decay("patch_embed.weight", vit.patch_embed.weight)
+
+
+def test_no_decay_params_are_not_shrunk():
+    model = _model()
+    opt = build_optimizer(model, "msgdw", lr=0.5, weight_decay=0.5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.zero_grad()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # zero gradient: only weight decay moves weights
+    opt.step()
+    for n, p in model.named_parameters():
+        expect = before[n] if is_no_decay(n, p) else before[n] * (1 - 0.25)
+        torch.testing.assert_close(p.detach(), expect, msg=lambda m: f"{n}: {m}")
+
+
+def test_build_optimizer_kinds():
+    model = _model()
+    adamw = build_optimizer(model, "adamw", lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.param_groups[0]["betas"] == (0.9, 0.95)
+    assert adamw.defaults["foreach"] and not adamw.defaults["fused"]  # fused only on GPUs
+    assert isinstance(build_optimizer(model, "sgd"), torch.optim.SGD)
+    with pytest.raises(ConfigError, match="optimizer"):
+        build_optimizer(model, "lion")
+
+
+def test_muon_for_matrices_adamw_for_the_rest():
+    model = _model("softmax")
+    opt = build_optimizer(model, "muon", lr=0.02, weight_decay=0.01)
+    muon, adamw = opt.optimizers
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    matrices = {id(p) for g in muon.param_groups for p in g["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in matrices}
+    assert "layers.0.attn.q_proj.weight" in names and "embed.weight" not in names and "lm_head.weight" not in names
+    before = copy.deepcopy(model.state_dict())
+    opt.zero_grad()
+    _loss(model, 0).backward()
+    opt.step()
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    state = opt.state_dict()
+    opt.load_state_dict(state)
+    assert len(opt.param_groups) == len(muon.param_groups) + len(adamw.param_groups)
+
+
+def test_schedules():
+    peak, lo, total, warm = 1.0, 0.1, 100, 10
+    assert lr_at(0, total, peak, "cosine", warm, lo) == pytest.approx(0.1)
+    assert lr_at(9, total, peak, "cosine", warm, lo) == pytest.approx(1.0)
+    assert lr_at(10, total, peak, "cosine", warm, lo) == pytest.approx(1.0)
+    assert lr_at(99, total, peak, "cosine", warm, lo) == pytest.approx(lo)
+    mid = warm + (total - warm - 1) / 2
+    assert lr_at(int(mid), total, peak, "cosine", warm, lo) == pytest.approx(
+        lo + 0.5 * (peak - lo) * (1 + math.cos(math.pi * int(mid - warm) / (total - warm - 1))))
+    assert lr_at(99, total, peak, "linear", warm, lo) == pytest.approx(lo)
+    assert lr_at(10 + 89 // 2, total, peak, "linear", warm, lo) == pytest.approx(peak + (lo - peak) * (44 / 89))
+    assert lr_at(50, total, peak, "constant", warm, lo) == peak
+    assert lr_at(200, total, peak, "linear", 0, lo) == pytest.approx(lo)  # past the end stays at the minimum
+    with pytest.raises(ConfigError, match="schedule"):
+        lr_at(0, 10, 1.0, "step")

@@ -1,0 +1,65 @@
+"""Shared by the training tests and the torchrun worker: tiny configs and a gradient recorder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TINY_MODEL = dict(d_model=32, n_layers=2, n_heads=2)
+TINY_TRAIN = dict(tokenizer="char", seq_len=16, batch_size=4, steps=4, warmup=1, lr=3e-3, dtype="fp32",
+                  eval_every=2, eval_batches=2, diag_every=0, log_every=1, progress=False, seed=7)
+
+
+def tiny(data, cache, model=None, **train):
+    from difftx.train import resolve_configs
+
+    return resolve_configs(train={**TINY_TRAIN, "data": str(data), "cache_dir": str(cache), **train},
+                           model={**TINY_MODEL, **(model or {})})
+
+
+def write_corpus(path: Path, n_chars: int = 6000) -> Path:
+    """A deterministic small text (no dependence on /work/shared)."""
+    import random
+
+    rng = random.Random(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away", "quickly", "home", "to"]
+    lines, size = [], 0
+    while size < n_chars:
+        line = " ".join(rng.choice(words) for _ in range(rng.randint(3, 9))).capitalize() + "."
+        lines.append(line)
+        size += len(line) + 1
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class GradRecorder:
+    """Records the full (gathered) gradient of every parameter at every step, on every rank."""
+
+    def __init__(self):
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer):
+        from difftx.io import clean_state_dict
+        from difftx.train.distributed import full_tensor
+
+        g = {n: full_tensor(p.grad).detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        self.grads.append(clean_state_dict(g))
+
+
+def losses(run_dir: Path, key: str = "loss") -> list[float]:
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows if key in r]
+
+
+def cli_env(**extra) -> dict:
+    """Environment for a `python -m difftx` / torchrun subprocess that imports this checkout."""
+    import os
+
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env

@@ -1,0 +1,86 @@
+"""k micro-batches give the update of one k-times larger batch (loss normalised by the step's targets)."""
+
+import pytest
+import torch
+
+from difftx import ModelConfig
+from difftx.train import Domain, LMDomain, TrainConfig, Trainer
+from difftx.train.distributed import World
+
+VOCAB = 50
+
+
+class PaddedDomain(Domain):
+    """8 sequences of lengths 3..16 per step, right-padded per micro-batch (pads and the last position unscored)."""
+
+    count = LMDomain.count
+
+    def __init__(self, cfg, world, wrong_scale=None):
+        super().__init__(cfg, world)
+        self.wrong_scale = wrong_scale  # set: normalise each micro-batch by its own count (the classic mistake)
+
+    def train_batches(self, step, n_micro):
+        g = torch.Generator().manual_seed(step)
+        n = self.cfg.batch_size * n_micro
+        seqs = [torch.randint(1, VOCAB, (int(torch.randint(3, 17, (1,), generator=g)),), generator=g)
+                for _ in range(n)]
+        out = []
+        for m in range(n_micro):
+            part = seqs[m * self.cfg.batch_size:(m + 1) * self.cfg.batch_size]
+            width = max(len(s) for s in part)
+            x = torch.zeros(len(part), width, dtype=torch.long)
+            mask = torch.zeros_like(x)
+            y = torch.full_like(x, -100)
+            for i, s in enumerate(part):
+                x[i, :len(s)], mask[i, :len(s)] = s, 1
+                y[i, :len(s) - 1] = s[1:]
+            out.append({"input_ids": x, "targets": y, "attention_mask": mask})
+        return out
+
+    def loss(self, model, batch):
+        total = LMDomain.loss(self, model, batch)
+        if self.wrong_scale is not None:
+            return total / LMDomain.count(self, batch) * self.wrong_scale
+        return total
+
+
+def _update(tmp_path, batch_size, accum, attention="softmax", **kw):
+    cfg = TrainConfig(batch_size=batch_size, grad_accum=accum, optimizer="sgd", momentum=0.0, lr=0.5, warmup=0,
+                      schedule="constant", grad_clip=0.0, weight_decay=0.0, dtype="fp32", steps=2, seq_len=16)
+    mcfg = ModelConfig(attention=attention, d_model=32, n_layers=2, n_heads=2, vocab_size=VOCAB, max_seq_len=16)
+    wrong = 9.5 * batch_size if kw.get("wrong") else None  # ~ targets per micro-batch: the same overall scale
+    tr = Trainer(mcfg, cfg, PaddedDomain(cfg, World(), wrong), World(), tmp_path, {})
+    losses = [tr.train_step()["loss"] for _ in range(2)]
+    return losses, {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("attention", ["softmax", "diff"])
+def test_micro_batches_equal_one_big_batch_padded(tmp_path, attention):
+    ref_loss, ref = _update(tmp_path, 8, 1, attention)
+    for bs, k in [(4, 2), (2, 4), (1, 8)]:
+        loss, w = _update(tmp_path, bs, k, attention)
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        for name in ref:
+            torch.testing.assert_close(w[name], ref[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{bs}x{k} {name}: {m}")
+
+
+def test_per_micro_batch_mean_would_differ(tmp_path):
+    """The check above has teeth: averaging each micro-batch separately changes the update."""
+    _, ref = _update(tmp_path, 8, 1)
+    _, wrong = _update(tmp_path, 2, 4, wrong=True)
+    assert max((wrong[k] - ref[k]).abs().max().item() for k in ref) > 1e-4
+
+
+def test_micro_batches_on_a_corpus(tmp_path, corpus, cache):
+    from ._helpers import tiny
+    from difftx.train import train
+
+    outs = {}
+    for bs, k in [(8, 1), (2, 4)]:
+        tcfg, mcfg = tiny(corpus, cache, batch_size=bs, grad_accum=k, optimizer="sgd", momentum=0.0, lr=0.5,
+                          grad_clip=0.0, steps=2, eval_every=0)
+        train(tcfg, mcfg, tmp_path / f"r{bs}", announce=None)
+        import difftx
+        outs[bs] = difftx.load_model(tmp_path / f"r{bs}").state_dict()
+    for name in outs[8]:
+        torch.testing.assert_close(outs[2][name], outs[8][name], rtol=1e-5, atol=1e-6)

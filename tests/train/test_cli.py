@@ -1,0 +1,113 @@
+"""Bad input gives one clear line and exit 2, and overwrites nothing; the default run's wiring."""
+
+import hashlib
+import subprocess
+import sys
+
+import pytest
+
+from ._helpers import cli_env
+
+
+def _snapshot(run):
+    return {p.relative_to(run): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(run.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.fixture
+def existing_run(tmp_path, train_cli):
+    run = tmp_path / "run"
+    assert train_cli("--steps", 2, "--eval-every", 0, "--out", run) == 0
+    return run
+
+
+def _bad_inputs(tmp_path, corpus):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(bytes(range(256)) * 40)
+    saved_tok = tmp_path / "tok.json"
+    from difftx.data.tokenizers import CharTokenizer
+
+    CharTokenizer("abc \n").save(saved_tok)
+    return {
+        "missing": (["--data", tmp_path / "nope.txt"], "nope.txt: no such file"),
+        "empty": (["--data", empty], "empty"),
+        "binary": (["--data", binary], "binary"),
+        "empty dir": (["--data", tmp_path / "emptydir"], "no text files"),
+        "glob": (["--data", str(tmp_path / "*.nothing")], "matches no files"),
+        "recipe": (["--recipe", "diff-4b"], "unknown recipe 'diff-4b'"),
+        "preset": (["--preset", "gpt5"], "unknown preset"),
+        "vocab": (["--vocab-size", "5"], "vocabulary (5) is smaller than the char tokenizer's"),
+        "unservable tokenizer": (["--tokenizer", saved_tok], "is not in its vocabulary"),
+        "tokenizer": (["--tokenizer", "sentencepiece"], "not byte, char, bpe"),
+        "lr": (["--lr", "-1"], "lr: must be"),
+        "task and data": (["--task", "nothing"], "either --task or --data"),
+    }
+
+
+def test_bad_input_one_line_exit_2_nothing_overwritten(tmp_path, corpus, existing_run, train_cli, capsys):
+    (tmp_path / "emptydir").mkdir()
+    before = _snapshot(existing_run)
+    for name, (args, message) in _bad_inputs(tmp_path, corpus).items():
+        for resume in (False, True):
+            out = ["--out", existing_run, "--resume", "auto"] if resume else ["--out", tmp_path / f"new-{name}"]
+            code = train_cli(*args, *out)
+            err = capsys.readouterr().err
+            assert code == 2, (name, err)
+            assert err.startswith("difftx train: error: ") and err.count("\n") == 1, (name, err)
+            assert resume or message in err, (name, err)  # resuming may refuse the changed flag first
+            assert not (tmp_path / f"new-{name}").exists(), name
+    assert _snapshot(existing_run) == before
+
+
+def test_unknown_flag(capsys):
+    from difftx.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--no-such-flag"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "unrecognized arguments: --no-such-flag" in err and err.count("\n") == 1
+
+
+def test_real_cli_bad_data_one_line(tmp_path):
+    args = ["train", "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]
+    r = subprocess.run([sys.executable, "-m", "difftx", *args], capture_output=True, text=True, env=cli_env())
+    assert r.returncode == 2 and "missing.txt: no such file" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_list_recipes(capsys):
+    from difftx.cli import main
+
+    assert main(["train", "--list-recipes"]) == 0
+    out = capsys.readouterr().out
+    for name in ("diff-3b", "diff-scaling", "dnt-adamw", "dnt-msgdw", "gpt2-adamw", "vit-adamw", "nanogpt-char"):
+        assert name in out
+
+
+def test_builtin_corpus_default_wiring(tmp_path, cache, capsys):
+    """No --data: the standard-library corpus, byte tokenizer, nano preset; prints where it wrote."""
+    from difftx.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "2", "--eval-every", "0", "--eval-batches", "1", "--no-progress",
+                 "--cache-dir", str(cache), "--out", str(out), "--dtype", "fp32"]) == 0
+    text = capsys.readouterr().out
+    assert str(out) in text and "checkpoint:" in text and "nano" in text
+    import json
+
+    cfg = json.loads((out / "config.json").read_text())
+    assert "standard library" in cfg["data"]["corpus"] and cfg["data"]["tokenizer"]["kind"] == "byte"
+    assert cfg["model"]["d_model"] == 128 and cfg["model"]["vocab_size"] == 256
+
+
+@pytest.mark.slow
+def test_default_train_no_arguments(tmp_path):
+    """`difftx train` with no arguments finishes and says where it wrote (about a minute on 2 cores)."""
+    r = subprocess.run([sys.executable, "-m", "difftx", "train", "--no-progress"], cwd=tmp_path, capture_output=True,
+                       text=True, env=cli_env(DIFFTX_CACHE=tmp_path / "cache"), timeout=1200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "runs/" in r.stdout and "val_loss" in r.stdout
+    assert len(list((tmp_path / "runs").iterdir())) == 1

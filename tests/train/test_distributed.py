@@ -1,0 +1,58 @@
+"""Two CPU processes (gloo) with DDP and with FSDP2 match one process at the same global batch.
+
+One torchrun launch runs DDP, FSDP2 and an FSDP2 stop/resume (sharded checkpoint) so the
+process start-up is paid once; the single-process reference runs here.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ._helpers import GradRecorder, cli_env, losses, tiny, write_corpus
+
+
+
+@pytest.fixture(scope="module")
+def dist_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dist")
+    data, cache = write_corpus(tmp / "corpus.txt"), tmp / "cache"
+    from difftx.train import train
+
+    # the reference: one process, global batch 8 = 2 micro-batches of 4
+    rec = GradRecorder()
+    tcfg, mcfg = tiny(data, cache, batch_size=4, grad_accum=2)
+    train(tcfg, mcfg, tmp / "single", callbacks=[rec], announce=None)
+    env = cli_env(OMP_NUM_THREADS=1)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(Path(__file__).parent / "dist_worker.py"), str(data), str(cache), str(tmp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, rec.grads
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_same_losses_and_gradients_as_one_process(dist_runs, mode):
+    tmp, ref_grads = dist_runs
+    assert losses(tmp / mode) == pytest.approx(losses(tmp / "single"), rel=1e-5, abs=1e-6)
+    assert losses(tmp / mode, "val_loss") == pytest.approx(losses(tmp / "single", "val_loss"), rel=1e-5)
+    grads = load_file(str(tmp / f"grads_{mode}.safetensors"))
+    assert len(grads) == sum(len(g) for g in ref_grads)
+    for step, ref in enumerate(ref_grads):
+        for name, g in ref.items():
+            torch.testing.assert_close(grads[f"{step}/{name}"], g, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+
+
+def test_fsdp_sharded_checkpoint_resumes_exactly(dist_runs):
+    tmp, _ = dist_runs
+    import difftx
+
+    assert (tmp / "fsdp_resumed" / "checkpoints" / "step_00000002" / "sharded").is_dir()
+    assert losses(tmp / "fsdp_resumed") == losses(tmp / "fsdp")
+    a, b = difftx.load_model(tmp / "fsdp"), difftx.load_model(tmp / "fsdp_resumed")
+    for (k, v), w in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(v, w), k

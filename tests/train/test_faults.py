@@ -1,0 +1,137 @@
+"""Faults: a kill mid-checkpoint, corrupt checkpoints, a non-finite loss, pickled code in a checkpoint."""
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import difftx
+from difftx.errors import CheckpointError
+
+from ._helpers import cli_env, losses
+
+TINY = ["--tokenizer", "char", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16",
+        "--batch-size", "4", "--warmup", "1", "--dtype", "fp32", "--eval-batches", "2", "--no-progress", "--seed", "7"]
+
+DYING = textwrap.dedent("""
+    import os, signal, sys
+    import difftx.train.checkpoint as ck
+    real = ck.atomic_write_bytes
+    def dying(path, data):
+        if path.name == "optimizer.pt" and "step_00000004" in str(path):
+            with open(path, "wb") as f:   # half the file reaches the disk, then the process dies
+                f.write(data[: len(data) // 2])
+                f.flush()
+                os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(path, data)
+    ck.atomic_write_bytes = dying
+    from difftx.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def _cli(*args, script=None):
+    cmd = [sys.executable, *(["-c", script] if script else ["-m", "difftx"]), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=300)
+
+
+def test_sigkill_mid_checkpoint_then_resume(tmp_path, corpus, cache, capsys):
+    common = ["train", "--data", corpus, "--cache-dir", cache, *TINY, "--steps", 6, "--checkpoint-every", 2,
+              "--eval-every", 3]
+    run = tmp_path / "run"
+    died = _cli(*common, "--out", run, script=DYING)
+    assert died.returncode == -9, died.stderr[-2000:]
+    ckroot = run / "checkpoints"
+    assert sorted(p.name for p in ckroot.iterdir()) == [".step_00000004.tmp", "step_00000002"]
+    assert difftx.load_model(run).config.d_model == 32  # the previous checkpoint loads
+    from difftx.cli import main
+
+    assert main([str(a) for a in common] + ["--out", str(run), "--resume", "auto"]) == 0
+    assert "resuming from" in capsys.readouterr().out
+    assert sorted(p.name for p in ckroot.iterdir()) == ["step_00000002", "step_00000004", "step_00000006"]
+    # ... and it ends exactly where an uninterrupted run ends
+    assert main([str(a) for a in common] + ["--out", str(tmp_path / "clean")]) == 0
+    assert losses(run) == losses(tmp_path / "clean")
+    a, b = difftx.load_model(run).state_dict(), difftx.load_model(tmp_path / "clean").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path, train_cli):
+    run = tmp_path / "run"
+    assert train_cli("--steps", 4, "--checkpoint-every", 2, "--eval-every", 0, "--out", run) == 0
+    return run
+
+
+@pytest.mark.parametrize("victim, how", [("model.safetensors", "truncate"), ("optimizer.pt", "truncate"),
+                                         ("optimizer.pt", "garbage"), ("trainer_state.json", "garbage")])
+def test_corrupt_checkpoint_names_the_file(two_checkpoints, train_cli, capsys, victim, how):
+    path = two_checkpoints / "checkpoints" / "step_00000004" / victim
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3] if how == "truncate" else b"\x00garbage" * 10)
+    assert train_cli("--steps", 6, "--out", two_checkpoints, "--resume", "auto") == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and err.count("\n") == 1, err
+    if victim == "model.safetensors":
+        with pytest.raises(CheckpointError, match=victim):
+            difftx.load_model(two_checkpoints)
+
+
+def test_pickled_code_in_a_checkpoint_is_never_run(two_checkpoints, train_cli, capsys, tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"state": Evil()}, two_checkpoints / "checkpoints" / "step_00000004" / "optimizer.pt")
+    assert train_cli("--steps", 6, "--out", two_checkpoints, "--resume", "auto") == 2
+    assert "weights_only" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_dcp_metadata_is_read_with_an_allow_list(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from difftx.train.checkpoint import _safe_dcp_reader
+
+    dcp.save({"w": torch.randn(3, 4), "opt": {"step": torch.tensor(2.0)}},
+             storage_writer=dcp.FileSystemWriter(str(tmp_path / "ok")), no_dist=True)
+    meta = _safe_dcp_reader(tmp_path / "ok").read_metadata()
+    assert "w" in meta.state_dict_metadata
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (tmp_path / "ok" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match=r"\.metadata"):
+        _safe_dcp_reader(tmp_path / "ok").read_metadata()
+    assert not marker.exists()
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, train_cli, capsys, monkeypatch):
+    from difftx.train.domain import LMDomain
+
+    real, calls = LMDomain.loss, {"n": 0}
+
+    def poisoned(self, model, batch):
+        calls["n"] += 1
+        loss = real(self, model, batch)
+        return loss * float("nan") if calls["n"] == 5 else loss  # the 5th micro-batch = step 5
+
+    monkeypatch.setattr(LMDomain, "loss", poisoned)
+    run = tmp_path / "run"
+    assert train_cli("--steps", 8, "--checkpoint-every", 2, "--eval-every", 0, "--out", run) == 2
+    err = capsys.readouterr().err
+    assert "non-finite loss at step 5" in err and "step_00000004" in err and err.count("\n") == 1
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    model = difftx.load_model(run)
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+    assert max(r for r in losses(run, "step")) == 4

@@ -1,0 +1,65 @@
+"""Exact resume, and the run directory contract (each checkpoint is a loadable model dir)."""
+
+import json
+
+import torch
+
+import difftx
+from difftx.data import load_tokenizer
+from ._helpers import losses
+
+
+def _weights(path):
+    return difftx.load_model(path).state_dict()
+
+
+def test_exact_resume_matches_one_run(tmp_path, train_cli):
+    common = ["--steps", 8, "--eval-every", 4, "--diag-every", 4, "--lr", 3e-3, "--attention", "diff"]
+    assert train_cli(*common, "--out", tmp_path / "full") == 0
+    assert train_cli(*common, "--out", tmp_path / "half", "--stop-at", 4) == 0
+    assert (tmp_path / "half" / "checkpoints" / "step_00000004").is_dir()
+    assert train_cli(*common, "--out", tmp_path / "half", "--resume", "auto") == 0
+    assert losses(tmp_path / "half") == losses(tmp_path / "full")
+    assert losses(tmp_path / "half", "val_loss") == losses(tmp_path / "full", "val_loss")
+    assert losses(tmp_path / "half", "lambdas") == losses(tmp_path / "full", "lambdas")
+    a, b = _weights(tmp_path / "full"), _weights(tmp_path / "half")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    state = json.loads((tmp_path / "half/checkpoints/step_00000008/trainer_state.json").read_text())
+    assert state["step"] == 8 and state["tokens_seen"] == 8 * 4 * 16
+
+
+def test_run_directory_contract(tmp_path, train_cli):
+    out = tmp_path / "run"
+    assert train_cli("--steps", 4, "--checkpoint-every", 1, "--keep-last", 2, "--eval-every", 2, "--out", out) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["difftx_format"] == 1 and cfg["model"]["d_model"] == 32 and cfg["train"]["steps"] == 4
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows if "val_loss" in r] == [2, 4]
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["step_00000003", "step_00000004"]  # keep the last 2
+    newest = out / "checkpoints" / "step_00000004"
+    for path in (out, newest):  # the run dir resolves to its newest checkpoint
+        model = difftx.load_model(path)
+        assert model.config.vocab_size == load_tokenizer(path).vocab_size
+    for k, v in difftx.load_model(out).state_dict().items():
+        assert torch.equal(v, _weights(newest)[k])
+    assert not any(k.startswith(("_orig_mod", "module")) for k in _weights(newest))
+    tok = load_tokenizer(out)
+    assert tok.decode(tok.encode("the cat")) == "the cat"
+
+
+def test_resume_keeps_config_and_rejects_changes(tmp_path, train_cli, capsys):
+    out = tmp_path / "run"
+    assert train_cli("--steps", 4, "--stop-at", 2, "--out", out) == 0
+    before = (out / "config.json").read_text()
+    assert train_cli("--steps", 4, "--lr", 0.5, "--out", out, "--resume", "auto") == 2
+    err = capsys.readouterr().err
+    assert "lr" in err and "resumed" in err and err.count("\n") == 1
+    assert (out / "config.json").read_text() == before
+    # a new run into a directory that holds one is refused, nothing overwritten
+    assert train_cli("--steps", 4, "--out", out) == 2
+    assert "already holds a training run" in capsys.readouterr().err
+    assert (out / "config.json").read_text() == before

@@ -1,0 +1,104 @@
+"""Runtime switches: bf16 autocast, the CPU attention policy, graceful stop, forks, padding the vocabulary."""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+import difftx
+from difftx import ModelConfig
+from difftx.train.trainer import autocast_dtype, training_attention_backend
+
+from ._helpers import losses, tiny
+
+
+def test_autocast_choice():
+    cpu = torch.device("cpu")
+    assert autocast_dtype("fp32", cpu) is None and autocast_dtype("bf16", cpu) == torch.bfloat16
+    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    assert autocast_dtype("auto", cpu) == (torch.bfloat16 if native else None)
+
+
+def test_cpu_bf16_training_uses_eager_attention_for_short_sequences():
+    cfg = ModelConfig(d_model=32, n_layers=1, n_heads=2)
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    assert training_attention_backend(cfg, cpu, bf16, 64) == "eager"
+    assert training_attention_backend(cfg, cpu, bf16, 1024) is None
+    assert training_attention_backend(cfg, cpu, None, 64) is None
+    assert training_attention_backend(cfg.replace(attn_backend="sdpa"), cpu, bf16, 64) is None
+
+
+@pytest.mark.parametrize("attention", ["softmax", "diff", "diff2"])
+def test_bf16_training_runs_and_learns(tmp_path, corpus, cache, attention):
+    from difftx.train import train
+
+    tcfg, mcfg = tiny(corpus, cache, dtype="bf16", steps=12, eval_every=0, diag_every=6)
+    summary = train(tcfg, mcfg.twin(attention) if attention != "softmax" else mcfg, tmp_path / "run",
+                    announce=None)
+    ls = losses(tmp_path / "run")
+    assert all(map(lambda x: x == x, ls)) and ls[-1] < ls[0] and summary["val_loss"] < ls[0]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    diag = [r for r in rows if "grad_norms" in r]
+    assert [r["step"] for r in diag] == [6, 12] and len(diag[0]["layer_grad_norms"]) == 2
+    assert len(diag[0]["lambdas"]) == (0 if attention == "softmax" else 2)
+    assert difftx.load_model(tmp_path / "run").parameters().__next__().dtype == torch.float32
+
+
+def test_sigterm_checkpoints_and_resume_is_exact(tmp_path, corpus, cache):
+    from difftx.train import train
+
+    class Kill:
+        def on_step_end(self, trainer, row):
+            if row["step"] == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    tcfg, mcfg = tiny(corpus, cache, steps=6, eval_every=0)
+    summary = train(tcfg, mcfg, tmp_path / "a", callbacks=[Kill()], announce=None)
+    assert summary["stopped_by"] == "SIGTERM" and summary["step"] == 3
+    assert (tmp_path / "a" / "checkpoints" / "step_00000003").is_dir()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
+    train(tcfg, mcfg, tmp_path / "a", resume="auto", announce=None)
+    train(tcfg, mcfg, tmp_path / "b", announce=None)
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+def test_resume_from_a_checkpoint_into_a_new_directory(tmp_path, train_cli):
+    assert train_cli("--steps", 4, "--checkpoint-every", 2, "--eval-every", 0, "--out", tmp_path / "a") == 0
+    fork = tmp_path / "fork"
+    assert train_cli("--steps", 4, "--out", fork, "--resume", tmp_path / "a/checkpoints/step_00000002") == 0
+    assert losses(fork, "step") == [1, 2, 3, 4, 4]  # the history up to the fork point is carried over
+    assert losses(fork)[:2] == losses(tmp_path / "a")[:2]
+    a, b = difftx.load_model(tmp_path / "a").state_dict(), difftx.load_model(fork).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_vocabulary_may_be_padded_up(tmp_path, train_cli):
+    assert train_cli("--steps", 1, "--eval-every", 0, "--vocab-size", 64, "--out", tmp_path / "r") == 0
+    assert difftx.load_model(tmp_path / "r").config.vocab_size == 64
+
+
+def test_tensorboard_is_optional(tmp_path, train_cli, capsys):
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        assert train_cli("--steps", 1, "--tensorboard", "--out", tmp_path / "r") == 2
+        assert "pip install 'difftx[tensorboard]'" in capsys.readouterr().err
+        assert not (tmp_path / "r").exists()
+    else:
+        assert train_cli("--steps", 1, "--tensorboard", "--out", tmp_path / "r") == 0
+        assert any((tmp_path / "r" / "tensorboard").iterdir())
+
+
+@pytest.mark.slow
+def test_compile_is_opt_in_and_keeps_clean_keys(tmp_path, corpus, cache):
+    from difftx.train import train
+
+    tcfg, mcfg = tiny(corpus, cache, steps=3, eval_every=0, compile=True)
+    train(tcfg, mcfg, tmp_path / "c", announce=None)
+    plain, _ = tiny(corpus, cache, steps=3, eval_every=0)
+    train(plain, mcfg, tmp_path / "p", announce=None)
+    assert losses(tmp_path / "c") == pytest.approx(losses(tmp_path / "p"), rel=1e-4)
+    keys = difftx.load_model(tmp_path / "c").state_dict().keys()
+    assert not any("_orig_mod" in k for k in keys)
