@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import backends
-from .mask import AttnMask
+from .cache import KVCache
 from .fused import rms_norm
+from .mask import AttnMask
 from .norms import RMSNorm, make_norm, upcast
 from .rope import apply_rope
 
@@ -227,8 +228,9 @@ class DifferentialAttention(AttentionBase):
         if cache is not None:  # K stored as [K1 heads; K2 heads]: the bytes of a Transformer with 2 h_kv heads
             kk, v = cache.update(self.layer - 1, k.reshape(b, 2 * hk, t, d), v)
             k = kk.view(b, 2, hk, kk.shape[2], d)
-            kb, vb = cache.k[self.layer - 1], cache.v[self.layer - 1]  # whole buffers (fused decoding)
-            kv_buffers = kb.view(b, 2, hk, kb.shape[2], d), vb
+            if isinstance(cache, KVCache):  # its whole static buffers (fused decoding; other caches: the slices)
+                kb, vb = cache.k[self.layer - 1], cache.v[self.layer - 1]
+                kv_buffers = kb.view(b, 2, hk, kb.shape[2], d), vb
         lam = self._lambda()
         backend, p = self._backend(q.device), self._dropout_p()
         variant = backends.resolve_diff_variant(self.diff_variant, q.device, p, q.dtype)
