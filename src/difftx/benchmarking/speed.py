@@ -70,6 +70,7 @@ class BenchConfig:
     threads: Optional[int] = None
     device: str = "cpu"
     memory: bool = True
+    fused_adamw: bool = False  # torch's fused AdamW for every arm (build_optimizer's CPU default: foreach)
     seed: int = 0
 
     def validate(self) -> None:
@@ -101,9 +102,9 @@ QUICK = dict(preset="nano", seq_len=32, batch_size=2, repeats=1, warmup=1, decod
 class Arm:
     """One model behind a uniform interface: loss, logits, decoding, its KV cache size."""
 
-    def __init__(self, name: str, model: torch.nn.Module, cfg: ModelConfig, peer: bool):
+    def __init__(self, name: str, model: torch.nn.Module, cfg: ModelConfig, peer: bool, fused_adamw: bool = False):
         self.name, self.model, self.cfg, self.peer = name, model, cfg, peer
-        self.optimizer = build_optimizer(model, "adamw", lr=1e-4, weight_decay=0.1)
+        self.optimizer = build_optimizer(model, "adamw", lr=1e-4, weight_decay=0.1, fused=fused_adamw or None)
         self.params = sum(p.numel() for p in model.parameters())
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -188,12 +189,12 @@ def build_arms(bc: BenchConfig, device: torch.device) -> list[Arm]:
     for name in bc.arms:
         torch.manual_seed(bc.seed)
         cfg = ModelConfig.from_preset(bc.preset, max_seq_len=max(base.max_seq_len, bc.seq_len), **ARMS[name])
-        arms.append(Arm(name, build_model(cfg).to(device), cfg, peer=False))
+        arms.append(Arm(name, build_model(cfg).to(device), cfg, peer=False, fused_adamw=bc.fused_adamw))
     if bc.peers and transformers_available():
         for peer, twin in PEERS.items():
             cfg = ModelConfig.from_preset(bc.preset, max_seq_len=max(base.max_seq_len, bc.seq_len), **ARMS[twin])
             torch.manual_seed(bc.seed)
-            arms.append(Arm(peer, _hf_model(peer, cfg).to(device), cfg, peer=True))
+            arms.append(Arm(peer, _hf_model(peer, cfg).to(device), cfg, peer=True, fused_adamw=bc.fused_adamw))
     return arms
 
 

@@ -38,6 +38,8 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    p.add_argument("--fused-adamw", action="store_true",
+                   help="torch's fused AdamW kernel for every arm (the library's CPU default is foreach)")
     p.add_argument("--long-context", action="store_true",
                    help="instead: DIFF attention time and peak memory at --lengths tokens (fused vs 4call vs eager)")
     p.add_argument("--lengths", default="1024,2048,4096,8192,16384",
@@ -59,7 +61,8 @@ def run(args) -> int:
     bc = BenchConfig(preset=args.preset, seq_len=args.seq_len, batch_size=args.batch_size, repeats=args.repeats,
                      warmup=args.warmup, dtypes=_csv(args.dtypes), arms=_csv(args.arms), peers=not args.no_peers,
                      phases=_csv(args.phases), decode_tokens=args.decode_tokens, timer=args.timer,
-                     threads=args.threads, device=args.device, memory=not args.no_memory)
+                     threads=args.threads, device=args.device, memory=not args.no_memory,
+                     fused_adamw=args.fused_adamw)
     if args.quick:
         for k, v in QUICK.items():
             setattr(bc, k, v)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from difftx import ModelConfig, build_model  # noqa: E402
 from difftx.optim import build_optimizer, lr_at, set_lr  # noqa: E402
