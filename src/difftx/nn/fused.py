@@ -13,11 +13,15 @@ kernels' block skipping).  Nothing of size N x N is saved for the backward pass:
 it recomputes each block's maps (flash-style), and the -lambda weight of map 2 is
 applied to the small dQ/dK products rather than to the map.
 
-Numerics: logits are scaled inside the GEMM, the softmax, lambda and the map
-combination are float32 (float64 for float64 inputs), and only the combined map
-is rounded to the matmul dtype (bf16 under autocast, fp32 accumulation inside the
-GEMM), so the cancellation A1 - lambda A2 happens at full precision.  Scratch
-buffers are allocated once per call and reused by every block.
+Numerics: logits are scaled inside the GEMM; lambda, the softmax statistics and the
+row sums of the backward are float32 (float64 for float64 inputs).  fp32 inputs keep
+the maps in fp32.  Under bf16 the maps are bf16 tensors whose softmax and sums still
+accumulate in fp32 inside their kernels (``FP32_MAPS_FOR_BF16`` switches to fp32 maps:
+~15% slower, barely more accurate, since the GEMM's bf16 logits dominate the error).
+
+CPU specifics: scratch buffers are reused across blocks and calls (per thread), the
+causal diagonal is an additive -inf triangle, and every reduced-precision GEMM operand
+is compact (oneDNN would otherwise gather a transposed copy).
 
 Layouts (views; only a block of Q is copied at a time):
     q   (B, M, H, Nq, d)    M maps (1: softmax, 2: differential), H query heads
@@ -64,21 +68,21 @@ def _key_end(mask: AttnMask, i1: int) -> int:
     return min(mask.n_k, mask.q_start + i1) if mask.causal else mask.n_k
 
 
-def _block_mask(mask: AttnMask, i0: int, i1: int, ke: int, device) -> tuple[Optional[torch.Tensor], int]:
-    """(allowed, k0) for the padded case: boolean (B, 1, 1, 1, C, ke) over key columns [0, ke).
+def _block_mask(mask: AttnMask, i0: int, i1: int, ke: int, device) -> Optional[torch.Tensor]:
+    """With padding: boolean (B, 1, 1, 1, C, ke), True = attend, over key columns [0, ke).
 
     Without padding the mask is causal only and handled by :meth:`_Blocks.probs` with an
-    additive triangle on the diagonal block; this returns (None, ke) then.
+    additive triangle on the diagonal block; this returns None then.
     """
     if mask.key_valid is None:
-        return None, ke
+        return None
     qpos = torch.arange(mask.q_start + i0, mask.q_start + i1, device=device)[:, None]
     kpos = torch.arange(ke, device=device)[None]
     allowed = mask.key_valid[:, None, :ke].to(device)  # (B, 1, ke)
     if mask.causal:
         allowed = allowed & (kpos <= qpos)[None]
     allowed = allowed | (kpos == qpos)[None]  # a query always sees itself (no empty rows)
-    return allowed[:, None, None, None], 0
+    return allowed[:, None, None, None]
 
 
 def _batched(t: torch.Tensor) -> torch.Tensor:
@@ -112,7 +116,11 @@ def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) ->
 
 
 def release_scratch() -> None:
-    """Free this thread's cached scratch buffers (a few MB at most per dtype)."""
+    """Free this thread's cached scratch buffers.
+
+    They grow to the largest block seen: ~4-8 MB per dtype at the default block size, up to
+    ~100 MB after a 16K-token call (blocks keep at least 64 rows).
+    """
     _SCRATCH.buffers = {}
 
 
@@ -163,7 +171,6 @@ class _Blocks:
         self.lam_rows = lam.to(self.md) if (lam is not None and lam.dim() > 0) else None
         rows = self.rep * min(chunk, n)
         n_maps = b * m * self.hk * rows * k3.shape[1]
-        kw = dict(device=q.device)
         dev = q.device
         self._s = _scratch("s", n_maps, self.md, dev)  # logits in the maps' dtype, later p * dP
         self._p = _scratch("p", n_maps, self.md, dev)  # probabilities
@@ -175,7 +182,7 @@ class _Blocks:
         self._tri = None
         if mask.causal and mask.key_valid is None:
             c = min(chunk, n)
-            self._tri = torch.full((c, c), float("-inf"), dtype=self.md, **kw).triu_(1)
+            self._tri = torch.full((c, c), float("-inf"), dtype=self.md, device=dev).triu_(1)
 
     def blocks(self, reverse: bool = False):
         starts = range(0, self.n, self.chunk)
@@ -219,7 +226,7 @@ class _Blocks:
             if ke - k0 > 1:
                 s.view(b * m * hk * rep, c, ke)[:, :, k0:].add_(self._tri[:c, : ke - k0])
         else:
-            allowed, _ = _block_mask(self.mask, i0, i1, ke, qc.device)
+            allowed = _block_mask(self.mask, i0, i1, ke, qc.device)
             if allowed is not None:
                 s.view(b, m, hk, rep, c, ke).masked_fill_(~allowed, float("-inf"))
         p = self._take(self._p, b, m, hk, rep * c, ke)
@@ -288,7 +295,7 @@ def _backward(ctx, dout):
         dv = torch.empty(b * hk, nk, dv_w, dtype=cd, device=q.device)
     dlam = torch.zeros((), dtype=cd, device=q.device) if g.lam_s is not None else None
     if g.lam_rows is not None:
-        dlam = torch.empty_like(g.lam_rows)
+        dlam = torch.empty(g.lam_rows.shape, dtype=cd, device=q.device)
     dout = dout.to(v3.dtype)
     # Blocks run last to first: with a causal mask the first sees every key it will ever see, so it
     # writes the sums and later blocks add to prefixes of them (no zero-filling).
@@ -400,7 +407,7 @@ def _few_queries(q, k, v, lam, mask: AttnMask, scale: float) -> torch.Tensor:
     if s.dtype != md:
         s = s.to(md)
     s = s.reshape(b, m, hk, h // hk, n, width)
-    allowed, _ = _block_mask(mask, 0, n, ke, q.device)
+    allowed = _block_mask(mask, 0, n, ke, q.device)
     if allowed is None and mask.causal and n > 1:  # causal rows within the block
         qpos = torch.arange(mask.q_start, mask.q_start + n, device=q.device)[:, None]
         allowed = (torch.arange(ke, device=q.device)[None] <= qpos)[None, None, None, None]
