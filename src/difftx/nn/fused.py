@@ -385,7 +385,9 @@ SMALL_QUERY = 4  # up to this many queries (decoding), a single block without sc
 def _few_queries(q, k, v, lam, mask: AttnMask, scale: float) -> torch.Tensor:
     """Decoding: one block, no autograd, no scratch bookkeeping.
 
-    Logits come from K (Q^T), so a bf16 GEMM reads K without a transposed gather.  When K/V
+    Logits come from Q K^T in fp32/fp64 (MKL streams K: measured 3x faster than K Q^T for one
+    token over a 512-token cache) and from K (Q^T) in bf16, so oneDNN reads K without a
+    transposed gather.  When K/V
     are a static cache's whole buffers (longer than ``mask.n_k``), a bf16 GEMM over the whole
     (compact) buffer with the unwritten tail masked beats copying the visible prefix, which
     oneDNN would do on every call, as long as the tail is shorter than the prefix.
@@ -402,8 +404,11 @@ def _few_queries(q, k, v, lam, mask: AttnMask, scale: float) -> torch.Tensor:
             and v3.is_contiguous() and k3.shape[1] <= 2 * ke:
         width = k3.shape[1]  # the whole buffer; keys [ke, width) are masked below
     k3, v3 = k3[:, :width], v3[:, :width]
-    qt = q.reshape(b * m * hk, r, d).transpose(1, 2)  # (BMH, d, r)
-    s = torch.baddbmm(_zero(q), k3, qt, beta=0, alpha=scale).transpose(1, 2)  # (BMH, r, width)
+    if q.dtype in (torch.float32, torch.float64):  # MKL: Q K^T streams K, ~3x faster than K Q^T here
+        s = torch.bmm(q.reshape(b * m * hk, r, d) * scale, k3.transpose(1, 2))  # (BMH, r, width)
+    else:
+        qt = q.reshape(b * m * hk, r, d).transpose(1, 2)  # (BMH, d, r)
+        s = torch.baddbmm(_zero(q), k3, qt, beta=0, alpha=scale).transpose(1, 2)  # (BMH, r, width)
     if s.dtype != md:
         s = s.to(md)
     s = s.reshape(b, m, hk, h // hk, n, width)
