@@ -146,9 +146,10 @@ def run(args) -> int:
     if summary is None:
         return 0
     out = Path(summary["run_dir"])
-    val = f", val_loss {summary['val_loss']:.4f}" if "val_loss" in summary else ""
+    val = "".join(f", {k} {summary[k]:.4f}" for k in ("val_loss", "val_acc", "test_acc") if summary.get(k) is not None)
     print(f"difftx train: step {summary['step']}/{summary['steps']} in {summary['elapsed_s']:.1f}s{val}")
-    print(f"  run:        {out}  (config.json, tokenizer.json, metrics.jsonl)")
+    files = [f for f in ("config.json", "tokenizer.json", "vision.json", "metrics.jsonl") if (out / f).is_file()]
+    print(f"  run:        {out}  ({', '.join(files)})")
     if summary.get("checkpoint"):
         print(f"  checkpoint: {summary['checkpoint']}")
     if summary.get("stopped_by") or summary["step"] < summary["steps"]:

@@ -35,6 +35,7 @@ from .recipes import get_recipe
 from .trainer import Trainer
 
 DEFAULT_PRESET = "nano"
+DEFAULT_VISION_RECIPE = "vit-tiny-adamw"  # --domain vision without a recipe: the digits CPU recipe
 # may differ between the invocations of one run (stop_at is never inherited)
 PER_RUN_FIELDS = ("stop_at", "progress", "compile", "device", "cache_dir", "tensorboard", "threads")
 
@@ -43,7 +44,15 @@ def resolve_configs(recipe: Optional[str] = None, train: Optional[dict] = None, 
                     preset: Optional[str] = None) -> tuple[TrainConfig, ModelConfig]:
     """TrainConfig and ModelConfig from defaults < recipe < the explicit ``train`` / ``model`` fields."""
     train, model = dict(train or {}), dict(model or {})
+    if recipe is None and train.get("domain") == "vision":
+        recipe = DEFAULT_VISION_RECIPE
     r = get_recipe(recipe) if recipe else None
+    if r is not None and r.train.get("epochs") is not None and train.get("steps") is not None \
+            and "epochs" not in train:  # explicit --steps beats a recipe's epochs; warmup keeps its fraction
+        train["epochs"] = None
+        if r.train.get("warmup_epochs") is not None and "warmup" not in train and "warmup_epochs" not in train:
+            train["warmup_epochs"] = None
+            train["warmup"] = round(r.train["warmup_epochs"] / r.train["epochs"] * train["steps"])
     tcfg = TrainConfig(**{**(r.train if r else {}), **train})
     preset = preset or (r.preset if r else DEFAULT_PRESET)
     overrides = {**(r.model if r else {}), **model}
