@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 
-def blob_images(n_per_class: int = 12, n_classes: int = 3, size: int = 8, channels: int = 1, seed: int = 0):
+def blob_images(n_per_class: int = 20, n_classes: int = 3, size: int = 8, channels: int = 1, seed: int = 0):
     """Easy synthetic classes: class k is a bright square at a class-specific corner, plus noise."""
     rng = np.random.default_rng(seed)
     x = rng.uniform(0, 0.3, (n_per_class * n_classes, channels, size, size)).astype(np.float32)

@@ -44,7 +44,7 @@ def test_numpy_sources_agree(tmp_path):
     sets = [load_image_set(str(tmp_path / "a.npz")), load_image_set(f"{tmp_path / 'x.npy'},{tmp_path / 'y.npy'}"),
             load_image_set(str(tmp_path / "d"))]
     for s in sets:
-        assert s.images.shape == (36, 3, 6, 6) and s.classes == ["0", "1", "2"]
+        assert s.images.shape == (60, 3, 6, 6) and s.classes == ["0", "1", "2"]
         np.testing.assert_array_equal(s.images, x)
         np.testing.assert_array_equal(s.labels, y)
 
@@ -106,7 +106,7 @@ def test_resize(tmp_path):
     assert d.images.shape == (8, 1, 6, 6)
     x, y = blob_images(size=8)
     np.savez(tmp_path / "a.npz", x=x, y=y)
-    assert load_image_set(str(tmp_path / "a.npz"), resize=4).images.shape == (36, 1, 4, 4)
+    assert load_image_set(str(tmp_path / "a.npz"), resize=4).images.shape == (60, 1, 4, 4)
 
 
 # ---------------------------------------------------------------------- bad input
@@ -155,7 +155,7 @@ def test_bad_arrays(tmp_path):
     np.savez(tmp_path / "keys.npz", images=x, labels=y)
     _bad(tmp_path / "keys.npz", "needs arrays named x .* and y .* it holds images, labels")
     np.savez(tmp_path / "len.npz", x=x, y=y[:-1])
-    _bad(tmp_path / "len.npz", "36 images but labels of shape")
+    _bad(tmp_path / "len.npz", "60 images but labels of shape")
     np.savez(tmp_path / "neg.npz", x=x, y=y - 1)
     _bad(tmp_path / "neg.npz", "label -1 of image 0 is out of range")
     np.savez(tmp_path / "frac.npz", x=x, y=y + 0.5)
