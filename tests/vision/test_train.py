@@ -117,12 +117,14 @@ def test_bad_data_and_options(tmp_path, npz_data, capsys):
 def test_resume_with_other_data_is_refused(tmp_path, npz_data, capsys):
     out = tmp_path / "run"
     assert train(npz_data, out, "--steps", 4, "--stop-at", 2) == 0
-    x, y = blob_images(seed=9)
-    np.savez(tmp_path / "other.npz", x=x, y=y)
     before = sorted(p.name for p in (out / "checkpoints").iterdir())
     capsys.readouterr()
-    _fails(capsys, 2, "not the data of the run being resumed", "--data", tmp_path / "other.npz", *TINY[:-6],
-           "--steps", 4, "--out", out, "--resume", "auto", "--no-progress")
+    _fails(capsys, 2, "data: is", "--data", tmp_path / "other.npz", *TINY, "--steps", 4, "--out", out,
+           "--resume", "auto")  # another path: the saved config says so
+    x, y = blob_images(seed=9)
+    np.savez(npz_data, x=x, y=y)  # the same path, other images: the saved fingerprint says so
+    _fails(capsys, 2, "not the data of the run being resumed", "--data", npz_data, *TINY, "--steps", 4,
+           "--out", out, "--resume", "auto")
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
 
 
