@@ -92,13 +92,19 @@ def _fails(capsys, code, match, *argv):
 
 
 def test_patch_size_that_does_not_divide(tmp_path, npz_data, capsys):
-    _fails(capsys, 2, "image_size 8 is not divisible by patch_size 3", "--data", npz_data, *TINY,
+    _fails(capsys, 2, "patch_size: 3 does not divide the data's image size 8", "--data", npz_data, *TINY,
            "--set", "patch_size=3", "--out", tmp_path / "a")
+    _fails(capsys, 2, "image_size 8 is not divisible by patch_size 3", "--data", npz_data, *TINY,
+           "--set", "patch_size=3", "--set", "image_size=8", "--out", tmp_path / "a")
     x, y = blob_images(size=9)
     np.savez(tmp_path / "nine.npz", x=x, y=y)
     _fails(capsys, 2, "patch_size: 2 does not divide the data's image size 9", "--data", tmp_path / "nine.npz",
            *TINY, "--out", tmp_path / "b")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    # the data's size decides, not the preset's 8: patch 3 fits 9x9 images
+    assert train(tmp_path / "nine.npz", tmp_path / "c", "--set", "patch_size=3", "--steps", 1) == 0
+    saved = json.loads((tmp_path / "c" / "config.json").read_text())["model"]
+    assert (saved["image_size"], saved["patch_size"]) == (9, 3)
 
 
 def test_bad_data_and_options(tmp_path, npz_data, capsys):
