@@ -15,12 +15,12 @@ in what the arm names:
     diffvdnt-adamw V-DNT with differential attention: vdnt-tiny-adamw --attention diff
 
     python benchmarks/vision_digits.py [--arms vdnt-adamw,vit-adamw,...] [--seeds 0[,1,2]]
-        [--threads 1] [--out benchmarks/results]
+        [--threads 1] [--out benchmarks/results] [--name vision_digits]
 
 With several seeds the arms run interleaved (A B C ... A B C ...) and the table reports the
 median and the range.  The acceptance check of issue 9 is the ``vdnt-adamw`` row: test
 accuracy >= 97% within 5 minutes (300 s, process start to exit).  Prints a markdown table and
-writes ``vision_digits.json`` / ``.md`` into ``--out``.
+writes ``NAME.json`` / ``.md`` (default ``vision_digits``) into ``--out``.
 """
 
 from __future__ import annotations
@@ -120,6 +120,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="CPU threads per arm (1: the fastest for these sizes)")
     p.add_argument("--steps", type=int, help="override the recipe's budget (a quick smoke run; not the benchmark)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="where the JSON and .md go")
+    p.add_argument("--name", default="vision_digits", help="file name of the results (NAME.json, NAME.md)")
     args = p.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     bad = [a for a in arms if a not in ARMS]
@@ -148,10 +149,10 @@ def main(argv=None) -> int:
     print(md)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "vision_digits.json").write_text(json.dumps({"meta": meta, "table": table, "runs": results}, indent=2))
-    (out / "vision_digits.md").write_text(f"# Vision on the built-in digits (CPU)\n\nCommand: `{meta['command']}`"
+    (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "table": table, "runs": results}, indent=2))
+    (out / f"{args.name}.md").write_text(f"# Vision on the built-in digits (CPU)\n\nCommand: `{meta['command']}`"
                                           f" ({meta['started']}, torch {meta['torch']})\n\n{md}\n")
-    print(f"wrote {out / 'vision_digits.json'} and {out / 'vision_digits.md'}")
+    print(f"wrote {out / args.name}.json and .md")
     return 0
 
 

@@ -141,4 +141,8 @@ def test_default_vision_run_uses_the_digits_recipe():
     assert mcfg.preset == "vit-tiny" and tcfg.recipe == "vit-tiny-adamw" and tcfg.batch_size == 32
     assert tcfg.steps == 40 and tcfg.epochs is None and tcfg.warmup == 6  # 3 of 20 epochs
     tcfg, _ = resolve_configs("vdnt-tiny-msgdw")
-    assert tcfg.epochs == 20 and tcfg.optimizer == "msgdw"
+    assert tcfg.epochs == 20 and tcfg.optimizer == "msgdw" and tcfg.domain_options == {"mixup": 0.2}
+    tcfg, _ = resolve_configs("vdnt-tiny-adamw", train={"domain_options": {"label_smoothing": 0.1}})
+    assert tcfg.domain_options == {"mixup": 0.2, "label_smoothing": 0.1}  # the recipe's options merge with yours
+    tcfg, _ = resolve_configs("vdnt-tiny-adamw", train={"domain_options": {"mixup": 0}})
+    assert tcfg.domain_options == {"mixup": 0}

@@ -42,7 +42,10 @@ PER_RUN_FIELDS = ("stop_at", "progress", "compile", "device", "cache_dir", "tens
 
 def resolve_configs(recipe: Optional[str] = None, train: Optional[dict] = None, model: Optional[dict] = None,
                     preset: Optional[str] = None) -> tuple[TrainConfig, ModelConfig]:
-    """TrainConfig and ModelConfig from defaults < recipe < the explicit ``train`` / ``model`` fields."""
+    """TrainConfig and ModelConfig from defaults < recipe < the explicit ``train`` / ``model`` fields.
+
+    ``domain_options`` / ``task_options`` merge key by key (``--domain-opt mixup=0`` turns one recipe option off).
+    """
     train, model = dict(train or {}), dict(model or {})
     if recipe is None and train.get("domain") == "vision":
         recipe = DEFAULT_VISION_RECIPE
@@ -53,6 +56,9 @@ def resolve_configs(recipe: Optional[str] = None, train: Optional[dict] = None, 
         if r.train.get("warmup_epochs") is not None and "warmup" not in train and "warmup_epochs" not in train:
             train["warmup_epochs"] = None
             train["warmup"] = round(r.train["warmup_epochs"] / r.train["epochs"] * train["steps"])
+    for key in ("domain_options", "task_options"):  # option dicts merge: the recipe's < the explicit ones
+        if r is not None and r.train.get(key) and key in train:
+            train[key] = {**r.train[key], **(train[key] or {})}
     tcfg = TrainConfig(**{**(r.train if r else {}), **train})
     preset = preset or (r.preset if r else DEFAULT_PRESET)
     overrides = {**(r.model if r else {}), **model}
