@@ -128,7 +128,8 @@ def main(argv=None) -> int:
         p.error(f"unknown arm(s) {', '.join(bad)}; known: {', '.join(ARMS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
     sys.path.insert(0, str(ROOT / "src"))
-    meta = {"threads": args.threads, "steps_override": args.steps, "seeds_run": len(seeds), "seeds": seeds, "cpus": os.cpu_count(),
+    meta = {"threads": args.threads, "steps_override": args.steps, "seeds_run": len(seeds), "seeds": seeds,
+            "cpus": os.cpu_count(),
             "load_start": os.getloadavg()[0], "python": platform.python_version(), "machine": platform.machine(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "command": "python benchmarks/vision_digits.py " + " ".join(sys.argv[1:] if argv is None else argv)}
