@@ -70,7 +70,7 @@ def test_exact_resume(tmp_path, npz_data, augment):
 
 def test_a_tiny_model_learns(tmp_path, npz_data):
     out = tmp_path / "run"
-    assert train(npz_data, out, "--steps", 100, "--eval-every", 0, "--lr", 3e-3) == 0
+    assert train(npz_data, out, "--steps", 100, "--eval-every", 0, "--lr", 3e-3, *NO_AUGMENT) == 0
     assert rows(out, "test_acc")[0] >= 0.9 and rows(out, "val_acc")[0] >= 0.9
     assert rows(out, "loss")[-1] < 0.5 * rows(out, "loss")[0]
 
