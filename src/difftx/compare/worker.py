@@ -10,6 +10,8 @@ records it and the report says so.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import time
@@ -66,7 +68,8 @@ def run_job(study: StudyConfig, job: Job, out: Path, report: Report = lambda e: 
     cpu0, wall0 = time.process_time(), time.perf_counter()
     result = {"job": job.to_dict(), "label": job.arm.label, "params": None, "diverged": False}
     try:
-        summary = train(tcfg, mcfg, run_dir, resume="auto", callbacks=[_Progress(job, report)], announce=None)
+        with contextlib.redirect_stdout(io.StringIO()):  # the trainer's own lines; the study's display replaces them
+            summary = train(tcfg, mcfg, run_dir, resume="auto", callbacks=[_Progress(job, report)], announce=None)
     except TrainingDiverged as e:
         summary = None
         result.update(diverged=True, message=str(e))
