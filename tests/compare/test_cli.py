@@ -11,11 +11,33 @@ from difftx.compare import StudyConfig
 from difftx.errors import ConfigError
 
 
+class Result:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def compare(capsys):
+    """``difftx compare ARGS`` in this process (the dispatcher's error handling included): a Result."""
+    from difftx.cli import main
+
+    def run(*args):
+        capsys.readouterr()
+        try:
+            code = main(["compare", *map(str, args)])
+        except SystemExit as e:  # argparse errors
+            code = e.code
+        out, err = capsys.readouterr()
+        return Result(code, out, err)
+
+    return run
+
+
 def _one_line_error(p) -> str:
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
-    assert lines[0].startswith("difftx compare: error:") or "error:" in lines[0]
+    assert "error:" in lines[0]
     return lines[0]
 
 
@@ -35,34 +57,41 @@ def _one_line_error(p) -> str:
     (["--retrieval-opt", "pairs=9-2"], "pairs"),
     (["--tokens", "x"], "invalid int"),
 ])
-def test_bad_input_is_one_line_exit_2(cli, tmp_path, args, needle):
-    p = cli("compare", "--out", tmp_path / "out", *args, "--no-progress")
+def test_bad_input_is_one_line_exit_2(compare, tmp_path, args, needle):
+    p = compare( "--out", tmp_path / "out", *args, "--no-progress")
     assert needle in _one_line_error(p)
     assert not (tmp_path / "out" / "results.json").exists()
 
 
-def test_refuses_a_foreign_non_empty_dir(cli, tmp_path):
+def test_bad_input_through_the_real_cli(cli, tmp_path):
+    p = cli("compare", "--out", tmp_path / "out", "--arms", "transformer:adam")
+    assert "unknown optimizer" in _one_line_error(p) and p.stderr.startswith("difftx compare: error:")
+
+
+def test_refuses_a_foreign_non_empty_dir(compare, tmp_path):
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("precious")
     for extra in ([], ["--force"], ["--resume"]):
-        p = cli("compare", "--out", out, "--steps", "1", "--no-progress", *extra)
+        p = compare("--out", out, "--steps", "1", "--no-progress", *extra)
         _one_line_error(p)
     assert (out / "notes.txt").read_text() == "precious" and sorted(f.name for f in out.iterdir()) == ["notes.txt"]
 
 
-def test_resume_keeps_finished_jobs_and_refuses_changes(cli, mini_study, mini_args):
+def test_resume_keeps_finished_jobs_and_refuses_changes(compare, mini_study):
     out, res, _ = mini_study
     stamps = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("job.json")}
-    p = cli("compare", "--out", out)  # a study is there: refused, nothing changed
+    p = compare("--out", out)  # a study is there: refused, nothing changed
     assert "--resume" in _one_line_error(p)
-    p = cli("compare", "--out", out, "--resume", "--seeds", "3", "--no-progress")
+    p = compare("--out", out, "--resume", "--seeds", "3", "--no-progress")
     assert "seeds" in _one_line_error(p)
-    p = cli("compare", "--out", out, "--resume", "--no-progress", "--workers", "1")
+    p = compare("--out", out, "--resume", "--no-progress", "--workers", "1")
     assert p.returncode == 0, p.stderr[-2000:]
     assert {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("job.json")} == stamps  # no job ran again
     again = json.loads((out / "results.json").read_text())
-    strip = lambda r: {k: v for k, v in r.items() if k not in ("timing",)}  # noqa: E731
+    assert again["command"] == res["command"]  # the study's own command, to reproduce it
+    assert again["study"] == {**res["study"], "workers": 1}  # only runtime fields may change on resume
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("timing", "study")}  # noqa: E731
     assert strip(again) == strip(res)
 
 
@@ -81,6 +110,6 @@ def test_flag_parsing():
     assert study.seed_list() == [0, 1, 2] and study.base_config().n_layers == 1
 
 
-def test_list_arms(cli):
-    p = cli("compare", "--list-arms")
+def test_list_arms(compare):
+    p = compare("--list-arms")
     assert p.returncode == 0 and "diff-dnt" in p.stdout and "vdnt" in p.stdout

@@ -55,13 +55,13 @@ def add_parser(sub) -> None:
     d.add_argument("--data", help="text corpus (file, directory, glob, .jsonl; default: the built-in corpus)")
     d.add_argument("--tokenizer", help="byte (default), char, bpe or a tokenizer.json path")
     d.add_argument("--cache-dir", help="token shards (default: $DIFFTX_CACHE or ~/.cache/difftx)")
-    d.add_argument("--tokens", type=int, help="corpus tokens per run (the token budget; default 320000)")
+    d.add_argument("--tokens", type=int, help="corpus tokens per run (the token budget; default 256000)")
     d.add_argument("--steps", type=int, help="corpus steps per run instead of --tokens (vision: the budget)")
     d.add_argument("--seq-len", type=int, help="corpus tokens per sequence (64)")
     d.add_argument("--batch-size", type=int, help="corpus sequences per step per process (16)")
     d.add_argument("--retrieval", choices=["mqar", "niah", "none"],
                    help="retrieval task trained from scratch per arm (mqar; niah: the DIFF paper's multi-needle task)")
-    d.add_argument("--retrieval-tokens", type=int, help="retrieval tokens per run")
+    d.add_argument("--retrieval-tokens", type=int, help="retrieval tokens per run (default 400000)")
     d.add_argument("--retrieval-steps", type=int, help="retrieval steps per run instead of --retrieval-tokens")
     d.add_argument("--retrieval-seq-len", type=int, help="retrieval sequence length (64)")
     d.add_argument("--retrieval-batch-size", type=int, help="retrieval sequences per step per process")
@@ -161,17 +161,21 @@ def run(args) -> int:
     if args.list_arms:
         return _list_arms()
     from ..compare import StudyConfig, run_study
-    from ..compare.runner import StudyInterrupted, resume_config
+    from ..compare.runner import StudyInterrupted, load_study, resume_config
 
     if args.resume and args.force:
         raise ConfigError("--resume/--force", "give one: --resume continues the study, --force deletes it")
     out = Path(args.out or DEFAULT_OUT)
     fields = explicit_fields(args)
     study = resume_config(out, fields) if args.resume else StudyConfig(**fields)
-    command = "difftx compare " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["compare"] \
-        else "difftx compare" + (f" --out {shlex.quote(str(out))}" if args.out else "")
+    if args.resume:  # the study's own command: the one that reproduces it
+        command = (load_study(out) or {}).get("command") or "difftx compare"
+    elif sys.argv[1:2] == ["compare"]:
+        command = " ".join(["difftx compare", *(shlex.quote(a) for a in sys.argv[2:])])
+    else:  # called as a function (tests, notebooks): the flags are not known verbatim
+        command = "difftx compare" + (f" --out {shlex.quote(str(out))}" if args.out else "")
     try:
-        res = run_study(study, out, force=args.force, resume=args.resume, command=command.strip(),
+        res = run_study(study, out, force=args.force, resume=args.resume, command=command,
                         progress=not (args.no_progress or args.quiet))
     except StudyInterrupted as e:
         print(f"difftx compare: {e}", file=sys.stderr)

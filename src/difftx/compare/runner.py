@@ -140,9 +140,9 @@ class Executor:
             from .worker import init_worker
 
             ctx = mp.get_context("spawn")
-            self.queue = ctx.Queue()
+            self.queue, self.stop = ctx.Queue(), ctx.Event()
             self.pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=init_worker,
-                                            initargs=(self.queue, threads or 1))
+                                            initargs=(self.queue, threads or 1, self.stop))
         elif threads:
             import torch
 
@@ -188,6 +188,7 @@ class Executor:
                     progress.finish(job.key, note(results[job.key]))
                 progress.render()
         except BaseException:
+            self.stop.set()  # running jobs checkpoint after their current step; queued ones do not start
             for f in pending:
                 f.cancel()
             raise

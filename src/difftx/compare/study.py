@@ -10,9 +10,9 @@ A study trains every arm on two tasks, each for ``--seeds`` seeds:
   rules (``--retrieval mqar``, the default at CPU scale, or ``niah``, the
   DIFF paper's multi-needle task; ``none`` skips it).
 
-Learning rates come from :data:`DEFAULT_LRS` (per optimiser, chosen from the
-measured sweep in ``docs/compare-lr-sweep/``), from ``--lr`` (per optimiser or
-per arm), or from ``--lr-sweep`` (a grid per optimiser; each arm gets the
+Learning rates come from :data:`DEFAULT_LRS` (per optimiser: values that
+train every default arm stably at the default scale, not tuned per arm), from
+``--lr`` (per optimiser or per arm), or from ``--lr-sweep`` (a grid per optimiser; each arm gets the
 grid's best final validation loss on the corpus, first seed).  The other
 optimiser settings are the papers' recipes (:data:`OPTIMIZER_SETTINGS`).
 """
@@ -31,7 +31,7 @@ from .arms import DEFAULT_ARMS, Arm, parse_arms
 TASKS = ("corpus", "retrieval")
 RETRIEVAL_TASKS = ("mqar", "niah", "none")
 
-# Per optimiser, from a measured sweep at the default scale (docs/compare-lr-sweep/).
+# Per optimiser; stable for every default arm at the default scale (not tuned per arm: use --lr-sweep).
 DEFAULT_LRS = {"adamw": 4e-3, "msgdw": 0.3, "sgd": 0.3, "muon": 0.02}
 DEFAULT_SWEEP = {"adamw": (1e-3, 2e-3, 4e-3, 8e-3), "msgdw": (0.1, 0.3, 1.0, 3.0)}
 # The papers' recipes (DNT Table 5: AdamW (0.9, 0.95), wd 0.1, warmup; mSGDW momentum 0.9, wd 1e-4, no warmup).
@@ -45,8 +45,8 @@ OPTIMIZER_SETTINGS = {
 
 # The default scale per domain: what fits in 10 minutes on a 2-core CPU (docs/compare.md, "Budget").
 DEFAULTS = {
-    "lm": dict(preset="nano", model={"n_layers": 2}, seq_len=64, batch_size=16, tokens=400_000,
-               retrieval="mqar", retrieval_seq_len=64, retrieval_batch_size=32, retrieval_tokens=600_000,
+    "lm": dict(preset="nano", model={"n_layers": 2}, seq_len=64, batch_size=16, tokens=256_000,
+               retrieval="mqar", retrieval_seq_len=64, retrieval_batch_size=32, retrieval_tokens=400_000,
                retrieval_options={"pairs": "2-6", "vocab": 64}),
     "vision": dict(preset="vit-tiny", model={}, seq_len=None, batch_size=64, steps=300, retrieval="none"),
 }
@@ -205,7 +205,7 @@ class StudyConfig:
             return "--lr (arm)"
         if arm.optimizer in self.lr:
             return "--lr (optimizer)"
-        return "default (measured sweep)"
+        return "default"
 
     # ------------------------------------------------------------------ budgets
     def task_seq_len(self, task: str) -> Optional[int]:

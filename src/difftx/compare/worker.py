@@ -14,6 +14,8 @@ import contextlib
 import io
 import json
 import math
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -33,8 +35,13 @@ class _Progress:
     def __init__(self, job: Job, report: Report, every_s: float = 0.25):
         self.job, self.report, self.every_s = job, report, every_s
         self.last = 0.0
+        self.stopping = False
 
     def on_step_end(self, trainer, row) -> None:
+        if _STOP is not None and _STOP.is_set() and not self.stopping:
+            # the study is stopping: the trainer's own SIGINT handling checkpoints after this step and returns
+            self.stopping = True
+            os.kill(os.getpid(), signal.SIGINT)
         now = time.monotonic()
         if now - self.last >= self.every_s or row["step"] == self.job.steps:
             self.last = now
@@ -219,18 +226,19 @@ def _finite(obj):
 
 # ----------------------------------------------------------------------------- the CPU pool
 _QUEUE = None
+_STOP = None  # a multiprocessing Event: set by the parent when the study is interrupted
 
 
-def init_worker(queue, threads: int) -> None:
+def init_worker(queue, threads: int, stop=None) -> None:
     """Pool initializer: torch threads for this process; progress events go to ``queue``."""
-    global _QUEUE
-    _QUEUE = queue
+    global _QUEUE, _STOP
+    _QUEUE, _STOP = queue, stop
     torch.set_num_threads(threads)
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the pool
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and sets ``stop``
 
 
 def pool_job(study_dict: dict, job: Job, out: str) -> dict:
+    if _STOP is not None and _STOP.is_set():  # queued before the interruption: do not start
+        raise KeyboardInterrupt(f"{job.key} not started (study interrupted)")
     study = StudyConfig.from_dict(study_dict)
     return run_job(study, job, Path(out), report=_QUEUE.put if _QUEUE is not None else (lambda e: None))
