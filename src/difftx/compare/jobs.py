@@ -49,7 +49,7 @@ class Job:
 
 def train_config(study: StudyConfig, job: Job) -> TrainConfig:
     """The TrainConfig of a job: the study's budget and batches, the arm's optimiser recipe and lr."""
-    opt = dict(OPTIMIZER_SETTINGS.get(job.arm.optimizer, {}))
+    opt = dict(OPTIMIZER_SETTINGS[study.domain].get(job.arm.optimizer, {}))
     warmup = round(opt.pop("warmup_fraction", 0.0) * job.steps)
     seq = study.task_seq_len(job.task)
     fields = dict(

@@ -31,16 +31,22 @@ from .arms import DEFAULT_ARMS, Arm, parse_arms
 TASKS = ("corpus", "retrieval")
 RETRIEVAL_TASKS = ("mqar", "niah", "none")
 
-# Per optimiser; stable for every default arm at the default scale (not tuned per arm: use --lr-sweep).
-DEFAULT_LRS = {"adamw": 4e-3, "msgdw": 0.3, "sgd": 0.3, "muon": 0.02}
+# Per domain and optimiser; stable for every default arm at the default scale (not tuned per arm: use --lr-sweep).
+# Vision: the digits recipes of difftx.train.recipes (vit-/vdnt-tiny-adamw/-msgdw).
+DEFAULT_LRS = {"lm": {"adamw": 4e-3, "msgdw": 0.3, "sgd": 0.3, "muon": 0.02},
+               "vision": {"adamw": 2e-3, "msgdw": 0.1, "sgd": 0.1, "muon": 0.02}}
 DEFAULT_SWEEP = {"adamw": (1e-3, 2e-3, 4e-3, 8e-3), "msgdw": (0.1, 0.3, 1.0, 3.0)}
 # The papers' recipes (DNT Table 5: AdamW (0.9, 0.95), wd 0.1, warmup; mSGDW momentum 0.9, wd 1e-4, no warmup).
 # Warmup is a fraction of the run (the recipes' 2000 of 200k steps is 1%; tiny runs need a little more).
+_MSGDW = dict(momentum=0.9, weight_decay=1e-4, warmup_fraction=0.0)
 OPTIMIZER_SETTINGS = {
-    "adamw": dict(betas=(0.9, 0.95), weight_decay=0.1, warmup_fraction=0.05),
-    "msgdw": dict(momentum=0.9, weight_decay=1e-4, warmup_fraction=0.0),
-    "sgd": dict(momentum=0.9, weight_decay=0.0, warmup_fraction=0.0),
-    "muon": dict(weight_decay=0.1, warmup_fraction=0.05),
+    "lm": {"adamw": dict(betas=(0.9, 0.95), weight_decay=0.1, warmup_fraction=0.05), "msgdw": _MSGDW,
+           "sgd": dict(momentum=0.9, weight_decay=0.0, warmup_fraction=0.0),
+           "muon": dict(weight_decay=0.1, warmup_fraction=0.05)},
+    "vision": {"adamw": dict(betas=(0.9, 0.99), weight_decay=0.05, warmup_fraction=0.15),
+               "msgdw": dict(_MSGDW, warmup_fraction=0.15),
+               "sgd": dict(momentum=0.9, weight_decay=0.0, warmup_fraction=0.15),
+               "muon": dict(weight_decay=0.05, warmup_fraction=0.15)},
 }
 
 # The default scale per domain: what fits in 10 minutes on a 2-core CPU (docs/compare.md, "Budget").
@@ -198,7 +204,7 @@ class StudyConfig:
         return cfg
 
     def lr_for(self, arm: Arm) -> float:
-        return self.lr.get(arm.id, self.lr.get(arm.optimizer, DEFAULT_LRS.get(arm.optimizer, 1e-3)))
+        return self.lr.get(arm.id, self.lr.get(arm.optimizer, DEFAULT_LRS[self.domain].get(arm.optimizer, 1e-3)))
 
     def lr_source(self, arm: Arm) -> str:
         if arm.id in self.lr:
