@@ -85,8 +85,10 @@ def step_cost(study: StudyConfig, job: Job) -> float:
     seq = study.task_seq_len(job.task) or 1
     try:
         per_token = flops_per_token(cfg, seq, True, True)
-    except Exception:  # an unusual config: fall back to the parameter count
-        per_token = 6.0 * sum(1 for _ in range(1))
+    except Exception:  # an unusual config: fall back to 6 x parameters
+        from ..accounting import count_parameters
+
+        per_token = 6.0 * count_parameters(cfg)
     # norms and the second softmax are not matmul FLOPs but cost CPU time at small widths (measured ~1.2-1.4x)
     extra = 1.0 + 0.2 * (cfg.attention != "softmax") + 0.25 * bool(cfg.mid_norm_attn or cfg.qk_norm)
     return per_token * seq * study.task_batch(job.task) * extra

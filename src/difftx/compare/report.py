@@ -68,8 +68,8 @@ def _comparison_line(res: dict, row: dict, what: str, f=num) -> str:
 
 METRIC_NAMES = {"val_loss": "validation loss", "test_acc": "test accuracy", "retrieval": "retrieval accuracy",
                 "attention_answer": "attention on the answer", "attention_noise": "attention on the noise",
-                "outliers_attention_logits_top1": "top-1 |attention logit|",
-                "outliers_hidden_states_top1": "top-1 |hidden state|"}
+                "outliers_attention_logits_top1": "top-1 attention-logit magnitude",
+                "outliers_hidden_states_top1": "top-1 hidden-state magnitude"}
 
 
 def answers(res: dict) -> list[str]:
@@ -233,7 +233,9 @@ def render(res: dict, pictures: tuple = ()) -> str:
         procs += f", {t['threads_per_worker']} thread(s) each"
     L = [f"# difftx compare: {'vision' if vision else 'language'} study", "",
          f"Command: `{res['command']}`  ",
-         f"Wall time: {t['wall_s']:.0f} s ({procs}); training CPU time of all jobs: {t['jobs_cpu_s']:.0f} s.  ",
+         f"Wall time: {t['wall_s']:.0f} s ({procs}); training CPU time of all jobs: {t['jobs_cpu_s']:.0f} s"
+         + (f"; CPU time of the whole study (all processes): {t['process_cpu_s']:.0f} s" if t.get("process_cpu_s")
+            else "") + ".  ",
          "Every number below is in `results.json`; each is the mean ± sample standard deviation over "
          f"{st['seeds']} seeds (seeds {st['seed']}-{st['seed'] + st['seeds'] - 1}). A difference is called clear only "
          "when it exceeds the seed spread (the larger of the two arms' max - min over seeds); otherwise the "

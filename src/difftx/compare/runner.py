@@ -218,6 +218,16 @@ def note(result: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- the study
+def _cpu_s() -> float:
+    """CPU seconds of this process and its reaped children (the job pool), user + system."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return time.process_time()
+    r = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(x.ru_utime + x.ru_stime for x in r)
+
+
 def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False, command: str = "",
               progress: Optional[bool] = None, stream=sys.stderr) -> Optional[dict]:
     """Run ``study`` into ``out``; returns the results dict on rank 0 (None on other ranks)."""
@@ -245,7 +255,7 @@ def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False
         prog.line(f"difftx compare: {len(study.arm_list())} arms x {study.seeds} seeds x {len(study.tasks())} tasks"
                   f"{f' + {len(sweep)}-run lr sweep' if sweep else ''} on {world.world_size} x {world.device.type}"
                   f" ({workers} parallel job{'s' if workers > 1 else ''}) -> {out}")
-        t0, cpu0 = time.perf_counter(), time.process_time()
+        t0, cpu0, tree0 = time.perf_counter(), time.process_time(), _cpu_s()
         executor = Executor(study, out, workers, threads, world.is_main)
         sweep_results = executor.run(sweep, prog) if sweep else {}
         lrs = choose_lrs(study, sweep, sweep_results) if sweep else {}
@@ -256,11 +266,13 @@ def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False
         for key in [k for k in prog.jobs if k not in {j.key for j in jobs + sweep}]:
             del prog.jobs[key]
         results = executor.run(jobs, prog)
+        executor.close()  # the pool's processes are reaped here, so their CPU time is counted below
         prog.close()
         if not world.is_main:
             return None
         timing = {"wall_s": round(time.perf_counter() - t0, 1), "workers": workers, "threads_per_worker": threads,
-                  "main_cpu_s": round(time.process_time() - cpu0, 1)}
+                  "main_cpu_s": round(time.process_time() - cpu0, 1),
+                  "process_cpu_s": round(_cpu_s() - tree0, 1)}
         res = build_results(study, jobs, results, sweep, sweep_results, lrs, timing, command)
         written = write_outputs(res, out)
         prog.line(f"difftx compare: wrote {', '.join(written)} to {out} in {timing['wall_s']:.0f} s")
