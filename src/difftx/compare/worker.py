@@ -134,7 +134,15 @@ def measurements(study: StudyConfig, job: Job, run_dir: Path, tcfg, rows: list[d
     from . import measure
 
     device = pick_device(study.device)
-    model, tok = load_checkpoint(run_dir, device=str(device))
+
+    def load():  # the trained weights (vision runs have no tokenizer)
+        if study.domain == "lm":
+            return load_checkpoint(run_dir, device=str(device))
+        from ..io import load_model
+
+        return load_model(run_dir, device=str(device)).eval(), None
+
+    model, tok = load()
     domain = get_domain(tcfg, World(device=device))
     domain.prepare(run_dir, progress=False)
     dtype = autocast_dtype(tcfg.dtype, device)
@@ -153,7 +161,7 @@ def measurements(study: StudyConfig, job: Job, run_dir: Path, tcfg, rows: list[d
     autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else _null
     out["memory"] = measure.peak_step_memory(model, opt, lambda m: domain.loss(m, batch), autocast)
     del opt
-    model, tok = load_checkpoint(run_dir, device=str(device))  # the trained weights again, untouched
+    model, tok = load()  # the trained weights again, untouched
 
     if job.task == "corpus":
         if study.domain == "lm":
