@@ -27,7 +27,8 @@ def test_vision_mini_study(cli, tmp_path):
     report = (out / "report.md").read_text()
     for arm, c in res["corpus"].items():
         assert c["test_acc"]["n"] == 2 and 0.0 <= c["test_acc"]["mean"] <= 1.0
-        row = next(line for line in report.splitlines() if line.startswith(f"| {res['arms'][arm]['label']} |"))
+        section = report[report.index("## Validation loss"):]
+        row = next(line for line in section.splitlines() if line.startswith(f"| {res['arms'][arm]['label']} |"))
         assert ms(c["test_acc"]) in row and ms(c["val_loss"]) in row
     q = res["questions"]
     assert q["diff_vs_transformer"]["rows"][0]["metric"] == "test_acc"
