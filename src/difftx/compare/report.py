@@ -86,10 +86,16 @@ def answers(res: dict) -> list[str]:
         for model, g in d["gaps"].items():
             parts.append(_comparison_line(res, g, f"{res['arms'][g['msgdw']]['label'].split(' · ')[0]}: "
                                                   f"mSGDW minus AdamW {METRIC_NAMES[quality]}"))
-        paper = res["papers"]["dnt_val_loss_124m"]
+        if res["domain"] == "vision" and "dnt_imagenet_top1_307m" in res["papers"]:
+            p = res["papers"]["dnt_imagenet_top1_307m"]
+            paper = (f"DNT paper, 307M on ImageNet-1k, top-1 % mSGDW minus AdamW: ViT "
+                     f"{p['vit-msgdw'] - p['vit-adamw']:+.1f}, V-DNT {p['vdnt-msgdw'] - p['vdnt-adamw']:+.1f}")
+        else:
+            p = res["papers"]["dnt_val_loss_124m"]
+            paper = (f"DNT paper, 124M on OpenWebText: GPT-2 {p['gpt2-msgdw'] - p['gpt2-adamw']:+.3f}, "
+                     f"L-DNT {p['ldnt-msgdw'] - p['ldnt-adamw']:+.3f}")
         out.append(f"**Does DNT let mSGDW match AdamW? {d['answer'].capitalize()}.** " + "; ".join(parts) +
-                   f". (DNT paper, 124M on OpenWebText: GPT-2 {signed(paper['gpt2-msgdw'] - paper['gpt2-adamw'], lambda x: f'{x:.3f}')}, "
-                   f"L-DNT {signed(paper['ldnt-msgdw'] - paper['ldnt-adamw'], lambda x: f'{x:.3f}')}.)")
+                   f". ({paper}.)")
     cost = q.get("cost")
     if cost:
         ref = cost["reference"]
@@ -111,11 +117,18 @@ def scale_section(res: dict) -> str:
     params = sorted({a["params"] for a in arms.values() if a["params"]})
     prange = f"{params[0]:,}" if len(params) == 1 else f"{params[0]:,}-{params[-1]:,}" if params else "-"
     c = s["corpus"]
+    if res["domain"] == "vision":
+        papers = s["papers"]["dnt"].split("; ")[-1]
+        training = (f"{c['steps']} steps x {c['batch_size']} images = {c['steps'] * c['batch_size']:,} images per run",
+                    "150 epochs of ImageNet-1k (~190M images)")
+    else:
+        papers = s["papers"]["diff"].split(";")[0] + "; " + s["papers"]["dnt"].split(";")[0]
+        training = (f"{c['steps']} steps x {c['batch_size']} x {c['seq_len']} tokens = {c['tokens_per_run']:,} tokens "
+                    "per run" if c.get("tokens_per_run") else f"{c['steps']} steps x {c['batch_size']}",
+                    "350B tokens (DIFF 3B); ~100B (DNT)")
     rows = [["models", f"{s['preset']} ({s['model']['n_layers']} layers x {s['model']['d_model']}), {prange} "
-                       "parameters", s["papers"]["diff"].split(";")[0] + "; " + s["papers"]["dnt"].split(";")[0]],
-            ["corpus training", f"{c['steps']} steps x {c['batch_size']} x {c['seq_len']} tokens = "
-                                f"{c['tokens_per_run']:,} tokens per run" if c.get("tokens_per_run") else
-                                f"{c['steps']} steps x {c['batch_size']}", "350B tokens (DIFF 3B); ~100B (DNT)"]]
+                       "parameters", papers],
+            ["training" if res["domain"] == "vision" else "corpus training", *training]]
     if "retrieval" in s:
         r = s["retrieval"]
         rows.append(["retrieval training", f"{r['task']}: {r['steps']} steps x {r['batch_size']} x {r['seq_len']} "
@@ -245,7 +258,8 @@ def render(res: dict, pictures: tuple = ()) -> str:
           "holds *here*, not whether the papers' claims hold at theirs.", "", "## Scale", "", scale_section(res), "",
           "## Arms", "", "Matched parameter counts: DIFF arms are the `ModelConfig.twin` of the Transformer (half the "
           "heads, each of twice the value width); DNT adds norm gains only. Every arm of a seed sees the same batches "
-          "in the same order and the same number of tokens; learning rates as listed (see the sweep below).", "",
+          f"in the same order and the same number of {'images' if vision else 'tokens'}; learning rates as listed "
+          "(see the sweep below).", "",
           arms_section(res), "", "## Validation loss" + (" and accuracy" if vision else " on the corpus"), "",
           quality_section(res), pic("loss_curves.png", "loss curves")]
     if res.get("retrieval"):

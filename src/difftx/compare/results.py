@@ -21,6 +21,7 @@ from .study import PAPERS_SCALE, StudyConfig
 # the papers' own numbers, quoted beside ours
 PAPER_NUMBERS = {
     "dnt_val_loss_124m": {"gpt2-adamw": 2.867, "gpt2-msgdw": 2.906, "ldnt-adamw": 2.863, "ldnt-msgdw": 2.849},
+    "dnt_imagenet_top1_307m": {"vit-adamw": 81.7, "vit-msgdw": 78.2, "vdnt-adamw": 82.1, "vdnt-msgdw": 81.5},
     "diff_niah_table2": {"N1R1": (1.00, 1.00), "N2R2": (0.85, 0.92), "N4R2": (0.62, 0.84), "N6R2": (0.55, 0.85)},
     "diff_attention_table3": {"answer": ("0.03-0.09", "0.27-0.40"), "noise": ("0.49-0.54", "0.01-0.02")},
     "diff_outliers_table5": {"attention_logits_top1": (318.0, 38.8), "hidden_states_top1": (3608.6, 1688.2)},
