@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import backends
+from .cache import KVCache
+from .fused import rms_norm
 from .mask import AttnMask
 from .norms import RMSNorm, make_norm, upcast
 from .rope import apply_rope
@@ -71,12 +73,14 @@ class AttentionBase(nn.Module):
         return self.dropout if self.training else 0.0
 
     def _attend(self, q, k, v, mask: AttnMask) -> torch.Tensor:
-        """Plain softmax attention through the chosen backend."""
+        """Plain softmax attention through the chosen backend: (B, H, N, d)."""
         backend, p = self._backend(q.device), self._dropout_p()
         if backend == "eager":
             return backends.eager_attention(q, k, v, mask, self.scale, p, self.probe, self.layer)
         if backend == "flex":
             return backends.flex(q, k, v, mask, self.scale)
+        if backends.resolve_softmax_variant(self.diff_variant, q, p) == "fused":
+            return backends.fused_attention(q[:, None], k[:, None], v, mask, self.scale).transpose(1, 2)
         return backends.sdpa(q, k, v, mask, self.scale, p)
 
 
@@ -84,6 +88,22 @@ def _heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
     """(B, N, n*d) -> (B, n, N, d) as a view."""
     b, t, _ = x.shape
     return x.view(b, t, n, d).transpose(1, 2)
+
+
+def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """Under autocast, cast x once for the three projections (autocast would cast it per call)."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        if x.dtype != dtype and x.is_floating_point():
+            return x.to(dtype)
+    return x
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype out_proj computes in: the autocast dtype under autocast, else the input's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def _merge(x: torch.Tensor) -> torch.Tensor:
@@ -107,9 +127,10 @@ class SoftmaxAttention(AttentionBase):
 
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
         d = self.head_dim
-        q = self._qk(_heads(self.q_proj(x), self.n_heads, d), self.q_norm, rope)
-        k = self._qk(_heads(self.k_proj(x), self.n_kv_heads, d), self.k_norm, rope)
-        v = _heads(self.v_proj(x), self.n_kv_heads, d)
+        xa = _autocast_input(x)
+        q = self._qk(_heads(self.q_proj(xa), self.n_heads, d), self.q_norm, rope)
+        k = self._qk(_heads(self.k_proj(xa), self.n_kv_heads, d), self.k_norm, rope)
+        v = _heads(self.v_proj(xa), self.n_kv_heads, d)
         if cache is not None:
             k, v = cache.update(self.layer - 1, k, v)
         return self.out_proj(_merge(self._attend(q, k, v, mask)))
@@ -147,6 +168,21 @@ class DifferentialAttention(AttentionBase):
         l2 = torch.exp(torch.sum(self.lambda_q2.to(f) * self.lambda_k2.to(f)))
         return l1 - l2 + self.lambda_init
 
+    def _lambda(self) -> torch.Tensor:
+        """:meth:`lambda_full`, reused while no gradient is recorded and the vectors are unchanged.
+
+        Decoding calls every layer once per token; the cache is keyed on the parameters'
+        version counters, which every in-place update (optimiser step, load) bumps.
+        """
+        if torch.is_grad_enabled():
+            return self.lambda_full()
+        params = (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)
+        key = tuple((p.data_ptr(), p._version, p.dtype) for p in params)
+        cached = getattr(self, "_lambda_cache", None)
+        if cached is None or cached[0] != key:
+            cached = self._lambda_cache = (key, self.lambda_full())
+        return cached[1]
+
     def split(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Projection outputs -> q1, q2 (B, h, N, d); k1, k2 (B, h_kv, N, d); v (B, h_kv, N, 2d)."""
         b, t, _ = q.shape
@@ -165,26 +201,58 @@ class DifferentialAttention(AttentionBase):
         tr = lambda z: z.transpose(1, 2)  # noqa: E731
         return tr(q1), tr(q2), tr(k1), tr(k2), tr(vv)
 
+    def _stack(self, t: torch.Tensor, n: int) -> torch.Tensor:
+        """(B, 2n, N, d) component heads in pairing order -> (B, 2, n, N, d), map first; a view."""
+        b, _, t_len, d = t.shape
+        if self.pairing == "adjacent":
+            return t.view(b, n, 2, t_len, d).transpose(1, 2)
+        return t.view(b, 2, n, t_len, d)
+
+    def _value(self, v: torch.Tensor) -> torch.Tensor:
+        """v_proj output -> (B, h_kv, N, 2d): a view for ``adjacent``, a gather for ``halves``."""
+        b, t, _ = v.shape
+        d, hk = self.head_dim, self.n_kv_heads
+        if self.pairing == "adjacent":
+            return _heads(v, hk, 2 * d)
+        return v.view(b, t, 2, hk, d).permute(0, 3, 1, 2, 4).reshape(b, hk, t, 2 * d)
+
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
-        q1, q2, k1, k2, v = self.split(self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q1, q2 = self._qk(q1, self.q_norm, rope), self._qk(q2, self.q_norm, rope)
-        k1, k2 = self._qk(k1, self.k_norm, rope), self._qk(k2, self.k_norm, rope)
-        if cache is not None:
-            kk, v = cache.update(self.layer - 1, torch.cat((k1, k2), dim=1), v)
-            k1, k2 = kk[:, : self.n_kv_heads], kk[:, self.n_kv_heads:]
-        lam = self.lambda_full()
-        backend, p = self._backend(q1.device), self._dropout_p()
-        if backend == "eager":
-            o = backends.eager_diff_attention(q1, q2, k1, k2, v, lam, mask, self.scale, p, self.probe, self.layer)
+        b, t, _ = x.shape
+        d, h, hk = self.head_dim, self.n_heads, self.n_kv_heads
+        # QK-norm and RoPE act per d-wide component head: one call covers both maps.
+        xa = _autocast_input(x)
+        q = self._stack(self._qk(_heads(self.q_proj(xa), 2 * h, d), self.q_norm, rope), h)  # (B, 2, h, N, d)
+        k = self._stack(self._qk(_heads(self.k_proj(xa), 2 * hk, d), self.k_norm, rope), hk)
+        v = self._value(self.v_proj(xa))  # (B, h_kv, N, 2d)
+        kv_buffers = None
+        if cache is not None:  # K stored as [K1 heads; K2 heads]: the bytes of a Transformer with 2 h_kv heads
+            kk, v = cache.update(self.layer - 1, k.reshape(b, 2 * hk, t, d), v)
+            k = kk.view(b, 2, hk, kk.shape[2], d)
+            if isinstance(cache, KVCache):  # its whole static buffers (fused decoding; other caches: the slices)
+                kb, vb = cache.k[self.layer - 1], cache.v[self.layer - 1]
+                kv_buffers = kb.view(b, 2, hk, kb.shape[2], d), vb
+        lam = self._lambda()
+        backend, p = self._backend(q.device), self._dropout_p()
+        variant = backends.resolve_diff_variant(self.diff_variant, q.device, p, q.dtype)
+        if backend == "sdpa" and variant == "fused":
+            kf, vf = kv_buffers if kv_buffers is not None else (k, v)
+            o = backends.fused_attention(q, kf, vf, mask, self.scale, lam)  # (B, N, h, 2d)
         else:
-            if backend == "flex":
-                o1, o2 = backends.flex(q1, k1, v, mask, self.scale), backends.flex(q2, k2, v, mask, self.scale)
+            q1, q2, k1, k2 = q[:, 0], q[:, 1], k[:, 0], k[:, 1]
+            if backend == "eager":
+                o = backends.eager_diff_attention(q1, q2, k1, k2, v, lam, mask, self.scale, p, self.probe,
+                                                  self.layer)
             else:
-                o1, o2 = backends.diff_sdpa(q1, q2, k1, k2, v, mask, self.scale, p, self.diff_variant)
-            o = upcast(o1) - lam * upcast(o2)
-        if self.head_norm is not None:
-            o = self.head_norm(o) * (1.0 - self.lambda_init)
-        return self.out_proj(_merge(o.to(x.dtype)))
+                if backend == "flex":
+                    o1, o2 = backends.flex(q1, k1, v, mask, self.scale), backends.flex(q2, k2, v, mask, self.scale)
+                else:
+                    o1, o2 = backends.diff_sdpa(q1, q2, k1, k2, v, mask, self.scale, p, variant)
+                o = upcast(o1) - lam * upcast(o2)
+            o = o.transpose(1, 2)
+        out_dtype = _out_dtype(x)
+        if self.head_norm is not None:  # fp32 statistics; (1 - lambda_init) folded into the gain
+            o = rms_norm(o, self.head_norm.weight, self.head_norm.eps, 1.0 - self.lambda_init, out_dtype)
+        return self.out_proj(o.reshape(b, t, 2 * h * d).to(out_dtype))
 
 
 class DiffV2Attention(AttentionBase):
@@ -208,17 +276,25 @@ class DiffV2Attention(AttentionBase):
 
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
         d = self.head_dim
-        q = self._qk(_heads(self.q_proj(x), 2 * self.n_heads, d), self.q_norm, rope)
-        k = self._qk(_heads(self.k_proj(x), self.n_kv_heads, d), self.k_norm, rope)
-        v = _heads(self.v_proj(x), self.n_kv_heads, d)
+        xa = _autocast_input(x)
+        q = self._qk(_heads(self.q_proj(xa), 2 * self.n_heads, d), self.q_norm, rope)
+        k = self._qk(_heads(self.k_proj(xa), self.n_kv_heads, d), self.k_norm, rope)
+        v = _heads(self.v_proj(xa), self.n_kv_heads, d)
         if cache is not None:
             k, v = cache.update(self.layer - 1, k, v)
         xf = upcast(x)
         lam = torch.sigmoid(F.linear(xf, self.lambda_proj.weight.to(xf.dtype)))  # (B, N, h), >= fp32
         self.last_lambda = lam.detach().mean()
         lam = lam.transpose(1, 2)[..., None]  # (B, h, N, 1)
-        if self._backend(q.device) == "eager":
-            o = backends.eager_v2_attention(q, k, v, lam, mask, self.scale, self._dropout_p(), self.probe, self.layer)
+        backend, p = self._backend(q.device), self._dropout_p()
+        if backend == "eager":
+            o = backends.eager_v2_attention(q, k, v, lam, mask, self.scale, p, self.probe, self.layer)
+        elif backend == "sdpa" and backends.resolve_v2_variant(self.diff_variant, q, p) == "fused":
+            b, _, n, d = q.shape
+            qs = q.view(b, self.n_heads, 2, n, d).transpose(1, 2)  # heads 2i, 2i+1 -> maps 1, 2
+            ks = k[:, None].expand(b, 2, *k.shape[1:])
+            o = backends.fused_attention(qs, ks, v, mask, self.scale, lam)  # (B, N, h, d)
+            return self.out_proj(o.reshape(b, n, -1).to(_out_dtype(x)))
         else:
             o = self._attend(q, k, v, mask)
             o = upcast(o[:, 0::2]) - lam * upcast(o[:, 1::2])

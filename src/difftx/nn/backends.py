@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from .mask import AttnMask
 from .norms import upcast
 
-DIFF_SDPA_VARIANTS = ("auto", "2call", "4call")
+# How attention reaches its kernel under the sdpa backend (``model.set_attention_backend("sdpa", v)``):
+# auto (the measured winner), fused (difftx.nn.fused), sdpa (SDPA; for DIFF = 2call), 2call, 4call.
+DIFF_SDPA_VARIANTS = ("auto", "fused", "sdpa", "2call", "4call")
 _FLEX = None
 
 
@@ -106,13 +108,62 @@ def sdpa(q, k, v, mask: AttnMask, scale: float, dropout_p: float = 0.0) -> torch
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(q.device), **kw)
 
 
-def resolve_diff_variant(variant: str, device: torch.device, dropout_p: float) -> str:
+def resolve_diff_variant(variant: str, device: torch.device, dropout_p: float = 0.0,
+                         dtype: Optional[torch.dtype] = None) -> str:
+    """The differential-attention formulation for ``auto``: the one measured fastest (docs/performance.md).
+
+    * ``fused``: :func:`difftx.nn.fused.fused_attention`, (A1 - lambda A2) V in query blocks, one
+      value product; the Transformer's attention FLOPs, memory linear in N.  Wins on the CPU in
+      every dtype (no CPU SDPA kernel takes a 2d-wide value, and 4 calls cost 2x).
+    * ``2call``: two SDPA calls with the 2d-wide value (1.5x the FLOPs); on CUDA the flash /
+      memory-efficient kernels take it.  Also the only formulation with attention dropout, one
+      dropout mask per map as in the reference.
+    * ``4call``: four SDPA calls of width d (2x), for kernels that need equal widths.
+    """
+    if variant == "sdpa":
+        return "2call"
     if variant != "auto":
         return variant
     if dropout_p > 0:
-        return "2call"  # one dropout mask per map, as the reference
-    # CPU flash attention needs equal q/k/v widths; the 2d-wide value would fall back to the math kernel.
-    return "4call" if device.type == "cpu" else "2call"
+        return "2call"
+    return "fused" if device.type == "cpu" else "2call"
+
+
+def resolve_softmax_variant(variant: str, q: torch.Tensor, dropout_p: float = 0.0) -> str:
+    """Softmax attention: ``sdpa`` or ``fused`` (the one-map case of the fused kernel).
+
+    ``auto`` takes ``fused`` only where it was measured faster: training on the CPU, whose flash
+    backward is slow (a layer's forward + backward 5% faster in fp32, 10% in bf16); the CPU flash
+    forward wins for inference, and CUDA keeps SDPA.
+    """
+    if variant in ("fused", "sdpa"):
+        return variant
+    if variant not in ("auto", "2call", "4call"):
+        raise ValueError(f"unknown softmax attention variant {variant!r}; one of auto, fused, sdpa")
+    if dropout_p > 0 or q.device.type != "cpu" or not (torch.is_grad_enabled() and q.requires_grad):
+        return "sdpa"
+    return "fused"
+
+
+def resolve_v2_variant(variant: str, q: torch.Tensor, dropout_p: float = 0.0) -> str:
+    """DIFF V2: ``fused`` (the per-token lambda combines the two maps before one d-wide value
+    product) or ``sdpa`` (one call over the 2h query heads, then the combine).  ``auto``: fused for
+    training on the CPU; SDPA's flash forward wins for inference (its decoding reads K once, where
+    the fused kernel would stack K for both maps)."""
+    if variant in ("fused", "sdpa"):
+        return variant
+    if variant not in ("auto", "2call", "4call"):
+        raise ValueError(f"unknown DIFF V2 variant {variant!r}; one of auto, fused, sdpa")
+    if dropout_p > 0 or q.device.type != "cpu" or not (torch.is_grad_enabled() and q.requires_grad):
+        return "sdpa"
+    return "fused"
+
+
+def fused_attention(q, k, v, mask: AttnMask, scale: float, lam: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One or two maps over one value, chunked and exact; q (B, M, H, N, d) -> (B, N, H, dv)."""
+    from .fused import fused_attention as _fused
+
+    return _fused(q, k, v, mask, scale, lam)
 
 
 def diff_sdpa(q1, q2, k1, k2, v, mask: AttnMask, scale: float, dropout_p: float = 0.0,
@@ -126,7 +177,7 @@ def diff_sdpa(q1, q2, k1, k2, v, mask: AttnMask, scale: float, dropout_p: float 
         o1 = torch.cat((sdpa(q1, k1, va, mask, scale), sdpa(q1, k1, vb, mask, scale)), dim=-1)
         o2 = torch.cat((sdpa(q2, k2, va, mask, scale), sdpa(q2, k2, vb, mask, scale)), dim=-1)
         return o1, o2
-    raise ValueError(f"unknown differential sdpa variant {variant!r}; one of {DIFF_SDPA_VARIANTS}")
+    raise ValueError(f"differential sdpa variant {variant!r} is not a pair of SDPA calls; one of 2call, 4call")
 
 
 # ----------------------------------------------------------------------------- flex

@@ -1,0 +1,67 @@
+"""Markdown tables and files for :mod:`difftx.benchmarking` results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..io import atomic_write_text
+from .speed import PHASES
+
+
+def markdown(results: dict) -> str:
+    bc = results["bench_config"]
+    env = results["environment"]
+    lines = [f"# difftx bench: preset `{bc['preset']}`, batch {bc['batch_size']} x {bc['seq_len']} tokens",
+             "", f"{env['cpu']} ({env['threads']} threads), torch {env['torch']}"
+             + (f", transformers {env['transformers']}" if "transformers" in env else "")
+             + f"; {bc['repeats']} interleaved repeats, medians, `{bc['timer']}` time.", ""]
+    arms = results["arms"]
+    for dt in bc["dtypes"]:
+        peak = results["matmul_peak_flops"][dt]
+        lines += [f"## {dt}" + (" (autocast)" if dt == "bf16" else ""),
+                  "", f"Matmul peak measured in this run: {peak / 1e9:.1f} GFLOP/s.", "",
+                  "| arm | params | train tok/s | x | prefill tok/s | x | decode tok/s | x | "
+                  "train memory MB | x | KV B/token | train % peak |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        base = arms["transformer"]["by_dtype"][dt]
+        for name, a in arms.items():
+            r = a["by_dtype"].get(dt, {})
+            cells = [name, f"{a['params'] / 1e6:.2f}M"]
+            for phase in PHASES:
+                if phase in r:
+                    cells += [f"{r[phase]['tokens_per_s']:.0f}",
+                              f"{r[phase]['tokens_per_s'] / base[phase]['tokens_per_s']:.2f}"]
+                else:
+                    cells += ["-", "-"]
+            if "memory" in r:
+                cells += [f"{r['memory']['total_bytes'] / 2**20:.0f}",
+                          f"{r['memory']['total_bytes'] / base['memory']['total_bytes']:.2f}"]
+            else:
+                cells += ["-", "-"]
+            cells.append(f"{r['decode']['kv_bytes_per_token']:.0f}" if "decode" in r else "-")
+            cells.append(f"{100 * r['train']['share_of_matmul_peak']:.1f}" if "train" in r else "-")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["## Ratios (least favourable dtype)", "", "| ratio | value |", "|---|---:|"]
+    lines += [f"| {k} | {v:.3f} |" for k, v in sorted(results["ratios"].items())]
+    lines += ["", "x: tokens/s (memory: bytes) relative to our Transformer in the same dtype.  Train memory: "
+              "parameters + optimiser state + the step's peak of live tensor bytes "
+              f"({_memory_method(results)}).  FLOPs per token from `difftx.accounting.flops_per_token`.", ""]
+    return "\n".join(lines)
+
+
+def _memory_method(results: dict) -> str:
+    for a in results["arms"].values():
+        for r in a["by_dtype"].values():
+            if "memory" in r:
+                return r["memory"]["method"]
+    return "not measured"
+
+
+def write_results(results: dict, out: Path) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    js, md = out / "bench.json", out / "bench.md"
+    atomic_write_text(js, json.dumps(results, indent=2, default=str) + "\n")
+    atomic_write_text(md, markdown(results))
+    return js, md

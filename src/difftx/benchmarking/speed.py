@@ -1,0 +1,413 @@
+"""Side-by-side speed and memory of matched-parameter models, in one process (``difftx bench``).
+
+Arms: our Transformer, DIFF, DIFF V2, DNT and DIFF inside DNT, all the matched twins of one
+preset (``ModelConfig.from_preset(preset, attention=..., norms=...)``), and, when transformers
+is installed, its Llama and DiffLlama built locally at the same shapes (no downloads).
+
+Phases, each per dtype (fp32, bf16 autocast):
+* ``train``: forward, backward and an AdamW step on (batch, seq_len) tokens;
+* ``prefill``: a no-grad forward of the same tokens;
+* ``decode``: greedy decoding of ``decode_tokens`` tokens after a prompt of
+  ``seq_len - decode_tokens``, with the KV cache (the prompt's prefill is not timed).
+
+Repeats are interleaved (A B C, B C A, ... so no arm always runs first) and medians
+reported, with ratios to our Transformer (and to the transformers peers).  Achieved FLOP/s
+use :func:`difftx.accounting.flops_per_token` (DIFF counted as the standard formulation,
+1.5x the Transformer's attention FLOPs) and are compared to the matmul peak measured in the
+same run.  Peak training memory on the CPU is the high-water mark of live tensor bytes
+recorded by ``torch.profiler`` over one step, plus the parameters, gradients-to-be and
+optimiser state already held (on CUDA: ``torch.cuda.max_memory_allocated``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..accounting import flops_per_token, kv_cache_bytes_per_token
+from ..config import ModelConfig
+from ..errors import ConfigError
+from ..models import build_model
+from ..optim import build_optimizer
+from .memory import peak_live_bytes
+
+ARMS = {  # name -> ModelConfig.from_preset overrides (the matched twins of the preset)
+    "transformer": {},
+    "diff": {"attention": "diff"},
+    "diff2": {"attention": "diff2"},
+    "dnt": {"norms": "dnt"},
+    "diff-dnt": {"attention": "diff", "norms": "dnt"},
+}
+PEERS = {"hf-llama": "transformer", "hf-diffllama": "diff"}  # peer -> the arm whose shapes it copies
+PHASES = ("train", "prefill", "decode")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class BenchConfig:
+    preset: str = "small"
+    seq_len: int = 512
+    batch_size: int = 4
+    repeats: int = 5
+    warmup: int = 1
+    dtypes: list = field(default_factory=lambda: ["fp32", "bf16"])
+    arms: list = field(default_factory=lambda: list(ARMS))
+    peers: bool = True
+    phases: list = field(default_factory=lambda: list(PHASES))
+    decode_tokens: int = 32
+    decode_batch: Optional[int] = None  # default: batch_size
+    timer: str = "wall"  # wall | cpu (process CPU time: robust ratios on a shared machine)
+    threads: Optional[int] = None
+    device: str = "cpu"
+    memory: bool = True
+    fused_adamw: bool = False  # torch's fused AdamW for every arm (build_optimizer's CPU default: foreach)
+    seed: int = 0
+
+    def validate(self) -> None:
+        bad = [a for a in self.arms if a not in ARMS]
+        if bad:
+            raise ConfigError("arms", f"unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
+        if "transformer" not in self.arms:
+            raise ConfigError("arms", "the arms must include 'transformer' (every ratio is relative to it)")
+        bad = [d for d in self.dtypes if d not in DTYPES]
+        if bad:
+            raise ConfigError("dtypes", f"unknown dtype(s) {', '.join(bad)}; choose from {', '.join(DTYPES)}")
+        bad = [p for p in self.phases if p not in PHASES]
+        if bad:
+            raise ConfigError("phases", f"unknown phase(s) {', '.join(bad)}; choose from {', '.join(PHASES)}")
+        for name in ("seq_len", "batch_size", "repeats", "decode_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be at least 1, got {getattr(self, name)}")
+        if "decode" in self.phases and self.decode_tokens >= self.seq_len:
+            raise ConfigError("decode_tokens", f"must be smaller than seq_len ({self.seq_len}): the prompt "
+                                               f"is seq_len - decode_tokens tokens")
+        if self.timer not in ("wall", "cpu"):
+            raise ConfigError("timer", f"must be 'wall' or 'cpu', got {self.timer!r}")
+
+
+QUICK = dict(preset="nano", seq_len=32, batch_size=2, repeats=1, warmup=1, decode_tokens=4, threads=1)
+
+
+# ----------------------------------------------------------------------------- arms
+class Arm:
+    """One model behind a uniform interface: loss, logits, decoding, its KV cache size."""
+
+    def __init__(self, name: str, model: torch.nn.Module, cfg: ModelConfig, peer: bool, fused_adamw: bool = False):
+        self.name, self.model, self.cfg, self.peer = name, model, cfg, peer
+        self.optimizer = build_optimizer(model, "adamw", lr=1e-4, weight_decay=0.1, fused=fused_adamw or None)
+        self.params = sum(p.numel() for p in model.parameters())
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(ids) if not self.peer else self.model(input_ids=ids, use_cache=False)
+        return out.logits
+
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(ids)  # the same loss for every arm: fp32 cross-entropy over all positions
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def decode(self, prompt: torch.Tensor, n_new: int, timer: Callable[[], float]) -> tuple[float, float]:
+        """Greedy decoding of ``n_new`` tokens after ``prompt``; returns (seconds, KV bytes per token)."""
+        b, n = prompt.shape
+        if not self.peer:
+            cache = self.model.new_cache(b, n + n_new)
+            logits = self.model(prompt, cache=cache).logits
+            t0 = timer()
+            for _ in range(n_new):
+                tok = logits[:, -1:].argmax(-1)
+                logits = self.model(tok, cache=cache).logits
+            elapsed = timer() - t0
+            return elapsed, cache.bytes() / (b * cache.length)
+        out = self.model(input_ids=prompt, use_cache=True)
+        past, logits = out.past_key_values, out.logits
+        t0 = timer()
+        for _ in range(n_new):
+            tok = logits[:, -1:].argmax(-1)
+            out = self.model(input_ids=tok, past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits
+        elapsed = timer() - t0
+        return elapsed, _hf_cache_bytes(past) / (b * (n + n_new))
+
+
+def _hf_cache_bytes(past) -> int:
+    total = 0
+    layers = getattr(past, "layers", None)
+    if layers is not None:
+        for layer in layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name, None)
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+        return total
+    for kv in past:  # legacy tuple of (k, v)
+        total += sum(t.numel() * t.element_size() for t in kv)
+    return total
+
+
+def _hf_model(peer: str, cfg: ModelConfig):
+    """transformers' Llama / DiffLlama at ``cfg``'s shapes (our DIFF twin's 2h component heads = its heads)."""
+    import transformers
+
+    heads = cfg.n_heads * (2 if cfg.attention == "diff" else 1)
+    kv = cfg.n_kv_heads * (2 if cfg.attention == "diff" else 1)
+    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_dim,
+                  num_hidden_layers=cfg.n_layers, num_attention_heads=heads, num_key_value_heads=kv,
+                  head_dim=cfg.head_dim, max_position_embeddings=max(cfg.max_seq_len, 64),
+                  rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.bias)
+    if peer == "hf-llama":
+        conf = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    else:
+        conf = transformers.DiffLlamaConfig(**common)
+        cls = transformers.DiffLlamaForCausalLM
+    conf._attn_implementation = "sdpa"
+    return cls(conf)
+
+
+def transformers_available() -> bool:
+    try:
+        import transformers  # noqa: F401
+        return hasattr(transformers, "DiffLlamaForCausalLM")
+    except Exception:
+        return False
+
+
+def build_arms(bc: BenchConfig, device: torch.device) -> list[Arm]:
+    arms = []
+    base = ModelConfig.from_preset(bc.preset)
+    if bc.seq_len > base.max_seq_len and base.positions in ("learned", "sinusoidal"):
+        raise ConfigError("seq_len", f"{bc.seq_len} exceeds the preset's max_seq_len {base.max_seq_len}")
+    for name in bc.arms:
+        torch.manual_seed(bc.seed)
+        cfg = ModelConfig.from_preset(bc.preset, max_seq_len=max(base.max_seq_len, bc.seq_len), **ARMS[name])
+        arms.append(Arm(name, build_model(cfg).to(device), cfg, peer=False, fused_adamw=bc.fused_adamw))
+    if bc.peers and transformers_available():
+        for peer, twin in PEERS.items():
+            cfg = ModelConfig.from_preset(bc.preset, max_seq_len=max(base.max_seq_len, bc.seq_len), **ARMS[twin])
+            torch.manual_seed(bc.seed)
+            arms.append(Arm(peer, _hf_model(peer, cfg).to(device), cfg, peer=True, fused_adamw=bc.fused_adamw))
+    return arms
+
+
+# ----------------------------------------------------------------------------- measurement
+def _timer(kind: str, device: torch.device) -> Callable[[], float]:
+    if kind == "cpu":
+        return time.process_time
+    if device.type == "cuda":
+        def t():
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return t
+    return time.perf_counter
+
+
+def _autocast(dtype: str, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=(dtype == "bf16"))
+
+
+def matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048, repeats: int = 5,
+                timer: Optional[Callable[[], float]] = None) -> float:
+    """Best FLOP/s of an n x n x n matmul in ``dtype`` (the machine's practical matmul peak)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    timer = timer or _timer("wall", device)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = timer()
+        a @ b
+        best = min(best, timer() - t0)
+    return 2 * n ** 3 / best
+
+
+def _train_step(arm: Arm, x, y, dtype: str, device) -> None:
+    with _autocast(dtype, device):
+        loss = arm.loss(x, y)
+    loss.backward()
+    arm.optimizer.step()
+    arm.optimizer.zero_grad(set_to_none=True)
+
+
+def _prefill(arm: Arm, x, dtype: str, device) -> None:
+    with torch.no_grad(), _autocast(dtype, device):
+        arm.logits(x)
+
+
+def peak_train_memory(arm: Arm, x, y, dtype: str, device) -> dict:
+    """Bytes: ``state`` (parameters + optimiser state held between steps), ``step`` (the high-water
+    mark of tensor bytes allocated during one step: activations, gradients, temporaries), total."""
+    state = sum(p.numel() * p.element_size() for p in arm.model.parameters())
+    for st in arm.optimizer.state.values():
+        state += sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
+    step, method = peak_live_bytes(lambda: _train_step(arm, x, y, dtype, device), device)
+    return {"state_bytes": state, "step_bytes": step, "total_bytes": state + step, "method": method}
+
+
+def _interleaved(arms: list, repeats: int, warmup: int, run: Callable, timer) -> dict:
+    """{arm name: [seconds, ...]}: warmup each, then repeats in rotating order (A B C, B C A, ...)."""
+    for arm in arms:
+        for _ in range(warmup):
+            run(arm)
+    times = {arm.name: [] for arm in arms}
+    for r in range(repeats):
+        order = arms[r % len(arms):] + arms[: r % len(arms)]
+        for arm in order:
+            t0 = timer()
+            extra = run(arm)
+            times[arm.name].append(extra if extra is not None else timer() - t0)
+    return times
+
+
+def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
+    """Run every phase for every dtype and arm; returns the results dictionary (see module doc)."""
+    bc.validate()
+    if bc.threads:
+        torch.set_num_threads(bc.threads)
+    device = torch.device(bc.device)
+    timer = _timer(bc.timer, device)
+    torch.manual_seed(bc.seed)
+    arms = build_arms(bc, device)
+    b, n = bc.batch_size, bc.seq_len
+    x = torch.randint(0, arms[0].cfg.vocab_size, (b, n), device=device)
+    y = torch.randint(0, arms[0].cfg.vocab_size, (b, n), device=device)
+    db = bc.decode_batch or b
+    prompt = x[:db, : n - bc.decode_tokens] if db <= b else torch.randint(
+        0, arms[0].cfg.vocab_size, (db, n - bc.decode_tokens), device=device)
+    log(f"difftx bench: {len(arms)} arms ({', '.join(a.name for a in arms)}), preset {bc.preset}, "
+        f"batch {b} x {n} tokens, {bc.repeats} interleaved repeats, {torch.get_num_threads()} threads")
+
+    peaks = {dt: matmul_peak(DTYPES[dt], device, timer=timer) for dt in bc.dtypes}
+
+    results: dict = {"arms": {}, "matmul_peak_flops": peaks}
+    for arm in arms:
+        results["arms"][arm.name] = {"params": arm.params, "peer": arm.peer, "config": arm.cfg.to_dict()
+                                     if not arm.peer else arm.model.config.to_dict(), "by_dtype": {}}
+    for dt in bc.dtypes:
+        rows = {arm.name: results["arms"][arm.name]["by_dtype"].setdefault(dt, {}) for arm in arms}
+        for arm in arms:
+            arm.model.train()
+        if "train" in bc.phases:
+            log(f"  [{dt}] train ...")
+            times = _interleaved(arms, bc.repeats, bc.warmup, lambda a: _train_step(a, x, y, dt, device), timer)
+            for arm in arms:
+                med = statistics.median(times[arm.name])
+                fpt = flops_per_token(arm.cfg, n, causal=True, training=True)
+                rows[arm.name]["train"] = _speed(times[arm.name], b * n, fpt, peaks[dt])
+            if bc.memory:
+                for arm in arms:
+                    rows[arm.name]["memory"] = peak_train_memory(arm, x, y, dt, device)
+        for arm in arms:
+            arm.model.eval()
+        if "prefill" in bc.phases:
+            log(f"  [{dt}] prefill ...")
+            times = _interleaved(arms, bc.repeats, bc.warmup, lambda a: _prefill(a, x, dt, device), timer)
+            for arm in arms:
+                fpt = flops_per_token(arm.cfg, n, causal=True, training=False)
+                rows[arm.name]["prefill"] = _speed(times[arm.name], b * n, fpt, peaks[dt])
+        if "decode" in bc.phases:
+            log(f"  [{dt}] decode ...")
+            kv = {}
+
+            def dec(a):
+                with torch.no_grad(), _autocast(dt, device):
+                    seconds, kv[a.name] = a.decode(prompt, bc.decode_tokens, timer)
+                return seconds
+
+            times = _interleaved(arms, bc.repeats, bc.warmup, dec, timer)
+            context = prompt.shape[1] + bc.decode_tokens // 2
+            for arm in arms:
+                fpt = flops_per_token(arm.cfg, context, causal=False, training=False)
+                rows[arm.name]["decode"] = _speed(times[arm.name], db * bc.decode_tokens, fpt, peaks[dt])
+                rows[arm.name]["decode"]["kv_bytes_per_token"] = kv[arm.name]
+                rows[arm.name]["decode"]["kv_bytes_per_token_accounting"] = kv_cache_bytes_per_token(
+                    arm.cfg, 2 if dt == "bf16" else 4)
+    for dt in bc.dtypes:  # the peak again at the end (the best of both): load on a shared machine drifts
+        peaks[dt] = max(peaks[dt], matmul_peak(DTYPES[dt], device, timer=timer))
+        log(f"  matmul peak {dt}: {peaks[dt] / 1e9:.1f} GFLOP/s")
+        for arm in arms:
+            for speed in results["arms"][arm.name]["by_dtype"][dt].values():
+                if "achieved_flops" in speed:
+                    speed["share_of_matmul_peak"] = speed["achieved_flops"] / peaks[dt]
+    results["ratios_by_dtype"] = {dt: _ratios(results["arms"], dt) for dt in bc.dtypes}
+    results["ratios"] = _worst(results["ratios_by_dtype"])
+    results["bench_config"] = asdict(bc)
+    results["environment"] = environment(device)
+    return results
+
+
+def _speed(times: list, tokens: int, flops_per_tok: int, peak: float) -> dict:
+    med = statistics.median(times)
+    tps = tokens / med
+    return {"seconds_median": med, "seconds": times, "tokens_per_s": tps, "flops_per_token": flops_per_tok,
+            "achieved_flops": tps * flops_per_tok, "share_of_matmul_peak": tps * flops_per_tok / peak}
+
+
+def _ratios(arms: dict, dt: str) -> dict:
+    def get(arm, *path):
+        node = arms.get(arm, {}).get("by_dtype", {}).get(dt)
+        for p in path:
+            if not isinstance(node, dict) or p not in node:
+                return None
+            node = node[p]
+        return node
+
+    out = {}
+    pairs = [("diff", "transformer"), ("diff2", "transformer"), ("dnt", "transformer"), ("diff-dnt", "dnt"),
+             ("diff-dnt", "transformer"), ("diff", "hf-diffllama"), ("transformer", "hf-llama"),
+             ("hf-diffllama", "hf-llama")]
+    for a, b in pairs:
+        key = f"{a}_over_{b}".replace("-", "_")
+        for phase in PHASES:
+            ta, tb = get(a, phase, "tokens_per_s"), get(b, phase, "tokens_per_s")
+            if ta and tb:
+                out[f"{key}_{phase}"] = ta / tb
+        ma, mb = get(a, "memory", "total_bytes"), get(b, "memory", "total_bytes")
+        if ma and mb:
+            out[f"{key}_memory"] = ma / mb
+        ka, kb = get(a, "decode", "kv_bytes_per_token"), get(b, "decode", "kv_bytes_per_token")
+        if ka and kb:
+            out[f"{key}_kv_bytes"] = ka / kb
+    return out
+
+
+def _worst(by_dtype: dict) -> dict:
+    """Per ratio, the least favourable dtype: the minimum speed ratio, the maximum memory / KV ratio."""
+    out = {}
+    for ratios in by_dtype.values():
+        for k, v in ratios.items():
+            worse = max if (k.endswith("_memory") or k.endswith("_kv_bytes")) else min
+            out[k] = v if k not in out else worse(out[k], v)
+    return out
+
+
+def environment(device: torch.device) -> dict:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    env = {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
+           "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "device": str(device),
+           "command": " ".join(["difftx"] + sys.argv[1:]) if sys.argv and "difftx" in sys.argv[0] else None}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except Exception:
+        pass
+    return env

@@ -1,0 +1,497 @@
+"""Exact chunked attention for one or two softmax maps over one shared value (the ``fused`` kernel).
+
+For differential attention the two maps are combined *before* the value
+product, (A1 - lambda A2) V, so the value is read once and the attention
+matmuls cost exactly what a Transformer of the same width pays: Q K^T over 2h
+heads of d and one P V over h heads of 2d.  Stock kernels cannot do this (they
+return A V, never A), which is why two or four SDPA calls cost 1.5-2x.
+
+The maps are materialised one block of queries at a time (``chunk`` rows over
+the keys they can see), so memory grows linearly in the sequence length; with a
+causal mask a block only multiplies the keys up to its last query (the flash
+kernels' block skipping).  Nothing of size N x N is saved for the backward pass:
+it recomputes each block's maps (flash-style), and the -lambda weight of map 2 is
+applied to the small dQ/dK products rather than to the map.
+
+Numerics: logits are scaled inside the GEMM; lambda, the softmax statistics and the
+row sums of the backward are float32 (float64 for float64 inputs).  fp32 inputs keep
+the maps in fp32.  Under bf16 the maps are bf16 tensors whose softmax and sums still
+accumulate in fp32 inside their kernels (``FP32_MAPS_FOR_BF16`` switches to fp32 maps:
+~15% slower, barely more accurate, since the GEMM's bf16 logits dominate the error).
+
+CPU specifics: scratch buffers are reused across blocks and calls (per thread), the
+causal diagonal is an additive -inf triangle, and every reduced-precision GEMM operand
+is compact (oneDNN would otherwise gather a transposed copy).
+
+Layouts (views; only a block of Q is copied at a time):
+    q   (B, M, H, Nq, d)    M maps (1: softmax, 2: differential), H query heads
+    k   (B, M, Hk, Nk, d)   H a multiple of Hk (GQA: query head i uses K/V head i // (H / Hk))
+    v   (B, Hk, Nk, dv)     Nk may exceed mask.n_k (a static cache's buffers): positions past n_k
+                            get zero weight (they must hold finite values, as a KVCache does)
+    lam None (M = 1), a 0-dim tensor (DIFF V1) or (B, H, Nq, 1) (DIFF V2, per token)
+    out (B, Nq, H, dv)      the order out_proj reads, no transpose needed
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Optional
+
+import torch
+
+from .mask import AttnMask
+
+# One block of maps (B x M x H x chunk x keys) holds about this many elements: ~4 MB of fp32
+# keeps a block's scratch in cache on a laptop CPU and the memory linear in N.
+BLOCK_ELEMENTS = 1 << 20
+MIN_CHUNK = 64  # rows per block at least (GEMM efficiency at long N); memory stays linear in N
+# Under bf16 the maps' elementwise math runs on bf16 tensors (the softmax and row sums still
+# accumulate in fp32 inside their kernels): ~15% faster than fp32 maps, and about as accurate,
+# since the bf16 logits out of the GEMM dominate the error either way (docs/performance.md).
+FP32_MAPS_FOR_BF16 = False
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def chunk_size(b: int, m: int, h: int, n_q: int, n_k: int, budget: int = BLOCK_ELEMENTS) -> int:
+    """Query rows per block so that one block of maps holds about ``budget`` elements."""
+    c = budget // max(1, b * m * h * n_k)
+    c = max(MIN_CHUNK, (c // MIN_CHUNK) * MIN_CHUNK)
+    return min(n_q, c)
+
+
+def _key_end(mask: AttnMask, i1: int) -> int:
+    """Keys a block of queries ending (exclusive) at ``i1`` can see: the causal prefix, or all."""
+    return min(mask.n_k, mask.q_start + i1) if mask.causal else mask.n_k
+
+
+def _block_mask(mask: AttnMask, i0: int, i1: int, ke: int, device) -> Optional[torch.Tensor]:
+    """With padding: boolean (B, 1, 1, 1, C, ke), True = attend, over key columns [0, ke).
+
+    Without padding the mask is causal only and handled by :meth:`_Blocks.probs` with an
+    additive triangle on the diagonal block; this returns None then.
+    """
+    if mask.key_valid is None:
+        return None
+    qpos = torch.arange(mask.q_start + i0, mask.q_start + i1, device=device)[:, None]
+    kpos = torch.arange(ke, device=device)[None]
+    allowed = mask.key_valid[:, None, :ke].to(device)  # (B, 1, ke)
+    if mask.causal:
+        allowed = allowed & (kpos <= qpos)[None]
+    allowed = allowed | (kpos == qpos)[None]  # a query always sees itself (no empty rows)
+    return allowed[:, None, None, None]
+
+
+def _batched(t: torch.Tensor) -> torch.Tensor:
+    """(..., N, x) -> (batch, N, x): a view when the leading dims merge (a cache slice does), else a copy."""
+    try:
+        return t.view(-1, t.shape[-2], t.shape[-1])
+    except RuntimeError:
+        return t.reshape(-1, t.shape[-2], t.shape[-1])
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat scratch buffer of at least ``numel`` elements, kept per thread and reused across calls.
+
+    On the CPU every fresh multi-MB allocation pays page faults on first touch (as much as the
+    softmax itself at N=512); CUDA's caching allocator already reuses memory, so there each call
+    allocates.  Buffers never hold data across calls.
+    """
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    cache = getattr(_SCRATCH, "buffers", None)
+    if cache is None:
+        cache = _SCRATCH.buffers = {}
+    key = (name, dtype)
+    buf = cache.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = cache[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def release_scratch() -> None:
+    """Free this thread's cached scratch buffers.
+
+    They grow to the largest block seen: ~4-8 MB per dtype at the default block size, up to
+    ~100 MB after a 16K-token call (blocks keep at least 64 rows).
+    """
+    _SCRATCH.buffers = {}
+
+
+_ZEROS: dict = {}
+
+
+def _zero(t: torch.Tensor) -> torch.Tensor:
+    """The ignored ``input`` of baddbmm(beta=0), broadcastable to any batch (one per dtype/device)."""
+    key = (t.dtype, t.device)
+    z = _ZEROS.get(key)
+    if z is None:
+        z = _ZEROS[key] = torch.zeros(1, 1, 1, dtype=t.dtype, device=t.device)
+    return z
+
+
+def _compact(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A (batch, rows, cols) operand the CPU's reduced-precision bmm takes without its own copy.
+
+    oneDNN's bf16 bmm needs batch stride = rows x cols; given a prefix slice it copies the
+    *transposed* view (a slow gather, 4x the GEMM), so copy the plain slice here instead.
+    fp32/fp64 GEMMs take strided slices as they are.
+    """
+    if dtype in (torch.float32, torch.float64) or t.is_contiguous():
+        return t
+    return t.contiguous()
+
+
+def _no_autocast(device_type: str):
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+class _Blocks:
+    """Geometry, scratch buffers and the shared per-block steps of the forward and backward passes."""
+
+    def __init__(self, q, k3, v3, lam, mask: AttnMask, scale: float, chunk: int):
+        b, m, h, n, d = q.shape
+        self.b, self.m, self.h, self.n, self.d = b, m, h, n, d
+        self.hk = k3.shape[0] // (b * m)
+        self.rep = h // self.hk
+        self.q, self.k3, self.v3, self.mask, self.scale, self.chunk = q, k3, v3, mask, scale, chunk
+        self.dtype = q.dtype
+        self.cd = _compute_dtype(q.dtype)  # gradient sums, lambda
+        low_maps = q.dtype == torch.bfloat16 and not FP32_MAPS_FOR_BF16
+        self.md = q.dtype if low_maps else self.cd  # the maps' elementwise math
+        self.lam_s = float(lam) if (lam is not None and lam.dim() == 0) else None
+        self.lam_rows = lam.to(self.md) if (lam is not None and lam.dim() > 0) else None
+        rows = self.rep * min(chunk, n)
+        n_maps = b * m * self.hk * rows * k3.shape[1]
+        dev = q.device
+        self._s = _scratch("s", n_maps, self.md, dev)  # logits in the maps' dtype, later p * dP
+        self._p = _scratch("p", n_maps, self.md, dev)  # probabilities
+        self._low = _scratch("low", n_maps, self.dtype, dev) if self.dtype != self.md else None
+        self._comb = _scratch("comb", n_maps // m, self.dtype, dev)  # combined map / dP, matmul dtype
+        self._zero = _zero(q)
+        # Causal without padding: key columns [q_start + i0, ke) of a block form a square whose
+        # strict upper triangle is masked; adding -inf there is ~8x cheaper than masked_fill_.
+        self._tri = None
+        if mask.causal and mask.key_valid is None:
+            c = min(chunk, n)
+            self._tri = torch.full((c, c), float("-inf"), dtype=self.md, device=dev).triu_(1)
+
+    def blocks(self, reverse: bool = False):
+        starts = range(0, self.n, self.chunk)
+        for i0 in (reversed(starts) if reverse else starts):
+            i1 = min(self.n, i0 + self.chunk)
+            yield i0, i1, _key_end(self.mask, i1)
+
+    @staticmethod
+    def _take(buf: torch.Tensor, *shape: int) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        return buf[:numel].view(*shape)
+
+    def q_block(self, i0: int, i1: int) -> torch.Tensor:
+        """(B*M*Hk, rep*C, d): the block's queries, grouped by K/V head."""
+        qc = self.q[:, :, :, i0:i1].reshape(self.b * self.m * self.hk, self.rep * (i1 - i0), self.d)
+        return _compact(qc, self.dtype)
+
+    def keys(self, ke: int) -> torch.Tensor:
+        return _compact(self.k3[:, :ke], self.dtype)
+
+    def values(self, ke: int) -> torch.Tensor:
+        return _compact(self.v3[:, :ke], self.dtype)
+
+    def probs(self, qc: torch.Tensor, kk: torch.Tensor, i0: int, i1: int, ke: int) -> torch.Tensor:
+        """softmax(Q K^T scale) of the block, masked, in the maps' dtype: (B, M, Hk, rep*C, ke).
+
+        ``kk`` is :meth:`keys` (ke), which the backward reuses for dQ."""
+        b, m, hk, rep, c = self.b, self.m, self.hk, self.rep, i1 - i0
+        kt = kk.transpose(1, 2)
+        s = self._take(self._s, b * m * hk, rep * c, ke)
+        if self._low is not None:
+            low = self._take(self._low, b * m * hk, rep * c, ke)
+            torch.baddbmm(self._zero, qc, kt, beta=0, alpha=self.scale, out=low)
+            s.copy_(low)
+        else:
+            torch.baddbmm(self._zero, qc, kt, beta=0, alpha=self.scale, out=s)
+        if self._tri is not None:
+            k0 = self.mask.q_start + i0  # keys left of the block's first query are all visible
+            if ke - k0 > 1:
+                s.view(b * m * hk * rep, c, ke)[:, :, k0:].add_(self._tri[:c, : ke - k0])
+        else:
+            allowed = _block_mask(self.mask, i0, i1, ke, qc.device)
+            if allowed is not None:
+                s.view(b, m, hk, rep, c, ke).masked_fill_(~allowed, float("-inf"))
+        p = self._take(self._p, b, m, hk, rep * c, ke)
+        torch.ops.aten._softmax.out(s.view(b, m, hk, rep * c, ke), -1, False, out=p)
+        return p
+
+    def lam_block(self, i0: int, i1: int) -> Optional[torch.Tensor]:
+        """Per-token lambda of the block as (B, Hk, rep*C, 1), or None."""
+        if self.lam_rows is None:
+            return None
+        return self.lam_rows[:, :, i0:i1].reshape(self.b, self.hk, self.rep * (i1 - i0), 1)
+
+    def combine(self, p: torch.Tensor, lam_c: Optional[torch.Tensor]) -> torch.Tensor:
+        """P1 - lambda P2 (or P), rounded once to the matmul dtype: (B*Hk, rep*C, ke)."""
+        b, _, hk, r, ke = p.shape
+        if self.m == 1 and self._low is None:
+            return p.view(b * hk, r, ke)
+        out = self._take(self._comb, b, hk, r, ke)
+        if self.m == 1:
+            out.copy_(p[:, 0])
+        elif lam_c is None:
+            torch.add(p[:, 0], p[:, 1], alpha=-self.lam_s, out=out)
+        else:
+            torch.addcmul(p[:, 0], p[:, 1], lam_c, value=-1.0, out=out)
+        return out.view(b * hk, r, ke)
+
+
+class _FusedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, lam, mask: AttnMask, scale: float, chunk: int):
+        q = q.contiguous()  # one pass over Q so that every block of it is a strided view
+        k3, v3 = _batched(k), _batched(v)  # (B*M*Hk, Nk, d), (B*Hk, Nk, dv)
+        g = _Blocks(q, k3, v3, lam, mask, scale, chunk)
+        out = q.new_empty(g.b, g.n, g.h, v.shape[-1])
+        for i0, i1, ke in g.blocks():
+            p = g.probs(g.q_block(i0, i1), g.keys(ke), i0, i1, ke)
+            o = torch.bmm(g.combine(p, g.lam_block(i0, i1)), g.values(ke))  # (B*Hk, rep*C, dv)
+            out[:, i0:i1] = o.view(g.b, g.h, i1 - i0, -1).transpose(1, 2)
+        if any(ctx.needs_input_grad[:4]):
+            ctx.save_for_backward(q, k3, v3, lam)
+            ctx.mask, ctx.scale, ctx.chunk, ctx.shapes = mask, scale, chunk, (k.shape, v.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        with _no_autocast(dout.device.type), torch.no_grad():
+            return _backward(ctx, dout)
+
+
+def _backward(ctx, dout):
+    q, k3, v3, lam = ctx.saved_tensors
+    k_shape, v_shape = ctx.shapes
+    g = _Blocks(q, k3, v3, lam, ctx.mask, ctx.scale, ctx.chunk)
+    b, m, h, n, d, hk, rep, cd = g.b, g.m, g.h, g.n, g.d, g.hk, g.rep, g.cd
+    nk = k3.shape[1]
+    # Gradients are summed in the compute dtype; under bf16 those sums are scratch (the results
+    # are cast copies), in fp32 they are the returned tensors.
+    dv_w = v3.shape[-1]
+    if cd != q.dtype:
+        dq = _scratch("dq", b * m * h * n * d, cd, q.device).view(b * m * hk, rep, n, d)
+        dk = _scratch("dk", b * m * hk * nk * d, cd, q.device).view(b * m * hk, nk, d)
+        dv = _scratch("dv", b * hk * nk * dv_w, cd, q.device).view(b * hk, nk, dv_w)
+    else:
+        dq = torch.empty(b * m * hk, rep, n, d, dtype=cd, device=q.device)
+        dk = torch.empty(b * m * hk, nk, d, dtype=cd, device=q.device)
+        dv = torch.empty(b * hk, nk, dv_w, dtype=cd, device=q.device)
+    dlam = torch.zeros((), dtype=cd, device=q.device) if g.lam_s is not None else None
+    if g.lam_rows is not None:
+        dlam = torch.empty(g.lam_rows.shape, dtype=cd, device=q.device)
+    dout = dout.to(v3.dtype)
+    # Blocks run last to first: with a causal mask the first sees every key it will ever see, so it
+    # writes the sums and later blocks add to prefixes of them (no zero-filling).
+    seen = 0  # keys [0, seen) hold a partial sum
+    for i0, i1, ke in g.blocks(reverse=True):
+        fresh = seen == 0
+        if not fresh and ke > seen:  # only with unusual masks: a block sees keys no earlier block saw
+            dk[:, seen:ke].zero_()
+            dv[:, seen:ke].zero_()
+        seen = max(seen, ke)
+        c = i1 - i0
+        r = rep * c
+        qc, kk, vv = g.q_block(i0, i1), g.keys(ke), g.values(ke)
+        p = g.probs(qc, kk, i0, i1, ke)  # recomputed: (B, M, Hk, R, ke)
+        lam_c = g.lam_block(i0, i1)
+        doc = dout[:, i0:i1].transpose(1, 2).reshape(b * hk, r, -1)
+        _acc(dv[:, :ke], g.combine(p, lam_c).transpose(1, 2), doc, fresh)
+        dp = g._take(g._comb, b * hk, r, ke)  # the combined map is consumed: reuse its buffer
+        torch.bmm(doc, vv.transpose(1, 2), out=dp)
+        t = g._take(g._s, b, m, hk, r, ke)
+        torch.mul(p, dp.view(b, 1, hk, r, ke), out=t)  # p_m * dP
+        rs = t.sum(-1, keepdim=True)  # rowsum(p_m * dP), accumulated in fp32 by the reduction
+        if g._low is not None:  # softmax backward p_m (dP - r_m), rounded once for the matmuls
+            ds = torch.addcmul(t, p, rs, value=-1.0, out=g._take(g._low, b, m, hk, r, ke))
+        else:
+            ds = t.addcmul_(p, rs, value=-1.0)
+        rs = rs.to(cd)
+        ds = ds.view(b * m * hk, r, ke)
+        dqc = torch.bmm(ds, kk).view(b, m, hk, r, d)
+        if m == 2:  # map 2 enters with weight -lambda: scale its small products, not the map
+            if lam_c is None:
+                dlam -= rs[:, 1].sum()
+                dqc[:, 1].mul_(-g.lam_s)
+            else:
+                dlam[:, :, i0:i1] = (-rs[:, 1]).reshape(b, h, c, 1)
+                dqc[:, 1].mul_(-lam_c.to(dqc.dtype))
+                qc = qc.view(b, m, hk, r, d).clone()
+                qc[:, 1].mul_(-lam_c.to(qc.dtype))
+                qc = qc.view(b * m * hk, r, d)
+        dq[:, :, i0:i1] = dqc.view(b * m * hk, rep, c, d)
+        _acc(dk[:, :ke], ds.transpose(1, 2), qc, fresh)
+    if seen < nk:  # keys no query could see
+        dk[:, seen:].zero_()
+        dv[:, seen:].zero_()
+    if m == 2 and g.lam_s is not None:
+        dk.view(b, m, hk, nk, d)[:, 1].mul_(-g.lam_s)
+    dq = dq.mul_(g.scale).view(b, m, h, n, d).to(q.dtype)
+    dk = dk.mul_(g.scale).view(k_shape).to(k3.dtype)
+    if dlam is not None:
+        dlam = dlam.to(lam.dtype)
+    return dq, dk, dv.view(v_shape).to(v3.dtype), dlam, None, None, None
+
+
+def _acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fresh: bool) -> None:
+    """acc = a @ b (fresh) or acc += a @ b; acc in the compute dtype, a/b possibly lower precision."""
+    if acc.dtype == a.dtype:
+        if fresh:
+            torch.bmm(a, b, out=acc)
+        else:
+            acc.baddbmm_(a, b)
+    elif fresh:
+        acc.copy_(torch.bmm(a, b))
+    else:
+        acc += torch.bmm(a, b)
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, scale: float,
+                    lam: Optional[torch.Tensor] = None, chunk: Optional[int] = None) -> torch.Tensor:
+    """(softmax(Q1 K1^T s) [- lam softmax(Q2 K2^T s)]) V in query blocks; layouts in the module docstring."""
+    b, m, h, n, _ = q.shape
+    if m not in (1, 2) or (m == 2) != (lam is not None):
+        raise ValueError("fused_attention takes one map without lambda or two maps with lambda")
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, lam))
+    if chunk is None:  # inference keeps no recomputation state: twice the block is measured ~10% faster
+        chunk = chunk_size(b, m, h, n, min(k.shape[3], mask.n_k), BLOCK_ELEMENTS * (1 if needs_grad else 2))
+    with _no_autocast(q.device.type):
+        if not needs_grad and n <= SMALL_QUERY:
+            return _few_queries(q, k, v, lam, mask, scale)
+        if k.shape[3] > mask.n_k:  # a cache's whole buffers: keep the written part
+            k, v = k[:, :, :, : mask.n_k], v[:, :, : mask.n_k]
+        return _FusedAttention.apply(q, k, v, lam, mask, scale, chunk)
+
+
+SMALL_QUERY = 4  # up to this many queries (decoding), a single block without scratch bookkeeping
+
+
+def _few_queries(q, k, v, lam, mask: AttnMask, scale: float) -> torch.Tensor:
+    """Decoding: one block, no autograd, no scratch bookkeeping.
+
+    Logits come from Q K^T in fp32/fp64 (MKL streams K: measured 3x faster than K Q^T for one
+    token over a 512-token cache) and from K (Q^T) in bf16, so oneDNN reads K without a
+    transposed gather.  When K/V
+    are a static cache's whole buffers (longer than ``mask.n_k``), a bf16 GEMM over the whole
+    (compact) buffer with the unwritten tail masked beats copying the visible prefix, which
+    oneDNN would do on every call, as long as the tail is shorter than the prefix.
+    """
+    b, m, h, n, d = q.shape
+    hk = k.shape[2]
+    r = (h // hk) * n
+    ke = _key_end(mask, n)
+    cd = _compute_dtype(q.dtype)
+    md = q.dtype if (q.dtype == torch.bfloat16 and not FP32_MAPS_FOR_BF16) else cd
+    k3, v3 = _batched(k), _batched(v)
+    width = ke
+    if k3.shape[1] > ke and q.dtype not in (torch.float32, torch.float64) and k3.is_contiguous() \
+            and v3.is_contiguous() and k3.shape[1] <= 2 * ke:
+        width = k3.shape[1]  # the whole buffer; keys [ke, width) are masked below
+    k3, v3 = k3[:, :width], v3[:, :width]
+    if q.dtype in (torch.float32, torch.float64):  # MKL: Q K^T streams K, ~3x faster than K Q^T here
+        s = torch.bmm(q.reshape(b * m * hk, r, d) * scale, k3.transpose(1, 2))  # (BMH, r, width)
+    else:
+        qt = q.reshape(b * m * hk, r, d).transpose(1, 2)  # (BMH, d, r)
+        s = torch.baddbmm(_zero(q), k3, qt, beta=0, alpha=scale).transpose(1, 2)  # (BMH, r, width)
+    if s.dtype != md:
+        s = s.to(md)
+    s = s.reshape(b, m, hk, h // hk, n, width)
+    allowed = _block_mask(mask, 0, n, ke, q.device)
+    if allowed is None and mask.causal and n > 1:  # causal rows within the block
+        qpos = torch.arange(mask.q_start, mask.q_start + n, device=q.device)[:, None]
+        allowed = (torch.arange(ke, device=q.device)[None] <= qpos)[None, None, None, None]
+    if width > ke:
+        s[..., ke:].fill_(float("-inf"))
+    if allowed is not None:
+        s[..., :ke] = s[..., :ke].masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, dim=-1).reshape(b, m, hk, r, width)
+    if m == 1:
+        p = p[:, 0]
+    elif lam.dim() == 0:
+        p = torch.add(p[:, 0], p[:, 1], alpha=-float(lam))
+    else:
+        p = torch.addcmul(p[:, 0], p[:, 1], lam.to(md).reshape(b, hk, r, 1), value=-1.0)
+    o = torch.bmm(p.reshape(b * hk, r, width).to(v.dtype), v3)  # (B*Hk, r, dv)
+    return o.view(b, h, n, -1).transpose(1, 2).contiguous()
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+class _RMSNorm(torch.autograd.Function):
+    """y = x / sqrt(mean(x^2) + eps) * (w * gain) over the last dim, statistics in the compute dtype.
+
+    About half the passes of autograd through ``F.rms_norm``; saves x in its own dtype and
+    the per-row 1/rms.  Mixed-dtype elementwise ops cost a hidden cast copy on the CPU, so
+    inputs are converted once, explicitly.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, eps: float, gain: float, out_dtype):
+        cd = _compute_dtype(x.dtype)
+        xf = x.to(cd)
+        rstd = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
+        rstd = rstd.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+        y = torch.mul(xf, rstd)
+        if w is not None:
+            y.mul_(w.to(cd) * gain if gain != 1.0 else w.to(cd))
+        elif gain != 1.0:
+            y.mul_(gain)
+        ctx.save_for_backward(x, w, rstd)
+        ctx.gain = gain
+        return y.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, rstd = ctx.saved_tensors
+        gain = ctx.gain
+        with _no_autocast(dy.device.type), torch.no_grad():
+            cd = rstd.dtype
+            dim = x.shape[-1]
+            xhat = x.to(cd).mul_(rstd) if x.dtype != cd else torch.mul(x, rstd)
+            dyf = dy.to(cd)
+            g = torch.mul(dyf, w.to(cd) * gain) if w is not None else dyf * gain
+            c = torch.linalg.vecdot(g, xhat, dim=-1).unsqueeze_(-1).div_(-dim)
+            dx = g.addcmul_(xhat, c).mul_(rstd)
+            dw = None
+            if w is not None and ctx.needs_input_grad[1]:
+                dw = xhat.mul_(dyf).reshape(-1, dim).sum(0).mul_(gain).to(w.dtype)
+            return dx.to(x.dtype), dw, None, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gain: float = 1.0,
+             out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """RMSNorm of ``x`` over its last dim times ``weight * gain`` (either may be absent), fp32 statistics.
+
+    Returns ``out_dtype`` (default: the compute dtype, fp32 or fp64, as :class:`~difftx.nn.norms.RMSNorm`
+    computes).  Folding a constant ``gain`` in saves a pass (DIFF's (1 - lambda_init)).
+    """
+    cd = _compute_dtype(x.dtype)
+    out_dtype = out_dtype or cd
+    with _no_autocast(x.device.type):
+        if x.numel() <= SMALL_NORM and not (torch.is_grad_enabled() and (x.requires_grad or (
+                weight is not None and weight.requires_grad))):  # decoding: fewest ops wins
+            w = None if weight is None else weight.to(cd)
+            w = w * gain if (w is not None and gain != 1.0) else w
+            y = torch.nn.functional.rms_norm(x.to(cd), (x.shape[-1],), w, eps)
+            if w is None and gain != 1.0:
+                y = y.mul_(gain)
+            return y.to(out_dtype)
+        return _RMSNorm.apply(x, weight, eps, gain, out_dtype)
+
+
+SMALL_NORM = 1 << 16

@@ -1,0 +1,69 @@
+"""`difftx bench`: the JSON contract (INTERFACE.md), the markdown table, long-context mode, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+REQUIRED = ["diff_over_transformer_train", "diff_over_transformer_prefill", "diff_over_transformer_decode",
+            "diff_over_transformer_kv_bytes", "diff_over_transformer_memory"]
+PEER_KEYS = ["diff_over_hf_diffllama_train", "transformer_over_hf_llama_train"]
+
+
+def test_bench_quick_writes_json_and_table(cli, tmp_path):
+    r = cli("bench", "--quick", "--dtypes", "bf16", "--out", tmp_path)
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "bench.json").read_text())
+    for key in REQUIRED:
+        assert res["ratios"][key] > 0, key
+    assert res["ratios"]["diff_over_transformer_kv_bytes"] == pytest.approx(1.0)  # DIFF caches what its twin does
+    assert res["command"].startswith("difftx bench --quick")
+    arms = res["arms"]
+    assert {"transformer", "diff", "diff2", "dnt", "diff-dnt"} <= set(arms)
+    # matched parameters: every arm within 1% of the Transformer
+    base = arms["transformer"]["params"]
+    assert all(abs(a["params"] - base) / base < 0.01 for a in arms.values())
+    row = arms["diff"]["by_dtype"]["bf16"]
+    assert row["train"]["tokens_per_s"] > 0 and 0 < row["train"]["share_of_matmul_peak"] < 1
+    assert row["memory"]["total_bytes"] > row["memory"]["state_bytes"] > 0
+    assert res["matmul_peak_flops"]["bf16"] > 0
+    if "hf-llama" in arms:  # transformers installed: the peers' ratios are there too
+        for key in PEER_KEYS:
+            assert res["ratios"][key] > 0
+        assert abs(arms["hf-diffllama"]["params"] - arms["diff"]["params"]) / base < 0.01
+    table = (tmp_path / "bench.md").read_text()
+    assert "| diff |" in table and "diff_over_transformer_train" in table
+    assert "| diff |" in r.stdout
+
+
+def test_bench_long_context_quick(cli, tmp_path):
+    r = cli("bench", "--long-context", "--quick", "--out", tmp_path)
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "long_context.json").read_text())
+    assert {row["variant"] for row in res["rows"]} == {"fused", "4call", "eager"}
+    assert (tmp_path / "long_context.md").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--arms", "diff,bogus"], "arms"),
+    (["--arms", "diff"], "transformer"),
+    (["--dtypes", "fp8"], "dtypes"),
+    (["--seq-len", "16", "--decode-tokens", "16"], "decode_tokens"),
+    (["--preset", "nope"], "preset"),
+    (["--long-context", "--lengths", "1k"], "lengths"),
+    (["--threads", "0"], "threads"),
+])
+def test_bench_bad_input_is_one_line(capsys, tmp_path, args, needle):
+    from difftx.cli import main
+
+    assert main(["bench", "--out", str(tmp_path), *args]) == 2  # in-process: the dispatcher's own path
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("difftx bench: error:")
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_bench_bad_flag_through_the_real_cli(cli, tmp_path):
+    r = cli("bench", "--out", tmp_path, "--timer", "sundial")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "timer" in r.stderr
