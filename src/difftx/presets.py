@@ -80,9 +80,13 @@ _add("tiny", "cpu", "4 layers x 256 wide, 8 heads of 32: quick CPU studies",
      d_model=256, n_layers=4, n_heads=8, max_seq_len=256, vocab_size=256)
 _add("small", "cpu", "8 layers x 512 wide, 8 heads of 64 (about 25M parameters): CPU benchmarks",
      d_model=512, n_layers=8, n_heads=8, max_seq_len=512, vocab_size=256)
-_add("vit-tiny", "cpu", "vision: 4 layers x 128 wide on 8x8 images, patch 2 (the built-in digits data)",
-     domain="vision", d_model=128, n_layers=4, n_heads=4, image_size=8, patch_size=2, in_channels=1,
-     num_classes=10, pooling="cls", ffn="gelu", positions="learned", vocab_size=1, max_seq_len=17)
+_VIT_TINY = dict(domain="vision", d_model=128, n_layers=4, n_heads=4, image_size=8, patch_size=2, in_channels=1,
+                 num_classes=10, pooling="cls", ffn="gelu", positions="learned", bias=True, vocab_size=1,
+                 max_seq_len=17, init="truncated_xavier")
+_add("vit-tiny", "cpu", "vision: ViT, 4 layers x 128 wide on 8x8 images, patch 2 (the built-in digits; S1, "
+     "LayerNorm, as vit-large)", norms="S1", norm="layer", **_VIT_TINY)
+_add("vdnt-tiny", "cpu", "vision: V-DNT, vit-tiny with DNT norms (S5, RMSNorm, as vdnt-large)",
+     norms="dnt", norm="rms", **_VIT_TINY)
 
 
 def preset_names(group: str | None = None) -> list[str]:

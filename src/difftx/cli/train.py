@@ -43,7 +43,9 @@ def add_parser(sub) -> None:
                                    "(this Python's standard library) for 500 steps. Values come from the defaults, "
                                    "then --recipe, then the flags you give.")
     d = p.add_argument_group("data")
-    d.add_argument("--data", help="text file, directory, glob, .jsonl or saved HF dataset (default: built-in corpus)")
+    d.add_argument("--data", help="text file, directory, glob, .jsonl or saved HF dataset (default: built-in corpus); "
+                                       "--domain vision: image folders, .npz / .npy arrays (default: the built-in "
+                                       "digits; docs/vision.md)")
     d.add_argument("--tokenizer", help="byte (default), char, bpe (trained locally, cached) or a tokenizer.json path")
     d.add_argument("--bpe-vocab-size", type=int, help="vocabulary size of a locally trained bpe tokenizer (4096)")
     d.add_argument("--text-field", help="JSONL / dataset field holding the text (default: text)")
@@ -67,7 +69,7 @@ def add_parser(sub) -> None:
     o.add_argument("--recipe", help="a paper's recipe by name (see --list-recipes)")
     o.add_argument("--list-recipes", action="store_true", help="list the recipes and exit")
     o.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max_seq_len)")
-    o.add_argument("--batch-size", type=int, help="sequences per micro-batch per process (12)")
+    o.add_argument("--batch-size", type=int, help="sequences (images) per micro-batch per process (12)")
     o.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (1)")
     o.add_argument("--global-batch", type=int, help="sequences per step over all processes (sets --grad-accum)")
     o.add_argument("--steps", type=int, help="optimizer steps (500)")
@@ -146,9 +148,10 @@ def run(args) -> int:
     if summary is None:
         return 0
     out = Path(summary["run_dir"])
-    val = f", val_loss {summary['val_loss']:.4f}" if "val_loss" in summary else ""
+    val = "".join(f", {k} {summary[k]:.4f}" for k in ("val_loss", "val_acc", "test_acc") if summary.get(k) is not None)
     print(f"difftx train: step {summary['step']}/{summary['steps']} in {summary['elapsed_s']:.1f}s{val}")
-    print(f"  run:        {out}  (config.json, tokenizer.json, metrics.jsonl)")
+    files = [f for f in ("config.json", "tokenizer.json", "vision.json", "metrics.jsonl") if (out / f).is_file()]
+    print(f"  run:        {out}  ({', '.join(files)})")
     if summary.get("checkpoint"):
         print(f"  checkpoint: {summary['checkpoint']}")
     if summary.get("stopped_by") or summary["step"] < summary["steps"]:

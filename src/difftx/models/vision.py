@@ -91,14 +91,22 @@ class VisionEncoder(ModelMixin, nn.Module):
         return x
 
     def forward(self, images: torch.Tensor, targets: Optional[torch.Tensor] = None,
-                label_smoothing: float = 0.0) -> VisionOutput:
+                label_smoothing: float = 0.0, loss_reduction: str = "mean") -> VisionOutput:
+        """Logits (B, num_classes); ``targets``: class indices (B,) or soft targets (B, num_classes).
+
+        ``loss_reduction`` is ``mean`` over the images or ``sum`` (for accumulation over micro-batches).
+        """
         x = self.features(images)
         pooled = x[:, 0] if self.cls_token is not None else x.mean(dim=1)
         logits = self.head(pooled)
         loss = None
         if targets is not None:
+            if loss_reduction not in ("mean", "sum"):
+                raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
             if targets.dim() == 2:  # soft targets (mixup / cutmix)
-                loss = torch.sum(-targets * F.log_softmax(upcast(logits), dim=-1), dim=-1).mean()
+                loss = torch.sum(-targets * F.log_softmax(upcast(logits), dim=-1), dim=-1)
+                loss = loss.sum() if loss_reduction == "sum" else loss.mean()
             else:
-                loss = F.cross_entropy(upcast(logits), targets, label_smoothing=label_smoothing)
+                loss = F.cross_entropy(upcast(logits), targets, label_smoothing=label_smoothing,
+                                       reduction=loss_reduction)
         return VisionOutput(logits=logits, loss=loss)

@@ -35,20 +35,40 @@ from .recipes import get_recipe
 from .trainer import Trainer
 
 DEFAULT_PRESET = "nano"
+DEFAULT_VISION_RECIPE = "vit-tiny-adamw"  # --domain vision without a recipe: the digits CPU recipe
 # may differ between the invocations of one run (stop_at is never inherited)
 PER_RUN_FIELDS = ("stop_at", "progress", "compile", "device", "cache_dir", "tensorboard", "threads")
 
 
 def resolve_configs(recipe: Optional[str] = None, train: Optional[dict] = None, model: Optional[dict] = None,
                     preset: Optional[str] = None) -> tuple[TrainConfig, ModelConfig]:
-    """TrainConfig and ModelConfig from defaults < recipe < the explicit ``train`` / ``model`` fields."""
+    """TrainConfig and ModelConfig from defaults < recipe < the explicit ``train`` / ``model`` fields.
+
+    ``domain_options`` / ``task_options`` merge key by key (``--domain-opt mixup=0`` turns one recipe option off).
+    """
     train, model = dict(train or {}), dict(model or {})
+    if recipe is None and train.get("domain") == "vision":
+        recipe = DEFAULT_VISION_RECIPE
     r = get_recipe(recipe) if recipe else None
+    if r is not None and r.train.get("epochs") is not None and train.get("steps") is not None \
+            and "epochs" not in train:  # explicit --steps beats a recipe's epochs; warmup keeps its fraction
+        train["epochs"] = None
+        if r.train.get("warmup_epochs") is not None and "warmup" not in train and "warmup_epochs" not in train:
+            train["warmup_epochs"] = None
+            train["warmup"] = round(r.train["warmup_epochs"] / r.train["epochs"] * train["steps"])
+    for key in ("domain_options", "task_options"):  # option dicts merge: the recipe's < the explicit ones
+        if r is not None and r.train.get(key) and key in train:
+            train[key] = {**r.train[key], **(train[key] or {})}
     tcfg = TrainConfig(**{**(r.train if r else {}), **train})
     preset = preset or (r.preset if r else DEFAULT_PRESET)
     overrides = {**(r.model if r else {}), **model}
     if tcfg.seq_len is not None and "max_seq_len" not in model:
         overrides["max_seq_len"] = tcfg.seq_len
+    if tcfg.domain == "vision" and "patch_size" in model and "image_size" not in model:
+        # the data decides the image size (VisionDomain.model_overrides checks the patch against it); until then
+        # a placeholder the patch divides, so the preset's own image size does not reject the patch
+        base = ModelConfig.from_preset(preset).image_size
+        overrides["image_size"] = -(-base // model["patch_size"]) * model["patch_size"]
     mcfg = ModelConfig.from_preset(preset, **overrides)
     if tcfg.seq_len is None:
         tcfg = tcfg.replace(seq_len=mcfg.max_seq_len)

@@ -259,8 +259,9 @@ class Trainer:
                     self.last_eval = {"step": step, **self.evaluate("val")}
                     logger.log(self.last_eval)
                     if "val_loss" in self.last_eval:
+                        acc = f", val_acc {self.last_eval['val_acc']:.4f}" if "val_acc" in self.last_eval else ""
                         progress.write(f"step {step}: loss {row['loss']:.4f}, "
-                                       f"val_loss {self.last_eval['val_loss']:.4f}")
+                                       f"val_loss {self.last_eval['val_loss']:.4f}{acc}")
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == stop_at:
                     saved_at = ckpt.save_checkpoint(self, step)
             if self.step == cfg.steps:

@@ -1,0 +1,317 @@
+"""Image-classification data for ``difftx train --domain vision``: what ``--data`` means, read the same way every time.
+
+``--data`` may be
+
+* nothing (or ``digits``): the handwritten digits that ship inside scikit-learn
+  (1797 grey 8x8 images, 10 classes, pixel values 0..16; no download; the
+  ``vision`` extra),
+* a directory of image folders, one folder per class (``DIR/<class>/*.png``;
+  read with Pillow, the ``vision`` extra), or with given splits
+  (``DIR/train/<class>/...`` plus ``DIR/val/...`` and/or ``DIR/test/...``),
+* NumPy arrays: an ``.npz`` holding ``x`` and ``y``, a directory holding
+  ``x.npy`` and ``y.npy``, or two files ``IMAGES.npy,LABELS.npy``.
+
+Everything is held in memory as float32 ``(N, C, H, W)``.  Pixel values of
+8-bit sources are scaled to [0, 1] (digits: /16); float arrays are kept as
+they are.  Arrays may be ``(N, H, W)`` (grey), ``(N, C, H, W)`` or
+``(N, H, W, C)`` (channels last is recognised when the last axis has 1, 3 or 4
+entries and the second more than 4).  Class names are the folder names, sorted
+(arrays and digits: ``"0"``, ``"1"``, ...).
+
+Splits are stratified and deterministic: within each class a permutation from
+``split_seed`` (not the training seed, so runs with different seeds share their
+test set) puts the first ``test_fraction`` into test, the next
+``val_fraction`` into validation.  Normalisation uses the per-channel mean and
+standard deviation of the training split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from ..errors import DataError
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
+SPLIT_NAMES = ("train", "val", "test")
+BUILTIN = "digits"
+_GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
+
+
+@dataclass
+class ImageSet:
+    """Images (float32, N x C x H x W), integer labels and class names; ``splits`` when the source fixes them."""
+
+    images: np.ndarray
+    labels: np.ndarray
+    classes: list[str]
+    source: str
+    splits: Optional[dict[str, np.ndarray]] = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(int(s) for s in self.images.shape[1:])
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the pixels and labels (16 hex digits): the same data gives the same print."""
+        h = hashlib.sha256()
+        h.update(np.ascontiguousarray(self.images).tobytes())
+        h.update(np.ascontiguousarray(self.labels).tobytes())
+        return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------- sources
+def load_image_set(spec: Optional[str] = None, resize: Optional[int] = None) -> ImageSet:
+    """The data named by ``--data`` (see the module docstring); ``resize``: make every image N x N."""
+    if spec is None or spec == BUILTIN:
+        data = load_digits()
+    elif "," in spec and not Path(spec).exists():
+        x, y = (s.strip() for s in spec.split(",", 1))
+        data = _from_arrays(_read_npy(Path(x)), _read_npy(Path(y)), f"{x},{y}")
+    else:
+        path = Path(spec)
+        if not path.exists():
+            raise DataError(f"--data {spec}: no such file or directory (give an image folder, an .npz with x and y, "
+                            f"a directory with x.npy and y.npy, or nothing for the built-in digits)")
+        if path.is_file() and path.suffix == ".npz":
+            data = load_npz(path)
+        elif path.is_file():
+            raise DataError(f"--data {spec}: not an image folder or .npz file (for a pair of .npy files give "
+                            "IMAGES.npy,LABELS.npy)")
+        elif (path / "x.npy").is_file() and (path / "y.npy").is_file():
+            data = _from_arrays(_read_npy(path / "x.npy"), _read_npy(path / "y.npy"), str(path))
+        else:
+            data = load_image_folder(path, resize)
+            resize = None  # done while reading
+    if resize is not None:
+        data.images = resize_images(data.images, resize)
+    _check_images(data)
+    return data
+
+
+def load_digits() -> ImageSet:
+    """scikit-learn's handwritten digits: 1797 images of 8x8, values 0..16 scaled to [0, 1]."""
+    try:
+        from sklearn.datasets import load_digits as sk_digits
+    except ImportError:
+        raise DataError("the built-in digits data needs scikit-learn: pip install 'difftx[vision]' "
+                        "(or give --data)") from None
+    d = sk_digits()
+    images = (d.images.astype(np.float32) / 16.0)[:, None]
+    return ImageSet(images, d.target.astype(np.int64), [str(c) for c in d.target_names], BUILTIN)
+
+
+def load_npz(path: Path) -> ImageSet:
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            keys = set(f.files)
+            if not {"x", "y"} <= keys:
+                raise DataError(f"{path}: needs arrays named x (images) and y (labels); it holds "
+                                f"{', '.join(sorted(keys)) or 'nothing'}")
+            x, y = f["x"], f["y"]
+    except DataError:
+        raise
+    except Exception as e:  # zip/format errors, object arrays (pickles are refused)
+        raise DataError(f"{path}: not a readable .npz of numeric arrays ({type(e).__name__}: {e})") from None
+    return _from_arrays(x, y, str(path))
+
+
+def _read_npy(path: Path) -> np.ndarray:
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    try:
+        return np.load(path, allow_pickle=False)
+    except Exception as e:
+        raise DataError(f"{path}: not a readable .npy of numbers ({type(e).__name__}: {e})") from None
+
+
+def _from_arrays(x: np.ndarray, y: np.ndarray, source: str) -> ImageSet:
+    if not (np.issubdtype(x.dtype, np.number) or x.dtype == bool):
+        raise DataError(f"{source}: images must be numbers, got dtype {x.dtype}")
+    if x.ndim == 3:
+        x = x[:, None]
+    elif x.ndim == 4 and x.shape[-1] in (1, 3, 4) and x.shape[1] > 4:
+        x = np.moveaxis(x, -1, 1)
+    elif x.ndim != 4:
+        raise DataError(f"{source}: images must be (N, H, W), (N, C, H, W) or (N, H, W, C); got shape {x.shape}")
+    y = np.asarray(y)
+    if y.ndim != 1 or len(y) != len(x):
+        raise DataError(f"{source}: labels must be one integer per image: {len(x)} images but labels of shape "
+                        f"{y.shape}")
+    scale = 255.0 if x.dtype == np.uint8 else 1.0
+    images = x.astype(np.float32) / scale
+    labels = _integer_labels(y, source)
+    return ImageSet(images, labels, [str(c) for c in range(int(labels.max()) + 1)] if len(labels) else [], source)
+
+
+def _integer_labels(y: np.ndarray, source: str) -> np.ndarray:
+    if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
+        raise DataError(f"{source}: labels must be integers 0..K-1, got dtype {y.dtype}")
+    if np.issubdtype(y.dtype, np.floating) and not (np.isfinite(y).all() and (y == np.round(y)).all()):
+        raise DataError(f"{source}: labels must be integers 0..K-1; found non-integer values")
+    labels = y.astype(np.int64)
+    if len(labels) and labels.min() < 0:
+        bad = int(np.argmax(labels < 0))
+        raise DataError(f"{source}: label {labels[bad]} of image {bad} is out of range; labels must be 0..K-1")
+    return labels
+
+
+def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
+    """``root/<class>/<images>``, or ``root/{train,val,test}/<class>/<images>`` with given splits."""
+    try:
+        from PIL import Image
+    except ImportError:
+        raise DataError("reading image folders needs Pillow: pip install 'difftx[vision]'") from None
+    subdirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    names = {p.name for p in subdirs}
+    split_layout = "train" in names and names <= set(SPLIT_NAMES)
+    parts = {p.name: p for p in subdirs} if split_layout else {"all": root}
+    class_dirs = {}
+    for part, path in parts.items():
+        dirs = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+        if not dirs:
+            raise DataError(f"{path}: no class folders in it (expected {path}/<class name>/<image files>)")
+        class_dirs[part] = dirs
+    classes = sorted({d.name for dirs in class_dirs.values() for d in dirs})
+    if len(classes) < 2:
+        raise DataError(f"{root}: found {len(classes)} class folder ({', '.join(classes)}); a classifier needs "
+                        "at least 2 classes")
+    files, labels, part_of, skipped = [], [], [], 0
+    for part, dirs in class_dirs.items():
+        for d in dirs:
+            found = 0
+            for f in sorted(d.rglob("*")):
+                if not f.is_file() or any(s.startswith(".") for s in f.relative_to(d).parts):
+                    continue
+                if f.suffix.lower() not in IMAGE_EXTENSIONS:
+                    skipped += 1
+                    continue
+                files.append(f)
+                labels.append(classes.index(d.name))
+                part_of.append(part)
+                found += 1
+            if not found:
+                raise DataError(f"{d}: no images in this class folder ({', '.join(IMAGE_EXTENSIONS[:4])}, ...); "
+                                "add some or remove the folder")
+    notes = [f"skipped {skipped} non-image files under {root}"] if skipped else []
+    if skipped:
+        print(f"difftx: {notes[0]}", file=sys.stderr)
+
+    pics = []
+    for f in files:
+        try:
+            with Image.open(f) as im:
+                im.load()
+                pics.append(im.copy() if im.mode != "P" else im.convert("RGBA"))
+        except Exception as e:
+            raise DataError(f"{f}: not a readable image ({type(e).__name__}: {e}); remove or replace it") from None
+    grey = all(im.mode in _GREY_MODES for im in pics)
+    arrays, first = [], None
+    for f, im in zip(files, pics):
+        if resize is not None:
+            im = im.resize((resize, resize), Image.BILINEAR)
+        elif first is None:
+            first = (f, im.size)
+        elif im.size != first[1]:
+            raise DataError(f"{f}: {im.size[0]}x{im.size[1]} pixels, but {first[0]} is {first[1][0]}x{first[1][1]}; "
+                            "all images must have one size (resize them, or pass --domain-opt resize=N)")
+        arrays.append(_pixels(im, grey))
+    images = np.stack(arrays)
+    labels_arr = np.asarray(labels, dtype=np.int64)
+    splits = None
+    if split_layout:
+        part_arr = np.asarray(part_of)
+        splits = {p: np.flatnonzero(part_arr == p) for p in parts}
+    return ImageSet(images, labels_arr, classes, str(root), splits, notes)
+
+
+def _pixels(im, grey: bool) -> np.ndarray:
+    """A Pillow image as float32 (C, H, W) in [0, 1] (16-bit and float images by their own range)."""
+    if grey:
+        if im.mode in ("I", "I;16", "I;16B", "I;16L"):
+            a = np.asarray(im, dtype=np.float32) / 65535.0
+        elif im.mode == "F":
+            a = np.asarray(im, dtype=np.float32)
+        else:
+            a = np.asarray(im.convert("L"), dtype=np.float32) / 255.0
+        return a[None]
+    return np.asarray(im.convert("RGB"), dtype=np.float32).transpose(2, 0, 1) / 255.0
+
+
+def resize_images(images: np.ndarray, size: int) -> np.ndarray:
+    """Bilinear (antialiased) resize of (N, C, H, W) float images to size x size."""
+    import torch
+    import torch.nn.functional as F
+
+    if images.shape[-2:] == (size, size):
+        return images
+    t = torch.from_numpy(np.ascontiguousarray(images))
+    return F.interpolate(t, size=(size, size), mode="bilinear", antialias=True, align_corners=False).numpy()
+
+
+def _check_images(data: ImageSet) -> None:
+    n, (_, h, w) = len(data.images), data.shape
+    if n == 0:
+        raise DataError(f"{data.source}: no images")
+    if h != w:
+        raise DataError(f"{data.source}: images are {h}x{w}; the vision models take square images "
+                        "(pass --domain-opt resize=N)")
+    if not np.isfinite(data.images).all():
+        raise DataError(f"{data.source}: images hold NaN or infinite values")
+    if len(np.unique(data.labels)) < 2:
+        raise DataError(f"{data.source}: all images have the same label; a classifier needs at least 2 classes")
+
+
+# ---------------------------------------------------------------------- splits and statistics
+def split_indices(labels: np.ndarray, val_fraction: float, test_fraction: float, seed: int = 0,
+                  given: Optional[dict[str, np.ndarray]] = None) -> dict[str, np.ndarray]:
+    """Stratified, deterministic ``{"train", "val", "test"}`` index arrays (sorted).
+
+    ``given`` (folder splits): kept; a missing ``val`` (or ``test``) is carved out of ``train``.
+    """
+    if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+        raise DataError(f"val_fraction {val_fraction} and test_fraction {test_fraction} must be in [0, 1) and sum "
+                        "to less than 1")
+    if given is not None:
+        pool = given["train"]
+        carve_val = 0.0 if "val" in given else val_fraction
+        carve_test = 0.0 if "test" in given else test_fraction
+        out = _stratified(labels, pool, carve_val, carve_test, seed)
+        for name in ("val", "test"):
+            if name in given:
+                out[name] = np.sort(given[name])
+        return out
+    return _stratified(labels, np.arange(len(labels)), val_fraction, test_fraction, seed)
+
+
+def _stratified(labels, pool, val_fraction, test_fraction, seed) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([seed, 0x5EED])
+    out = {"train": [], "val": [], "test": []}
+    for c in np.unique(labels[pool]):
+        idx = pool[labels[pool] == c]
+        idx = idx[rng.permutation(len(idx))]
+        n_test = int(round(len(idx) * test_fraction))
+        n_val = int(round(len(idx) * val_fraction))
+        out["test"].append(idx[:n_test])
+        out["val"].append(idx[n_test:n_test + n_val])
+        out["train"].append(idx[n_test + n_val:])
+    return {k: np.sort(np.concatenate(v)).astype(np.int64) for k, v in out.items()}
+
+
+def channel_stats(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean and standard deviation (float64 accumulation; std floored at 1e-6)."""
+    mean = images.mean(axis=(0, 2, 3), dtype=np.float64)
+    std = images.std(axis=(0, 2, 3), dtype=np.float64)
+    return mean.astype(np.float32), np.maximum(std, 1e-6).astype(np.float32)
+
+
+def normalize(images: np.ndarray, mean, std) -> np.ndarray:
+    mean = np.asarray(mean, dtype=np.float32)[None, :, None, None]
+    std = np.asarray(std, dtype=np.float32)[None, :, None, None]
+    return ((images - mean) / std).astype(np.float32)

@@ -1,0 +1,172 @@
+"""Image data: the three sources, the stratified split, and one clear error for each bad input."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from difftx.data.images import channel_stats, load_image_set, normalize, split_indices
+from difftx.errors import DataError
+from .conftest import blob_images, write_folder
+
+
+def test_builtin_digits():
+    d = load_image_set(None)
+    assert d.images.shape == (1797, 1, 8, 8) and d.images.dtype == np.float32
+    assert d.images.min() == 0.0 and d.images.max() == 1.0  # 0..16 scaled
+    assert d.classes == [str(i) for i in range(10)] and sorted(set(d.labels.tolist())) == list(range(10))
+    assert load_image_set("digits").fingerprint() == d.fingerprint()
+
+
+def test_missing_sklearn_is_one_clear_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    with pytest.raises(DataError, match=r"scikit-learn: pip install 'difftx\[vision\]'"):
+        load_image_set(None)
+
+
+def test_missing_pillow_is_one_clear_line(monkeypatch, tmp_path):
+    write_folder(tmp_path / "imgs")
+    monkeypatch.setitem(sys.modules, "PIL", None)
+    with pytest.raises(DataError, match=r"Pillow: pip install 'difftx\[vision\]'"):
+        load_image_set(str(tmp_path / "imgs"))
+
+
+def test_numpy_sources_agree(tmp_path):
+    x, y = blob_images(size=6, channels=3)
+    np.savez(tmp_path / "a.npz", x=x, y=y)
+    np.save(tmp_path / "x.npy", np.moveaxis(x, 1, -1))  # channels last is recognised
+    np.save(tmp_path / "y.npy", y)
+    (tmp_path / "d").mkdir()
+    np.save(tmp_path / "d" / "x.npy", x)
+    np.save(tmp_path / "d" / "y.npy", y.astype(np.float64))  # integer-valued floats are fine
+    sets = [load_image_set(str(tmp_path / "a.npz")), load_image_set(f"{tmp_path / 'x.npy'},{tmp_path / 'y.npy'}"),
+            load_image_set(str(tmp_path / "d"))]
+    for s in sets:
+        assert s.images.shape == (60, 3, 6, 6) and s.classes == ["0", "1", "2"]
+        np.testing.assert_array_equal(s.images, x)
+        np.testing.assert_array_equal(s.labels, y)
+
+
+def test_uint8_grey_arrays_are_scaled(tmp_path):
+    x = np.full((4, 5, 5), 255, dtype=np.uint8)
+    np.savez(tmp_path / "g.npz", x=x, y=np.array([0, 1, 0, 1]))
+    d = load_image_set(str(tmp_path / "g.npz"))
+    assert d.images.shape == (4, 1, 5, 5) and float(d.images.max()) == 1.0
+
+
+def test_image_folder_grey_and_rgb(tmp_path):
+    d = load_image_set(str(write_folder(tmp_path / "grey", n_per_class=3)))
+    assert d.images.shape == (6, 1, 8, 8) and d.classes == ["cat", "dog"] and d.labels.tolist() == [0] * 3 + [1] * 3
+    assert 0.0 <= d.images.min() and d.images.max() <= 1.0
+    assert d.images[3:].mean() > d.images[:3].mean() + 0.3  # the dog images are brighter
+    rgb = load_image_set(str(write_folder(tmp_path / "rgb", n_per_class=2, mode="RGB")))
+    assert rgb.images.shape == (4, 3, 8, 8)
+    assert d.splits is None
+
+
+def test_image_folder_with_given_splits(tmp_path):
+    write_folder(tmp_path / "ds" / "train", n_per_class=10)
+    write_folder(tmp_path / "ds" / "test", n_per_class=2)
+    d = load_image_set(str(tmp_path / "ds"))
+    assert set(d.splits) == {"train", "test"} and len(d.images) == 24
+    idx = split_indices(d.labels, 0.2, 0.5, 0, d.splits)
+    np.testing.assert_array_equal(idx["test"], d.splits["test"])  # given test kept; test_fraction unused
+    assert len(idx["val"]) == 4 and len(idx["train"]) == 16  # val carved out of train, per class
+    assert set(idx["val"]) | set(idx["train"]) == set(d.splits["train"].tolist())
+
+
+def test_split_is_stratified_deterministic_and_disjoint():
+    labels = np.repeat(np.arange(4), 50)
+    a = split_indices(labels, 0.1, 0.2, seed=0)
+    b = split_indices(labels, 0.1, 0.2, seed=0)
+    c = split_indices(labels, 0.1, 0.2, seed=1)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    assert not np.array_equal(a["test"], c["test"])
+    assert sorted(np.concatenate(list(a.values())).tolist()) == list(range(200))
+    for k, n in (("test", 10), ("val", 5), ("train", 35)):
+        assert np.bincount(labels[a[k]]).tolist() == [n] * 4, k
+    with pytest.raises(DataError, match="sum to less than 1"):
+        split_indices(labels, 0.5, 0.5)
+
+
+def test_normalisation_uses_channel_statistics():
+    x, _ = blob_images(channels=3)
+    mean, std = channel_stats(x)
+    z = normalize(x, mean, std)
+    np.testing.assert_allclose(z.mean(axis=(0, 2, 3)), 0.0, atol=1e-5)
+    np.testing.assert_allclose(z.std(axis=(0, 2, 3)), 1.0, atol=1e-4)
+
+
+def test_resize(tmp_path):
+    write_folder(tmp_path / "f", sizes={("cat", 0): (12, 10)})  # one odd size: resize makes them all 6x6
+    d = load_image_set(str(tmp_path / "f"), resize=6)
+    assert d.images.shape == (8, 1, 6, 6)
+    x, y = blob_images(size=8)
+    np.savez(tmp_path / "a.npz", x=x, y=y)
+    assert load_image_set(str(tmp_path / "a.npz"), resize=4).images.shape == (60, 1, 4, 4)
+
+
+# ---------------------------------------------------------------------- bad input
+def _bad(spec, match, **kw):
+    with pytest.raises(DataError, match=match) as e:
+        load_image_set(str(spec), **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_path(tmp_path):
+    _bad(tmp_path / "nope", "no such file or directory")
+
+
+def test_folder_without_class_folders(tmp_path):
+    (tmp_path / "empty").mkdir()
+    _bad(tmp_path / "empty", "no class folders")
+    (tmp_path / "one" / "cat").mkdir(parents=True)
+    _bad(tmp_path / "one", "at least 2 classes")
+
+
+def test_class_folder_without_images(tmp_path):
+    root = write_folder(tmp_path / "f")
+    (root / "emu").mkdir()
+    (root / "emu" / "notes.txt").write_text("no pictures here")
+    _bad(root, r"emu: no images")
+
+
+def test_mismatched_image_sizes_name_the_file(tmp_path):
+    root = write_folder(tmp_path / "f", sizes={("dog", 2): (10, 8)})
+    _bad(root, r"dog/2\.png: 10x8 pixels, but .*cat/0\.png is 8x8; .*resize=N")
+
+
+def test_non_square_images(tmp_path):
+    root = write_folder(tmp_path / "f", sizes={(c, i): (8, 6) for c in ("cat", "dog") for i in range(4)})
+    _bad(root, "square")
+
+
+def test_unreadable_image(tmp_path):
+    root = write_folder(tmp_path / "f")
+    (root / "cat" / "broken.png").write_bytes(b"not a png")
+    _bad(root, r"broken\.png: not a readable image")
+
+
+def test_bad_arrays(tmp_path):
+    x, y = blob_images()
+    np.savez(tmp_path / "keys.npz", images=x, labels=y)
+    _bad(tmp_path / "keys.npz", "needs arrays named x .* and y .* it holds images, labels")
+    np.savez(tmp_path / "len.npz", x=x, y=y[:-1])
+    _bad(tmp_path / "len.npz", "60 images but labels of shape")
+    np.savez(tmp_path / "neg.npz", x=x, y=y - 1)
+    _bad(tmp_path / "neg.npz", "label -1 of image 0 is out of range")
+    np.savez(tmp_path / "frac.npz", x=x, y=y + 0.5)
+    _bad(tmp_path / "frac.npz", "non-integer")
+    np.savez(tmp_path / "one.npz", x=x, y=np.zeros_like(y))
+    _bad(tmp_path / "one.npz", "at least 2 classes")
+    np.savez(tmp_path / "dims.npz", x=x[:, 0, 0], y=y)
+    _bad(tmp_path / "dims.npz", "images must be")
+    x[0, 0, 0, 0] = np.nan
+    np.savez(tmp_path / "nan.npz", x=x, y=y)
+    _bad(tmp_path / "nan.npz", "NaN")
+    (tmp_path / "t.txt").write_text("hello")
+    _bad(tmp_path / "t.txt", "not an image folder or .npz")
+    _bad(f"{tmp_path / 'x.npy'},{tmp_path / 'y.npy'}", "x.npy: no such file")

@@ -1,0 +1,151 @@
+"""``difftx train --domain vision``: the run directory, exact resume, learning, and bad input (exit 2, one line)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import difftx
+from difftx.cli import main
+from difftx.models.vision import VisionEncoder
+from .conftest import blob_images
+
+TINY = ["--domain", "vision", "--preset", "vdnt-tiny", "--d-model", "32", "--n-layers", "2", "--n-heads", "2",
+        "--batch-size", "8", "--no-progress", "--threads", "1", "--seed", "5"]
+
+
+def train(data, out, *args):
+    return main(["train", "--data", str(data), *TINY, "--out", str(out), *map(str, args)])
+
+
+def rows(run, key):
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r[key] for r in map(json.loads, lines) if key in r]
+
+
+def test_run_directory_contract(tmp_path, npz_data, capsys):
+    out = tmp_path / "run"
+    assert train(npz_data, out, "--steps", 4, "--eval-every", 2, "--checkpoint-every", 2,
+                 "--domain-opt", "test_fraction=0.25") == 0
+    printed = capsys.readouterr().out
+    assert "test_acc" in printed and "vision.json" in printed
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model"]["image_size"] == 8 and cfg["model"]["num_classes"] == 3  # from the data
+    assert cfg["data"]["n_test"] == 15 and cfg["data"]["n_val"] == 6 and cfg["data"]["n_train"] == 39
+    assert len(rows(out, "val_acc")) == 2  # steps 2 and 4
+    (test_acc,) = rows(out, "test_acc")
+    assert 0.0 <= test_acc <= 1.0 and len(rows(out, "test_loss")) == 1
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["step_00000002", "step_00000004"]
+    meta = json.loads((out / "checkpoints" / ckpts[-1] / "vision.json").read_text())
+    assert meta["classes"] == ["0", "1", "2"] and meta["image_size"] == 8
+    model = difftx.load_model(out)
+    assert isinstance(model, VisionEncoder)
+    same = difftx.load_model(out / "checkpoints" / ckpts[-1]).state_dict()
+    assert all(torch.equal(v, same[k]) for k, v in model.state_dict().items())
+    assert cfg["data"]["mean"] == meta["mean"] and cfg["data"]["fingerprint"] == meta["fingerprint"]
+
+
+NO_AUGMENT = ["--domain-opt", "mixup=0"]  # the default digits recipe mixes
+ALL_AUGMENT = [f"--domain-opt={o}" for o in ("crop=1", "flip=true", "mixup=0.8", "cutmix=1.0", "label_smoothing=0.1",
+                                              "random_erasing=0.25")]
+
+
+@pytest.mark.parametrize("augment", [NO_AUGMENT, ALL_AUGMENT], ids=["plain", "augmented"])
+def test_exact_resume(tmp_path, npz_data, augment):
+    common = ["--steps", 6, "--eval-every", 3, "--diag-every", 3, "--attention", "diff", "--optimizer", "msgdw",
+              "--lr", 0.05, *augment]
+    assert train(npz_data, tmp_path / "full", *common) == 0
+    assert train(npz_data, tmp_path / "half", *common, "--stop-at", 3) == 0
+    assert train(npz_data, tmp_path / "half", *common, "--resume", "auto") == 0
+    for key in ("loss", "val_acc", "val_loss", "test_acc", "lambdas"):
+        assert rows(tmp_path / "half", key) == rows(tmp_path / "full", key), key
+    a, b = difftx.load_model(tmp_path / "full").state_dict(), difftx.load_model(tmp_path / "half").state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_a_tiny_model_learns(tmp_path, npz_data):
+    out = tmp_path / "run"
+    assert train(npz_data, out, "--steps", 100, "--eval-every", 0, "--lr", 3e-3) == 0
+    assert rows(out, "test_acc")[0] >= 0.9 and rows(out, "val_acc")[0] >= 0.9
+    assert rows(out, "loss")[-1] < 0.5 * rows(out, "loss")[0]
+
+
+def test_train_vision_arm(tmp_path, npz_data):
+    from difftx import ModelConfig
+    from difftx.train.vision import train_vision_arm
+
+    cfg = ModelConfig.from_preset("vit-tiny", d_model=32, n_layers=1, n_heads=2)
+    r = train_vision_arm(cfg, optimizer="msgdw", seed=2, steps=3, data=str(npz_data), threads=1, batch_size=8)
+    assert r["optimizer"] == "msgdw" and r["lr"] == 0.1 and r["seed"] == 2 and r["steps"] == 3
+    assert r["images"] == 24 and r["run_dir"] is None and r["params"] > 0
+    assert 0 <= r["test_acc"] <= 1 and r["cpu_s"] > 0 and r["images_per_s"] > 0
+
+
+# ---------------------------------------------------------------------- bad input: one line, exit 2
+def _fails(capsys, code, match, *argv):
+    assert main(["train", *map(str, argv)]) == code
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("difftx train: error:") and match in err, err
+    return err
+
+
+def test_patch_size_that_does_not_divide(tmp_path, npz_data, capsys):
+    _fails(capsys, 2, "patch_size: 3 does not divide the data's image size 8", "--data", npz_data, *TINY,
+           "--set", "patch_size=3", "--out", tmp_path / "a")
+    _fails(capsys, 2, "image_size 8 is not divisible by patch_size 3", "--data", npz_data, *TINY,
+           "--set", "patch_size=3", "--set", "image_size=8", "--out", tmp_path / "a")
+    x, y = blob_images(size=9)
+    np.savez(tmp_path / "nine.npz", x=x, y=y)
+    _fails(capsys, 2, "patch_size: 2 does not divide the data's image size 9", "--data", tmp_path / "nine.npz",
+           *TINY, "--out", tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    # the data's size decides, not the preset's 8: patch 3 fits 9x9 images
+    assert train(tmp_path / "nine.npz", tmp_path / "c", "--set", "patch_size=3", "--steps", 1) == 0
+    saved = json.loads((tmp_path / "c" / "config.json").read_text())["model"]
+    assert (saved["image_size"], saved["patch_size"]) == (9, 3)
+
+
+def test_bad_data_and_options(tmp_path, npz_data, capsys):
+    out = tmp_path / "run"
+    _fails(capsys, 2, "no such file or directory", "--data", tmp_path / "missing", *TINY, "--out", out)
+    (tmp_path / "empty").mkdir()
+    _fails(capsys, 2, "no class folders", "--data", tmp_path / "empty", *TINY, "--out", out)
+    _fails(capsys, 2, "labels go up to 2 (out of range)", "--data", npz_data, *TINY, "--set", "num_classes=2",
+           "--out", out)
+    _fails(capsys, 2, "unknown vision option 'flipp'", "--data", npz_data, *TINY, "--domain-opt", "flipp=true",
+           "--out", out)
+    _fails(capsys, 2, "in_channels: is 3", "--data", npz_data, *TINY, "--set", "in_channels=3", "--out", out)
+    assert not out.exists()
+
+
+def test_resume_with_other_data_is_refused(tmp_path, npz_data, capsys):
+    out = tmp_path / "run"
+    assert train(npz_data, out, "--steps", 4, "--stop-at", 2) == 0
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    capsys.readouterr()
+    _fails(capsys, 2, "data: is", "--data", tmp_path / "other.npz", *TINY, "--steps", 4, "--out", out,
+           "--resume", "auto")  # another path: the saved config says so
+    x, y = blob_images(seed=9)
+    np.savez(npz_data, x=x, y=y)  # the same path, other images: the saved fingerprint says so
+    _fails(capsys, 2, "not the data of the run being resumed", "--data", npz_data, *TINY, "--steps", 4,
+           "--out", out, "--resume", "auto")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+
+
+def test_default_vision_run_uses_the_digits_recipe():
+    from difftx.train import resolve_configs
+
+    tcfg, mcfg = resolve_configs(train={"domain": "vision", "steps": 40})
+    assert mcfg.preset == "vit-tiny" and tcfg.recipe == "vit-tiny-adamw" and tcfg.batch_size == 32
+    assert tcfg.steps == 40 and tcfg.epochs is None and tcfg.warmup == 6  # 3 of 20 epochs
+    tcfg, _ = resolve_configs("vdnt-tiny-msgdw")
+    assert tcfg.epochs == 20 and tcfg.optimizer == "msgdw" and tcfg.domain_options == {"mixup": 0.2}
+    tcfg, _ = resolve_configs("vdnt-tiny-adamw", train={"domain_options": {"label_smoothing": 0.1}})
+    assert tcfg.domain_options == {"mixup": 0.2, "label_smoothing": 0.1}  # the recipe's options merge with yours
+    tcfg, _ = resolve_configs("vdnt-tiny-adamw", train={"domain_options": {"mixup": 0}})
+    assert tcfg.domain_options == {"mixup": 0}
