@@ -14,7 +14,7 @@ from difftx.compare.report import ms, num  # noqa: E402
 
 VISION_MINI = ["--domain", "vision", "--arms", "vit:adamw,diff-vit:adamw,vdnt:adamw,vdnt:msgdw", "--seeds", "1",
                "--set", "n_layers=1", "--set", "d_model=32", "--steps", "8", "--batch-size", "32",
-               "--eval-points", "2", "--tail-batches", "2", "--no-progress"]
+               "--eval-points", "2", "--tail-batches", "2", "--workers", "1", "--no-progress"]
 
 
 def test_vision_mini_study(cli, tmp_path):
