@@ -99,8 +99,9 @@ def answers(res: dict) -> list[str]:
     cost = q.get("cost")
     if cost:
         ref = cost["reference"]
-        parts = [f"{_label(res, a)} {ratio(c['throughput_ratio'])} the throughput and {ratio(c['memory_ratio'])} the "
-                 f"peak step memory" for a, c in cost["arms"].items() if a != ref]
+        parts = [f"{_label(res, a)} {ratio(c['throughput_ratio'])} the throughput"
+                 + (f" ({ratio(c['throughput_cpu_ratio'])} per CPU second)" if c.get("throughput_cpu_ratio") else "")
+                 + f" and {ratio(c['memory_ratio'])} the peak step memory" for a, c in cost["arms"].items() if a != ref]
         out.append(f"**At what cost in speed and memory?** Relative to {_label(res, ref)}: " + "; ".join(parts) + ".")
     for key, title in (("diff_inside_dnt_vs_dnt", "DIFF inside DNT vs DNT"),
                        ("diff_inside_dnt_vs_diff", "DIFF inside DNT vs DIFF")):
@@ -206,9 +207,10 @@ def cost_section(res: dict) -> str:
         k = cost["arms"][a]
         m = c["memory"]
         rows.append([res["arms"][a]["label"], ms(c["throughput"], lambda v: f"{v:,.0f}"), ratio(k["throughput_ratio"]),
+                     ms(c.get("throughput_cpu"), lambda v: f"{v:,.0f}"), ratio(k.get("throughput_cpu_ratio")),
                      mib(m["total_bytes"]["mean"]), ratio(k["memory_ratio"]), mib(m["state_bytes"]["mean"]),
                      mib(m["step_bytes"]["mean"]), ms(c["train_cpu_s"], lambda v: f"{v:.1f}")])
-    return table(["arm", f"{unit}/s", "x ref", "peak step MiB", "x ref", "params + optimizer MiB",
+    return table(["arm", f"{unit}/s", "x ref", f"{unit}/CPU-s", "x ref", "peak step MiB", "x ref", "params + optimizer MiB",
                   "step peak MiB", "train CPU s"], rows)
 
 
@@ -306,7 +308,8 @@ def render(res: dict, pictures: tuple = ()) -> str:
               "|g| entries, q99.9/q50:", "", q, "", "Gradient noise, alpha:", "",
               tails_section(res, "noise_alpha"), pic("grad_hist.png", "gradient histograms")]
     L += ["", "## Speed and memory", "", "Throughput: the median of each run's per-step rate after its first 10% of "
-          "steps (parallel jobs share the machine, so compare ratios). Peak step memory: parameters and optimizer "
+          "steps (wall clock: parallel jobs and anything else on the machine share it), and per CPU second (the "
+          "run's tokens over its CPU time, evaluations included: independent of the machine's load, CPU only). Peak step memory: parameters and optimizer "
           f"state plus the high-water mark of one training step at the run's batch "
           f"({res['corpus'][next(iter(res['corpus']))].get('memory_method') or '-'}).", "", cost_section(res),
           pic("cost.png", "cost"), "", res["papers"]["diff_throughput_table7"] + "; " +

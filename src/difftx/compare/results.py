@@ -113,13 +113,22 @@ def _histograms(runs: list[dict]) -> dict:
     return out
 
 
+def _per_cpu_s(run: dict) -> Optional[float]:
+    """Tokens (images) per CPU second of the whole training run (evaluations included): unlike the wall-clock
+    rate, it does not depend on what else the machine runs.  CPU runs only (a GPU run's CPU time means little)."""
+    tps, cpu = _get(run, "curve", "tokens_per_step"), _get(run, "train", "cpu_s")
+    if not tps or not cpu or _get(run, "memory", "method") == "torch.cuda.max_memory_allocated":
+        return None
+    return tps * run["job"]["steps"] / cpu
+
+
 def corpus_arm(runs: list[dict], domain: str) -> dict:
     s = lambda *path: stat([_get(r, *path) for r in runs])  # noqa: E731
     res = {"seeds": [r["job"]["seed"] for r in runs], "diverged": sum(bool(r.get("diverged")) for r in runs),
            "val_loss": s("final", "val_loss"), "curve": _curve(runs),
            "throughput": s("throughput", "per_s"), "unit": next((_get(r, "throughput", "unit") for r in runs
                                                                 if _get(r, "throughput", "unit")), None),
-           "train_cpu_s": s("train", "cpu_s"),
+           "train_cpu_s": s("train", "cpu_s"), "throughput_cpu": stat([_per_cpu_s(r) for r in runs]),
            "memory": {k: s("memory", k) for k in ("state_bytes", "step_bytes", "total_bytes")},
            "memory_method": next((_get(r, "memory", "method") for r in runs if _get(r, "memory", "method")), None)}
     if domain == "vision":
@@ -231,7 +240,9 @@ def questions(study: StudyConfig, corpus: dict, retrieval: Optional[dict]) -> di
             cr["throughput"]["mean"] else None
         mem = ca["memory"]["total_bytes"]["mean"] / cr["memory"]["total_bytes"]["mean"] \
             if ca["memory"]["total_bytes"]["mean"] and cr["memory"]["total_bytes"]["mean"] else None
-        cost[a.id] = {"throughput_ratio": tp, "memory_ratio": mem,
+        tc = ca["throughput_cpu"]["mean"] / cr["throughput_cpu"]["mean"] if ca["throughput_cpu"]["mean"] and \
+            cr["throughput_cpu"]["mean"] else None
+        cost[a.id] = {"throughput_ratio": tp, "throughput_cpu_ratio": tc, "memory_ratio": mem,
                       "throughput": compare(ca["throughput"], cr["throughput"], True) if a.id != ref else None}
     q["cost"] = {"reference": ref, "arms": cost}
     return q
