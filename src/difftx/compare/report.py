@@ -320,7 +320,9 @@ def render(res: dict, pictures: tuple = ()) -> str:
               f"seed {res['lr_sweep']['seed']}); bold: the lr the study used.", "", sw, pic("lr_sweep.png", "lr sweep")]
     L += ["", "## Every comparison", "", verdicts_section(res), "", "## Reproduce", "",
           f"    {res['command']}", "", "Rerunning with the same seeds reproduces every number here except the timings "
-          "(throughput, CPU and wall time), which depend on the machine and its load.", ""]
+          "(throughput, CPU and wall time), which depend on the machine and its load, given the same torch version "
+          "and threads per job (some CPU kernels reduce in a thread-dependent order: another --threads can change "
+          "the 5th digit).", ""]
     return "\n".join(L)
 
 
