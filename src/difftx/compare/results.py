@@ -1,0 +1,300 @@
+"""From the jobs' measurements to ``results.json``: statistics over seeds, comparisons and the answers.
+
+Every number the report prints is in here.  Per arm and metric the seeds give
+a :func:`stat` (mean, sample standard deviation, min, max, the values).  A
+comparison of two arms (:func:`compare`) calls a difference *clear* only when
+it is larger than the seed spread, the larger of the two arms' ranges over
+seeds (max - min); otherwise it is "no clear difference".  With one seed there
+is no spread and no verdict.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Optional
+
+from .arms import ROLES, Arm
+from .jobs import Job
+from .study import PAPERS_SCALE, StudyConfig
+
+# the papers' own numbers, quoted beside ours
+PAPER_NUMBERS = {
+    "dnt_val_loss_124m": {"gpt2-adamw": 2.867, "gpt2-msgdw": 2.906, "ldnt-adamw": 2.863, "ldnt-msgdw": 2.849},
+    "dnt_imagenet_top1_307m": {"vit-adamw": 81.7, "vit-msgdw": 78.2, "vdnt-adamw": 82.1, "vdnt-msgdw": 81.5},
+    "diff_niah_table2": {"N1R1": (1.00, 1.00), "N2R2": (0.85, 0.92), "N4R2": (0.62, 0.84), "N6R2": (0.55, 0.85)},
+    "diff_attention_table3": {"answer": ("0.03-0.09", "0.27-0.40"), "noise": ("0.49-0.54", "0.01-0.02")},
+    "diff_outliers_table5": {"attention_logits_top1": (318.0, 38.8), "hidden_states_top1": (3608.6, 1688.2)},
+    "diff_throughput_table7": "DIFF 0.88-0.94x the Transformer's tokens/s (3B-13B, H100, fwd+bwd)",
+    "dnt_memory_table2": "optimizer state of a 1.4B model: AdamW 11.5 GB, mSGDW 5.7 GB",
+}
+
+
+def stat(values: list) -> Optional[dict]:
+    """Mean, sample sd, min, max over the finite values; None values (diverged runs) are counted apart."""
+    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    missing = len(values) - len(vals)
+    if not vals:
+        return {"mean": None, "sd": None, "min": None, "max": None, "n": 0, "missing": missing, "values": []}
+    return {"mean": statistics.fmean(vals), "sd": statistics.stdev(vals) if len(vals) > 1 else None,
+            "min": min(vals), "max": max(vals), "n": len(vals), "missing": missing, "values": vals}
+
+
+def compare(a: Optional[dict], b: Optional[dict], higher_is_better: bool) -> Optional[dict]:
+    """Arm a against arm b on one metric: the difference of means, the seed spread and the verdict."""
+    if a is None or b is None:
+        return None
+    if a["n"] == 0 or b["n"] == 0:
+        return {"delta": None, "spread": None, "verdict": "not comparable (a run diverged or was not measured)"}
+    delta = a["mean"] - b["mean"]
+    if a["n"] < 2 or b["n"] < 2:
+        return {"delta": delta, "spread": None, "verdict": "no verdict (one seed: no spread; use --seeds 2 or more)"}
+    spread = max(a["max"] - a["min"], b["max"] - b["min"])
+    if abs(delta) <= spread:
+        verdict = "no clear difference"
+    else:
+        verdict = "better" if (delta > 0) == higher_is_better else "worse"
+    return {"delta": delta, "spread": spread, "verdict": verdict}
+
+
+# ----------------------------------------------------------------------------- sweep
+def choose_lrs(study: StudyConfig, jobs: list[Job], results: dict) -> dict[str, float]:
+    """Per arm, the sweep's lr with the lowest final validation loss (diverged runs lose)."""
+    best: dict[str, tuple[float, float]] = {}
+    for job in jobs:
+        r = results[job.key]
+        loss = (r.get("final") or {}).get("val_loss")
+        score = loss if (loss is not None and not r.get("diverged")) else math.inf
+        if job.arm.id not in best or score < best[job.arm.id][0]:
+            best[job.arm.id] = (score, job.lr)
+    return {arm: lr for arm, (_, lr) in best.items()}
+
+
+def sweep_section(study: StudyConfig, jobs: list[Job], results: dict, chosen: dict) -> Optional[dict]:
+    if not jobs:
+        return None
+    rows = [{"arm": j.arm.id, "lr": j.lr, "val_loss": (results[j.key].get("final") or {}).get("val_loss"),
+             "diverged": bool(results[j.key].get("diverged"))} for j in jobs]
+    return {"grid": study.lr_sweep, "seed": study.seed, "rows": rows, "chosen": chosen}
+
+
+# ----------------------------------------------------------------------------- per arm
+def _get(d: dict, *path):
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return None
+        d = d[p]
+    return d
+
+
+def _curve(runs: list[dict]) -> dict:
+    """Validation loss by tokens: mean, min, max over seeds at the evaluation points all seeds share."""
+    per_seed = [{row[0]: row[1] for row in r["curve"]["val"] if row[1] is not None} for r in runs
+                if r.get("curve")]
+    steps = sorted(set.intersection(*(set(s) for s in per_seed))) if per_seed else []
+    tps = next((r["curve"]["tokens_per_step"] for r in runs if r.get("curve", {}).get("tokens_per_step")), None)
+    out = {"steps": steps, "tokens": [round(s * tps) if tps else None for s in steps],
+           "mean": [statistics.fmean(s[k] for s in per_seed) for k in steps],
+           "min": [min(s[k] for s in per_seed) for k in steps], "max": [max(s[k] for s in per_seed) for k in steps]}
+    out["train"] = [r["curve"]["train"] for r in runs if r.get("curve")]
+    return out
+
+
+def _histograms(runs: list[dict]) -> dict:
+    """Gradient-entry histograms per matrix kind, averaged over seeds (fractions per log10 bin)."""
+    out = {}
+    kinds = {k for r in runs for k in (_get(r, "tails", "entries") or {})}
+    for kind in sorted(kinds):
+        hs = [_get(r, "tails", "entries", kind, "histogram") for r in runs]
+        hs = [h for h in hs if h]
+        if hs:
+            out[kind] = {"log10_edges": hs[0]["log10_edges"],
+                         "fraction": [statistics.fmean(h["fraction"][i] for h in hs) for i in range(len(hs[0]["fraction"]))]}
+    return out
+
+
+def _per_cpu_s(run: dict) -> Optional[float]:
+    """Tokens (images) per CPU second of the whole training run (evaluations included): unlike the wall-clock
+    rate, it does not depend on what else the machine runs.  CPU runs only (a GPU run's CPU time means little)."""
+    tps, cpu = _get(run, "curve", "tokens_per_step"), _get(run, "train", "cpu_s")
+    if not tps or not cpu or _get(run, "memory", "method") == "torch.cuda.max_memory_allocated":
+        return None
+    return tps * run["job"]["steps"] / cpu
+
+
+def corpus_arm(runs: list[dict], domain: str) -> dict:
+    s = lambda *path: stat([_get(r, *path) for r in runs])  # noqa: E731
+    res = {"seeds": [r["job"]["seed"] for r in runs], "diverged": sum(bool(r.get("diverged")) for r in runs),
+           "val_loss": s("final", "val_loss"), "curve": _curve(runs),
+           "throughput": s("throughput", "per_s"), "unit": next((_get(r, "throughput", "unit") for r in runs
+                                                                if _get(r, "throughput", "unit")), None),
+           "train_cpu_s": s("train", "cpu_s"), "throughput_cpu": stat([_per_cpu_s(r) for r in runs]),
+           "memory": {k: s("memory", k) for k in ("state_bytes", "step_bytes", "total_bytes")},
+           "memory_method": next((_get(r, "memory", "method") for r in runs if _get(r, "memory", "method")), None)}
+    if domain == "vision":
+        res["val_acc"], res["test_acc"] = s("final", "val_acc"), s("final", "test_acc")
+    if any("outliers" in r for r in runs):
+        res["outliers"] = {k: {q: s("outliers", k, q) for q in ("top1", "top10", "median")}
+                           for k in ("attention_logits", "hidden_states")}
+    kinds = [k for k in ("W_q", "W_k", "W_v", "W_o", "W_g", "W_1", "W_2", "all")
+             if any(_get(r, "tails", "entries", k) for r in runs)]
+    if kinds:
+        res["tails"] = {"entries_q99_9_over_q50": {k: s("tails", "entries", k, "q99_9_over_q50") for k in kinds},
+                        "entries_hill": {k: s("tails", "entries", k, "hill") for k in kinds},
+                        "noise_alpha": {k: s("tails", "noise", k, "alpha_mohammadi") for k in kinds},
+                        "histograms": _histograms(runs)}
+    lams = [r["lambdas"] for r in runs if r.get("lambdas")]
+    if lams:
+        res["lambdas"] = [statistics.fmean(x[i] for x in lams) for i in range(len(lams[0]))]
+    return res
+
+
+def retrieval_arm(runs: list[dict]) -> dict:
+    cells = list(dict.fromkeys(c for r in runs for c in (_get(r, "retrieval", "cells") or {})))
+    regions = list(dict.fromkeys(k for r in runs for k in (_get(r, "attention", "mean") or {})))
+    return {"seeds": [r["job"]["seed"] for r in runs], "diverged": sum(bool(r.get("diverged")) for r in runs),
+            "val_loss": stat([_get(r, "final", "val_loss") for r in runs]),
+            "cells": {c: stat([_get(r, "retrieval", "cells", c) for r in runs]) for c in cells},
+            "overall": stat([_get(r, "retrieval", "overall") for r in runs]),
+            "attention": {k: stat([_get(r, "attention", "mean", k) for r in runs]) for k in regions},
+            "throughput": stat([_get(r, "throughput", "per_s") for r in runs]),
+            "memory_total_bytes": stat([_get(r, "memory", "total_bytes") for r in runs])}
+
+
+# ----------------------------------------------------------------------------- the questions
+def _role_arm(arms: list[Arm], model: str, optimizer: str) -> Optional[str]:
+    return next((a.id for a in arms if a.model == model and a.optimizer == optimizer), None)
+
+
+def _summary(verdicts: list[Optional[str]]) -> str:
+    v = [x for x in verdicts if x in ("better", "worse", "no clear difference")]
+    if not v:
+        return "not measured"
+    if "better" in v and "worse" in v:
+        return "mixed"
+    if "better" in v:
+        return "yes"
+    if "worse" in v:
+        return "no"
+    return "no clear difference"
+
+
+def questions(study: StudyConfig, corpus: dict, retrieval: Optional[dict]) -> dict:
+    arms = study.arm_list()
+    base, diff, dnt, diff_dnt = ROLES[study.domain]
+    vision = study.domain == "vision"
+    quality = ("test_acc", True) if vision else ("val_loss", False)
+    q: dict = {}
+
+    def metric_rows(a: str, b: str) -> list[dict]:
+        rows = [{"metric": quality[0], "a": a, "b": b, **(compare(corpus[a].get(quality[0]), corpus[b].get(quality[0]),
+                                                                   quality[1]) or {})}]
+        if retrieval and a in retrieval["arms"] and b in retrieval["arms"]:
+            ra, rb = retrieval["arms"][a], retrieval["arms"][b]
+            rows.append({"metric": "retrieval", "a": a, "b": b, **(compare(ra["overall"], rb["overall"], True) or {})})
+            for region, hib in (("answer", True), ("noise", False)):
+                if region in ra["attention"] and region in rb["attention"]:
+                    rows.append({"metric": f"attention_{region}", "a": a, "b": b,
+                                 **(compare(ra["attention"][region], rb["attention"][region], hib) or {})})
+        for kind in ("attention_logits", "hidden_states"):
+            if "outliers" in corpus[a] and "outliers" in corpus[b]:
+                rows.append({"metric": f"outliers_{kind}_top1", "a": a, "b": b,
+                             **(compare(corpus[a]["outliers"][kind]["top1"], corpus[b]["outliers"][kind]["top1"],
+                                        False) or {})})
+        return rows
+
+    primary = {quality[0], "retrieval"}
+    for name, model_a, model_b in (("diff_vs_transformer", diff, base), ("diff_inside_dnt_vs_dnt", diff_dnt, dnt),
+                                   ("diff_inside_dnt_vs_diff", diff_dnt, diff)):
+        a, b = _role_arm(arms, model_a, "adamw"), _role_arm(arms, model_b, "adamw")
+        if a and b:
+            rows = metric_rows(a, b)
+            q[name] = {"a": a, "b": b, "rows": rows,
+                       "answer": _summary([r.get("verdict") for r in rows if r["metric"] in primary])}
+
+    # Does DNT let mSGDW match AdamW?  The gap mSGDW - AdamW with the Transformer's norms and with DNT's.
+    gaps = {}
+    for model in (base, dnt):
+        a, m = _role_arm(arms, model, "adamw"), _role_arm(arms, model, "msgdw")
+        if a and m:
+            row = compare(corpus[m].get(quality[0]), corpus[a].get(quality[0]), quality[1])
+            gaps[model] = {"msgdw": m, "adamw": a, **(row or {})}
+    if gaps:
+        dnt_gap = gaps.get(dnt)
+        if dnt_gap is None or dnt_gap.get("verdict") is None:
+            answer = "not measured"
+        elif dnt_gap["verdict"] in ("better", "no clear difference"):
+            answer = "yes"
+        elif dnt_gap["verdict"] == "worse":
+            answer = "no"
+        else:
+            answer = dnt_gap["verdict"]
+        q["dnt_msgdw_matches_adamw"] = {"gaps": gaps, "answer": answer}
+
+    # cost: throughput and memory of every arm relative to the baseline arm
+    ref = _role_arm(arms, base, "adamw") or arms[0].id
+    cost = {}
+    for a in arms:
+        ca, cr = corpus[a.id], corpus[ref]
+        tp = ca["throughput"]["mean"] / cr["throughput"]["mean"] if ca["throughput"]["mean"] and \
+            cr["throughput"]["mean"] else None
+        mem = ca["memory"]["total_bytes"]["mean"] / cr["memory"]["total_bytes"]["mean"] \
+            if ca["memory"]["total_bytes"]["mean"] and cr["memory"]["total_bytes"]["mean"] else None
+        tc = ca["throughput_cpu"]["mean"] / cr["throughput_cpu"]["mean"] if ca["throughput_cpu"]["mean"] and \
+            cr["throughput_cpu"]["mean"] else None
+        cost[a.id] = {"throughput_ratio": tp, "throughput_cpu_ratio": tc, "memory_ratio": mem,
+                      "throughput": compare(ca["throughput"], cr["throughput"], True) if a.id != ref else None}
+    q["cost"] = {"reference": ref, "arms": cost}
+    return q
+
+
+# ----------------------------------------------------------------------------- everything
+def build_results(study: StudyConfig, jobs: list[Job], results: dict, sweep: list[Job], sweep_results: dict,
+                  lrs: dict, timing: dict, command: str) -> dict:
+    from .. import __version__
+
+    arms = study.arm_list()
+    by = lambda task, arm: [results[j.key] for j in jobs if j.task == task and j.arm.id == arm]  # noqa: E731
+    arm_info = {}
+    for a in arms:
+        cfg = study.model_config(a, "corpus")
+        runs = by("corpus", a.id)
+        arm_info[a.id] = {"label": a.label, "model": a.model, "optimizer": a.optimizer, "attention": cfg.attention,
+                          "norms": cfg.norms, "n_heads": cfg.n_heads, "head_dim": cfg.head_dim,
+                          "params": runs[0].get("params") if runs else None,
+                          "lr": lrs.get(a.id, study.lr_for(a)),
+                          "lr_source": "--lr-sweep" if a.id in lrs else study.lr_source(a)}
+    corpus = {a.id: corpus_arm(by("corpus", a.id), study.domain) for a in arms}
+    retrieval = None
+    if "retrieval" in study.tasks():
+        r_arms = {a.id: retrieval_arm(by("retrieval", a.id)) for a in arms}
+        first = next((results[j.key] for j in jobs if j.task == "retrieval" and "retrieval" in results[j.key]), {})
+        retrieval = {"task": study.retrieval, "metric": _get(first, "retrieval", "metric"),
+                     "attention_setting": _get(first, "attention", "setting"),
+                     "cells": list(dict.fromkeys(c for r in r_arms.values() for c in r["cells"])), "arms": r_arms}
+    base = study.base_config()
+    scale = {"preset": study.preset, "model": {"d_model": base.d_model, "n_layers": base.n_layers,
+                                               "n_heads_transformer": base.twin("softmax").n_heads},
+             "corpus": {"steps": next(j.steps for j in jobs if j.task == "corpus"),
+                        "batch_size": study.batch_size, "seq_len": study.seq_len,
+                        "tokens_per_run": _tokens(results, jobs, "corpus")},
+             "papers": PAPERS_SCALE}
+    if retrieval:
+        scale["retrieval"] = {"task": study.retrieval, "steps": next(j.steps for j in jobs if j.task == "retrieval"),
+                              "batch_size": study.retrieval_batch_size, "seq_len": study.retrieval_seq_len,
+                              "tokens_per_run": _tokens(results, jobs, "retrieval"),
+                              "options": study.retrieval_options}
+    return {"difftx_compare": 1, "difftx_version": __version__, "command": command, "domain": study.domain,
+            "study": study.to_dict(), "scale": scale, "arms": arm_info, "corpus": corpus, "retrieval": retrieval,
+            "questions": questions(study, corpus, retrieval), "lr_sweep": sweep_section(study, sweep, sweep_results, lrs),
+            "papers": PAPER_NUMBERS, "timing": {**timing, "jobs_cpu_s": round(sum(
+                (r.get("train") or {}).get("cpu_s", 0.0) for r in results.values()), 1)}}
+
+
+def _tokens(results: dict, jobs: list[Job], task: str) -> Optional[int]:
+    for j in jobs:
+        if j.task == task:
+            curve = results[j.key].get("curve") or {}
+            if curve.get("tokens_per_step"):
+                return int(round(curve["tokens_per_step"] * j.steps))
+    return None

@@ -1,0 +1,285 @@
+"""Run a study end to end: the output directory, the learning-rate sweep, the jobs, then results and report.
+
+* **Output directory.** ``OUT/study.json`` (the resolved study and the
+  command) is written first; a directory that already holds files is never
+  overwritten unless asked: ``--resume`` continues the study there (complete
+  jobs are kept, interrupted ones continue from their checkpoints; only the
+  fields in ``StudyConfig.RESUMABLE`` may change), ``--force`` deletes the
+  previous study's files (and only a study directory's).
+* **Execution.** On a CPU the jobs run in a pool of worker processes (spawned,
+  one torch thread each by default: tiny models train much faster as two
+  single-threaded processes than as one process with two threads), longest
+  first.  On a GPU, and under ``torchrun``, they run one after another in this
+  process, each trained on every rank by the trainer (DDP/FSDP); measurements
+  run on rank 0.
+* **Results.** Every job's ``job.json`` is gathered into ``results.json``;
+  ``report.md`` and the PNGs are written from ``results.json`` alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from ..errors import ConfigError
+from ..io import atomic_write_text
+from .jobs import Job, plan, step_cost, sweep_plan
+from .progress import StudyProgress
+from .study import StudyConfig
+
+STUDY_FILE = "study.json"
+OUTPUTS = ("results.json", "report.md", "loss_curves.png", "retrieval.png", "attention.png", "grad_hist.png",
+           "lr_sweep.png", "cost.png")
+
+
+class StudyInterrupted(Exception):
+    """Ctrl-C or SIGTERM: the jobs stopped at a checkpoint; ``--resume`` continues."""
+
+
+# ----------------------------------------------------------------------------- the output directory
+def load_study(out: Path) -> Optional[dict]:
+    path = Path(out) / STUDY_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError("out", f"{path} is unreadable ({e}); start a new --out") from None
+
+
+def resume_config(out: Path, explicit: dict) -> StudyConfig:
+    """The stored study of ``out`` with the explicitly given fields; a changed measured field is an error."""
+    saved = load_study(out)
+    if saved is None:
+        raise ConfigError("resume", f"{out} holds no study ({STUDY_FILE} missing); run without --resume to start one")
+    stored = StudyConfig.from_dict(saved["study"])
+    given = StudyConfig.from_dict({**stored.to_dict(), **explicit})
+    for name, value in given.to_dict().items():
+        if name not in StudyConfig.RESUMABLE and value != getattr(stored, name):
+            raise ConfigError(name, f"is {getattr(stored, name)!r} in the study being resumed, {value!r} here; a "
+                                    "resumed study keeps its settings (start a new --out to change them)")
+    return given
+
+
+def prepare_out(out: Path, study: StudyConfig, force: bool, resume: bool, command: str) -> None:
+    """Check and claim the output directory; nothing is deleted unless ``force`` and it is a study's."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError("out", f"{out} exists and is not a directory")
+    busy = out.is_dir() and any(out.iterdir())
+    has_study = (out / STUDY_FILE).is_file()
+    if busy and not (force or resume):
+        what = "a study" if has_study else "files"
+        raise ConfigError("out", f"{out} already holds {what}; pass --resume to continue it, --force to start over, "
+                                 "or choose another --out (nothing was changed)")
+    if force and busy:
+        if not has_study:
+            raise ConfigError("out", f"{out} is not a difftx compare directory (no {STUDY_FILE}); --force deletes only "
+                                     "a study's files, so choose another --out (nothing was changed)")
+        shutil.rmtree(out / "runs", ignore_errors=True)
+        for name in OUTPUTS + (STUDY_FILE,):
+            (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (resume and has_study):
+        from .. import __version__
+
+        atomic_write_text(out / STUDY_FILE, json.dumps({"difftx_compare": 1, "difftx_version": __version__,
+                                                         "command": command, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                                         "study": study.to_dict()}, indent=2))
+
+
+def check_inputs(study: StudyConfig) -> None:
+    """Everything that can be checked before a job starts: every arm's config, the corpus, the task options."""
+    for task in study.tasks():
+        for arm in study.arm_list():
+            study.model_config(arm, task)
+    if study.domain == "lm" and study.data is not None:
+        from ..data.corpus import resolve_corpus
+
+        resolve_corpus(study.data)
+    if study.retrieval != "none":
+        from ..data.tasks import get_task
+        from ..data.tokenizers import ByteTokenizer
+        from .jobs import retrieval_task_options
+
+        get_task(study.retrieval)(ByteTokenizer(), study.retrieval_seq_len, 0, **retrieval_task_options(study))
+
+
+# ----------------------------------------------------------------------------- execution
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return os.cpu_count() or 1
+
+
+def resolve_workers(study: StudyConfig, n_jobs: int, device_type: str, distributed: bool) -> tuple[int, Optional[int]]:
+    """(parallel job processes, torch threads per process)."""
+    if distributed or device_type == "cuda":
+        return 1, study.threads
+    workers = study.workers or max(1, min(n_jobs, cpu_count()))
+    threads = study.threads or max(1, cpu_count() // workers)
+    return workers, threads
+
+
+class Executor:
+    """Runs jobs and feeds the progress display; in this process or in a spawned CPU pool."""
+
+    def __init__(self, study: StudyConfig, out: Path, workers: int, threads: Optional[int], is_main: bool):
+        self.study, self.out, self.workers, self.threads, self.is_main = study, Path(out), workers, threads, is_main
+        self.pool = self.queue = None
+        if workers > 1:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+
+            from .worker import init_worker
+
+            ctx = mp.get_context("spawn")
+            self.queue, self.stop = ctx.Queue(), ctx.Event()
+            self.pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=init_worker,
+                                            initargs=(self.queue, threads or 1, self.stop))
+        elif threads:
+            import torch
+
+            torch.set_num_threads(threads)
+
+    def run(self, jobs: list[Job], progress: StudyProgress) -> dict[str, dict]:
+        from .worker import read_job
+
+        results, todo = {}, []
+        for job in jobs:
+            done = read_job(job.run_dir(self.out))
+            if done is not None:
+                results[job.key] = done
+                progress.finish(job.key)
+            else:
+                todo.append(job)
+        todo.sort(key=lambda j: -j.steps * progress.cost[j.key])  # longest first balances the pool
+        if self.pool is None:
+            from .worker import run_job
+
+            for job in todo:
+                results[job.key] = run_job(self.study, job, self.out, report=progress.handle if self.is_main
+                                           else (lambda e: None))
+                progress.finish(job.key, note(results[job.key]))
+            return results
+        return {**results, **self._run_pool(todo, progress)}
+
+    def _run_pool(self, todo: list[Job], progress: StudyProgress) -> dict[str, dict]:
+        import queue as queue_mod
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        from .worker import pool_job
+
+        futures = {self.pool.submit(pool_job, self.study.to_dict(), job, str(self.out)): job for job in todo}
+        results, pending = {}, set(futures)
+        try:
+            while pending:
+                finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                self._drain(progress, queue_mod)
+                for f in finished:
+                    job = futures[f]
+                    results[job.key] = f.result()  # a job's error stops the study (after the running jobs stop)
+                    progress.finish(job.key, note(results[job.key]))
+                progress.render()
+        except BaseException:
+            self.stop.set()  # running jobs checkpoint after their current step; queued ones do not start
+            for f in pending:
+                f.cancel()
+            raise
+        return results
+
+    def _drain(self, progress: StudyProgress, queue_mod) -> None:
+        while True:
+            try:
+                progress.handle(self.queue.get_nowait())
+            except queue_mod.Empty:
+                return
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+
+def note(result: dict) -> str:
+    if result.get("diverged"):
+        return "diverged"
+    final = result.get("final", {})
+    parts = [f"{k} {final[k]:.4f}" for k in ("val_loss", "test_acc") if final.get(k) is not None]
+    if "retrieval" in result:
+        parts.append(f"retrieval {result['retrieval']['overall']:.3f}")
+    return ", ".join(parts)
+
+
+# ----------------------------------------------------------------------------- the study
+def _cpu_s() -> float:
+    """CPU seconds of this process and its reaped children (the job pool), user + system."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return time.process_time()
+    r = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(x.ru_utime + x.ru_stime for x in r)
+
+
+def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False, command: str = "",
+              progress: Optional[bool] = None, stream=sys.stderr) -> Optional[dict]:
+    """Run ``study`` into ``out``; returns the results dict on rank 0 (None on other ranks)."""
+    from ..train.distributed import init_world, shutdown_world
+    from .results import build_results, choose_lrs
+    from .report import write_outputs
+
+    out = Path(out)
+    world = init_world(study.device)  # under torchrun: the process group every job's training shares
+    executor = None
+    try:
+        check_inputs(study)
+        if world.is_main:
+            prepare_out(out, study, force, resume, command)
+        world.barrier()
+        workers, threads = resolve_workers(study, 1 << 30, world.device.type, world.distributed)
+        sweep = sweep_plan(study, world.world_size) if study.lr_sweep else []
+        main = plan(study, world_size=world.world_size)
+        if sweep:  # placeholder main jobs for the ETA; the sweep's best runs are reused, so drop one seed's corpus
+            main = [j for j in main if not (j.task == "corpus" and j.seed == study.seed)]
+        costs = {j.key: step_cost(study, j) for j in sweep + main}
+        workers = min(workers, max(1, len(sweep + main)))
+        show = world.is_main and (progress if progress is not None else True)
+        prog = StudyProgress(sweep + main, costs, workers, stream=stream, enabled=show)
+        prog.line(f"difftx compare: {len(study.arm_list())} arms x {study.seeds} seeds x {len(study.tasks())} tasks"
+                  f"{f' + {len(sweep)}-run lr sweep' if sweep else ''} on {world.world_size} x {world.device.type}"
+                  f" ({workers} parallel job{'s' if workers > 1 else ''}) -> {out}")
+        t0, cpu0, tree0 = time.perf_counter(), time.process_time(), _cpu_s()
+        executor = Executor(study, out, workers, threads, world.is_main)
+        sweep_results = executor.run(sweep, prog) if sweep else {}
+        lrs = choose_lrs(study, sweep, sweep_results) if sweep else {}
+        jobs = plan(study, lrs, world.world_size)
+        for j in jobs:
+            if j.key not in prog.jobs:
+                prog.jobs[j.key], prog.cost[j.key] = j, step_cost(study, j)
+        for key in [k for k in prog.jobs if k not in {j.key for j in jobs + sweep}]:
+            del prog.jobs[key]
+        results = executor.run(jobs, prog)
+        executor.close()  # the pool's processes are reaped here, so their CPU time is counted below
+        prog.close()
+        if not world.is_main:
+            return None
+        timing = {"wall_s": round(time.perf_counter() - t0, 1), "workers": workers, "threads_per_worker": threads,
+                  "main_cpu_s": round(time.process_time() - cpu0, 1),
+                  "process_cpu_s": round(_cpu_s() - tree0, 1)}
+        res = build_results(study, jobs, results, sweep, sweep_results, lrs, timing, command)
+        written = write_outputs(res, out)
+        prog.line(f"difftx compare: wrote {', '.join(written)} to {out} in {timing['wall_s']:.0f} s")
+        return res
+    except KeyboardInterrupt:
+        raise StudyInterrupted(f"interrupted; continue with: difftx compare --out {out} --resume") from None
+    finally:
+        if executor is not None:
+            executor.close()
+        shutdown_world(world)

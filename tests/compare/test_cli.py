@@ -1,0 +1,115 @@
+"""``difftx compare`` argument handling: bad input is one line and exit 2, nothing clobbered; resume; --force."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from difftx.cli.compare import explicit_fields, parse_lr, parse_sweep
+from difftx.compare import StudyConfig
+from difftx.errors import ConfigError
+
+
+class Result:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def compare(capsys):
+    """``difftx compare ARGS`` in this process (the dispatcher's error handling included): a Result."""
+    from difftx.cli import main
+
+    def run(*args):
+        capsys.readouterr()
+        try:
+            code = main(["compare", *map(str, args)])
+        except SystemExit as e:  # argparse errors
+            code = e.code
+        out, err = capsys.readouterr()
+        return Result(code, out, err)
+
+    return run
+
+
+def _one_line_error(p) -> str:
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "error:" in lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--arms", "transformer:adam"], "unknown optimizer 'adam'"),
+    (["--arms", "gpt:adamw"], "unknown lm model 'gpt'"),
+    (["--arms", "diff:adamw,diff:adamw"], "listed twice"),
+    (["--seeds", "0"], "seeds"),
+    (["--lr", "adamw"], "KEY=LR"),
+    (["--lr", "lion=1e-3"], "neither an optimiser"),
+    (["--lr-sweep", "adamw=1e-3:x"], "expects a number"),
+    (["--preset", "vit-tiny"], "vision model"),
+    (["--preset", "no-such-preset"], "preset"),
+    (["--set", "d_model=-3"], "d_model"),
+    (["--data", "/nonexistent/corpus.txt"], "corpus.txt"),
+    (["--domain", "vision", "--retrieval", "mqar"], "retrieval"),
+    (["--retrieval-opt", "pairs=9-2"], "pairs"),
+    (["--tokens", "x"], "invalid int"),
+])
+def test_bad_input_is_one_line_exit_2(compare, tmp_path, args, needle):
+    p = compare( "--out", tmp_path / "out", *args, "--no-progress")
+    assert needle in _one_line_error(p)
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_bad_input_through_the_real_cli(cli, tmp_path):
+    p = cli("compare", "--out", tmp_path / "out", "--arms", "transformer:adam")
+    assert "unknown optimizer" in _one_line_error(p) and p.stderr.startswith("difftx compare: error:")
+
+
+def test_refuses_a_foreign_non_empty_dir(compare, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("precious")
+    for extra in ([], ["--force"], ["--resume"]):
+        p = compare("--out", out, "--steps", "1", "--no-progress", *extra)
+        _one_line_error(p)
+    assert (out / "notes.txt").read_text() == "precious" and sorted(f.name for f in out.iterdir()) == ["notes.txt"]
+
+
+def test_resume_keeps_finished_jobs_and_refuses_changes(compare, mini_study):
+    out, res, _ = mini_study
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("job.json")}
+    p = compare("--out", out)  # a study is there: refused, nothing changed
+    assert "--resume" in _one_line_error(p)
+    p = compare("--out", out, "--resume", "--seeds", "3", "--no-progress")
+    assert "seeds" in _one_line_error(p)
+    p = compare("--out", out, "--resume", "--no-progress", "--workers", "1")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("job.json")} == stamps  # no job ran again
+    again = json.loads((out / "results.json").read_text())
+    assert again["command"] == res["command"]  # the study's own command, to reproduce it
+    assert again["study"] == {**res["study"], "workers": 1}  # only runtime fields may change on resume
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("timing", "study")}  # noqa: E731
+    assert strip(again) == strip(res)
+
+
+def test_flag_parsing():
+    assert parse_lr(["adamw=3e-3", "dnt-msgdw=0.5,msgdw=1"]) == {"adamw": 3e-3, "dnt-msgdw": 0.5, "msgdw": 1.0}
+    assert parse_sweep("adamw=1e-3:2e-3,msgdw=0.3") == {"adamw": [1e-3, 2e-3], "msgdw": [0.3]}
+    assert set(parse_sweep("default")) == {"adamw", "msgdw"}
+    with pytest.raises(ConfigError):
+        parse_sweep("adamw")
+    from difftx.cli import build_parser
+
+    args = build_parser("compare").parse_args(["compare", "--seeds", "3", "--lr", "adamw=1e-3", "--set", "n_layers=1"])
+    fields = explicit_fields(args)
+    assert fields == {"seeds": 3, "lr": {"adamw": 1e-3}, "model": {"n_layers": 1}}
+    study = StudyConfig(**fields)
+    assert study.seed_list() == [0, 1, 2] and study.base_config().n_layers == 1
+
+
+def test_list_arms(compare):
+    p = compare("--list-arms")
+    assert p.returncode == 0 and "diff-dnt" in p.stdout and "vdnt" in p.stdout

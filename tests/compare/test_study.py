@@ -1,0 +1,130 @@
+"""The miniature study end to end: outputs, report numbers = results.json, matched arms, seeds, reproducibility."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from difftx.compare import StudyConfig
+from difftx.compare.jobs import Job, plan, train_config
+from difftx.compare.report import ms, num, render
+from difftx.compare.results import compare, stat
+
+
+def _row(report: str, label: str, after: str) -> str:
+    """The table row of ``label`` in the first table after the heading ``after``."""
+    section = report[report.index(after):]
+    return next(line for line in section.splitlines() if line.startswith(f"| {label} |"))
+
+
+def test_outputs_are_self_contained(mini_study):
+    out, res, p = mini_study
+    for name in ("study.json", "results.json", "report.md", "loss_curves.png", "retrieval.png", "attention.png",
+                 "grad_hist.png"):
+        assert (out / name).is_file(), name
+    assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    runs = sorted((out / "runs").glob("*/*/*"))
+    assert len(runs) == 2 * 3 * 2  # tasks x arms x seeds
+    for run in runs:  # every job is an ordinary training run dir with its config, metrics and measurements
+        assert {"config.json", "metrics.jsonl", "job.json", "tokenizer.json"} <= {f.name for f in run.iterdir()}
+    assert "report.md" in p.stdout
+
+
+def test_report_is_a_function_of_results_json(mini_study):
+    out, _, _ = mini_study
+    res = json.loads((out / "results.json").read_text(encoding="utf-8"))  # as on disk (a resume rewrites it)
+    pictures = tuple(f.name for f in out.glob("*.png"))
+    assert render(res, pictures) == (out / "report.md").read_text(encoding="utf-8")
+
+
+def test_report_numbers_equal_results_json(mini_study):
+    out, _, _ = mini_study
+    res = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    report = (out / "report.md").read_text(encoding="utf-8")
+    for arm, info in res["arms"].items():
+        label = info["label"]
+        c = res["corpus"][arm]
+        row = _row(report, label, "## Arms")
+        assert f"{info['params']:,}" in row and f"{info['lr']:g}" in row
+        assert c["val_loss"]["n"] == 2
+        assert _row(report, label, "## Validation loss").split(" | ")[1] == \
+            f"{num(c['val_loss']['mean'])} ± {num(c['val_loss']['sd'])}"
+        r = res["retrieval"]["arms"][arm]
+        cells = _row(report, label, "## Retrieval").strip("| ").split(" | ")
+        assert cells[1:1 + len(res["retrieval"]["cells"])] == \
+            [ms(r["cells"][k], lambda v: num(v, 3)) for k in res["retrieval"]["cells"]]
+        assert cells[-2] == ms(r["overall"], lambda v: num(v, 3))
+        att = _row(report, label, "## Attention allocation")
+        assert ms(r["attention"]["answer"], lambda v: num(v, 3)) in att
+        speed = _row(report, label, "## Speed and memory")
+        assert f"{c['memory']['total_bytes']['mean'] / 2 ** 20:.2f}" in speed
+    # the verdicts quoted in the answers are results.json's
+    d = res["questions"]["diff_vs_transformer"]
+    assert f"Does DIFF beat the Transformer here? {d['answer'].capitalize()}." in report
+    assert "3B" in report and "350B tokens" in report  # the papers' scale beside ours
+
+
+def test_statistics_over_seeds(mini_study):
+    _, res, _ = mini_study
+    for arm, c in res["corpus"].items():
+        v = c["val_loss"]
+        assert len(v["values"]) == 2 and v["mean"] == pytest.approx(sum(v["values"]) / 2)
+        assert v["min"] <= v["mean"] <= v["max"]
+    # a verdict is "clear" only beyond the seed spread
+    for q in res["questions"].values():
+        for row in q.get("rows", []):
+            if row.get("spread") is not None and abs(row["delta"]) <= row["spread"]:
+                assert row["verdict"] == "no clear difference"
+
+
+def test_arms_are_matched_and_see_the_same_data(mini_study):
+    out, res, _ = mini_study
+    params = [a["params"] for a in res["arms"].values()]
+    assert max(params) / min(params) < 1.01
+    seed0 = [json.loads(p.read_text())["train"] for p in sorted((out / "runs" / "corpus").glob("*/seed0-*/config.json"))]
+    assert len(seed0) == 3
+    for key in ("seed", "steps", "batch_size", "seq_len", "data"):
+        assert len({json.dumps(c[key]) for c in seed0}) == 1, key
+    toks = {res["scale"]["corpus"]["tokens_per_run"]}
+    assert toks == {12 * 16 * 64}
+
+
+def test_rerun_reproduces_a_job(mini_study, tmp_path):
+    """The same job (seed, arm, lr) trained again gives the same losses and measurements."""
+    from difftx.compare.worker import run_job
+
+    out, res, _ = mini_study
+    study = StudyConfig.from_dict(json.loads((out / "study.json").read_text())["study"])
+    job = next(j for j in plan(study) if j.task == "corpus" and j.arm.id == "diff-adamw" and j.seed == 1)
+    first = json.loads((job.run_dir(out) / "job.json").read_text())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(first["train"]["threads"])  # CPU kernels may reduce in a thread-dependent order
+    try:
+        again = run_job(study, job, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    assert again["final"] == first["final"]
+    assert again["curve"]["val"] == first["curve"]["val"]
+    assert again["outliers"] == first["outliers"]
+    assert again["memory"]["state_bytes"] == first["memory"]["state_bytes"]
+
+
+def test_compare_verdicts():
+    a, b = stat([1.0, 1.2]), stat([1.5, 1.6])
+    assert compare(a, b, higher_is_better=False)["verdict"] == "better"
+    assert compare(stat([1.0, 1.6]), b, higher_is_better=False)["verdict"] == "no clear difference"
+    assert "one seed" in compare(stat([1.0]), stat([2.0]), False)["verdict"]
+    assert compare(stat([None, None]), b, False)["verdict"].startswith("not comparable")
+
+
+def test_budget_is_the_same_for_every_arm():
+    study = StudyConfig(tokens=100_000, retrieval_tokens=50_000)
+    jobs = plan(study)
+    assert {j.steps for j in jobs if j.task == "corpus"} == {98}  # ceil(100000 / (16 * 64))
+    tcfgs = [train_config(study, j) for j in jobs if j.task == "corpus" and j.seed == 0]
+    assert len({(t.seed, t.steps, t.batch_size, t.seq_len) for t in tcfgs}) == 1
+    assert {t.optimizer for t in tcfgs} == {"adamw", "msgdw"}
+    assert isinstance(jobs[0], Job) and re.fullmatch(r"corpus/[a-z-]+/seed0-lr[0-9.e-]+", jobs[0].key)
