@@ -51,13 +51,15 @@ ARMS = {
 }
 
 
-def run_arm(arm: str, seed: int, threads: int, work: Path, steps=None) -> dict:
+def run_arm(arm: str, seed: int, threads: int, work: Path, steps=None, domain_opts=()) -> dict:
     recipe, flags, _ = ARMS[arm]
     out = work / f"{arm}-s{seed}"
     cmd = [sys.executable, "-m", "difftx", "train", "--domain", "vision", "--recipe", recipe, *flags,
            "--seed", str(seed), "--threads", str(threads), "--no-progress", "--out", str(out)]
     if steps:
         cmd += ["--steps", str(steps)]
+    for o in domain_opts:
+        cmd += ["--domain-opt", o]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
@@ -120,6 +122,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="CPU threads per arm (1: the fastest for these sizes)")
     p.add_argument("--steps", type=int, help="override the recipe's budget (a quick smoke run; not the benchmark)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="where the JSON and .md go")
+    p.add_argument("--domain-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="a vision option for every arm, merged with the recipe's (repeatable)")
     p.add_argument("--name", default="vision_digits", help="file name of the results (NAME.json, NAME.md)")
     args = p.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -128,7 +132,8 @@ def main(argv=None) -> int:
         p.error(f"unknown arm(s) {', '.join(bad)}; known: {', '.join(ARMS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
     sys.path.insert(0, str(ROOT / "src"))
-    meta = {"threads": args.threads, "steps_override": args.steps, "seeds_run": len(seeds), "seeds": seeds,
+    meta = {"threads": args.threads, "steps_override": args.steps, "domain_opts": args.domain_opt,
+            "seeds_run": len(seeds), "seeds": seeds,
             "cpus": os.cpu_count(),
             "load_start": os.getloadavg()[0], "python": platform.python_version(), "machine": platform.machine(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -140,7 +145,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="difftx-vision-bench-") as work:
         for seed in seeds:
             for arm in arms:
-                r = run_arm(arm, seed, args.threads, Path(work), args.steps)
+                r = run_arm(arm, seed, args.threads, Path(work), args.steps, args.domain_opt)
                 results.append(r)
                 print(f"  {arm:<15} seed {seed}: test_acc {r['test_acc']:.4f}  wall {r['wall_s']:.0f}s  "
                       f"cpu {r['cpu_s']:.0f}s", flush=True)

@@ -49,7 +49,7 @@ def test_run_directory_contract(tmp_path, npz_data, capsys):
     assert cfg["data"]["mean"] == meta["mean"] and cfg["data"]["fingerprint"] == meta["fingerprint"]
 
 
-NO_AUGMENT = ["--domain-opt", "mixup=0"]  # the default digits recipe mixes
+NO_AUGMENT = ["--domain-opt", "mixup=0", "--domain-opt", "cutmix=0"]  # the default digits recipe mixes
 ALL_AUGMENT = [f"--domain-opt={o}" for o in ("crop=1", "flip=true", "mixup=0.8", "cutmix=1.0", "label_smoothing=0.1",
                                               "random_erasing=0.25")]
 
@@ -70,7 +70,7 @@ def test_exact_resume(tmp_path, npz_data, augment):
 
 def test_a_tiny_model_learns(tmp_path, npz_data):
     out = tmp_path / "run"
-    assert train(npz_data, out, "--steps", 100, "--eval-every", 0, "--lr", 3e-3) == 0
+    assert train(npz_data, out, "--steps", 100, "--eval-every", 0, "--lr", 3e-3, *NO_AUGMENT) == 0
     assert rows(out, "test_acc")[0] >= 0.9 and rows(out, "val_acc")[0] >= 0.9
     assert rows(out, "loss")[-1] < 0.5 * rows(out, "loss")[0]
 
@@ -144,8 +144,8 @@ def test_default_vision_run_uses_the_digits_recipe():
     assert mcfg.preset == "vit-tiny" and tcfg.recipe == "vit-tiny-adamw" and tcfg.batch_size == 32
     assert tcfg.steps == 40 and tcfg.epochs is None and tcfg.warmup == 6  # 3 of 20 epochs
     tcfg, _ = resolve_configs("vdnt-tiny-msgdw")
-    assert tcfg.epochs == 20 and tcfg.optimizer == "msgdw" and tcfg.domain_options == {"mixup": 0.2}
+    assert tcfg.epochs == 20 and tcfg.optimizer == "msgdw" and tcfg.domain_options == {"mixup": 0.8, "cutmix": 1.0}
     tcfg, _ = resolve_configs("vdnt-tiny-adamw", train={"domain_options": {"label_smoothing": 0.1}})
-    assert tcfg.domain_options == {"mixup": 0.2, "label_smoothing": 0.1}  # the recipe's options merge with yours
+    assert tcfg.domain_options == {"mixup": 0.8, "cutmix": 1.0, "label_smoothing": 0.1}  # merged with the recipe's
     tcfg, _ = resolve_configs("vdnt-tiny-adamw", train={"domain_options": {"mixup": 0}})
-    assert tcfg.domain_options == {"mixup": 0}
+    assert tcfg.domain_options == {"mixup": 0, "cutmix": 1.0}
