@@ -4,7 +4,7 @@ Every arm is one ``difftx train --domain vision`` command in its own process, ti
 start to exit (wall) and by the child's CPU time (user + system; with ``--threads 1`` that is
 about the wall time of the same run on a quiet machine).  All arms share the data split
 (scikit-learn's 1797 digits: 1259 train, 179 val, 359 test), the budget (the digits recipe:
-20 epochs of batch 32 = 787 steps, 3 warmup epochs, cosine) and the seed; they differ only
+40 epochs of batch 32 = 1574 steps, 3 warmup epochs, cosine) and the seed; they differ only
 in what the arm names:
 
     vdnt-adamw   V-DNT tiny (S5 norms, RMSNorm), AdamW 2e-3          recipe vdnt-tiny-adamw

@@ -113,3 +113,23 @@ def test_flag_parsing():
 def test_list_arms(compare):
     p = compare("--list-arms")
     assert p.returncode == 0 and "diff-dnt" in p.stdout and "vdnt" in p.stdout
+
+
+def test_lr_sweep_picks_each_arms_best_lr_and_reuses_its_run(compare, corpus, tmp_path):
+    """--lr-sweep trains every arm at every lr of the grid (first seed), keeps the lr with the lowest
+    final validation loss per arm, and reports the sweep."""
+    out = tmp_path / "sweep"
+    p = compare("--out", out, "--arms", "transformer:adamw,diff:adamw", "--seeds", "2", "--set", "n_layers=1",
+                "--set", "d_model=32", "--steps", "6", "--retrieval", "none", "--eval-points", "1",
+                "--eval-batches", "1", "--outlier-tokens", "256", "--tail-batches", "2", "--no-progress",
+                "--data", corpus, "--cache-dir", tmp_path / "cache", "--lr-sweep", "adamw=1e-3:1e-2")
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads((out / "results.json").read_text())
+    sweep = res["lr_sweep"]
+    assert sweep["grid"] == {"adamw": [1e-3, 1e-2]} and len(sweep["rows"]) == 4
+    for arm in ("transformer-adamw", "diff-adamw"):
+        rows = [r for r in sweep["rows"] if r["arm"] == arm]
+        best = min(rows, key=lambda r: r["val_loss"])
+        assert sweep["chosen"][arm] == best["lr"]
+    assert "## Learning-rate sweep" in (out / "report.md").read_text()
+    assert (out / "lr_sweep.png").exists()

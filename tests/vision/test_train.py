@@ -142,9 +142,9 @@ def test_default_vision_run_uses_the_digits_recipe():
 
     tcfg, mcfg = resolve_configs(train={"domain": "vision", "steps": 40})
     assert mcfg.preset == "vit-tiny" and tcfg.recipe == "vit-tiny-adamw" and tcfg.batch_size == 32
-    assert tcfg.steps == 40 and tcfg.epochs is None and tcfg.warmup == 6  # 3 of 20 epochs
+    assert tcfg.steps == 40 and tcfg.epochs is None and tcfg.warmup == 3  # 3 of 40 epochs
     tcfg, _ = resolve_configs("vdnt-tiny-msgdw")
-    assert tcfg.epochs == 20 and tcfg.optimizer == "msgdw" and tcfg.domain_options == {"mixup": 0.8, "cutmix": 1.0}
+    assert tcfg.epochs == 40 and tcfg.optimizer == "msgdw" and tcfg.domain_options == {"mixup": 0.8, "cutmix": 1.0}
     tcfg, _ = resolve_configs("vdnt-tiny-adamw", train={"domain_options": {"label_smoothing": 0.1}})
     assert tcfg.domain_options == {"mixup": 0.8, "cutmix": 1.0, "label_smoothing": 0.1}  # merged with the recipe's
     tcfg, _ = resolve_configs("vdnt-tiny-adamw", train={"domain_options": {"mixup": 0}})
