@@ -21,13 +21,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import statistics
 from typing import Optional
 
 import numpy as np
 import torch
+
+from ..benchmarking.memory import peak_live_bytes
 
 
 # ----------------------------------------------------------------------------- speed
@@ -39,37 +39,6 @@ def throughput(rows: list[dict]) -> Optional[float]:
 
 
 # ----------------------------------------------------------------------------- memory
-def _live_peak_cpu(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
-@contextlib.contextmanager
-def _quiet_fd2():
-    """The profiler backend prints start/stop lines straight to file descriptor 2; keep the display clean."""
-    try:
-        saved = os.dup(2)
-    except OSError:
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 def peak_step_memory(model, optimizer, loss_fn, autocast) -> dict:
     """Bytes: ``state`` (parameters + optimiser state), ``step`` (the step's own peak), ``total``.
 
@@ -87,16 +56,7 @@ def peak_step_memory(model, optimizer, loss_fn, autocast) -> dict:
     state = sum(p.numel() * p.element_size() for p in model.parameters())
     for st in optimizer.state.values():
         state += sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        step()
-        torch.cuda.synchronize(device)
-        peak, method = torch.cuda.max_memory_allocated(device) - base, "torch.cuda.max_memory_allocated"
-    else:
-        peak, method = _live_peak_cpu(step), "torch.profiler memory events (live CPU tensor bytes)"
+    peak, method = peak_live_bytes(step, next(model.parameters()).device)
     return {"state_bytes": int(state), "step_bytes": int(peak), "total_bytes": int(state + peak), "method": method}
 
 
