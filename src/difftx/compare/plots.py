@@ -14,21 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..analysis.plots import have_matplotlib
-
-
-def _figure(w: float, h: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(w, h), dpi=110)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _save(fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path)
+from ..analysis.plots import _figure, _save, have_matplotlib
 
 
 def write_plots(res: dict, out) -> list[str]:
