@@ -38,6 +38,16 @@ def cli():
     return run_cli
 
 
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test: tiny models run fastest so (and a shared CPU punishes OpenMP
+    spinning).  Directories of tiny-model tests make it autouse in their conftest."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 from .errors import ConfigError
@@ -78,6 +78,15 @@ def lambda_init_for_layer(layer: int, lambda_init: Union[str, float] = "schedule
 
 def _round_up(x: float, multiple: int) -> int:
     return int(multiple * math.ceil(x / multiple))
+
+
+def known_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` unchanged if every key is a field of the dataclass ``cls``; else one ConfigError naming the first unknown."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown {cls.__name__} field; known fields: {', '.join(sorted(known))}")
+    return data
 
 
 @dataclass
@@ -303,11 +312,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(unknown[0], f"unknown ModelConfig field; known fields: {', '.join(sorted(known))}")
-        return cls(**data)
+        return cls(**known_fields(cls, data))
 
     def replace(self, **changes) -> "ModelConfig":
         """A copy with ``changes`` applied and re-validated.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import difftx
 from difftx.data import ByteTokenizer
@@ -12,12 +11,9 @@ from evals_helpers import haystack_text, tiny_model
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """These models are tiny: one thread is faster than two, and much faster on a shared, busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
+    """Tiny models: one thread (tests/conftest.py)."""
     yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture

@@ -30,11 +30,6 @@ def train_cli(corpus, cache):
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (and a shared CPU punishes OpenMP spinning)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
+    """Tiny models: one thread (tests/conftest.py)."""
     yield
-    torch.set_num_threads(n)

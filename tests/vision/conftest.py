@@ -43,11 +43,6 @@ def write_folder(root, sizes=None, n_per_class: int = 4, classes=("cat", "dog"),
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (and a shared CPU punishes OpenMP spinning)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
+    """Tiny models: one thread (tests/conftest.py)."""
     yield
-    torch.set_num_threads(n)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..config import known_fields
 from ..errors import ConfigError
 from ..optim import OPTIMIZERS, SCHEDULES
 
@@ -162,11 +163,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(unknown[0], f"unknown TrainConfig field; known fields: {', '.join(sorted(known))}")
-        return cls(**data)
+        return cls(**known_fields(cls, data))
 
     def replace(self, **changes) -> "TrainConfig":
         return TrainConfig.from_dict({**self.to_dict(), **changes})
