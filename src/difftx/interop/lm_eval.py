@@ -245,9 +245,14 @@ def run_lm_eval(model_or_path: Union[str, Path, torch.nn.Module], tasks: Union[s
         tokenizer = tokenizer or _tokenizer_for(Path(model_or_path))
     lm = DifftxLM(model, tokenizer, batch_size=batch_size, max_length=max_length, max_gen_toks=max_gen_toks,
                   device=device)
-    res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                                  random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                  fewshot_random_seed=seed, log_samples=False, **simple_evaluate_kwargs)
+    try:
+        res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                                      random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                      fewshot_random_seed=seed, log_samples=False, **simple_evaluate_kwargs)
+    except ConnectionError as e:  # the harness fetches task data from the Hub on first use
+        raise DifftxError(f"lm-eval could not download the data of {', '.join(tasks)} ({str(e).splitlines()[0]}); "
+                          "run once with network access (the datasets cache keeps it) or pass local task "
+                          "YAMLs through task_manager=") from None
     result = {
         "results": res.get("results", {}) if res else {},
         "versions": res.get("versions", {}) if res else {},
