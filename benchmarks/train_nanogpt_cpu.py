@@ -4,10 +4,14 @@ The recipe (nanoGPT README, "I only have a macbook"): 4 layers, 128 wide, 4 head
 2000 iterations, AdamW 1e-3 (0.9, 0.99), cosine to 1e-4 after 100 warmup steps, weight decay 0.1,
 clip 1.0, dropout 0, character level; validation over 200 batches every 250 steps.  difftx runs it
 as ``difftx train --recipe nanogpt-char`` (the ``nanogpt`` preset: GELU MLP, LayerNorm, learned
-positions, tied embeddings), each arm in its own process, timed from process start to exit.
+positions, tied embeddings; arms ``softmax*``, ``diff``, ``dnt``, ``diff-dnt``) or with difftx's own
+Transformer baseline at the same shape (the ``nano`` preset: LLaMA-style RoPE, SwiGLU, RMSNorm,
+untied, SwiGLU width 341 so its 803,712 parameters match the GPT's 805,248; arms ``transformer*``),
+each arm in its own process, timed from process start to exit.
 
     python benchmarks/train_nanogpt_cpu.py --data PATH/tinyshakespeare.txt [--nanogpt-dir PATH/nanoGPT]
-        [--arms softmax-fp32,softmax,diff,dnt,diff-dnt] [--repeats 1] [--out benchmarks/results]
+        [--arms softmax-fp32,softmax,diff,dnt,diff-dnt,transformer,transformer-diff,transformer-dnt]
+        [--repeats 1] [--out benchmarks/results]
 
 ``--nanogpt-dir`` runs a checkout of karpathy/nanoGPT you provide (nothing of it is copied into
 this repository): its data files are written in a temporary work directory exactly as its
@@ -37,6 +41,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
+_LLAMA = ["--dtype", "bf16", "--preset", "nano", "--set", "ffn_dim=341"]
 # arm name -> (difftx flags, description)
 ARMS = {
     "softmax-fp32": (["--dtype", "fp32"], "softmax (nanoGPT's GPT), fp32"),
@@ -46,6 +51,10 @@ ARMS = {
             "DNT norms (S5), RMSNorm, Xavier init, bf16"),
     "diff-dnt": (["--dtype", "bf16", "--attention", "diff", "--norms", "dnt", "--set", "norm=rms",
                   "--set", "init=xavier"], "DIFF V1 inside DNT, bf16"),
+    # difftx's Transformer baseline (the DIFF paper's LLaMA-style model) at the same shape and parameter count
+    "transformer": (_LLAMA, "difftx Transformer (RoPE, SwiGLU, RMSNorm), bf16"),
+    "transformer-diff": ([*_LLAMA, "--attention", "diff"], "its DIFF V1 twin, 2 differential heads of 32, bf16"),
+    "transformer-dnt": ([*_LLAMA, "--norms", "dnt", "--set", "init=xavier"], "it with DNT norms (S5), Xavier init, bf16"),
 }
 NANOGPT_FLAGS = ["--device=cpu", "--compile=False", "--eval_iters=200", "--log_interval=100", "--block_size=64",
                  "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--max_iters=2000",

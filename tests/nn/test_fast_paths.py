@@ -282,6 +282,48 @@ def test_cached_decoding_bf16_matches_full_recompute(attention):
             assert (lg.float() - full.float()).abs().max() <= 0.05 * full.float().abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,hk,padded", [(4, 4, False), (4, 2, True), (4, 1, True)])
+def test_paired_decode_matches_reference(dtype, h, hk, padded):
+    """One decoding query over a paired-layout cache ([K1 | K2] per head), one GQA SDPA call."""
+    q, k, v, lam, mask = _kernel_case(2, "scalar", h, hk, padded, 30, dtype, n=1)
+    b, _, _, nk, d = k.shape
+    kk = k.detach().permute(0, 2, 3, 1, 4).reshape(b, hk, nk, 2 * d)  # what _cache_keys writes
+    with torch.no_grad():
+        out = backends.diff_decode_paired(q.detach(), kk, v.detach(), mask, 0.3, lam.detach())
+    ref = _ref_maps(q, k, v, lam, mask, 0.3)
+    assert out.shape == ref.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.double() - ref).abs().max() <= tol * ref.abs().max().clamp_min(1.0)
+
+
+@pytest.mark.parametrize("n_kv_heads", [None, 1])
+def test_bf16_diff_cache_is_paired_and_decodes_like_fp32(n_kv_heads):
+    """A bf16 KVCache holds DIFF keys paired (h_kv heads of 2d: the Transformer twin's bytes) and
+    left-padded cached decoding lands within bf16 error of the fp32 full forward; fp32 keeps 2 h_kv heads of d."""
+    cfg = ModelConfig(attention="diff", d_model=64, n_heads=4, head_dim=8, n_layers=2, vocab_size=50,
+                      max_seq_len=64, n_kv_heads=n_kv_heads)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    hk = cfg.n_kv_heads
+    ids = torch.randint(0, 50, (2, 12))
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[0, :3] = False
+    with torch.no_grad():
+        ref = model(ids, attention_mask=valid).logits[:, 7:11].float()  # prefill predicts at 7, steps at 8..10
+        for dtype in (torch.bfloat16, torch.float32):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                cache = model.new_cache(2, 16)
+                out = [model(ids[:, :8], cache=cache, attention_mask=valid[:, :8]).logits[:, -1:]]
+                for i in range(8, 11):
+                    out.append(model(ids[:, i:i + 1], cache=cache, attention_mask=valid[:, i:i + 1]).logits)
+            got = torch.cat(out, 1).float()
+            paired = (2, hk, 16, 2 * cfg.head_dim)
+            assert tuple(cache.k[0].shape) == (paired if dtype == torch.bfloat16 else (2, 2 * hk, 16, cfg.head_dim))
+            tol = 0.03 if dtype == torch.bfloat16 else 1e-5
+            assert (got - ref).abs().max() <= tol * ref.abs().max(), (dtype, (got - ref).abs().max())
+
+
 def test_lambda_cache_follows_parameter_updates():
     cfg = ModelConfig(attention="diff", d_model=32, n_heads=2, n_layers=1, vocab_size=20)
     attn = build_model(cfg).layers[0].attn

@@ -92,12 +92,14 @@ def test_tensorboard_is_optional(tmp_path, train_cli, capsys):
 
 
 @pytest.mark.slow
-def test_compile_is_opt_in_and_keeps_clean_keys(tmp_path, corpus, cache):
+@pytest.mark.parametrize("attention", ["softmax", "diff"])
+def test_compile_is_opt_in_and_keeps_clean_keys(tmp_path, corpus, cache, attention):
+    """--compile trains the same losses as eager (the fused CPU kernel stays an eager island)."""
     from difftx.train import train
 
-    tcfg, mcfg = tiny(corpus, cache, steps=3, eval_every=0, compile=True)
+    tcfg, mcfg = tiny(corpus, cache, model={"attention": attention}, steps=3, eval_every=0, compile=True)
     train(tcfg, mcfg, tmp_path / "c", announce=None)
-    plain, _ = tiny(corpus, cache, steps=3, eval_every=0)
+    plain, _ = tiny(corpus, cache, model={"attention": attention}, steps=3, eval_every=0)
     train(plain, mcfg, tmp_path / "p", announce=None)
     assert losses(tmp_path / "c") == pytest.approx(losses(tmp_path / "p"), rel=1e-4)
     keys = difftx.load_model(tmp_path / "c").state_dict().keys()

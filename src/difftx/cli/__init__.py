@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from ..errors import DifftxError
@@ -69,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"difftx {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `difftx info small | head`: the reader left; not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's exit-time flush must not raise again
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -112,6 +112,28 @@ def _merge(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b, t, h * d)
 
 
+def _cache_keys(k: torch.Tensor, own_cache: bool) -> torch.Tensor:
+    """DIFF keys (B, 2, h_kv, n, d) -> what a cache stores; the bytes of a Transformer with 2 h_kv heads of d.
+
+    difftx's KVCache in reduced precision: (B, h_kv, n, 2d), [K1 | K2] side by side per head
+    ("paired"), so that decoding is one GQA flash call (:func:`backends.diff_decode_paired`).
+    fp32/fp64, and transformers' caches (which allocate K like V from the config): (B, 2 h_kv,
+    n, d), [K1 heads; K2 heads], the layout the MKL decoding path streams per map.  The shape
+    tells the layouts apart (h_kv heads of 2d vs 2 h_kv heads of d).
+    """
+    b, _, hk, n, d = k.shape
+    if own_cache and k.dtype in (torch.bfloat16, torch.float16):
+        return k.permute(0, 2, 3, 1, 4).reshape(b, hk, n, 2 * d)
+    return k.reshape(b, 2 * hk, n, d)
+
+
+def _cached_keys(kk: torch.Tensor, b: int, hk: int, d: int) -> torch.Tensor:
+    """A cache's keys in either layout of :func:`_cache_keys` -> (B, 2, h_kv, T, d), a view."""
+    if kk.shape[1] == hk and kk.shape[-1] == 2 * d:
+        return kk.view(b, hk, kk.shape[2], 2, d).permute(0, 3, 1, 2, 4)
+    return kk.view(b, 2, hk, kk.shape[2], d)
+
+
 class SoftmaxAttention(AttentionBase):
     """Standard multi-head (or grouped-query) attention with RoPE."""
 
@@ -225,16 +247,23 @@ class DifferentialAttention(AttentionBase):
         k = self._stack(self._qk(_heads(self.k_proj(xa), 2 * hk, d), self.k_norm, rope), hk)
         v = self._value(self.v_proj(xa))  # (B, h_kv, N, 2d)
         kv_buffers = None
-        if cache is not None:  # K stored as [K1 heads; K2 heads]: the bytes of a Transformer with 2 h_kv heads
-            kk, v = cache.update(self.layer - 1, k.reshape(b, 2 * hk, t, d), v)
-            k = kk.view(b, 2, hk, kk.shape[2], d)
-            if isinstance(cache, KVCache):  # its whole static buffers (fused decoding; other caches: the slices)
+        decode_gqa = False
+        if cache is not None:
+            fresh = (k, v) if cache.length == 0 else None
+            kk, v = cache.update(self.layer - 1, _cache_keys(k, isinstance(cache, KVCache)), v)
+            k = _cached_keys(kk, b, hk, d)
+            if isinstance(cache, KVCache) and fresh is None:  # its whole static buffers (fused decoding)
                 kb, vb = cache.k[self.layer - 1], cache.v[self.layer - 1]
-                kv_buffers = kb.view(b, 2, hk, kb.shape[2], d), vb
+                kv_buffers = _cached_keys(kb, b, hk, d), vb
+                decode_gqa = t == 1 and kk.shape[1] == hk  # the paired layout: one GQA flash call
+            elif fresh is not None:  # prefill into an empty cache: the keys as computed, not strided buffers
+                k, v = fresh
         lam = self._lambda()
         backend, p = self._backend(q.device), self._dropout_p()
         variant = backends.resolve_diff_variant(self.diff_variant, q.device, p, q.dtype)
-        if backend == "sdpa" and variant == "fused":
+        if backend == "sdpa" and variant == "fused" and decode_gqa and not torch.is_grad_enabled():
+            o = backends.diff_decode_paired(q, kk, v, mask, self.scale, lam)  # (B, 1, h, 2d)
+        elif backend == "sdpa" and variant == "fused":
             kf, vf = kv_buffers if kv_buffers is not None else (k, v)
             o = backends.fused_attention(q, kf, vf, mask, self.scale, lam)  # (B, N, h, 2d)
         else:

@@ -166,6 +166,29 @@ def fused_attention(q, k, v, mask: AttnMask, scale: float, lam: Optional[torch.T
     return _fused(q, k, v, mask, scale, lam)
 
 
+def diff_decode_paired(q, kk, v, mask: AttnMask, scale: float, lam: torch.Tensor) -> torch.Tensor:
+    """One decoding query of DIFF V1 over a paired-layout cache as ONE SDPA call; (B, 1, h, 2d).
+
+    kk (B, h_kv, T, 2d) holds [K1 | K2] per head and v (B, h_kv, T, 2d).  Query rows [q1, 0] and
+    [0, q2] of width 2d give exactly the logits q1.K1 and q2.K2, and grouped-query attention lets
+    both rows of every head share that head's keys and values; so the kernel reads K and V once
+    (the KV bytes of the Transformer twin) and returns A1 V and A2 V, combined here in fp32.  On
+    the CPU this is the flash kernel (bf16: ~2x faster per call than two GEMMs over the cache).
+    """
+    b, _, h, n, d = q.shape
+    hk = kk.shape[1]
+    g = h // hk
+    qq = q.new_zeros(b, hk, g, 2, n, 2 * d)
+    qq[..., 0, :, :d] = q[:, 0].reshape(b, hk, g, n, d)
+    qq[..., 1, :, d:] = q[:, 1].reshape(b, hk, g, n, d)
+    allowed = mask.dense(q.device)
+    o = F.scaled_dot_product_attention(qq.view(b, hk * g * 2, n, 2 * d), kk, v, attn_mask=allowed, scale=scale,
+                                       enable_gqa=True)
+    o = o.view(b, h, 2, n, 2 * d).float()
+    out = o[:, :, 0] - lam * o[:, :, 1]  # (B, h, n, 2d), fp32
+    return out.transpose(1, 2)
+
+
 def diff_sdpa(q1, q2, k1, k2, v, mask: AttnMask, scale: float, dropout_p: float = 0.0,
               variant: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """A1 V and A2 V, each (B, h, N, 2d), via SDPA calls (SPEC section 1, App. A)."""

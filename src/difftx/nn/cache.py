@@ -4,7 +4,7 @@ Buffers are allocated once per layer at the first write (shape known only then)
 with room for ``max_len`` positions, so decoding never reallocates and the
 cache works with ``torch.compile``.  A layer stores what its attention needs:
 K of shape (B, Hk, T, dk) and V of shape (B, Hv, T, dv).  For DIFF this is
-K = [K1; K2] (2 h_kv heads of d) and V (h_kv heads of 2d): exactly the bytes of
+K = [K1; K2] (2 h_kv heads of d; in bf16/fp16 [K1 | K2] as h_kv heads of 2d) and V (h_kv heads of 2d): the bytes of
 a Transformer with 2 h_kv heads of d.
 
 The cache also tracks which key positions are real tokens (left padding) and the

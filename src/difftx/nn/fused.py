@@ -87,10 +87,7 @@ def _block_mask(mask: AttnMask, i0: int, i1: int, ke: int, device) -> Optional[t
 
 def _batched(t: torch.Tensor) -> torch.Tensor:
     """(..., N, x) -> (batch, N, x): a view when the leading dims merge (a cache slice does), else a copy."""
-    try:
-        return t.view(-1, t.shape[-2], t.shape[-1])
-    except RuntimeError:
-        return t.reshape(-1, t.shape[-2], t.shape[-1])
+    return t.reshape(-1, t.shape[-2], t.shape[-1])
 
 
 _SCRATCH = threading.local()
@@ -362,6 +359,7 @@ def _acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fresh: bool) -> No
         acc += torch.bmm(a, b)
 
 
+@torch.compiler.disable  # the kernel's per-thread scratch and Python block loop stay eager under torch.compile
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, scale: float,
                     lam: Optional[torch.Tensor] = None, chunk: Optional[int] = None) -> torch.Tensor:
     """(softmax(Q1 K1^T s) [- lam softmax(Q2 K2^T s)]) V in query blocks; layouts in the module docstring."""
