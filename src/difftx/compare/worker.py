@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import math
 import os
 import signal
 import time
@@ -22,6 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..analysis.common import json_safe
 from ..io import atomic_write_text
 from .jobs import JOB_FILE, Job, train_config
 from .study import StudyConfig
@@ -94,7 +94,7 @@ def run_job(study: StudyConfig, job: Job, out: Path, report: Report = lambda e: 
         if summary is not None:
             result["final"] = {k: v for k, v in summary.items() if k in ("val_loss", "val_acc", "test_acc", "test_loss")}
             result.update(measurements(study, job, run_dir, tcfg, rows))
-        atomic_write_text(run_dir / JOB_FILE, json.dumps(_finite(result), indent=1))
+        atomic_write_text(run_dir / JOB_FILE, json.dumps(json_safe(result), indent=1))
     world.barrier()
     report({"event": "done", "job": job.key})
     return result
@@ -220,16 +220,6 @@ class _null:
 
     def __exit__(self, *exc):
         return False
-
-
-def _finite(obj):
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 # ----------------------------------------------------------------------------- the CPU pool
