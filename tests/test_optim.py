@@ -102,7 +102,8 @@ def test_build_optimizer_kinds():
     model = _model()
     adamw = build_optimizer(model, "adamw", lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
     assert isinstance(adamw, torch.optim.AdamW) and adamw.param_groups[0]["betas"] == (0.9, 0.95)
-    assert adamw.defaults["foreach"] and not adamw.defaults["fused"]  # fused only on GPUs
+    assert adamw.defaults["fused"] and not adamw.defaults["foreach"]  # torch's fused kernel, on the CPU too
+    assert build_optimizer(model, "adamw", fused=False).defaults["foreach"]
     assert isinstance(build_optimizer(model, "sgd"), torch.optim.SGD)
     with pytest.raises(ConfigError, match="optimizer"):
         build_optimizer(model, "lion")
@@ -141,3 +142,20 @@ def test_schedules():
     assert lr_at(200, total, peak, "linear", 0, lo) == pytest.approx(lo)  # past the end stays at the minimum
     with pytest.raises(ConfigError, match="schedule"):
         lr_at(0, 10, 1.0, "step")
+
+
+def test_fused_adamw_matches_foreach():
+    """The CPU default (fused) takes the same steps as foreach AdamW, weight decay and no-decay groups included."""
+    torch.manual_seed(0)
+    a, b = _model(), _model()
+    b.load_state_dict(a.state_dict())
+    opts = [build_optimizer(m, "adamw", lr=1e-2, weight_decay=0.1, fused=f) for m, f in ((a, True), (b, False))]
+    assert opts[0].defaults["fused"] and opts[1].defaults["foreach"]
+    for step in range(5):
+        grads = {n: torch.randn_like(p) for n, p in a.named_parameters()}
+        for m, opt in zip((a, b), opts):
+            for n, p in m.named_parameters():
+                p.grad = grads[n].clone()
+            opt.step()
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7, msg=lambda m: f"{n}: {m}")

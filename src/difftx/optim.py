@@ -96,6 +96,21 @@ def param_groups(model: nn.Module, weight_decay: float, decay_all: bool = False)
     return groups
 
 
+def _adamw_kernel(groups: list, fused: Optional[bool]) -> dict:
+    """AdamW's implementation: torch's fused kernel wherever every parameter lives on a device that has
+    one (CPU included: one pass per tensor, measured 16-22 ms against foreach's 90-96 ms for the 26M
+    parameters of the ``small`` preset on 2 cores), else foreach.  ``fused`` True/False forces it."""
+    if fused is None:
+        try:
+            from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+            devices = set(_get_fused_kernels_supported_devices())
+        except ImportError:  # older torch: CUDA only
+            devices = {"cuda"}
+        fused = all(p.device.type in devices and p.is_floating_point() for g in groups for p in g["params"])
+    return {"fused": True} if fused else {"foreach": True}
+
+
 def build_optimizer(model: nn.Module, name: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.0,
                     betas: tuple[float, float] = (0.9, 0.95), momentum: float = 0.9, nesterov: bool = False,
                     eps: float = 1e-8, decay_all: bool = False, fused: Optional[bool] = None):
@@ -104,10 +119,7 @@ def build_optimizer(model: nn.Module, name: str = "adamw", lr: float = 1e-3, wei
         raise ConfigError("optimizer", f"must be one of {', '.join(OPTIMIZERS)}; got {name!r}")
     groups = param_groups(model, weight_decay, decay_all)
     if name == "adamw":
-        if fused is None:
-            fused = all(p.is_cuda for g in groups for p in g["params"])
-        kw = {"fused": True} if fused else {"foreach": True}
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kw)
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **_adamw_kernel(groups, fused))
     if name == "msgdw":
         return MSGDW(groups, lr=lr, momentum=momentum, nesterov=nesterov)
     if name == "sgd":
@@ -161,7 +173,8 @@ def _build_muon(model, groups, lr, weight_decay, betas, momentum, eps):
         {"params": [p for n, p in rest if not is_no_decay(n, p)], "weight_decay": weight_decay},
         {"params": [p for n, p in rest if is_no_decay(n, p)], "weight_decay": 0.0},
     ]
-    adamw = torch.optim.AdamW([g for g in rest_groups if g["params"]], lr=lr, betas=betas, eps=eps)
+    rest_groups = [g for g in rest_groups if g["params"]]
+    adamw = torch.optim.AdamW(rest_groups, lr=lr, betas=betas, eps=eps, **_adamw_kernel(rest_groups, None))
     return CombinedOptimizer([muon, adamw])
 
 

@@ -324,16 +324,54 @@ def test_bf16_diff_cache_is_paired_and_decodes_like_fp32(n_kv_heads):
             assert (got - ref).abs().max() <= tol * ref.abs().max(), (dtype, (got - ref).abs().max())
 
 
-def test_lambda_cache_follows_parameter_updates():
+def test_lambda_is_fresh_outside_a_generation():
     cfg = ModelConfig(attention="diff", d_model=32, n_heads=2, n_layers=1, vocab_size=20)
     attn = build_model(cfg).layers[0].attn
     with torch.no_grad():
         a = float(attn._lambda())
-        attn.lambda_q1.add_(0.5)  # an optimiser step is an in-place update like this
+        attn.lambda_q1.data.add_(0.5)  # like torch's fused optimisers: in place, no version bump
         b = float(attn._lambda())
         assert b != a and b == pytest.approx(float(attn.lambda_full()), abs=1e-7)
     with torch.enable_grad():
-        assert attn._lambda().requires_grad  # training never sees a cached value
+        assert attn._lambda().requires_grad  # training never sees a memoised value
+
+
+def test_evaluation_after_a_fused_adamw_step_sees_the_new_lambda():
+    """Regression: a version-keyed lambda cache went stale under fused AdamW (no version bumps)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(attention="diff", d_model=32, n_heads=2, n_layers=2, vocab_size=20, max_seq_len=16)
+    model = build_model(cfg)
+    x = torch.randint(0, 20, (2, 12))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    model.eval()
+    with torch.no_grad():
+        model(x, cache=model.new_cache(2, 12))  # a generation's prefill memoises lambda
+    model.train()
+    model(x).logits.float().pow(2).mean().backward()
+    opt.step()
+    model.eval()
+    fresh = build_model(cfg).eval()
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for use_cache in (False, True):
+            kw = {"cache": model.new_cache(2, 12)} if use_cache else {}
+            kwf = {"cache": fresh.new_cache(2, 12)} if use_cache else {}
+            torch.testing.assert_close(model(x, **kw).logits, fresh(x, **kwf).logits, rtol=0, atol=0)
+
+
+def test_lambda_is_computed_once_per_generation(monkeypatch):
+    cfg = ModelConfig(attention="diff", d_model=32, n_heads=2, n_layers=2, vocab_size=20, max_seq_len=16)
+    model = build_model(cfg).eval()
+    calls = []
+    real = type(model.layers[0].attn).lambda_full
+    monkeypatch.setattr(type(model.layers[0].attn), "lambda_full", lambda self: calls.append(1) or real(self))
+    with torch.no_grad():
+        for _ in range(2):  # two generations: each computes lambda once per layer, at its prefill
+            cache = model.new_cache(1, 10)
+            model(torch.randint(0, 20, (1, 4)), cache=cache)
+            for _ in range(5):
+                model(torch.randint(0, 20, (1, 1)), cache=cache)
+    assert len(calls) == 2 * cfg.n_layers
 
 
 # ----------------------------------------------------------------------------- memory, norm

@@ -39,6 +39,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..models import build_model
 from ..optim import build_optimizer
+from ..runtime import keep_freed_memory
 from .memory import peak_live_bytes
 
 ARMS = {  # name -> ModelConfig.from_preset overrides (the matched twins of the preset)
@@ -270,6 +271,7 @@ def _interleaved(arms: list, repeats: int, warmup: int, run: Callable, timer) ->
 def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
     """Run every phase for every dtype and arm; returns the results dictionary (see module doc)."""
     bc.validate()
+    keep_freed_memory()  # every arm, the peers included, runs under the same allocator setting
     if bc.threads:
         torch.set_num_threads(bc.threads)
     device = torch.device(bc.device)

@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None) or not hasattr(args, "func"):
         parser.print_help()
         return 0 if not argv else 2
+    if args.command not in ("info", "convert"):  # the commands that train, evaluate or benchmark
+        from ..runtime import keep_freed_memory
+
+        keep_freed_memory()
     try:
         return int(args.func(args) or 0)
     except DifftxError as e:

@@ -231,6 +231,9 @@ def init_worker(queue, threads: int, stop=None) -> None:
     """Pool initializer: torch threads for this process; progress events go to ``queue``."""
     global _QUEUE, _STOP
     _QUEUE, _STOP = queue, stop
+    from ..runtime import keep_freed_memory
+
+    keep_freed_memory()  # a spawned process starts with malloc's defaults
     torch.set_num_threads(threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and sets ``stop``
 

@@ -19,6 +19,7 @@ lambda, the softmax statistics and the per-head norm are computed in float32.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -190,20 +191,26 @@ class DifferentialAttention(AttentionBase):
         l2 = torch.exp(torch.sum(self.lambda_q2.to(f) * self.lambda_k2.to(f)))
         return l1 - l2 + self.lambda_init
 
-    def _lambda(self) -> torch.Tensor:
-        """:meth:`lambda_full`, reused while no gradient is recorded and the vectors are unchanged.
+    def _lambda(self, cache=None, decoding: bool = False) -> torch.Tensor:
+        """:meth:`lambda_full`, computed once per generation while decoding.
 
-        Decoding calls every layer once per token; the cache is keyed on the parameters'
-        version counters, which every in-place update (optimiser step, load) bumps.
+        A generation's KV cache holds keys and values made by the current weights, so the
+        lambda computed when that cache was filled holds for its later decoding steps
+        (``decoding``: the cache already held tokens); every other call computes it afresh.
+        Not keyed on parameter version counters: torch's fused optimisers update parameters
+        in place without bumping them.
         """
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or cache is None:
             return self.lambda_full()
-        params = (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)
-        key = tuple((p.data_ptr(), p._version, p.dtype) for p in params)
-        cached = getattr(self, "_lambda_cache", None)
-        if cached is None or cached[0] != key:
-            cached = self._lambda_cache = (key, self.lambda_full())
-        return cached[1]
+        memo = getattr(self, "_lambda_memo", None)
+        if decoding and memo is not None and memo[0]() is cache:
+            return memo[1]
+        lam = self.lambda_full()
+        try:
+            self._lambda_memo = (weakref.ref(cache), lam)
+        except TypeError:  # a cache type without weak references: no memo
+            self._lambda_memo = None
+        return lam
 
     def split(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Projection outputs -> q1, q2 (B, h, N, d); k1, k2 (B, h_kv, N, d); v (B, h_kv, N, 2d)."""
@@ -248,6 +255,7 @@ class DifferentialAttention(AttentionBase):
         v = self._value(self.v_proj(xa))  # (B, h_kv, N, 2d)
         kv_buffers = None
         decode_gqa = False
+        decoding = cache is not None and cache.length > 0
         if cache is not None:
             fresh = (k, v) if cache.length == 0 else None
             kk, v = cache.update(self.layer - 1, _cache_keys(k, isinstance(cache, KVCache)), v)
@@ -258,7 +266,7 @@ class DifferentialAttention(AttentionBase):
                 decode_gqa = t == 1 and kk.shape[1] == hk  # the paired layout: one GQA flash call
             elif fresh is not None:  # prefill into an empty cache: the keys as computed, not strided buffers
                 k, v = fresh
-        lam = self._lambda()
+        lam = self._lambda(cache, decoding)
         backend, p = self._backend(q.device), self._dropout_p()
         variant = backends.resolve_diff_variant(self.diff_variant, q.device, p, q.dtype)
         if backend == "sdpa" and variant == "fused" and decode_gqa and not torch.is_grad_enabled():

@@ -26,6 +26,7 @@ from ..accounting import count_parameters
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..io import CHECKPOINTS_DIR, CONFIG_FILE, FORMAT_KEY, FORMAT_VERSION, atomic_write_text
+from ..runtime import keep_freed_memory
 from .checkpoint import read_json, remove_partial, resolve_resume
 from .config import RESUMABLE_CHANGES, TrainConfig
 from .distributed import init_world, resolve_parallel, shutdown_world
@@ -113,6 +114,7 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
     out = Path(out)
     if tcfg.tensorboard:
         _require_tensorboard()
+    keep_freed_memory()  # a training process keeps its freed activations for the next step (runtime.py)
     world = init_world(tcfg.device)
     try:
         resume_ckpt = resolve_resume(resume, out)
