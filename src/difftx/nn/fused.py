@@ -42,9 +42,12 @@ import torch
 
 from .mask import AttnMask
 
-# One block of maps (B x M x H x chunk x keys) holds about this many elements: ~4 MB of fp32
-# keeps a block's scratch in cache on a laptop CPU and the memory linear in N.
-BLOCK_ELEMENTS = 1 << 20
+# One block of one map (B x H x chunk x keys) holds about this many bytes: 1M fp32 elements
+# (2M bf16), so a block's scratch stays in cache and the memory linear in N.  Measured on the
+# 2-core AVX-512/AMX CPU at the small preset (B=4, H=8, N=512, training, forward + backward):
+# fp32 blocks of 64 rows (58 ms; 128: 59, 256: 75), bf16 blocks of 128 rows (45.5 ms vs 54.8
+# at 64 rows; DIFF 92.8 vs 116.9), for one map or two, and the same sizes win without grad.
+BLOCK_BYTES = 4 << 20
 MIN_CHUNK = 64  # rows per block at least (GEMM efficiency at long N); memory stays linear in N
 # Under bf16 the maps' elementwise math runs on bf16 tensors (the softmax and row sums still
 # accumulate in fp32 inside their kernels): ~15% faster than fp32 maps, and about as accurate,
@@ -56,9 +59,19 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def chunk_size(b: int, m: int, h: int, n_q: int, n_k: int, budget: int = BLOCK_ELEMENTS) -> int:
-    """Query rows per block so that one block of maps holds about ``budget`` elements."""
-    c = budget // max(1, b * m * h * n_k)
+def _map_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the maps' elementwise math for inputs of ``dtype`` (see FP32_MAPS_FOR_BF16)."""
+    return dtype if (dtype == torch.bfloat16 and not FP32_MAPS_FOR_BF16) else _compute_dtype(dtype)
+
+
+def chunk_size(b: int, m: int, h: int, n_q: int, n_k: int, element_size: int = 4,
+               budget: int = BLOCK_BYTES) -> int:
+    """Query rows per block so that one map's block (B x H x rows x keys) holds about ``budget`` bytes.
+
+    ``element_size`` is the maps' (2 for bf16 maps, 4 for fp32).  ``m`` (the number of maps) does
+    not shrink the block: measured, DIFF's two maps want the rows one map wants.
+    """
+    c = budget // max(1, b * h * n_k * element_size)
     c = max(MIN_CHUNK, (c // MIN_CHUNK) * MIN_CHUNK)
     return min(n_q, c)
 
@@ -115,7 +128,7 @@ def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) ->
 def release_scratch() -> None:
     """Free this thread's cached scratch buffers.
 
-    They grow to the largest block seen: ~4-8 MB per dtype at the default block size, up to
+    They grow to the largest block seen: ~4-16 MB per dtype at the default block size, up to
     ~100 MB after a 16K-token call (blocks keep at least 64 rows).
     """
     _SCRATCH.buffers = {}
@@ -162,8 +175,7 @@ class _Blocks:
         self.q, self.k3, self.v3, self.mask, self.scale, self.chunk = q, k3, v3, mask, scale, chunk
         self.dtype = q.dtype
         self.cd = _compute_dtype(q.dtype)  # gradient sums, lambda
-        low_maps = q.dtype == torch.bfloat16 and not FP32_MAPS_FOR_BF16
-        self.md = q.dtype if low_maps else self.cd  # the maps' elementwise math
+        self.md = _map_dtype(q.dtype)  # the maps' elementwise math
         self.lam_s = float(lam) if (lam is not None and lam.dim() == 0) else None
         self.lam_rows = lam.to(self.md) if (lam is not None and lam.dim() > 0) else None
         rows = self.rep * min(chunk, n)
@@ -367,8 +379,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
     if m not in (1, 2) or (m == 2) != (lam is not None):
         raise ValueError("fused_attention takes one map without lambda or two maps with lambda")
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, lam))
-    if chunk is None:  # inference keeps no recomputation state: twice the block is measured ~10% faster
-        chunk = chunk_size(b, m, h, n, min(k.shape[3], mask.n_k), BLOCK_ELEMENTS * (1 if needs_grad else 2))
+    if chunk is None:
+        chunk = chunk_size(b, m, h, n, min(k.shape[3], mask.n_k), _map_dtype(q.dtype).itemsize)
     with _no_autocast(q.device.type):
         if not needs_grad and n <= SMALL_QUERY:
             return _few_queries(q, k, v, lam, mask, scale)
@@ -394,8 +406,7 @@ def _few_queries(q, k, v, lam, mask: AttnMask, scale: float) -> torch.Tensor:
     hk = k.shape[2]
     r = (h // hk) * n
     ke = _key_end(mask, n)
-    cd = _compute_dtype(q.dtype)
-    md = q.dtype if (q.dtype == torch.bfloat16 and not FP32_MAPS_FOR_BF16) else cd
+    md = _map_dtype(q.dtype)
     k3, v3 = _batched(k), _batched(v)
     width = ke
     if k3.shape[1] > ke and q.dtype not in (torch.float32, torch.float64) and k3.is_contiguous() \
