@@ -42,12 +42,15 @@ import torch
 
 from .mask import AttnMask
 
-# One block of one map (B x H x chunk x keys) holds about this many bytes: 1M fp32 elements
-# (2M bf16), so a block's scratch stays in cache and the memory linear in N.  Measured on the
-# 2-core AVX-512/AMX CPU at the small preset (B=4, H=8, N=512, training, forward + backward):
-# fp32 blocks of 64 rows (58 ms; 128: 59, 256: 75), bf16 blocks of 128 rows (45.5 ms vs 54.8
-# at 64 rows; DIFF 92.8 vs 116.9), for one map or two, and the same sizes win without grad.
-BLOCK_BYTES = 4 << 20
+# Rows per block: one head's block of one map (rows x keys) holds about SLICE_BYTES, so it stays
+# in the core's L2 through the GEMM -> softmax -> GEMM sequence.  Measured on the 2-core
+# AVX-512/AMX CPU at the small preset's shapes (B=4, N=512; forward + backward, 1 thread, CPU
+# time; the Transformer's 8 heads and DIFF's 4 differential heads alike): fp32 best at 64 rows
+# (109 ms; 128 rows: 117, 256: 140-147), bf16 at 128 rows (55 ms; 64 rows: 64, 256: 59), and
+# the same without grad.  BLOCK_BYTES caps a whole block (all batches, heads and maps) so large
+# batches x heads keep a bounded scratch; at least MIN_CHUNK rows, so memory stays linear in N.
+SLICE_BYTES = 128 << 10
+BLOCK_BYTES = 32 << 20
 MIN_CHUNK = 64  # rows per block at least (GEMM efficiency at long N); memory stays linear in N
 # Under bf16 the maps' elementwise math runs on bf16 tensors (the softmax and row sums still
 # accumulate in fp32 inside their kernels): ~15% faster than fp32 maps, and about as accurate,
@@ -64,14 +67,14 @@ def _map_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if (dtype == torch.bfloat16 and not FP32_MAPS_FOR_BF16) else _compute_dtype(dtype)
 
 
-def chunk_size(b: int, m: int, h: int, n_q: int, n_k: int, element_size: int = 4,
-               budget: int = BLOCK_BYTES) -> int:
-    """Query rows per block so that one map's block (B x H x rows x keys) holds about ``budget`` bytes.
+def chunk_size(b: int, m: int, h: int, n_q: int, n_k: int, element_size: int = 4) -> int:
+    """Query rows per block: one head's rows x keys of one map in about SLICE_BYTES, the whole block
+    (b x m x h heads) in at most BLOCK_BYTES, a multiple of MIN_CHUNK and at least that.
 
-    ``element_size`` is the maps' (2 for bf16 maps, 4 for fp32).  ``m`` (the number of maps) does
-    not shrink the block: measured, DIFF's two maps want the rows one map wants.
+    ``element_size`` is the maps' (2 for bf16 maps, 4 for fp32): bf16 blocks get twice the rows.
     """
-    c = budget // max(1, b * h * n_k * element_size)
+    row = n_k * element_size
+    c = min(SLICE_BYTES // max(1, row), BLOCK_BYTES // max(1, b * m * h * row))
     c = max(MIN_CHUNK, (c // MIN_CHUNK) * MIN_CHUNK)
     return min(n_q, c)
 
@@ -128,8 +131,8 @@ def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) ->
 def release_scratch() -> None:
     """Free this thread's cached scratch buffers.
 
-    They grow to the largest block seen: ~4-16 MB per dtype at the default block size, up to
-    ~100 MB after a 16K-token call (blocks keep at least 64 rows).
+    They grow to the largest block seen: ~4 MB per buffer at the small preset's training shapes,
+    at most BLOCK_BYTES unless MIN_CHUNK rows need more (~100 MB after a 16K-token call).
     """
     _SCRATCH.buffers = {}
 
