@@ -67,3 +67,17 @@ def test_bench_bad_input_is_one_line(capsys, tmp_path, args, needle):
 def test_bench_bad_flag_through_the_real_cli(cli, tmp_path):
     r = cli("bench", "--out", tmp_path, "--timer", "sundial")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "timer" in r.stderr
+
+
+def test_bench_adamw_kernel_choice():
+    """Every arm steps with the library's default AdamW (fused) unless --foreach-adamw says otherwise."""
+    import torch
+
+    from difftx.benchmarking.speed import QUICK, BenchConfig, build_arms
+    from difftx.cli import build_parser
+
+    for flag, fused in (([], True), (["--foreach-adamw"], False), (["--fused-adamw"], True)):
+        args = build_parser("bench").parse_args(["bench", "--quick", "--out", "unused", *flag])
+        bc = BenchConfig(**{**QUICK, "arms": ["transformer", "diff"], "peers": False, "fused_adamw": args.fused_adamw})
+        for arm in build_arms(bc, torch.device("cpu")):
+            assert bool(arm.optimizer.defaults["fused"]) == fused and bool(arm.optimizer.defaults["foreach"]) != fused

@@ -21,14 +21,12 @@ optimiser state already held (on CUDA: ``torch.cuda.max_memory_allocated``).
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -71,7 +69,7 @@ class BenchConfig:
     threads: Optional[int] = None
     device: str = "cpu"
     memory: bool = True
-    fused_adamw: bool = False  # torch's fused AdamW for every arm (build_optimizer's CPU default: foreach)
+    fused_adamw: Optional[bool] = None  # None: build_optimizer's default (fused); False: foreach, for every arm
     seed: int = 0
 
     def validate(self) -> None:
@@ -103,9 +101,10 @@ QUICK = dict(preset="nano", seq_len=32, batch_size=2, repeats=1, warmup=1, decod
 class Arm:
     """One model behind a uniform interface: loss, logits, decoding, its KV cache size."""
 
-    def __init__(self, name: str, model: torch.nn.Module, cfg: ModelConfig, peer: bool, fused_adamw: bool = False):
+    def __init__(self, name: str, model: torch.nn.Module, cfg: ModelConfig, peer: bool,
+                 fused_adamw: Optional[bool] = None):
         self.name, self.model, self.cfg, self.peer = name, model, cfg, peer
-        self.optimizer = build_optimizer(model, "adamw", lr=1e-4, weight_decay=0.1, fused=fused_adamw or None)
+        self.optimizer = build_optimizer(model, "adamw", lr=1e-4, weight_decay=0.1, fused=fused_adamw)
         self.params = sum(p.numel() for p in model.parameters())
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -301,7 +300,6 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
             log(f"  [{dt}] train ...")
             times = _interleaved(arms, bc.repeats, bc.warmup, lambda a: _train_step(a, x, y, dt, device), timer)
             for arm in arms:
-                med = statistics.median(times[arm.name])
                 fpt = flops_per_token(arm.cfg, n, causal=True, training=True)
                 rows[arm.name]["train"] = _speed(times[arm.name], b * n, fpt, peaks[dt])
             if bc.memory:

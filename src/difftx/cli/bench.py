@@ -38,8 +38,11 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
-    p.add_argument("--fused-adamw", action="store_true",
-                   help="torch's fused AdamW kernel for every arm (the library's CPU default is foreach)")
+    adam = p.add_mutually_exclusive_group()
+    adam.add_argument("--fused-adamw", dest="fused_adamw", action="store_const", const=True, default=None,
+                      help="torch's fused AdamW kernel for every arm (the default where torch has it, the CPU included)")
+    adam.add_argument("--foreach-adamw", dest="fused_adamw", action="store_const", const=False,
+                      help="torch's foreach AdamW for every arm instead of the fused kernel")
     p.add_argument("--long-context", action="store_true",
                    help="instead: DIFF attention time and peak memory at --lengths tokens (fused vs 4call vs eager)")
     p.add_argument("--lengths", default="1024,2048,4096,8192,16384",
