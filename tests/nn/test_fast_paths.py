@@ -94,7 +94,9 @@ def test_fused_kernel_matches_reference_float64(m, lam_kind, h, hk, padded, q_st
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,lam_kind,h,hk,padded", [(2, "scalar", 4, 2, True), (1, None, 4, 4, False),
                                                      (2, "rows", 4, 1, False)])
-def test_fused_kernel_low_precision(dtype, m, lam_kind, h, hk, padded):
+@pytest.mark.parametrize("use_native", [True, False])  # the native row kernels (when built) and pure torch
+def test_fused_kernel_low_precision(dtype, m, lam_kind, h, hk, padded, use_native, monkeypatch):
+    monkeypatch.setattr(fused, "USE_NATIVE", use_native)
     q, k, v, lam, mask = _kernel_case(m, lam_kind, h, hk, padded, 0, dtype, n=45)
     out = fused.fused_attention(q, k, v, mask, 0.35, lam, chunk=16)
     assert out.dtype == dtype
@@ -403,9 +405,10 @@ def test_fused_attention_memory_grows_linearly():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weight,gain", [(True, 1.0), (True, 0.8), (False, 0.8)])
-def test_fused_rms_norm(dtype, weight, gain):
+@pytest.mark.parametrize("rows", [15, 3000])  # the small no-grad path applies below SMALL_NORM elements
+def test_fused_rms_norm(dtype, weight, gain, rows):
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(3, 5, 24, generator=g, dtype=torch.float64) * 3).to(dtype).requires_grad_()
+    x = (torch.randn(3, rows // 3, 24, generator=g, dtype=torch.float64) * 3).to(dtype).requires_grad_()
     wdtype = torch.float64 if dtype == torch.float64 else torch.float32
     w = torch.rand(24, generator=g, dtype=torch.float64).to(wdtype).requires_grad_() if weight else None
     out = fused.rms_norm(x, w, 1e-5, gain)

@@ -15,7 +15,9 @@ def markdown(results: dict) -> str:
     lines = [f"# difftx bench: preset `{bc['preset']}`, batch {bc['batch_size']} x {bc['seq_len']} tokens",
              "", f"{env['cpu']} ({env['threads']} threads), torch {env['torch']}"
              + (f", transformers {env['transformers']}" if "transformers" in env else "")
-             + f"; {bc['repeats']} interleaved repeats, medians, `{bc['timer']}` time.", ""]
+             + f"; {bc['repeats']} interleaved repeats, medians, `{bc['timer']}` time."
+             + (f" Native CPU kernels: {env['native_kernels'].split(' (')[0]}." if "native_kernels" in env else ""),
+             ""]
     arms = results["arms"]
     for dt in bc["dtypes"]:
         peak = results["matmul_peak_flops"][dt]

@@ -404,6 +404,10 @@ def environment(device: torch.device) -> dict:
            "command": " ".join(["difftx"] + sys.argv[1:]) if sys.argv and "difftx" in sys.argv[0] else None}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        from ..nn import native
+
+        env["native_kernels"] = native.status()
     try:
         import transformers
 

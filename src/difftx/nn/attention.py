@@ -269,7 +269,14 @@ class DifferentialAttention(AttentionBase):
         lam = self._lambda(cache, decoding)
         backend, p = self._backend(q.device), self._dropout_p()
         variant = backends.resolve_diff_variant(self.diff_variant, q.device, p, q.dtype)
+        out_dtype = _out_dtype(x)
         if backend == "sdpa" and variant == "fused" and decode_gqa and not torch.is_grad_enabled():
+            if backends.native_diff_decode_ok(q, kk, v, mask, out_dtype):  # attention and head norm in one call
+                hn = self.head_norm
+                o = backends.native_diff_decode(q, kk, v, mask, self.scale, lam, hn is not None,
+                                                None if hn is None else hn.weight, 1.0 - self.lambda_init,
+                                                hn.eps if hn is not None else 0.0, out_dtype)
+                return self.out_proj(o.reshape(b, t, 2 * h * d))
             o = backends.diff_decode_paired(q, kk, v, mask, self.scale, lam)  # (B, 1, h, 2d)
         elif backend == "sdpa" and variant == "fused":
             kf, vf = kv_buffers if kv_buffers is not None else (k, v)
@@ -286,7 +293,6 @@ class DifferentialAttention(AttentionBase):
                     o1, o2 = backends.diff_sdpa(q1, q2, k1, k2, v, mask, self.scale, p, variant)
                 o = upcast(o1) - lam * upcast(o2)
             o = o.transpose(1, 2)
-        out_dtype = _out_dtype(x)
         if self.head_norm is not None:  # fp32 statistics; (1 - lambda_init) folded into the gain
             o = rms_norm(o, self.head_norm.weight, self.head_norm.eps, 1.0 - self.lambda_init, out_dtype)
         return self.out_proj(o.reshape(b, t, 2 * h * d).to(out_dtype))

@@ -190,6 +190,32 @@ def diff_decode_paired(q, kk, v, mask: AttnMask, scale: float, lam: torch.Tensor
     return out.transpose(1, 2)
 
 
+def native_diff_decode_ok(q, kk, v, mask: AttnMask, out_dtype: torch.dtype) -> bool:
+    """Whether :func:`native_diff_decode` takes this decoding step: one causal query over a paired bf16
+    cache on the CPU, the native kernels built (difftx.nn.native) and not switched off."""
+    from . import fused, native
+
+    return (fused.USE_NATIVE and q.dtype == torch.bfloat16 and out_dtype in (torch.float32, torch.bfloat16)
+            and mask.causal and mask.n_q == 1 and kk.shape[2] == mask.n_k and mask.q_start == mask.n_k - 1
+            and native.supports(q.dtype, q.device))
+
+
+def native_diff_decode(q, kk, v, mask: AttnMask, scale: float, lam: torch.Tensor, norm: bool,
+                       weight: Optional[torch.Tensor], gain: float, eps: float, out_dtype: torch.dtype):
+    """:func:`diff_decode_paired` and the per-head RMSNorm (weight x gain) in one native call: (B, 1, h, 2d).
+
+    Replaces the paired query's construction, the SDPA call, the fp32 combine and the norm's
+    casts (about a dozen small ops per layer and step) with one pass over K and V."""
+    from . import native
+
+    valid = None
+    if mask.key_valid is not None:
+        valid = mask.key_valid[:, : mask.n_k].clone()
+        valid[:, mask.q_start] = True  # a query always sees itself
+    wg = None if weight is None else weight.to(torch.float32) * gain
+    return native.diff_decode(q, kk, v, valid, float(lam), scale, norm, wg, gain, eps, out_dtype)
+
+
 def diff_sdpa(q1, q2, k1, k2, v, mask: AttnMask, scale: float, dropout_p: float = 0.0,
               variant: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """A1 V and A2 V, each (B, h, N, 2d), via SDPA calls (SPEC section 1, App. A)."""

@@ -40,6 +40,7 @@ from typing import Optional
 
 import torch
 
+from . import native
 from .mask import AttnMask
 
 # Rows per block: one head's block of one map (rows x keys) holds about SLICE_BYTES, so it stays
@@ -56,6 +57,9 @@ MIN_CHUNK = 64  # rows per block at least (GEMM efficiency at long N); memory st
 # accumulate in fp32 inside their kernels): ~15% faster than fp32 maps, and about as accurate,
 # since the bf16 logits out of the GEMM dominate the error either way (docs/performance.md).
 FP32_MAPS_FOR_BF16 = False
+# The native row kernels (difftx.nn.native: mask + softmax + combine, and the softmax backward, one
+# pass per row) when they are built; False forces the pure-torch path (tests compare the two).
+USE_NATIVE = True
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -181,6 +185,10 @@ class _Blocks:
         self.md = _map_dtype(q.dtype)  # the maps' elementwise math
         self.lam_s = float(lam) if (lam is not None and lam.dim() == 0) else None
         self.lam_rows = lam.to(self.md) if (lam is not None and lam.dim() > 0) else None
+        # The native row kernels (difftx.nn.native) when built and the maps are in the matmul dtype.
+        self.native = USE_NATIVE and self.md == self.dtype and native.supports(self.dtype, q.device)
+        if self.native and self.lam_rows is not None:
+            self.lam_rows = lam.to(torch.float32)
         rows = self.rep * min(chunk, n)
         n_maps = b * m * self.hk * rows * k3.shape[1]
         dev = q.device
@@ -220,10 +228,11 @@ class _Blocks:
     def values(self, ke: int) -> torch.Tensor:
         return _compact(self.v3[:, :ke], self.dtype)
 
-    def probs(self, qc: torch.Tensor, kk: torch.Tensor, i0: int, i1: int, ke: int) -> torch.Tensor:
-        """softmax(Q K^T scale) of the block, masked, in the maps' dtype: (B, M, Hk, rep*C, ke).
+    def logits(self, qc: torch.Tensor, kk: torch.Tensor, i0: int, i1: int, ke: int) -> torch.Tensor:
+        """Q K^T scale of the block in the maps' dtype, (B, M, Hk, rep*C, ke); padding masked with -inf.
 
-        ``kk`` is :meth:`keys` (ke), which the backward reuses for dQ."""
+        The causal triangle of a mask without padding is left to the caller (:meth:`probs`, or the
+        native kernel, which never reads the keys past a row's query)."""
         b, m, hk, rep, c = self.b, self.m, self.hk, self.rep, i1 - i0
         kt = kk.transpose(1, 2)
         s = self._take(self._s, b * m * hk, rep * c, ke)
@@ -233,17 +242,45 @@ class _Blocks:
             s.copy_(low)
         else:
             torch.baddbmm(self._zero, qc, kt, beta=0, alpha=self.scale, out=s)
+        if self._tri is None:
+            allowed = _block_mask(self.mask, i0, i1, ke, qc.device)
+            if allowed is not None:
+                s.view(b, m, hk, rep, c, ke).masked_fill_(~allowed, float("-inf"))
+        return s.view(b, m, hk, rep * c, ke)
+
+    def probs(self, qc: torch.Tensor, kk: torch.Tensor, i0: int, i1: int, ke: int) -> torch.Tensor:
+        """softmax(Q K^T scale) of the block, masked, in the maps' dtype: (B, M, Hk, rep*C, ke).
+
+        ``kk`` is :meth:`keys` (ke), which the backward reuses for dQ."""
+        b, m, hk, rep, c = self.b, self.m, self.hk, self.rep, i1 - i0
+        s = self.logits(qc, kk, i0, i1, ke)
         if self._tri is not None:
             k0 = self.mask.q_start + i0  # keys left of the block's first query are all visible
             if ke - k0 > 1:
                 s.view(b * m * hk * rep, c, ke)[:, :, k0:].add_(self._tri[:c, : ke - k0])
-        else:
-            allowed = _block_mask(self.mask, i0, i1, ke, qc.device)
-            if allowed is not None:
-                s.view(b, m, hk, rep, c, ke).masked_fill_(~allowed, float("-inf"))
         p = self._take(self._p, b, m, hk, rep * c, ke)
-        torch.ops.aten._softmax.out(s.view(b, m, hk, rep * c, ke), -1, False, out=p)
+        torch.ops.aten._softmax.out(s, -1, False, out=p)
         return p
+
+    def _diag0(self, i0: int) -> int:
+        """The native kernels' causal offset: the block's first query among the keys, or -1 (none)."""
+        return self.mask.q_start + i0 if self._tri is not None else -1
+
+    def maps(self, qc: torch.Tensor, kk: torch.Tensor, i0: int, i1: int, ke: int, lam_c, want_p: bool):
+        """(probs or None, combined map) of the block: :meth:`probs` and :meth:`combine` in one native pass
+        per row when available."""
+        if not self.native:
+            p = self.probs(qc, kk, i0, i1, ke)
+            return p, self.combine(p, lam_c)
+        b, m, hk, r = self.b, self.m, self.hk, self.rep * (i1 - i0)
+        s = self.logits(qc, kk, i0, i1, ke)
+        p = self._take(self._p, b, m, hk, r, ke) if (want_p or m == 1) else None
+        comb = None if m == 1 else self._take(self._comb, b, hk, r, ke)
+        lam_rows = None if lam_c is None else lam_c.reshape(b, hk * r).contiguous()
+        native.softmax_combine(s, p, comb, m, hk * r, i1 - i0, self._diag0(i0), self.lam_s or 0.0, lam_rows)
+        if m == 1:
+            comb = p.view(b, hk, r, ke)
+        return p, comb.view(b * hk, r, ke)
 
     def lam_block(self, i0: int, i1: int) -> Optional[torch.Tensor]:
         """Per-token lambda of the block as (B, Hk, rep*C, 1), or None."""
@@ -274,8 +311,8 @@ class _FusedAttention(torch.autograd.Function):
         g = _Blocks(q, k3, v3, lam, mask, scale, chunk)
         out = q.new_empty(g.b, g.n, g.h, v.shape[-1])
         for i0, i1, ke in g.blocks():
-            p = g.probs(g.q_block(i0, i1), g.keys(ke), i0, i1, ke)
-            o = torch.bmm(g.combine(p, g.lam_block(i0, i1)), g.values(ke))  # (B*Hk, rep*C, dv)
+            _, comb = g.maps(g.q_block(i0, i1), g.keys(ke), i0, i1, ke, g.lam_block(i0, i1), want_p=False)
+            o = torch.bmm(comb, g.values(ke))  # (B*Hk, rep*C, dv)
             out[:, i0:i1] = o.view(g.b, g.h, i1 - i0, -1).transpose(1, 2)
         if any(ctx.needs_input_grad[:4]):
             ctx.save_for_backward(q, k3, v3, lam)
@@ -321,19 +358,24 @@ def _backward(ctx, dout):
         c = i1 - i0
         r = rep * c
         qc, kk, vv = g.q_block(i0, i1), g.keys(ke), g.values(ke)
-        p = g.probs(qc, kk, i0, i1, ke)  # recomputed: (B, M, Hk, R, ke)
         lam_c = g.lam_block(i0, i1)
+        p, comb = g.maps(qc, kk, i0, i1, ke, lam_c, want_p=True)  # recomputed: (B, M, Hk, R, ke)
         doc = dout[:, i0:i1].transpose(1, 2).reshape(b * hk, r, -1)
-        _acc(dv[:, :ke], g.combine(p, lam_c).transpose(1, 2), doc, fresh)
+        _acc(dv[:, :ke], comb.transpose(1, 2), doc, fresh)
         dp = g._take(g._comb, b * hk, r, ke)  # the combined map is consumed: reuse its buffer
         torch.bmm(doc, vv.transpose(1, 2), out=dp)
-        t = g._take(g._s, b, m, hk, r, ke)
-        torch.mul(p, dp.view(b, 1, hk, r, ke), out=t)  # p_m * dP
-        rs = t.sum(-1, keepdim=True)  # rowsum(p_m * dP), accumulated in fp32 by the reduction
-        if g._low is not None:  # softmax backward p_m (dP - r_m), rounded once for the matmuls
-            ds = torch.addcmul(t, p, rs, value=-1.0, out=g._take(g._low, b, m, hk, r, ke))
+        if g.native:  # softmax backward p_m (dP - r_m) and the row sums r_m in one pass per row
+            ds = g._take(g._s, b, m, hk, r, ke)
+            rs = torch.empty(b, m, hk, r, 1, dtype=torch.float32, device=q.device)
+            native.softmax_backward(p, dp, ds, rs, m, hk * r, c, g._diag0(i0))
         else:
-            ds = t.addcmul_(p, rs, value=-1.0)
+            t = g._take(g._s, b, m, hk, r, ke)
+            torch.mul(p, dp.view(b, 1, hk, r, ke), out=t)  # p_m * dP
+            rs = t.sum(-1, keepdim=True)  # rowsum(p_m * dP), accumulated in fp32 by the reduction
+            if g._low is not None:  # softmax backward p_m (dP - r_m), rounded once for the matmuls
+                ds = torch.addcmul(t, p, rs, value=-1.0, out=g._take(g._low, b, m, hk, r, ke))
+            else:
+                ds = t.addcmul_(p, rs, value=-1.0)
         rs = rs.to(cd)
         ds = ds.view(b * m * hk, r, ke)
         dqc = torch.bmm(ds, kk).view(b, m, hk, r, d)
@@ -455,6 +497,14 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, eps: float, gain: float, out_dtype):
         cd = _compute_dtype(x.dtype)
+        ctx.gain = gain
+        if _native_norm(x, w, out_dtype):  # one pass per row instead of five over the tensor
+            x = x.contiguous()
+            wg = None if w is None else (w.to(torch.float32) * gain).contiguous()
+            rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
+            y = native.rms_norm(x, wg, gain, eps, out_dtype, rstd)
+            ctx.save_for_backward(x, w, rstd)
+            return y
         xf = x.to(cd)
         rstd = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
         rstd = rstd.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
@@ -464,7 +514,6 @@ class _RMSNorm(torch.autograd.Function):
         elif gain != 1.0:
             y.mul_(gain)
         ctx.save_for_backward(x, w, rstd)
-        ctx.gain = gain
         return y.to(out_dtype)
 
     @staticmethod
@@ -507,3 +556,10 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gain: 
 
 
 SMALL_NORM = 1 << 16
+
+
+def _native_norm(x: torch.Tensor, w: Optional[torch.Tensor], out_dtype: torch.dtype) -> bool:
+    """Whether :func:`native.rms_norm` takes this call: float32/bfloat16 in and out, CPU, kernels built."""
+    ok = (torch.float32, torch.bfloat16)
+    return (USE_NATIVE and x.dtype in ok and out_dtype in ok and (w is None or w.dtype in ok)
+            and x.shape[-1] > 0 and native.supports(x.dtype, x.device))

@@ -1,0 +1,230 @@
+"""Native row kernels for the CPU fused attention, compiled on first use (optional).
+
+``softmax_kernels.c`` (beside this file) does per row, in one pass, what the fused kernel's
+block loop otherwise spends several tensor passes on: the causal triangle, the softmax of
+each map with float32 statistics, and the combined map P1 - lambda P2 rounded once to the
+value product's dtype (forward); the softmax backward of each map and its row sums
+(backward).  Rows run on torch's OpenMP threads.
+
+It is built once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``;
+about a second) into ``$DIFFTX_CACHE_DIR`` (default ``~/.cache/difftx``), keyed by the
+source, the compiler and the CPU's features, and loaded with ctypes: no Python
+extension ABI, no build step at install time.  Without a compiler, on other
+platforms, or with ``DIFFTX_NATIVE=0``, everything runs the pure-torch path (same
+results up to rounding: the native forward rounds the combined map once from float32
+probabilities, the torch path from rounded ones).  ``difftx info`` reports which.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+_SOURCE = Path(__file__).with_name("softmax_kernels.c")
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-fno-strict-aliasing", "-fPIC", "-shared"]
+_LOCK = threading.Lock()
+_STATE: dict = {}  # "lib": CDLL or None, "status": str
+
+
+def _enabled_by_env() -> bool:
+    return os.environ.get("DIFFTX_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("DIFFTX_CACHE_DIR"):
+        return Path(os.environ["DIFFTX_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "difftx"
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> Optional[str]:
+    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cand and shutil.which(cand):
+            return cand
+    return None
+
+
+def _build(cc: str) -> Path:
+    source = _SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
+                                     _cpu_features().encode(), platform.machine().encode()])).hexdigest()[:16]
+    out_dir = _cache_dir()
+    target = out_dir / f"softmax_kernels-{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, target)  # atomic: concurrent builders never load a partial file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.difftx_softmax_combine.argtypes = [p, i, p, p, i, i64, i64, i64, i64, i64, i64, f, p, i]
+    lib.difftx_softmax_combine.restype = None
+    lib.difftx_softmax_backward.argtypes = [p, p, p, i, p, i64, i64, i64, i64, i64, i64, i]
+    lib.difftx_softmax_backward.restype = None
+    lib.difftx_rms_norm.argtypes = [p, i, p, i, p, p, f, f, i64, i64, i]
+    lib.difftx_rms_norm.restype = None
+    lib.difftx_diff_decode.argtypes = [p, p, p, p, p, i, i, i64, i64, i64, i64, i64, i64, i64, f, f, i, p, f, f, i]
+    lib.difftx_diff_decode.restype = None
+
+
+def _load() -> None:
+    if not _enabled_by_env():
+        _STATE.update(lib=None, status="off (DIFFTX_NATIVE=0)")
+        return
+    if not sys.platform.startswith("linux"):
+        _STATE.update(lib=None, status=f"not built on {sys.platform} (pure torch)")
+        return
+    cc = _compiler()
+    if cc is None:
+        _STATE.update(lib=None, status="no C compiler found (pure torch; set CC to enable)")
+        return
+    try:
+        path = _build(cc)
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+    except Exception as e:  # noqa: BLE001 -- any failure means the torch path, with the reason kept
+        _STATE.update(lib=None, status=f"build failed, pure torch ({type(e).__name__}: {str(e)[:300]})")
+        return
+    _STATE.update(lib=lib, status=f"on ({path})")
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded kernels, or None (disabled, unavailable or failed; see :func:`status`)."""
+    if "lib" not in _STATE:
+        with _LOCK:
+            if "lib" not in _STATE:
+                _load()
+    return _STATE["lib"]
+
+
+def status() -> str:
+    library()
+    return _STATE["status"]
+
+
+def reset() -> None:
+    """Forget the loaded state so the next call re-reads ``DIFFTX_NATIVE`` (tests)."""
+    with _LOCK:
+        _STATE.clear()
+
+
+def supports(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and library() is not None
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def softmax_combine(s: torch.Tensor, p: Optional[torch.Tensor], comb: Optional[torch.Tensor], maps: int,
+                    rows: int, c: int, diag0: int, lam: float = 0.0,
+                    lam_rows: Optional[torch.Tensor] = None) -> None:
+    """Per row of ``s`` (B, maps, rows, ke): softmax of each map into ``p`` (same layout and dtype, or
+    None) and P1 - lam P2 (P for one map) into ``comb`` (B, rows, ke) (or None).
+
+    ``diag0`` >= 0: causal, row j is query ``diag0 + j % c``; < 0: every key visible.
+    ``lam_rows``: float32 (B, rows) per-row lambda (DIFF V2), else the scalar ``lam``.
+    All tensors contiguous; ``s`` and ``p`` may be the same tensor.
+    """
+    ke = s.shape[-1]
+    b = s.numel() // (maps * rows * ke)
+    for t in (p, comb, lam_rows):
+        assert t is None or t.is_contiguous()
+    assert s.is_contiguous() and (lam_rows is None or lam_rows.dtype == torch.float32)
+    library().difftx_softmax_combine(
+        s.data_ptr(), int(s.dtype == torch.bfloat16), _ptr(p), _ptr(comb),
+        int(comb is not None and comb.dtype == torch.bfloat16), b, maps, rows, ke, c, diag0, float(lam),
+        _ptr(lam_rows), torch.get_num_threads())
+
+
+def softmax_backward(p: torch.Tensor, dp: torch.Tensor, ds: torch.Tensor, rs: torch.Tensor, maps: int,
+                     rows: int, c: int, diag0: int) -> None:
+    """Per row and map: rs = sum(p * dp) (float32, (B, maps, rows)), ds = p * (dp - rs).
+
+    ``p``, ``ds`` (B, maps, rows, ke) and ``dp`` (B, rows, ke) share one dtype; all contiguous.
+    """
+    ke = p.shape[-1]
+    b = p.numel() // (maps * rows * ke)
+    assert p.is_contiguous() and dp.is_contiguous() and ds.is_contiguous() and rs.is_contiguous()
+    assert p.dtype == dp.dtype == ds.dtype and rs.dtype == torch.float32
+    library().difftx_softmax_backward(
+        p.data_ptr(), dp.data_ptr(), ds.data_ptr(), int(p.dtype == torch.bfloat16), rs.data_ptr(),
+        b, maps, rows, ke, c, diag0, torch.get_num_threads())
+
+
+def rms_norm(x: torch.Tensor, wg: Optional[torch.Tensor], gain: float, eps: float, out_dtype: torch.dtype,
+             rstd: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * wg (or * gain) over the last dim, float32 statistics, as ``out_dtype``.
+
+    ``x`` contiguous float32/bfloat16; ``wg`` the float32 weight with the gain folded in, or None;
+    ``rstd`` (float32, one per row) receives 1 / rms when given.
+    """
+    dim = x.shape[-1]
+    rows = x.numel() // dim if dim else 0
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    assert x.is_contiguous() and (wg is None or (wg.is_contiguous() and wg.dtype == torch.float32))
+    assert rstd is None or (rstd.is_contiguous() and rstd.dtype == torch.float32 and rstd.numel() == rows)
+    library().difftx_rms_norm(x.data_ptr(), int(x.dtype == torch.bfloat16), y.data_ptr(),
+                              int(out_dtype == torch.bfloat16), _ptr(rstd), _ptr(wg), float(gain), float(eps),
+                              rows, dim, torch.get_num_threads())
+    return y
+
+
+def diff_decode(q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor, valid: Optional[torch.Tensor], lam: float,
+                scale: float, norm: bool, wg: Optional[torch.Tensor], gain: float, eps: float,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """One decoding query of DIFF V1 per head over a paired cache, with the per-head RMSNorm: (B, 1, H, 2d).
+
+    ``q`` (B, 2, H, 1, d); ``kk`` [K1 | K2] and ``v`` (B, Hk, T, 2d) with tokens 2d apart (a cache's
+    prefix views; K and V with the same strides); ``valid`` (B, T) bool or None (every key).
+    ``norm``: apply RMSNorm over 2d with ``wg`` (float32 weight x gain) or the scalar ``gain``.
+    """
+    b, _, h, _, d = q.shape
+    hk, t, w = kk.shape[1], kk.shape[2], kk.shape[3]
+    assert w == 2 * d and v.shape == kk.shape and kk.dtype == v.dtype == q.dtype
+    if kk.stride() != v.stride() or kk.stride(-1) != 1 or kk.stride(-2) != w:
+        kk, v = kk.contiguous(), v.contiguous()
+    qc = q.reshape(b, 2, h, d).contiguous()
+    vm = None if valid is None else valid.to(torch.uint8).contiguous()
+    out = torch.empty(b, 1, h, w, dtype=out_dtype, device=q.device)
+    wg = None if wg is None else wg.to(torch.float32).contiguous()
+    library().difftx_diff_decode(
+        qc.data_ptr(), kk.data_ptr(), v.data_ptr(), _ptr(vm), out.data_ptr(), int(q.dtype == torch.bfloat16),
+        int(out_dtype == torch.bfloat16), b, h, hk, t, d, kk.stride(1), kk.stride(0), float(scale), float(lam),
+        int(norm), _ptr(wg), float(gain), float(eps), torch.get_num_threads())
+    return out

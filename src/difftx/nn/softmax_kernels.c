@@ -1,0 +1,294 @@
+/* Row kernels of the fused attention on the CPU (difftx.nn.native compiles and loads this file).
+ *
+ * One pass per row does what the block loop otherwise spends three to five tensor passes on:
+ *   forward:  the causal triangle, softmax of each map (statistics in float32) and the combined
+ *             map P1 - lambda P2 (or P), rounded once to the value product's dtype;
+ *   backward: the softmax backward of each map, dS = P (dP - rowsum(P dP)), and the row sums
+ *             (needed for lambda's gradient).
+ * Logits/maps are float32 or bfloat16 ("is_bf16"); every sum and exp is float32.
+ *
+ * Layouts (row-major, contiguous rows of `ke` keys):
+ *   s, p, ds  (B, M, R, ke)   M maps (1 or 2), R = Hk * rep * C rows per map
+ *   comb, dp  (B, R, ke)
+ *   rs        (B, M, R) float32
+ *   lam_rows  (B, R) float32 or NULL (then the scalar lam)
+ * Causal (diag0 >= 0): row j is query diag0 + j % c and sees keys [0, diag0 + j % c]; the
+ * keys past it get probability 0 (and are not read).  diag0 < 0: every key is visible
+ * (masked logits are -inf and get probability exactly 0).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = ((uint32_t)h) << 16;
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does (finite values) */
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    uint32_t u = v.u;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* exp(x) for x <= 0 (x - row max), 16 lanes at a time (GCC/Clang vector extensions; AVX-512
+ * with -march=native, narrower vectors elsewhere): Cephes' expf polynomial, within 2 ulp;
+ * exactly 0 below -87.3, so -inf (a masked logit) gives 0. */
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
+#define LANES 16
+
+static inline vf vexp_nonpos(vf x) {
+    const vi under = x < -87.3f;
+    vf xc = (vf)(((vi)x & ~under) | ((vi)((vf){0} - 87.3f) & under));
+    vf t = xc * 1.44269504088896341f;
+    vf n = (t + 12582912.0f) - 12582912.0f; /* round to nearest (|t| < 2^22) */
+    vf r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    vf y = p * r * r + r + 1.0f;
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    y = y * (vf)bits;
+    return (vf)((vi)y & ~under);
+}
+
+static inline void load_row(const void *base, int64_t off, int is_bf16, float *dst, int64_t n) {
+    if (is_bf16) {
+        const uint16_t *src = (const uint16_t *)base + off;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + off, (size_t)n * sizeof(float));
+    }
+}
+
+/* dst[0:n] = src[0:n] * a (+ b * src2[0:n] when src2), then zeros up to `width`. */
+static inline void store_row(void *base, int64_t off, int is_bf16, const float *src, float a,
+                             const float *src2, float b, int64_t n, int64_t width) {
+    if (is_bf16) {
+        uint16_t *dst = (uint16_t *)base + off;
+        if (src2) {
+            for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i] * a + src2[i] * b);
+        } else {
+            for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i] * a);
+        }
+        if (width > n) memset(dst + n, 0, (size_t)(width - n) * sizeof(uint16_t));
+    } else {
+        float *dst = (float *)base + off;
+        if (src2) {
+            for (int64_t i = 0; i < n; i++) dst[i] = src[i] * a + src2[i] * b;
+        } else {
+            for (int64_t i = 0; i < n; i++) dst[i] = src[i] * a;
+        }
+        if (width > n) memset(dst + n, 0, (size_t)(width - n) * sizeof(float));
+    }
+}
+
+/* e[0:n] = exp(e - max), returns 1 / sum. */
+static inline float softmax_inplace(float *e, int64_t n) {
+    float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+    for (int64_t i = 0; i < n; i++) mx = e[i] > mx ? e[i] : mx;
+    vf acc = {0}, acc2 = {0};
+    int64_t i = 0;
+    for (; i + 2 * LANES <= n; i += 2 * LANES) { /* two independent chains per iteration */
+        vf v = vexp_nonpos(*(const vf *)(e + i) - mx);
+        vf w = vexp_nonpos(*(const vf *)(e + i + LANES) - mx);
+        *(vf *)(e + i) = v;
+        *(vf *)(e + i + LANES) = w;
+        acc += v;
+        acc2 += w;
+    }
+    acc += acc2;
+    for (; i + LANES <= n; i += LANES) {
+        vf v = vexp_nonpos(*(const vf *)(e + i) - mx); /* vf is aligned(4): unaligned loads */
+        *(vf *)(e + i) = v;
+        acc += v;
+    }
+    if (i < n) { /* the tail, padded with -inf (exp -> 0) */
+        vf v = (vf){0} - INFINITY;
+        memcpy(&v, e + i, (size_t)(n - i) * sizeof(float));
+        v = vexp_nonpos(v - mx);
+        memcpy(e + i, &v, (size_t)(n - i) * sizeof(float));
+        acc += v;
+    }
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; l++) sum += acc[l];
+    return 1.0f / sum;
+}
+
+static inline int64_t visible(int64_t j, int64_t c, int64_t diag0, int64_t ke) {
+    if (diag0 < 0) return ke;
+    int64_t n = diag0 + j % c + 1;
+    return n < ke ? n : ke;
+}
+
+void difftx_softmax_combine(const void *s, int s_bf16, void *p, void *comb, int comb_bf16,
+                            int64_t B, int64_t M, int64_t R, int64_t ke, int64_t c, int64_t diag0,
+                            float lam, const float *lam_rows, int nthreads) {
+    const int64_t rows = B * R;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *e = (float *)malloc((size_t)(2 * ke) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < rows; row++) {
+            const int64_t b = row / R, j = row % R;
+            const int64_t n = visible(j, c, diag0, ke);
+            const int64_t off0 = (b * M * R + j) * ke; /* map 0; map 1 is R * ke further */
+            load_row(s, off0, s_bf16, e, n);
+            float inv0 = softmax_inplace(e, n);
+            if (M == 1) {
+                if (p) store_row(p, off0, s_bf16, e, inv0, NULL, 0.0f, n, ke);
+                if (comb) store_row(comb, row * ke, comb_bf16, e, inv0, NULL, 0.0f, n, ke);
+                continue;
+            }
+            float *e1 = e + ke;
+            load_row(s, off0 + R * ke, s_bf16, e1, n);
+            float inv1 = softmax_inplace(e1, n);
+            if (p) {
+                store_row(p, off0, s_bf16, e, inv0, NULL, 0.0f, n, ke);
+                store_row(p, off0 + R * ke, s_bf16, e1, inv1, NULL, 0.0f, n, ke);
+            }
+            if (comb) {
+                const float l = lam_rows ? lam_rows[row] : lam;
+                store_row(comb, row * ke, comb_bf16, e, inv0, e1, -l * inv1, n, ke);
+            }
+        }
+        free(e);
+    }
+}
+
+/* ds = p * (dp - rowsum(p * dp)) per map (dp shared by the maps), rs = rowsum(p * dp) in float32. */
+void difftx_softmax_backward(const void *p, const void *dp, void *ds, int is_bf16, float *rs,
+                             int64_t B, int64_t M, int64_t R, int64_t ke, int64_t c, int64_t diag0,
+                             int nthreads) {
+    const int64_t rows = B * R;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = (float *)malloc((size_t)(2 * ke) * sizeof(float));
+        float *g = buf, *pm = buf + ke;
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < rows; row++) {
+            const int64_t b = row / R, j = row % R;
+            const int64_t n = visible(j, c, diag0, ke);
+            load_row(dp, row * ke, is_bf16, g, n);
+            for (int64_t m = 0; m < M; m++) {
+                const int64_t off = ((b * M + m) * R + j) * ke;
+                load_row(p, off, is_bf16, pm, n);
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t i = 0; i < n; i++) acc += pm[i] * g[i];
+                rs[(b * M + m) * R + j] = acc;
+                if (is_bf16) {
+                    uint16_t *dst = (uint16_t *)ds + off;
+                    for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(pm[i] * (g[i] - acc));
+                    if (ke > n) memset(dst + n, 0, (size_t)(ke - n) * sizeof(uint16_t));
+                } else {
+                    float *dst = (float *)ds + off;
+                    for (int64_t i = 0; i < n; i++) dst[i] = pm[i] * (g[i] - acc);
+                    if (ke > n) memset(dst + n, 0, (size_t)(ke - n) * sizeof(float));
+                }
+            }
+        }
+        free(buf);
+    }
+}
+
+/* RMSNorm over rows of `dim`: y = x * rstd * wg, rstd = 1 / sqrt(mean(x^2) + eps) (float32, also
+ * written to rstd_out when given), wg the float32 weight times the gain (NULL: the scalar gain). */
+void difftx_rms_norm(const void *x, int x_bf16, void *y, int y_bf16, float *rstd_out, const float *wg,
+                     float gain, float eps, int64_t rows, int64_t dim, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *e = (float *)malloc((size_t)dim * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < rows; row++) {
+            load_row(x, row * dim, x_bf16, e, dim);
+            float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < dim; i++) ss += e[i] * e[i];
+            const float r = 1.0f / sqrtf(ss / (float)dim + eps);
+            if (rstd_out) rstd_out[row] = r;
+            if (wg) {
+                for (int64_t i = 0; i < dim; i++) e[i] *= wg[i];
+                store_row(y, row * dim, y_bf16, e, r, NULL, 0.0f, dim, dim);
+            } else {
+                store_row(y, row * dim, y_bf16, e, r * gain, NULL, 0.0f, dim, dim);
+            }
+        }
+        free(e);
+    }
+}
+
+/* One decoding query of DIFF V1 per head over a paired cache, with the per-head RMSNorm:
+ *   q       (B, 2, H, d) contiguous: q1 and q2 of every head
+ *   kk, v   (B, Hk, T, 2d) with row (token) stride 2d, head stride `head_stride` elements, batch
+ *           stride `batch_stride`; kk holds [K1 | K2] per token, v the 2d-wide value
+ *   valid   (B, T) uint8 (1 = a key this query may see) or NULL (all T keys)
+ *   out     (B, H, 2d): (softmax(q1 K1^T s) - lam softmax(q2 K2^T s)) V, then (when norm) the
+ *           RMSNorm over 2d with weight*gain wg (float32, or NULL for the gain alone)
+ * Query head i uses K/V head i / (H / Hk).  Logits, softmax, sums: float32. */
+void difftx_diff_decode(const void *q, const void *kk, const void *v, const uint8_t *valid, void *out,
+                        int is_bf16, int out_bf16, int64_t B, int64_t H, int64_t Hk, int64_t T, int64_t d,
+                        int64_t head_stride, int64_t batch_stride, float scale, float lam, int norm,
+                        const float *wg, float gain, float eps, int nthreads) {
+    const int64_t group = H / Hk, w = 2 * d;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = (float *)malloc((size_t)(2 * T + 4 * w) * sizeof(float));
+        float *l1 = buf, *l2 = buf + T, *qf = buf + 2 * T, *row = qf + w, *acc = row + w;
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * H; bh++) {
+            const int64_t b = bh / H, hi = bh % H, kh = hi / group;
+            const int64_t kv_off = b * batch_stride + kh * head_stride;
+            load_row(q, (b * 2 * H + hi) * d, is_bf16, qf, d);            /* q1 */
+            load_row(q, (b * 2 * H + H + hi) * d, is_bf16, qf + d, d);    /* q2 */
+            for (int64_t i = 0; i < w; i++) qf[i] *= scale;
+            for (int64_t t = 0; t < T; t++) {
+                if (valid && !valid[b * T + t]) {
+                    l1[t] = -INFINITY;
+                    l2[t] = -INFINITY;
+                    continue;
+                }
+                load_row(kk, kv_off + t * w, is_bf16, row, w);
+                float a1 = 0.0f, a2 = 0.0f;
+#pragma omp simd reduction(+ : a1)
+                for (int64_t i = 0; i < d; i++) a1 += qf[i] * row[i];
+#pragma omp simd reduction(+ : a2)
+                for (int64_t i = d; i < w; i++) a2 += qf[i] * row[i];
+                l1[t] = a1;
+                l2[t] = a2;
+            }
+            const float inv1 = softmax_inplace(l1, T), inv2 = softmax_inplace(l2, T);
+            for (int64_t t = 0; t < T; t++) l1[t] = l1[t] * inv1 - lam * inv2 * l2[t];
+            for (int64_t i = 0; i < w; i++) acc[i] = 0.0f;
+            for (int64_t t = 0; t < T; t++) {
+                const float pt = l1[t];
+                if (pt == 0.0f) continue; /* masked keys */
+                load_row(v, kv_off + t * w, is_bf16, row, w);
+#pragma omp simd
+                for (int64_t i = 0; i < w; i++) acc[i] += pt * row[i];
+            }
+            float r = 1.0f;
+            if (norm) {
+                float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+                for (int64_t i = 0; i < w; i++) ss += acc[i] * acc[i];
+                r = 1.0f / sqrtf(ss / (float)w + eps);
+                if (wg) {
+                    for (int64_t i = 0; i < w; i++) acc[i] *= wg[i];
+                } else {
+                    r *= gain;
+                }
+            }
+            store_row(out, bh * w, out_bf16, acc, r, NULL, 0.0f, w, w);
+        }
+        free(buf);
+    }
+}

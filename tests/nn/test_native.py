@@ -1,0 +1,261 @@
+"""The native CPU row kernels (difftx.nn.native): they build where a C compiler exists, compute what
+the pure-torch path computes (softmax, combined map, softmax backward, RMSNorm; fp32 tight, bf16 to
+its rounding), are the path actually taken, and fail over to pure torch when disabled or unbuildable."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from difftx.nn import fused, native
+from difftx.nn.mask import AttnMask
+
+HAVE_CC = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+needs_native = pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the native kernels cannot be built here")
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    monkeypatch.setattr(fused, "USE_NATIVE", False)
+
+
+@needs_native
+def test_kernels_build_where_a_compiler_exists():
+    assert native.library() is not None, native.status()
+    assert native.status().startswith("on")
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,causal,diag0", [(2, True, 0), (2, True, 21), (1, True, 5), (2, False, -1), (1, False, -1)])
+def test_softmax_combine_and_backward_match_torch(dtype, m, causal, diag0):
+    """Rows of 53 keys (not a multiple of the vector width), logits over a wide range, -inf entries."""
+    g = torch.Generator().manual_seed(0)
+    b, rows, c, ke = 2, 3 * 8, 8, 53
+    s = (torch.randn(b, m, rows, ke, generator=g, dtype=torch.float64) * 20).to(dtype)
+    if not causal:
+        s[..., 7] = float("-inf")  # a masked key
+    lam_rows = torch.rand(b, rows, generator=g)
+    p = torch.empty_like(s)
+    comb = torch.empty(b, rows, ke, dtype=dtype)
+    native.softmax_combine(s, p, comb, m, rows, c, diag0 if causal else -1, 0.0, lam_rows if m == 2 else None)
+    sf = s.double()
+    if causal:
+        q = diag0 + torch.arange(rows) % c
+        sf = sf.masked_fill(torch.arange(ke)[None] > q[:, None], float("-inf"))
+    ref = torch.softmax(sf, -1)
+    ref_comb = ref[:, 0] - lam_rows.double()[..., None] * ref[:, 1] if m == 2 else ref[:, 0]
+    tol = 2e-7 if dtype == torch.float32 else 4e-3  # fp32: a few ulp of probabilities <= 1
+    assert (p.double() - ref).abs().max() <= tol
+    assert (comb.double() - ref_comb).abs().max() <= tol * 2
+    if causal:  # keys past a row's query are exact zeros
+        assert (p.double()[..., -1][..., :] == 0).sum() > 0
+    dp = torch.randn(b, rows, ke, generator=g, dtype=torch.float64).to(dtype)
+    ds = torch.empty_like(s)
+    rs = torch.empty(b, m, rows)
+    native.softmax_backward(p, dp, ds, rs, m, rows, c, diag0 if causal else -1)
+    pd = p.double()
+    rs_ref = (pd * dp.double()[:, None]).sum(-1)
+    ds_ref = pd * (dp.double()[:, None] - rs_ref[..., None])
+    assert (rs.double() - rs_ref).abs().max() <= 1e-5
+    assert (ds.double() - ds_ref).abs().max() <= (2e-6 if dtype == torch.float32 else 3e-2)
+
+
+def _attention_case(dtype, m, hk, padded, q_start, lam_kind, n=70, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    b, h, d, dv = 2, 4, 8, 16
+    nk = n + q_start
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+
+    q, k, v = t(b, m, h, n, d), t(b, m, hk, nk, d), t(b, hk, nk, dv)
+    lam = None
+    if lam_kind == "scalar":
+        lam = torch.tensor(0.41, requires_grad=True)
+    elif lam_kind == "rows":
+        lam = torch.rand(b, h, n, 1, generator=g).requires_grad_()
+    valid = None
+    if padded:
+        valid = torch.ones(b, nk, dtype=torch.bool)
+        valid[0, :6] = False
+    return (q, k, v, lam), AttnMask(causal=True, n_q=n, n_k=nk, q_start=q_start, key_valid=valid)
+
+
+def _run(inputs, mask, use_native, monkeypatch):
+    monkeypatch.setattr(fused, "USE_NATIVE", use_native)
+    q, k, v, lam = inputs
+    out = fused.fused_attention(q, k, v, mask, 0.3, lam, chunk=16)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
+    ins = [t for t in inputs if t is not None]
+    return [out.detach()] + list(torch.autograd.grad((out * w).sum(), ins))
+
+
+@needs_native
+@pytest.mark.parametrize("m,hk,padded,q_start,lam_kind", [(2, 2, False, 0, "scalar"), (2, 1, True, 7, "scalar"),
+                                                         (2, 4, False, 3, "rows"), (1, 2, True, 0, None),
+                                                         (1, 4, False, 9, None)])
+def test_fused_attention_native_equals_torch_path_fp32(m, hk, padded, q_start, lam_kind, monkeypatch):
+    """Outputs and every gradient (q, k, v, lambda) of the native path equal the torch path's (fp32)."""
+    inputs, mask = _attention_case(torch.float32, m, hk, padded, q_start, lam_kind)
+    calls = []
+    real = native.softmax_combine
+    monkeypatch.setattr(native, "softmax_combine", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = _run(inputs, mask, True, monkeypatch)
+    assert calls, "the native kernel was not used"
+    n_calls = len(calls)
+    want = _run(inputs, mask, False, monkeypatch)
+    assert len(calls) == n_calls  # the torch path does not call it
+    for a, b in zip(got, want):
+        scale = b.abs().max().clamp_min(1.0)
+        assert (a - b).abs().max() <= 2e-6 * scale
+
+
+@needs_native
+@pytest.mark.parametrize("m,lam_kind", [(2, "scalar"), (2, "rows"), (1, None)])
+def test_fused_attention_native_bf16_is_closer_to_fp32_than_torch_path(m, lam_kind, monkeypatch):
+    """bf16: the native forward rounds the combined map once from fp32 probabilities, so its error
+    against the fp32 result is no larger than the torch path's (which rounds each map first)."""
+    (q, k, v, lam), mask = _attention_case(torch.float32, m, 2, False, 0, lam_kind, n=96)
+    inputs16 = tuple(t.detach().to(torch.bfloat16).requires_grad_() for t in (q, k, v)) + (lam,)  # lambda stays fp32
+    exact = tuple(t.detach().float().requires_grad_() for t in inputs16[:3]) + (lam,)  # the same values in fp32
+    ref = _run(exact, mask, True, monkeypatch)
+    nat = _run(inputs16, mask, True, monkeypatch)
+    tor = _run(inputs16, mask, False, monkeypatch)
+    for i, (a, b, r) in enumerate(zip(nat, tor, ref)):
+        scale = r.abs().max().clamp_min(1.0)
+        err_nat = (a.double() - r.double()).abs().max() / scale
+        err_tor = (b.double() - r.double()).abs().max() / scale
+        assert err_nat <= 1.5 * err_tor + 2e-3, (i, err_nat, err_tor)
+        if i < 4:  # out, dq, dk, dv (a scalar lambda's gradient is a long sum with cancellation: ~8% both ways)
+            assert err_nat <= 2e-2, (i, err_nat)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                             (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("weight,gain", [(True, 0.8), (False, 0.7)])
+def test_rms_norm_native_equals_torch_path(dtype, out_dtype, weight, gain, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 300, 37, generator=g) * 3).to(dtype).requires_grad_()  # > SMALL_NORM elements
+    w = torch.rand(37, generator=g).requires_grad_() if weight else None
+    gy = torch.randn(5, 300, 37, generator=g)
+    res = {}
+    for use in (True, False):
+        monkeypatch.setattr(fused, "USE_NATIVE", use)
+        y = fused.rms_norm(x, w, 1e-5, gain, out_dtype)
+        assert y.dtype == out_dtype
+        res[use] = [y.detach()] + list(torch.autograd.grad((y.float() * gy).sum(), [x] + ([w] if w is not None else [])))
+    tol = 2e-6 if (dtype, out_dtype) == (torch.float32, torch.float32) else 1e-2
+    for a, b in zip(res[True], res[False]):
+        assert (a.double() - b.double()).abs().max() <= tol * b.abs().max().clamp_min(1.0)
+
+
+def test_disabled_by_env_gives_the_torch_path(monkeypatch):
+    monkeypatch.setenv("DIFFTX_NATIVE", "0")
+    native.reset()
+    try:
+        assert native.library() is None and native.status().startswith("off")
+        assert not native.supports(torch.float32, torch.device("cpu"))
+        inputs, mask = _attention_case(torch.float32, 2, 2, False, 0, "scalar")
+        out = fused.fused_attention(*inputs[:3], mask, 0.3, inputs[3])
+        assert torch.isfinite(out).all()
+    finally:
+        monkeypatch.delenv("DIFFTX_NATIVE")
+        native.reset()
+
+
+def test_a_failing_build_falls_back_to_torch(monkeypatch, tmp_path):
+    """A compiler that fails (here `false`) leaves the torch path, with the reason in the status."""
+    if not shutil.which("false"):
+        pytest.skip("no `false` binary")
+    monkeypatch.setenv("DIFFTX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_compiler", lambda: "false")
+    native.reset()
+    try:
+        assert native.library() is None
+        assert native.status().startswith("build failed")
+        assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
+        x = torch.randn(4, 300, 64)
+        y = fused.rms_norm(x, None, 1e-5)
+        torch.testing.assert_close(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    finally:
+        native.reset()
+
+
+def _decode_reference(q, kk, v, valid, lam, scale, wg, eps):
+    """float64: (softmax(q1 K1^T s) - lam softmax(q2 K2^T s)) V per head, then RMSNorm * wg."""
+    b, _, h, _, d = q.shape
+    rep = h // kk.shape[1]
+    k = kk.double().repeat_interleave(rep, 1)
+    vv = v.double().repeat_interleave(rep, 1)
+    q1, q2 = q[:, 0, :, 0].double(), q[:, 1, :, 0].double()  # (B, H, d)
+    l1 = torch.einsum("bhd,bhtd->bht", q1, k[..., :d]) * scale
+    l2 = torch.einsum("bhd,bhtd->bht", q2, k[..., d:]) * scale
+    if valid is not None:
+        l1 = l1.masked_fill(~valid[:, None], float("-inf"))
+        l2 = l2.masked_fill(~valid[:, None], float("-inf"))
+    p = torch.softmax(l1, -1) - lam * torch.softmax(l2, -1)
+    o = torch.einsum("bht,bhtc->bhc", p, vv)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * wg.double()
+    return o[:, None]  # (B, 1, H, 2d)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,hk,padded", [(4, 4, False), (4, 2, True), (4, 1, False)])
+def test_diff_decode_kernel_matches_reference(dtype, h, hk, padded):
+    """The decoding kernel over a cache's strided prefix views (29 of 40 slots written)."""
+    g = torch.Generator().manual_seed(2)
+    b, d, t, cap = 3, 8, 29, 40
+    q = torch.randn(b, 2, h, 1, d, generator=g).to(dtype)
+    kk = torch.randn(b, hk, cap, 2 * d, generator=g).to(dtype)[:, :, :t]
+    v = torch.randn(b, hk, cap, 2 * d, generator=g).to(dtype)[:, :, :t]
+    valid = None
+    if padded:
+        valid = torch.ones(b, t, dtype=torch.bool)
+        valid[0, :4] = False
+        valid[2, 10:13] = False
+    wg = torch.rand(2 * d, generator=g) + 0.5
+    out = native.diff_decode(q, kk, v, valid, 0.37, 0.3, True, wg, 1.0, 1e-5, torch.float32)
+    ref = _decode_reference(q, kk, v, valid, 0.37, 0.3, wg, 1e-5)
+    tol = 2e-5 if dtype == torch.float32 else 1e-4  # bf16 inputs, fp32 math and output
+    torch.testing.assert_close(out.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@needs_native
+@pytest.mark.parametrize("padded", [False, True])
+def test_model_decoding_takes_the_native_step_and_matches_the_torch_step(padded, monkeypatch):
+    """bf16 DIFF decoding with the native step gives the torch step's logits (to bf16 rounding)."""
+    from difftx import ModelConfig, build_model
+
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, attention="diff")
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    prompt = torch.randint(0, 64, (2, 9))
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    if padded:
+        valid[1, :3] = False  # left padding, remembered by the cache
+    calls = []
+    real = native.diff_decode
+    monkeypatch.setattr(native, "diff_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def decode(use_native):
+        monkeypatch.setattr(fused, "USE_NATIVE", use_native)
+        cache = model.new_cache(2, 12)
+        outs = []
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(prompt, cache=cache, attention_mask=valid)
+            tok = prompt[:, -1:]
+            for _ in range(3):
+                logits = model(tok, cache=cache).logits
+                outs.append(logits.float())
+        return torch.cat(outs, 1)
+
+    a = decode(True)
+    assert len(calls) == 3 * cfg.n_layers
+    b = decode(False)
+    assert len(calls) == 3 * cfg.n_layers
+    torch.testing.assert_close(a, b, atol=0.05 * b.abs().max().item(), rtol=0.05)
