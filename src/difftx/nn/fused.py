@@ -498,7 +498,8 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x, w, eps: float, gain: float, out_dtype):
         cd = _compute_dtype(x.dtype)
         ctx.gain = gain
-        if _native_norm(x, w, out_dtype):  # one pass per row instead of five over the tensor
+        ctx.native = _native_norm(x, w, out_dtype)
+        if ctx.native:  # one pass per row instead of five over the tensor (forward and backward)
             x = x.contiguous()
             wg = None if w is None else (w.to(torch.float32) * gain).contiguous()
             rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
@@ -521,6 +522,11 @@ class _RMSNorm(torch.autograd.Function):
         x, w, rstd = ctx.saved_tensors
         gain = ctx.gain
         with _no_autocast(dy.device.type), torch.no_grad():
+            if ctx.native and dy.dtype in (torch.float32, torch.bfloat16) and native.supports(x.dtype, x.device):
+                want_dw = w is not None and ctx.needs_input_grad[1]
+                wg = None if w is None else (w.to(torch.float32) * gain).contiguous()
+                dx, dw = native.rms_norm_backward(x, dy.contiguous(), rstd, wg, gain, want_dw)
+                return dx, (dw.mul_(gain).to(w.dtype) if want_dw else None), None, None, None
             cd = rstd.dtype
             dim = x.shape[-1]
             xhat = x.to(cd).mul_(rstd) if x.dtype != cd else torch.mul(x, rstd)

@@ -100,6 +100,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_rms_norm.restype = None
     lib.difftx_diff_decode.argtypes = [p, p, p, p, p, i, i, i64, i64, i64, i64, i64, i64, i64, f, f, i, p, f, f, i]
     lib.difftx_diff_decode.restype = None
+    lib.difftx_rms_norm_backward.argtypes = [p, i, p, i, p, p, f, p, p, i64, i64, i]
+    lib.difftx_rms_norm_backward.restype = None
 
 
 def _load() -> None:
@@ -203,6 +205,22 @@ def rms_norm(x: torch.Tensor, wg: Optional[torch.Tensor], gain: float, eps: floa
                               int(out_dtype == torch.bfloat16), _ptr(rstd), _ptr(wg), float(gain), float(eps),
                               rows, dim, torch.get_num_threads())
     return y
+
+
+def rms_norm_backward(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor, wg: Optional[torch.Tensor], gain: float,
+                      want_dw: bool):
+    """Gradients of :func:`rms_norm`: dx (x's dtype) and, when ``want_dw``, sum over rows of xhat * dy
+    (float32; the weight's gradient before the gain).  ``dy`` float32 or bfloat16; all contiguous."""
+    dim = x.shape[-1]
+    rows = x.numel() // dim
+    assert x.is_contiguous() and dy.is_contiguous() and rstd.is_contiguous() and dy.shape == x.shape
+    assert dy.dtype in (torch.float32, torch.bfloat16) and rstd.dtype == torch.float32
+    dx = torch.empty_like(x)
+    dw = torch.empty(dim, dtype=torch.float32, device=x.device) if want_dw else None
+    library().difftx_rms_norm_backward(x.data_ptr(), int(x.dtype == torch.bfloat16), dy.data_ptr(),
+                                       int(dy.dtype == torch.bfloat16), rstd.data_ptr(), _ptr(wg), float(gain),
+                                       dx.data_ptr(), _ptr(dw), rows, dim, torch.get_num_threads())
+    return dx, dw
 
 
 def diff_decode(q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor, valid: Optional[torch.Tensor], lam: float,

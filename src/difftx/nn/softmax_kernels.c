@@ -17,6 +17,7 @@
  * (masked logits are -inf and get probability exactly 0).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -290,5 +291,51 @@ void difftx_diff_decode(const void *q, const void *kk, const void *v, const uint
             store_row(out, bh * w, out_bf16, acc, r, NULL, 0.0f, w, w);
         }
         free(buf);
+    }
+}
+
+/* RMSNorm backward (see difftx_rms_norm), per row with xhat = x * rstd and g = dy * wg:
+ *   dx = rstd * (g - xhat * mean(g * xhat)),   dw += xhat * dy  (summed over rows, float32)
+ * dy is float32 or bfloat16 (dy_bf16); dx has x's dtype.  dw_out (dim floats) may be NULL. */
+void difftx_rms_norm_backward(const void *x, int x_bf16, const void *dy, int dy_bf16, const float *rstd,
+                              const float *wg, float gain, void *dx, float *dw_out, int64_t rows, int64_t dim,
+                              int nthreads) {
+    /* dw: one partial sum per thread (static schedule), added in thread order: deterministic. */
+    float *partial = dw_out ? (float *)calloc((size_t)(nthreads * dim), sizeof(float)) : NULL;
+    int used = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = (float *)malloc((size_t)(2 * dim) * sizeof(float));
+        float *xh = buf, *g = buf + dim;
+        float *dw = partial ? partial + (int64_t)omp_get_thread_num() * dim : NULL;
+#pragma omp single
+        used = omp_get_num_threads();
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < rows; row++) {
+            const float r = rstd[row];
+            load_row(x, row * dim, x_bf16, xh, dim);
+            load_row(dy, row * dim, dy_bf16, g, dim);
+            float dot = 0.0f;
+            if (dw) {
+#pragma omp simd
+                for (int64_t i = 0; i < dim; i++) dw[i] += xh[i] * r * g[i];
+            }
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < dim; i++) {
+                xh[i] *= r;
+                g[i] *= wg ? wg[i] : gain;
+                dot += g[i] * xh[i];
+            }
+            const float c = -dot / (float)dim;
+            for (int64_t i = 0; i < dim; i++) g[i] += xh[i] * c;
+            store_row(dx, row * dim, x_bf16, g, r, NULL, 0.0f, dim, dim);
+        }
+        free(buf);
+    }
+    if (partial) {
+        memcpy(dw_out, partial, (size_t)dim * sizeof(float));
+        for (int t = 1; t < used; t++)
+            for (int64_t i = 0; i < dim; i++) dw_out[i] += partial[(int64_t)t * dim + i];
+        free(partial);
     }
 }
