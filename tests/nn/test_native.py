@@ -271,3 +271,30 @@ def test_rms_norm_backward_is_deterministic():
     runs = [torch.autograd.grad((fused.rms_norm(x, w, 1e-5, 0.9) * gy).sum(), [x, w]) for _ in range(4)]
     for dx, dw in runs[1:]:
         assert torch.equal(dx, runs[0][0]) and torch.equal(dw, runs[0][1])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_matches_float64_reference(dtype, monkeypatch):
+    """silu(g) * u and both gradients; 3 x 7 x 37 elements (a partial last vector), extreme gates."""
+    from difftx.nn.ffn import swiglu
+
+    monkeypatch.setattr(fused, "USE_NATIVE", True)
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(3, 7, 37, generator=gen, dtype=torch.float64) * 4
+    g[0, 0, :6] = torch.tensor([-100.0, -30.0, -1e-3, 0.0, 30.0, 100.0])
+    u = torch.randn(3, 7, 37, generator=gen, dtype=torch.float64)
+    dh = torch.randn(3, 7, 37, generator=gen, dtype=torch.float64)
+    gd, ud = g.to(dtype).requires_grad_(), u.to(dtype).requires_grad_()
+    calls = []
+    real = native.swiglu
+    monkeypatch.setattr(native, "swiglu", lambda *a: calls.append(1) or real(*a))
+    h = swiglu(gd, ud)
+    assert calls and h.dtype == dtype
+    dg, du = torch.autograd.grad(h, [gd, ud], dh.to(dtype))
+    gr, ur = gd.detach().double().requires_grad_(), ud.detach().double().requires_grad_()
+    hr = torch.nn.functional.silu(gr) * ur
+    dgr, dur = torch.autograd.grad(hr, [gr, ur], dh.to(dtype).double())
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    for a, b in ((h, hr), (dg, dgr), (du, dur)):
+        assert (a.double() - b).abs().max() <= tol * b.abs().max()

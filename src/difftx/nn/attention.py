@@ -60,11 +60,14 @@ class AttentionBase(nn.Module):
 
     # helpers ----------------------------------------------------------------
     def _qk(self, t: torch.Tensor, norm: Optional[nn.Module], rope) -> torch.Tensor:
-        """QK-norm then RoPE on (B, H, N, d)."""
+        """QK-norm then RoPE on (B, H, N, d), or DIFF's (B, 2, H, N, d) (maps first)."""
         if norm is not None:
             t = norm(t)
         if rope is not None and self.rope_style is not None:
-            t = apply_rope(t, rope[0], rope[1], self.rope_style)
+            cos, sin = rope
+            if t.dim() == 5:  # one more head axis
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            t = apply_rope(t, cos, sin, self.rope_style)
         return t
 
     def _backend(self, device: torch.device) -> str:
@@ -250,8 +253,10 @@ class DifferentialAttention(AttentionBase):
         d, h, hk = self.head_dim, self.n_heads, self.n_kv_heads
         # QK-norm and RoPE act per d-wide component head: one call covers both maps.
         xa = _autocast_input(x)
-        q = self._stack(self._qk(_heads(self.q_proj(xa), 2 * h, d), self.q_norm, rope), h)  # (B, 2, h, N, d)
-        k = self._stack(self._qk(_heads(self.k_proj(xa), 2 * hk, d), self.k_norm, rope), hk)
+        # Stacked maps-first before RoPE, whose output is a new tensor: so it comes out contiguous in
+        # (B, 2, h, N, d) order, which the fused kernel reads as one batch without copying Q or K.
+        q = self._qk(self._stack(_heads(self.q_proj(xa), 2 * h, d), h), self.q_norm, rope)  # (B, 2, h, N, d)
+        k = self._qk(self._stack(_heads(self.k_proj(xa), 2 * hk, d), hk), self.k_norm, rope)
         v = self._value(self.v_proj(xa))  # (B, h_kv, N, 2d)
         kv_buffers = None
         decode_gqa = False

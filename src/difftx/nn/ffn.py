@@ -7,6 +7,34 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class _NativeSwiGLU(torch.autograd.Function):
+    """silu(g) * u in one native pass (difftx.nn.native); saves g and u (torch saves silu(g) too)."""
+
+    @staticmethod
+    def forward(ctx, g, u):
+        from . import native
+
+        ctx.save_for_backward(g, u)
+        return native.swiglu(g, u)
+
+    @staticmethod
+    def backward(ctx, dh):
+        from . import native
+
+        g, u = ctx.saved_tensors
+        return native.swiglu_backward(g, u, dh.to(g.dtype).contiguous())
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u: the native kernel on the CPU for matching contiguous fp32/bf16 inputs, else torch."""
+    from . import fused, native
+
+    if (fused.USE_NATIVE and g.dtype == u.dtype and g.dtype in (torch.float32, torch.bfloat16) and g.shape == u.shape
+            and g.is_contiguous() and u.is_contiguous() and native.supports(g.dtype, g.device)):
+        return _NativeSwiGLU.apply(g, u)
+    return F.silu(g) * u
+
+
 class SwiGLU(nn.Module):
     """(swish(x W_gate) * x W_up) W_down, inner size ``ffn_dim``."""
 
@@ -17,7 +45,7 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(ffn_dim, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(swiglu(self.w_gate(x), self.w_up(x)))
 
 
 class MLP(nn.Module):

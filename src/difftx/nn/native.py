@@ -102,6 +102,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_diff_decode.restype = None
     lib.difftx_rms_norm_backward.argtypes = [p, i, p, i, p, p, f, p, p, i64, i64, i]
     lib.difftx_rms_norm_backward.restype = None
+    lib.difftx_swiglu.argtypes = [p, p, p, i, i64, i]
+    lib.difftx_swiglu.restype = None
+    lib.difftx_swiglu_backward.argtypes = [p, p, p, p, p, i, i64, i]
+    lib.difftx_swiglu_backward.restype = None
 
 
 def _load() -> None:
@@ -221,6 +225,24 @@ def rms_norm_backward(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor, wg:
                                        int(dy.dtype == torch.bfloat16), rstd.data_ptr(), _ptr(wg), float(gain),
                                        dx.data_ptr(), _ptr(dw), rows, dim, torch.get_num_threads())
     return dx, dw
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u elementwise (float32 math), in g's dtype; g and u contiguous, same shape and dtype."""
+    assert g.is_contiguous() and u.is_contiguous() and g.shape == u.shape and g.dtype == u.dtype
+    h = torch.empty_like(g)
+    library().difftx_swiglu(g.data_ptr(), u.data_ptr(), h.data_ptr(), int(g.dtype == torch.bfloat16), g.numel(),
+                            torch.get_num_threads())
+    return h
+
+
+def swiglu_backward(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor):
+    """Gradients of :func:`swiglu` with respect to g and u, given dh (all one dtype, contiguous)."""
+    assert dh.is_contiguous() and dh.dtype == g.dtype and dh.shape == g.shape
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    library().difftx_swiglu_backward(g.data_ptr(), u.data_ptr(), dh.data_ptr(), dg.data_ptr(), du.data_ptr(),
+                                     int(g.dtype == torch.bfloat16), g.numel(), torch.get_num_threads())
+    return dg, du
 
 
 def diff_decode(q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor, valid: Optional[torch.Tensor], lam: float,

@@ -339,3 +339,74 @@ void difftx_rms_norm_backward(const void *x, int x_bf16, const void *dy, int dy_
         free(partial);
     }
 }
+
+/* ---------------------------------------------------------------- SwiGLU: h = silu(g) * u */
+typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(64), aligned(4)));
+
+/* n (<= LANES) values at base[off] as floats, lanes past n set to pad. */
+static inline vf vload(const void *base, int64_t off, int is_bf16, int64_t n, float pad) {
+    if (n == LANES) {
+        if (is_bf16) return (vf)(__builtin_convertvector(*(const vh *)((const uint16_t *)base + off), vu) << 16);
+        return *(const vf *)((const float *)base + off);
+    }
+    vf v = (vf){0} + pad;
+    if (is_bf16) {
+        const uint16_t *src = (const uint16_t *)base + off;
+        for (int64_t i = 0; i < n; i++) v[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(&v, (const float *)base + off, (size_t)n * sizeof(float));
+    }
+    return v;
+}
+
+static inline void vstore(void *base, int64_t off, int is_bf16, vf v, int64_t n) {
+    if (is_bf16) {
+        vu x = (vu)v;
+        x += 0x7FFFu + ((x >> 16) & 1u); /* round to nearest even */
+        vh r = __builtin_convertvector(x >> 16, vh);
+        if (n == LANES) {
+            *(vh *)((uint16_t *)base + off) = r;
+        } else {
+            memcpy((uint16_t *)base + off, &r, (size_t)n * sizeof(uint16_t));
+        }
+    } else if (n == LANES) {
+        *(vf *)((float *)base + off) = v;
+    } else {
+        memcpy((float *)base + off, &v, (size_t)n * sizeof(float));
+    }
+}
+
+static inline vf vsigmoid(vf g) { /* 1 / (1 + exp(-g)), via exp(-|g|) <= 1 */
+    const vi neg = g < 0.0f;
+    vf a = (vf)((vi)g & ~neg) - (vf)((vi)g & neg); /* |g| */
+    vf e = vexp_nonpos(-a);
+    vf r = 1.0f / (1.0f + e);
+    return (vf)(((vi)r & ~neg) | ((vi)(e * r) & neg));
+}
+
+void difftx_swiglu(const void *g, const void *u, void *h, int is_bf16, int64_t n, int nthreads) {
+    const int64_t blocks = (n + LANES - 1) / LANES;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const int64_t off = blk * LANES, m = n - off < LANES ? n - off : LANES;
+        vf gv = vload(g, off, is_bf16, m, 0.0f), uv = vload(u, off, is_bf16, m, 0.0f);
+        vstore(h, off, is_bf16, gv * vsigmoid(gv) * uv, m);
+    }
+}
+
+/* dg = dh * u * s * (1 + g (1 - s)), du = dh * g * s with s = sigmoid(g). */
+void difftx_swiglu_backward(const void *g, const void *u, const void *dh, void *dg, void *du, int is_bf16,
+                            int64_t n, int nthreads) {
+    const int64_t blocks = (n + LANES - 1) / LANES;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const int64_t off = blk * LANES, m = n - off < LANES ? n - off : LANES;
+        vf gv = vload(g, off, is_bf16, m, 0.0f), uv = vload(u, off, is_bf16, m, 0.0f);
+        vf dv = vload(dh, off, is_bf16, m, 0.0f);
+        vf s = vsigmoid(gv);
+        vf gs = gv * s;
+        vstore(du, off, is_bf16, dv * gs, m);
+        vstore(dg, off, is_bf16, dv * uv * (s + gs * (1.0f - s)), m);
+    }
+}
