@@ -298,3 +298,36 @@ def test_swiglu_matches_float64_reference(dtype, monkeypatch):
     tol = 1e-6 if dtype == torch.float32 else 8e-3
     for a, b in ((h, hr), (dg, dgr), (du, dur)):
         assert (a.double() - b).abs().max() <= tol * b.abs().max()
+
+
+@needs_native
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_batch,five_d", [(False, False), (True, False), (True, True)])
+def test_rope_native_matches_float64_rotation(style, dtype, per_batch, five_d, monkeypatch):
+    """The rotation and its gradient (the inverse rotation) against float64, strided input included."""
+    from difftx.nn.rope import RotaryEmbedding, apply_rope
+
+    monkeypatch.setattr(fused, "USE_NATIVE", True)
+    gen = torch.Generator().manual_seed(0)
+    b, n, d = 2, 11, 16
+    pos = torch.arange(n) + torch.tensor([[0], [5]]) if per_batch else torch.arange(n)
+    cos, sin = RotaryEmbedding(d, style=style).cos_sin(pos)  # (B|1, 1, N, d/2)
+    shape = (b, 3, 2, n, d) if five_d else (b, 3, n, d)
+    base = torch.randn(*shape[:-2], d, n, generator=gen, dtype=torch.float64)  # transposed storage: strided x
+    x = base.transpose(-1, -2).to(dtype).requires_grad_()
+    c, s = (cos.unsqueeze(1), sin.unsqueeze(1)) if five_d else (cos, sin)
+    calls = []
+    real = native.rope
+    monkeypatch.setattr(native, "rope", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    y = apply_rope(x, c, s, style)
+    assert calls and y.dtype == dtype
+    gy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(dtype)
+    (gx,) = torch.autograd.grad(y, [x], gy)
+    monkeypatch.setattr(fused, "USE_NATIVE", False)
+    xr = x.detach().double().requires_grad_()
+    yr = apply_rope(xr, c.double(), s.double(), style)
+    (gxr,) = torch.autograd.grad(yr, [xr], gy.double())
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    assert (y.double() - yr).abs().max() <= tol * yr.abs().max()
+    assert (gx.double() - gxr).abs().max() <= tol * gxr.abs().max()

@@ -106,6 +106,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_swiglu.restype = None
     lib.difftx_swiglu_backward.argtypes = [p, p, p, p, p, i, i64, i]
     lib.difftx_swiglu_backward.restype = None
+    lib.difftx_rope.argtypes = [p, p, i, p, p, i64, i64, i64, i64, i64, i, f, i]
+    lib.difftx_rope.restype = None
 
 
 def _load() -> None:
@@ -243,6 +245,20 @@ def swiglu_backward(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor):
     library().difftx_swiglu_backward(g.data_ptr(), u.data_ptr(), dh.data_ptr(), dg.data_ptr(), du.data_ptr(),
                                      int(g.dtype == torch.bfloat16), g.numel(), torch.get_num_threads())
     return dg, du
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, inverse: bool = False):
+    """Rotate x (..., N, d), contiguous, by float32 angles cos/sin (Bc, N, d/2) (Bc 1 or x's first dim);
+    ``inverse`` rotates backwards (the gradient)."""
+    assert x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and cos.dtype == torch.float32
+    n, d = x.shape[-2], x.shape[-1]
+    b = x.shape[0] if x.dim() > 2 else 1
+    a = x.numel() // (b * n * d)
+    out = torch.empty_like(x)
+    library().difftx_rope(x.data_ptr(), out.data_ptr(), int(x.dtype == torch.bfloat16), cos.data_ptr(),
+                          sin.data_ptr(), b, a, n, d, cos.shape[0], int(interleaved), -1.0 if inverse else 1.0,
+                          torch.get_num_threads())
+    return out
 
 
 def diff_decode(q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor, valid: Optional[torch.Tensor], lam: float,

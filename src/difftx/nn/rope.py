@@ -8,6 +8,8 @@ each d-wide head (for DIFF: each of Q1, Q2, K1, K2 separately).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -39,8 +41,48 @@ class RotaryEmbedding(nn.Module):
         return f"head_dim={self.head_dim}, theta={self.theta}, style={self.style}"
 
 
+class _NativeRope(torch.autograd.Function):
+    """The rotation in one native pass per row (difftx.nn.native), float32 angles; the gradient is
+    the inverse rotation."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, interleaved: bool):
+        from . import native
+
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+        return native.rope(x.contiguous(), cos, sin, interleaved)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from . import native
+
+        cos, sin = ctx.saved_tensors
+        return native.rope(dy.contiguous(), cos, sin, ctx.interleaved, inverse=True), None, None, None
+
+
+def _native_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> Optional[torch.Tensor]:
+    """The native rotation when it applies (CPU, fp32/bf16, float32 angles of shape (B|1, 1.., N, d/2)), else None."""
+    from . import fused, native
+
+    if not (fused.USE_NATIVE and style in ("half", "interleaved") and x.dtype in (torch.float32, torch.bfloat16)
+            and cos.dtype == torch.float32 and sin.dtype == torch.float32 and x.dim() >= 3
+            and native.supports(x.dtype, x.device)):
+        return None
+    n, half = x.shape[-2], x.shape[-1] // 2
+    bc = cos.shape[0]
+    if cos.shape[-2:] != (n, half) or sin.shape != cos.shape or bc not in (1, x.shape[0]) \
+            or any(s != 1 for s in cos.shape[1:-2]):
+        return None
+    cos3, sin3 = cos.reshape(bc, n, half).contiguous(), sin.reshape(bc, n, half).contiguous()
+    return _NativeRope.apply(x, cos3, sin3, style == "interleaved")
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
-    """Rotate ``x`` of shape (B, H, N, d) by the angles in cos/sin (B|1, 1, N, d/2)."""
+    """Rotate ``x`` of shape (B, H, N, d) (or (B, M, H, N, d)) by the angles in cos/sin (B|1, 1, N, d/2)."""
+    out = _native_rope(x, cos, sin, style) if x.device.type == "cpu" else None
+    if out is not None:
+        return out
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if style == "half":
         x1, x2 = x.chunk(2, dim=-1)

@@ -410,3 +410,40 @@ void difftx_swiglu_backward(const void *g, const void *u, const void *dh, void *
         vstore(dg, off, is_bf16, dv * uv * (s + gs * (1.0f - s)), m);
     }
 }
+
+/* ---------------------------------------------------------------- rotary embeddings
+ * x (B, A, N, d) contiguous (A: any number of heads), cos/sin (Bc, N, d/2) float32 with Bc 1 or B.
+ * half: channel i rotates with i + d/2; interleaved: 2i with 2i + 1.  sign -1 rotates backwards
+ * (the gradient).  float32 math, out in x's dtype. */
+void difftx_rope(const void *x, void *out, int is_bf16, const float *cos_, const float *sin_, int64_t B,
+                 int64_t A, int64_t N, int64_t d, int64_t Bc, int interleaved, float sign, int nthreads) {
+    const int64_t half = d / 2, rows = B * A * N;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = (float *)malloc((size_t)(2 * d) * sizeof(float));
+        float *xr = buf, *yr = buf + d;
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < rows; row++) {
+            const int64_t b = row / (A * N), n = row % N;
+            const float *c = cos_ + ((Bc > 1 ? b : 0) * N + n) * half;
+            const float *s = sin_ + ((Bc > 1 ? b : 0) * N + n) * half;
+            load_row(x, row * d, is_bf16, xr, d);
+            if (interleaved) {
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = xr[2 * i], e = xr[2 * i + 1], si = sign * s[i];
+                    yr[2 * i] = a * c[i] - e * si;
+                    yr[2 * i + 1] = a * si + e * c[i];
+                }
+            } else {
+#pragma omp simd
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = xr[i], e = xr[i + half], si = sign * s[i];
+                    yr[i] = a * c[i] - e * si;
+                    yr[i + half] = a * si + e * c[i];
+                }
+            }
+            store_row(out, row * d, is_bf16, yr, 1.0f, NULL, 0.0f, d, d);
+        }
+        free(buf);
+    }
+}
