@@ -1,18 +1,17 @@
-"""Native row kernels for the CPU fused attention, compiled on first use (optional).
+"""Native CPU kernels, compiled on first use (optional; pure torch without them).
 
-``softmax_kernels.c`` (beside this file) does per row, in one pass, what the fused kernel's
-block loop otherwise spends several tensor passes on: the causal triangle, the softmax of
-each map with float32 statistics, and the combined map P1 - lambda P2 rounded once to the
-value product's dtype (forward); the softmax backward of each map and its row sums
-(backward).  Rows run on torch's OpenMP threads.
+``cpu_kernels.c`` (beside this file) does in one pass per row what torch does in several passes
+over whole tensors: the fused attention's causal triangle + softmax of each map + combined map
+P1 - lambda P2 (forward) and its softmax backward; RMSNorm, SwiGLU and rotary embeddings, forward
+and backward; and bf16 DIFF decoding over a paired KV cache with the per-head norm.  Statistics
+and sums are float32.  Loops run on torch's own OpenMP threads.
 
-It is built once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``;
-about a second) into ``$DIFFTX_CACHE_DIR`` (default ``~/.cache/difftx``), keyed by the
-source, the compiler and the CPU's features, and loaded with ctypes: no Python
-extension ABI, no build step at install time.  Without a compiler, on other
-platforms, or with ``DIFFTX_NATIVE=0``, everything runs the pure-torch path (same
-results up to rounding: the native forward rounds the combined map once from float32
-probabilities, the torch path from rounded ones).  ``difftx info`` reports which.
+It is built once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``;
+about a second) into ``$DIFFTX_CACHE_DIR`` (default ``~/.cache/difftx``), keyed by the source, the
+compiler and the CPU's features, and loaded with ctypes: no Python extension ABI, no build step at
+install time.  Without a compiler, off Linux, or with ``DIFFTX_NATIVE=0``, everything runs the
+pure-torch path (same results up to rounding; the native paths round less: e.g. the combined map
+once from float32 probabilities).  :func:`status` says which, and ``difftx bench`` records it.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from typing import Optional
 
 import torch
 
-_SOURCE = Path(__file__).with_name("softmax_kernels.c")
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-fno-strict-aliasing", "-fPIC", "-shared"]
 _LOCK = threading.Lock()
 _STATE: dict = {}  # "lib": CDLL or None, "status": str
@@ -72,7 +71,7 @@ def _build(cc: str) -> Path:
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
                                      _cpu_features().encode(), platform.machine().encode()])).hexdigest()[:16]
     out_dir = _cache_dir()
-    target = out_dir / f"softmax_kernels-{key}.so"
+    target = out_dir / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,16 @@
-/* Row kernels of the fused attention on the CPU (difftx.nn.native compiles and loads this file).
+/* CPU kernels of difftx (difftx.nn.native compiles and loads this file): one pass per row or per
+ * vector where torch would make several passes over whole tensors.
  *
- * One pass per row does what the block loop otherwise spends three to five tensor passes on:
- *   forward:  the causal triangle, softmax of each map (statistics in float32) and the combined
- *             map P1 - lambda P2 (or P), rounded once to the value product's dtype;
- *   backward: the softmax backward of each map, dS = P (dP - rowsum(P dP)), and the row sums
- *             (needed for lambda's gradient).
- * Logits/maps are float32 or bfloat16 ("is_bf16"); every sum and exp is float32.
+ *   difftx_softmax_combine    fused attention forward: the causal triangle, softmax of each map
+ *                             (float32 statistics) and the combined map P1 - lambda P2 (or P),
+ *                             rounded once to the value product's dtype
+ *   difftx_softmax_backward   dS = P (dP - rowsum(P dP)) per map, and the row sums (lambda's grad)
+ *   difftx_rms_norm(_backward), difftx_swiglu(_backward), difftx_rope
+ *   difftx_diff_decode        one decoding query of DIFF V1 over a paired cache, with the head norm
  *
- * Layouts (row-major, contiguous rows of `ke` keys):
+ * Data are float32 or bfloat16 ("is_bf16"); every sum, exp and statistic is float32.
+ *
+ * Attention layouts (row-major, contiguous rows of `ke` keys):
  *   s, p, ds  (B, M, R, ke)   M maps (1 or 2), R = Hk * rep * C rows per map
  *   comb, dp  (B, R, ke)
  *   rs        (B, M, R) float32
