@@ -7,7 +7,7 @@ and backward; and bf16 DIFF decoding over a paired KV cache with the per-head no
 and sums are float32.  Loops run on torch's own OpenMP threads.
 
 It is built once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``;
-about a second) into ``$DIFFTX_CACHE_DIR`` (default ``~/.cache/difftx``), keyed by the source, the
+a few seconds) into ``$DIFFTX_CACHE_DIR`` (default ``~/.cache/difftx``), keyed by the source, the
 compiler and the CPU's features, and loaded with ctypes: no Python extension ABI, no build step at
 install time.  Without a compiler, off Linux, or with ``DIFFTX_NATIVE=0``, everything runs the
 pure-torch path (same results up to rounding; the native paths round less: e.g. the combined map
