@@ -1,6 +1,7 @@
-"""The native CPU row kernels (difftx.nn.native): they build where a C compiler exists, compute what
-the pure-torch path computes (softmax, combined map, softmax backward, RMSNorm; fp32 tight, bf16 to
-its rounding), are the path actually taken, and fail over to pure torch when disabled or unbuildable."""
+"""The native CPU kernels (difftx.nn.native): they build where a C compiler exists, compute what the
+pure-torch path and float64 references compute (attention softmax/combine and its backward, RMSNorm,
+SwiGLU, RoPE, DIFF decoding; fp32 tight, bf16 to its rounding), are the path actually taken, and fail
+over to pure torch when disabled or unbuildable."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from difftx.nn import fused, native
-from difftx.nn.mask import AttnMask
+
+from .test_fast_paths import _kernel_case
 
 HAVE_CC = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
 needs_native = pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the native kernels cannot be built here")
@@ -64,24 +66,9 @@ def test_softmax_combine_and_backward_match_torch(dtype, m, causal, diag0):
 
 
 def _attention_case(dtype, m, hk, padded, q_start, lam_kind, n=70, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    b, h, d, dv = 2, 4, 8, 16
-    nk = n + q_start
-
-    def t(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-
-    q, k, v = t(b, m, h, n, d), t(b, m, hk, nk, d), t(b, hk, nk, dv)
-    lam = None
-    if lam_kind == "scalar":
-        lam = torch.tensor(0.41, requires_grad=True)
-    elif lam_kind == "rows":
-        lam = torch.rand(b, h, n, 1, generator=g).requires_grad_()
-    valid = None
-    if padded:
-        valid = torch.ones(b, nk, dtype=torch.bool)
-        valid[0, :6] = False
-    return (q, k, v, lam), AttnMask(causal=True, n_q=n, n_k=nk, q_start=q_start, key_valid=valid)
+    """test_fast_paths' kernel inputs (4 heads, d = 8): ((q, k, v, lam), mask)."""
+    q, k, v, lam, mask = _kernel_case(m, lam_kind, 4, hk, padded, q_start, dtype, n=n, seed=seed)
+    return (q, k, v, lam), mask
 
 
 def _run(inputs, mask, use_native, monkeypatch):
