@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from difftx import ModelConfig, build_model
-from difftx.nn import backends, fused
+from difftx.nn import backends, fused, native
 from difftx.nn.attention import make_attention
 from difftx.nn.mask import AttnMask
 from difftx.nn.rope import RotaryEmbedding
@@ -96,7 +96,7 @@ def test_fused_kernel_matches_reference_float64(m, lam_kind, h, hk, padded, q_st
                                                      (2, "rows", 4, 1, False)])
 @pytest.mark.parametrize("use_native", [True, False])  # the native row kernels (when built) and pure torch
 def test_fused_kernel_low_precision(dtype, m, lam_kind, h, hk, padded, use_native, monkeypatch):
-    monkeypatch.setattr(fused, "USE_NATIVE", use_native)
+    monkeypatch.setattr(native, "ENABLED", use_native)
     q, k, v, lam, mask = _kernel_case(m, lam_kind, h, hk, padded, 0, dtype, n=45)
     out = fused.fused_attention(q, k, v, mask, 0.35, lam, chunk=16)
     assert out.dtype == dtype

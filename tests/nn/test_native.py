@@ -18,11 +18,6 @@ HAVE_CC = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
 needs_native = pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the native kernels cannot be built here")
 
 
-@pytest.fixture
-def torch_path(monkeypatch):
-    monkeypatch.setattr(fused, "USE_NATIVE", False)
-
-
 @needs_native
 def test_kernels_build_where_a_compiler_exists():
     assert native.library() is not None, native.status()
@@ -72,7 +67,7 @@ def _attention_case(dtype, m, hk, padded, q_start, lam_kind, n=70, seed=1):
 
 
 def _run(inputs, mask, use_native, monkeypatch):
-    monkeypatch.setattr(fused, "USE_NATIVE", use_native)
+    monkeypatch.setattr(native, "ENABLED", use_native)
     q, k, v, lam = inputs
     out = fused.fused_attention(q, k, v, mask, 0.3, lam, chunk=16)
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
@@ -131,7 +126,7 @@ def test_rms_norm_native_equals_torch_path(dtype, out_dtype, weight, gain, monke
     gy = torch.randn(5, 300, 37, generator=g)
     res = {}
     for use in (True, False):
-        monkeypatch.setattr(fused, "USE_NATIVE", use)
+        monkeypatch.setattr(native, "ENABLED", use)
         y = fused.rms_norm(x, w, 1e-5, gain, out_dtype)
         assert y.dtype == out_dtype
         res[use] = [y.detach()] + list(torch.autograd.grad((y.float() * gy).sum(), [x] + ([w] if w is not None else [])))
@@ -230,7 +225,7 @@ def test_model_decoding_takes_the_native_step_and_matches_the_torch_step(padded,
     monkeypatch.setattr(native, "diff_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
     def decode(use_native):
-        monkeypatch.setattr(fused, "USE_NATIVE", use_native)
+        monkeypatch.setattr(native, "ENABLED", use_native)
         cache = model.new_cache(2, 12)
         outs = []
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -266,7 +261,7 @@ def test_swiglu_matches_float64_reference(dtype, monkeypatch):
     """silu(g) * u and both gradients; 3 x 7 x 37 elements (a partial last vector), extreme gates."""
     from difftx.nn.ffn import swiglu
 
-    monkeypatch.setattr(fused, "USE_NATIVE", True)
+    monkeypatch.setattr(native, "ENABLED", True)
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(3, 7, 37, generator=gen, dtype=torch.float64) * 4
     g[0, 0, :6] = torch.tensor([-100.0, -30.0, -1e-3, 0.0, 30.0, 100.0])
@@ -295,7 +290,7 @@ def test_rope_native_matches_float64_rotation(style, dtype, per_batch, five_d, m
     """The rotation and its gradient (the inverse rotation) against float64, strided input included."""
     from difftx.nn.rope import RotaryEmbedding, apply_rope
 
-    monkeypatch.setattr(fused, "USE_NATIVE", True)
+    monkeypatch.setattr(native, "ENABLED", True)
     gen = torch.Generator().manual_seed(0)
     b, n, d = 2, 11, 16
     pos = torch.arange(n) + torch.tensor([[0], [5]]) if per_batch else torch.arange(n)
@@ -311,7 +306,7 @@ def test_rope_native_matches_float64_rotation(style, dtype, per_batch, five_d, m
     assert calls and y.dtype == dtype
     gy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(dtype)
     (gx,) = torch.autograd.grad(y, [x], gy)
-    monkeypatch.setattr(fused, "USE_NATIVE", False)
+    monkeypatch.setattr(native, "ENABLED", False)
     xr = x.detach().double().requires_grad_()
     yr = apply_rope(xr, c.double(), s.double(), style)
     (gxr,) = torch.autograd.grad(yr, [xr], gy.double())

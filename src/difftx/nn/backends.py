@@ -193,9 +193,9 @@ def diff_decode_paired(q, kk, v, mask: AttnMask, scale: float, lam: torch.Tensor
 def native_diff_decode_ok(q, kk, v, mask: AttnMask, out_dtype: torch.dtype) -> bool:
     """Whether :func:`native_diff_decode` takes this decoding step: one causal query over a paired bf16
     cache on the CPU, the native kernels built (difftx.nn.native) and not switched off."""
-    from . import fused, native
+    from . import native
 
-    return (fused.USE_NATIVE and q.dtype == torch.bfloat16 and out_dtype in (torch.float32, torch.bfloat16)
+    return (q.dtype == torch.bfloat16 and out_dtype in (torch.float32, torch.bfloat16)
             and mask.causal and mask.n_q == 1 and kk.shape[2] == mask.n_k and mask.q_start == mask.n_k - 1
             and native.supports(q.dtype, q.device))
 

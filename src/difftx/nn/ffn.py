@@ -27,9 +27,9 @@ class _NativeSwiGLU(torch.autograd.Function):
 
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """silu(g) * u: the native kernel on the CPU for matching contiguous fp32/bf16 inputs, else torch."""
-    from . import fused, native
+    from . import native
 
-    if (fused.USE_NATIVE and g.dtype == u.dtype and g.dtype in (torch.float32, torch.bfloat16) and g.shape == u.shape
+    if (g.dtype == u.dtype and g.dtype in (torch.float32, torch.bfloat16) and g.shape == u.shape
             and g.is_contiguous() and u.is_contiguous() and native.supports(g.dtype, g.device)):
         return _NativeSwiGLU.apply(g, u)
     return F.silu(g) * u

@@ -57,9 +57,6 @@ MIN_CHUNK = 64  # rows per block at least (GEMM efficiency at long N); memory st
 # accumulate in fp32 inside their kernels): ~15% faster than fp32 maps, and about as accurate,
 # since the bf16 logits out of the GEMM dominate the error either way (docs/performance.md).
 FP32_MAPS_FOR_BF16 = False
-# The native row kernels (difftx.nn.native: mask + softmax + combine, and the softmax backward, one
-# pass per row) when they are built; False forces the pure-torch path (tests compare the two).
-USE_NATIVE = True
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -186,7 +183,7 @@ class _Blocks:
         self.lam_s = float(lam) if (lam is not None and lam.dim() == 0) else None
         self.lam_rows = lam.to(self.md) if (lam is not None and lam.dim() > 0) else None
         # The native row kernels (difftx.nn.native) when built and the maps are in the matmul dtype.
-        self.native = USE_NATIVE and self.md == self.dtype and native.supports(self.dtype, q.device)
+        self.native = self.md == self.dtype and native.supports(self.dtype, q.device)
         if self.native and self.lam_rows is not None:
             self.lam_rows = lam.to(torch.float32)
         rows = self.rep * min(chunk, n)
@@ -522,7 +519,7 @@ class _RMSNorm(torch.autograd.Function):
         x, w, rstd = ctx.saved_tensors
         gain = ctx.gain
         with _no_autocast(dy.device.type), torch.no_grad():
-            if ctx.native and dy.dtype in (torch.float32, torch.bfloat16) and native.supports(x.dtype, x.device):
+            if ctx.native and dy.dtype in (torch.float32, torch.bfloat16):
                 want_dw = w is not None and ctx.needs_input_grad[1]
                 wg = None if w is None else (w.to(torch.float32) * gain).contiguous()
                 dx, dw = native.rms_norm_backward(x, dy.contiguous(), rstd, wg, gain, want_dw)
@@ -567,5 +564,5 @@ SMALL_NORM = 1 << 16
 def _native_norm(x: torch.Tensor, w: Optional[torch.Tensor], out_dtype: torch.dtype) -> bool:
     """Whether :func:`native.rms_norm` takes this call: float32/bfloat16 in and out, CPU, kernels built."""
     ok = (torch.float32, torch.bfloat16)
-    return (USE_NATIVE and x.dtype in ok and out_dtype in ok and (w is None or w.dtype in ok)
+    return (x.dtype in ok and out_dtype in ok and (w is None or w.dtype in ok)
             and x.shape[-1] > 0 and native.supports(x.dtype, x.device))

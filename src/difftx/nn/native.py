@@ -33,6 +33,8 @@ import torch
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-fno-strict-aliasing", "-fPIC", "-shared"]
 _LOCK = threading.Lock()
+# False forces the pure-torch path everywhere (tests compare the two); DIFFTX_NATIVE=0 also skips the build.
+ENABLED = True
 _STATE: dict = {}  # "lib": CDLL or None, "status": str
 
 
@@ -151,7 +153,8 @@ def reset() -> None:
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and library() is not None
+    """Whether the kernels take ``dtype`` data on ``device``: CPU, float32/bfloat16, enabled and built."""
+    return ENABLED and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and library() is not None
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:

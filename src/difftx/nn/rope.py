@@ -63,9 +63,9 @@ class _NativeRope(torch.autograd.Function):
 
 def _native_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> Optional[torch.Tensor]:
     """The native rotation when it applies (CPU, fp32/bf16, float32 angles of shape (B|1, 1.., N, d/2)), else None."""
-    from . import fused, native
+    from . import native
 
-    if not (fused.USE_NATIVE and style in ("half", "interleaved") and x.dtype in (torch.float32, torch.bfloat16)
+    if not (style in ("half", "interleaved") and x.dtype in (torch.float32, torch.bfloat16)
             and cos.dtype == torch.float32 and sin.dtype == torch.float32 and x.dim() >= 3
             and native.supports(x.dtype, x.device)):
         return None
