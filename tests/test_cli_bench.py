@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -81,3 +82,19 @@ def test_bench_adamw_kernel_choice():
         bc = BenchConfig(**{**QUICK, "arms": ["transformer", "diff"], "peers": False, "fused_adamw": args.fused_adamw})
         for arm in build_arms(bc, torch.device("cpu")):
             assert bool(arm.optimizer.defaults["fused"]) == fused and bool(arm.optimizer.defaults["foreach"]) != fused
+
+
+def test_speed_ratio_pairs_the_repeats():
+    """A slow spell that hits one arm in one repeat moves one pair, not the ratio (a median of pairs)."""
+    from difftx.benchmarking.speed import _ratios, speed_ratio
+
+    t = [1.0, 3.0, 1.0]  # repeat 2 slow for everyone
+    d = [1.1, 3.3, 3.3]  # and repeat 3 slow for DIFF alone
+    assert speed_ratio(d, t) == pytest.approx(1 / 1.1)
+    assert statistics.median(t) / statistics.median(d) == pytest.approx(1 / 3.3)  # what medians would say
+    assert speed_ratio([2.0, 4.0], [1.0]) == pytest.approx(1 / 3.0)  # unequal counts: ratio of medians
+    arms = {name: {"by_dtype": {"fp32": {"train": {"seconds": s}}}} for name, s in (("transformer", t), ("diff", d))}
+    spread = {}
+    ratios = _ratios(arms, "fp32", spread)
+    assert ratios["diff_over_transformer_train"] == pytest.approx(1 / 1.1)
+    assert spread["diff_over_transformer_train"] == pytest.approx([1 / 3.3, 1 / 1.1])

@@ -403,6 +403,24 @@ def test_fused_attention_memory_grows_linearly():
     assert f4 < e4 / 4
 
 
+def test_block_rows_stay_bounded_for_inference_blocks(monkeypatch):
+    """bf16 inference drops the per-head slice limit but keeps the whole-block cap (memory linear in N)."""
+    seen = []
+    run = fused._FusedAttention.apply
+    monkeypatch.setattr(fused._FusedAttention, "apply", lambda *a: seen.append(a[-1]) or run(*a))
+    b, m, h, n = 4, 2, 4, 512
+    assert fused.chunk_size(b, m, h, n, n, 2, slices=False) == n  # the small preset's prefill: one block
+    assert fused.chunk_size(b, m, h, n, n, 2) == fused.SLICE_BYTES // (n * 2)  # training: slices
+    for n_long in (16384, 65536):  # a whole block never exceeds BLOCK_BYTES beyond MIN_CHUNK rows
+        c = fused.chunk_size(1, m, h, n_long, n_long, 2, slices=False)
+        assert c < n_long and (c * m * h * n_long * 2 <= fused.BLOCK_BYTES or c == fused.MIN_CHUNK)
+    q, k, v, lam, mask = _kernel_case(2, "scalar", 4, 2, False, 0, torch.bfloat16, n=300)
+    with torch.no_grad():
+        fused.fused_attention(q, k, v, mask, 0.3, lam)
+    fused.fused_attention(q, k, v, mask, 0.3, lam)
+    assert seen == [300, 192]  # one block; slices of SLICE_BYTES (131072 / 600 bytes, in 64-row steps)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weight,gain", [(True, 1.0), (True, 0.8), (False, 0.8)])
 @pytest.mark.parametrize("rows", [15, 3000])  # the small no-grad path applies below SMALL_NORM elements

@@ -188,20 +188,32 @@ def _decode_reference(q, kk, v, valid, lam, scale, wg, eps):
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("h,hk,padded", [(4, 4, False), (4, 2, True), (4, 1, False)])
-def test_diff_decode_kernel_matches_reference(dtype, h, hk, padded):
-    """The decoding kernel over a cache's strided prefix views (29 of 40 slots written)."""
+@pytest.mark.parametrize("paired", [True, False])
+@pytest.mark.parametrize("d", [8, 32])  # the scalar loop; whole 16-lane vectors
+def test_diff_decode_kernel_matches_reference(dtype, h, hk, padded, paired, d):
+    """The decoding kernel over a cache's strided prefix views (29 of 40 slots written), keys in
+    either cache layout: paired [K1 | K2] per head, or K1 heads then K2 heads."""
+    from difftx.nn.attention import _cached_keys
+
     g = torch.Generator().manual_seed(2)
-    b, d, t, cap = 3, 8, 29, 40
+    b, t, cap = 3, 29, 40
     q = torch.randn(b, 2, h, 1, d, generator=g).to(dtype)
     kk = torch.randn(b, hk, cap, 2 * d, generator=g).to(dtype)[:, :, :t]
     v = torch.randn(b, hk, cap, 2 * d, generator=g).to(dtype)[:, :, :t]
+    if paired:
+        k = _cached_keys(kk, b, hk, d)
+    else:  # the same keys stored as (B, 2 Hk, cap, d)
+        buf = torch.randn(b, 2 * hk, cap, d, generator=g).to(dtype)
+        buf[:, :hk, :t], buf[:, hk:, :t] = kk[..., :d], kk[..., d:]
+        k = _cached_keys(buf[:, :, :t], b, hk, d)
+    assert k.shape == (b, 2, hk, t, d) and not k.is_contiguous()
     valid = None
     if padded:
         valid = torch.ones(b, t, dtype=torch.bool)
         valid[0, :4] = False
         valid[2, 10:13] = False
     wg = torch.rand(2 * d, generator=g) + 0.5
-    out = native.diff_decode(q, kk, v, valid, 0.37, 0.3, True, wg, 1.0, 1e-5, torch.float32)
+    out = native.diff_decode(q, k, v, valid, 0.37, 0.3, True, wg, 1.0, 1e-5, torch.float32)
     ref = _decode_reference(q, kk, v, valid, 0.37, 0.3, wg, 1e-5)
     tol = 2e-5 if dtype == torch.float32 else 1e-4  # bf16 inputs, fp32 math and output
     torch.testing.assert_close(out.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
@@ -209,8 +221,10 @@ def test_diff_decode_kernel_matches_reference(dtype, h, hk, padded):
 
 @needs_native
 @pytest.mark.parametrize("padded", [False, True])
-def test_model_decoding_takes_the_native_step_and_matches_the_torch_step(padded, monkeypatch):
-    """bf16 DIFF decoding with the native step gives the torch step's logits (to bf16 rounding)."""
+@pytest.mark.parametrize("bf16", [True, False])
+def test_model_decoding_takes_the_native_step_and_matches_the_torch_step(padded, bf16, monkeypatch):
+    """DIFF decoding with the native step gives the torch step's logits (bf16: to bf16 rounding; the
+    paired cache; fp32: to float32 rounding, the (B, 2 h_kv, T, d) cache)."""
     from difftx import ModelConfig, build_model
 
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, attention="diff")
@@ -228,7 +242,7 @@ def test_model_decoding_takes_the_native_step_and_matches_the_torch_step(padded,
         monkeypatch.setattr(native, "ENABLED", use_native)
         cache = model.new_cache(2, 12)
         outs = []
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             model(prompt, cache=cache, attention_mask=valid)
             tok = prompt[:, -1:]
             for _ in range(3):
@@ -240,7 +254,8 @@ def test_model_decoding_takes_the_native_step_and_matches_the_torch_step(padded,
     assert len(calls) == 3 * cfg.n_layers
     b = decode(False)
     assert len(calls) == 3 * cfg.n_layers
-    torch.testing.assert_close(a, b, atol=0.05 * b.abs().max().item(), rtol=0.05)
+    tol = 0.05 if bf16 else 1e-5
+    torch.testing.assert_close(a, b, atol=tol * b.abs().max().item(), rtol=tol)
 
 
 @needs_native

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from ..io import atomic_write_text
-from .speed import PHASES
+from .speed import PHASES, speed_ratio
 
 
 def markdown(results: dict) -> str:
@@ -32,8 +32,8 @@ def markdown(results: dict) -> str:
             cells = [name, f"{a['params'] / 1e6:.2f}M"]
             for phase in PHASES:
                 if phase in r:
-                    cells += [f"{r[phase]['tokens_per_s']:.0f}",
-                              f"{r[phase]['tokens_per_s'] / base[phase]['tokens_per_s']:.2f}"]
+                    x = speed_ratio(r[phase]["seconds"], base[phase]["seconds"])
+                    cells += [f"{r[phase]['tokens_per_s']:.0f}", f"{x:.2f}"]
                 else:
                     cells += ["-", "-"]
             if "memory" in r:
@@ -45,9 +45,14 @@ def markdown(results: dict) -> str:
             cells.append(f"{100 * r['train']['share_of_matmul_peak']:.1f}" if "train" in r else "-")
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    lines += ["## Ratios (least favourable dtype)", "", "| ratio | value |", "|---|---:|"]
-    lines += [f"| {k} | {v:.3f} |" for k, v in sorted(results["ratios"].items())]
-    lines += ["", "x: tokens/s (memory: bytes) relative to our Transformer in the same dtype.  Train memory: "
+    spread = results.get("ratio_spread_by_dtype", {})
+    lines += ["## Ratios (least favourable dtype)", "", "| ratio | value | range over repeats |", "|---|---:|---|"]
+    for k, v in sorted(results["ratios"].items()):
+        dt = next((d for d, rs in results["ratios_by_dtype"].items() if rs.get(k) == v), None)
+        lo_hi = spread.get(dt, {}).get(k)
+        lines.append(f"| {k} | {v:.3f} | " + (f"{lo_hi[0]:.3f}-{lo_hi[1]:.3f} ({dt})" if lo_hi else "") + " |")
+    lines += ["", "x: tokens/s (memory: bytes) relative to our Transformer in the same dtype; a speed ratio is "
+              "the median over repeats of the ratio of the two arms' times in that repeat.  Train memory: "
               "parameters + optimiser state + the step's peak of live tensor bytes "
               f"({_memory_method(results)}).  FLOPs per token from `difftx.accounting.flops_per_token`.", ""]
     return "\n".join(lines)

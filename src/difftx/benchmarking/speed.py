@@ -11,7 +11,9 @@ Phases, each per dtype (fp32, bf16 autocast):
   ``seq_len - decode_tokens``, with the KV cache (the prompt's prefill is not timed).
 
 Repeats are interleaved (A B C, B C A, ... so no arm always runs first) and medians
-reported, with ratios to our Transformer (and to the transformers peers).  Achieved FLOP/s
+reported, with ratios to our Transformer (and to the transformers peers): a speed ratio is
+the median over repeats of the two arms' times in that repeat (:func:`speed_ratio`), its
+range over the repeats in ``ratio_spread_by_dtype``.  Achieved FLOP/s
 use :func:`difftx.accounting.flops_per_token` (DIFF counted as the standard formulation,
 1.5x the Transformer's attention FLOPs) and are compared to the matmul peak measured in the
 same run.  Peak training memory on the CPU is the high-water mark of live tensor bytes
@@ -337,7 +339,9 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
             for speed in results["arms"][arm.name]["by_dtype"][dt].values():
                 if "achieved_flops" in speed:
                     speed["share_of_matmul_peak"] = speed["achieved_flops"] / peaks[dt]
-    results["ratios_by_dtype"] = {dt: _ratios(results["arms"], dt) for dt in bc.dtypes}
+    results["ratio_spread_by_dtype"] = {dt: {} for dt in bc.dtypes}
+    results["ratios_by_dtype"] = {dt: _ratios(results["arms"], dt, results["ratio_spread_by_dtype"][dt])
+                                  for dt in bc.dtypes}
     results["ratios"] = _worst(results["ratios_by_dtype"])
     results["bench_config"] = asdict(bc)
     results["environment"] = environment(device)
@@ -351,7 +355,21 @@ def _speed(times: list, tokens: int, flops_per_tok: int, peak: float) -> dict:
             "achieved_flops": tps * flops_per_tok, "share_of_matmul_peak": tps * flops_per_tok / peak}
 
 
-def _ratios(arms: dict, dt: str) -> dict:
+def speed_ratio(seconds_a: list, seconds_b: list) -> float:
+    """tokens/s of A over B at equal tokens: the median over repeats of t_B / t_A.
+
+    Each repeat times every arm once, in rotating order, so a pair shares a stretch of the
+    machine's state: a slow spell that hits one repeat of one arm moves one pair, where it would
+    move a median of medians.  The ratio of the medians when the repeat counts differ.
+    """
+    if len(seconds_a) != len(seconds_b) or not seconds_a:
+        return statistics.median(seconds_b) / statistics.median(seconds_a)
+    return statistics.median(tb / ta for ta, tb in zip(seconds_a, seconds_b))
+
+
+def _ratios(arms: dict, dt: str, spread: Optional[dict] = None) -> dict:
+    """Speed, memory and KV ratios of the standard pairs; with ``spread``, also fills
+    {key: [min, max]} of the per-repeat speed ratios."""
     def get(arm, *path):
         node = arms.get(arm, {}).get("by_dtype", {}).get(dt)
         for p in path:
@@ -367,9 +385,12 @@ def _ratios(arms: dict, dt: str) -> dict:
     for a, b in pairs:
         key = f"{a}_over_{b}".replace("-", "_")
         for phase in PHASES:
-            ta, tb = get(a, phase, "tokens_per_s"), get(b, phase, "tokens_per_s")
-            if ta and tb:
-                out[f"{key}_{phase}"] = ta / tb
+            sa, sb = get(a, phase, "seconds"), get(b, phase, "seconds")
+            if sa and sb:
+                out[f"{key}_{phase}"] = speed_ratio(sa, sb)
+                if spread is not None and len(sa) == len(sb):
+                    pairs = [tb / ta for ta, tb in zip(sa, sb)]
+                    spread[f"{key}_{phase}"] = [min(pairs), max(pairs)]
         ma, mb = get(a, "memory", "total_bytes"), get(b, "memory", "total_bytes")
         if ma and mb:
             out[f"{key}_memory"] = ma / mb

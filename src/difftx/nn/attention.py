@@ -275,13 +275,14 @@ class DifferentialAttention(AttentionBase):
         backend, p = self._backend(q.device), self._dropout_p()
         variant = backends.resolve_diff_variant(self.diff_variant, q.device, p, q.dtype)
         out_dtype = _out_dtype(x)
-        if backend == "sdpa" and variant == "fused" and decode_gqa and not torch.is_grad_enabled():
-            if backends.native_diff_decode_ok(q, kk, v, mask, out_dtype):  # attention and head norm in one call
-                hn = self.head_norm
-                o = backends.native_diff_decode(q, kk, v, mask, self.scale, lam, hn is not None,
-                                                None if hn is None else hn.weight, 1.0 - self.lambda_init,
-                                                hn.eps if hn is not None else 0.0, out_dtype)
-                return self.out_proj(o.reshape(b, t, 2 * h * d))
+        fast = backend == "sdpa" and variant == "fused" and not torch.is_grad_enabled()
+        if fast and decoding and t == 1 and backends.native_diff_decode_ok(q, k, v, mask, out_dtype):
+            hn = self.head_norm  # attention and head norm in one call over the cache's prefix views
+            o = backends.native_diff_decode(q, k, v, mask, self.scale, lam, hn is not None,
+                                            None if hn is None else hn.weight, 1.0 - self.lambda_init,
+                                            hn.eps if hn is not None else 0.0, out_dtype)
+            return self.out_proj(o.reshape(b, t, 2 * h * d))
+        if fast and decode_gqa:
             o = backends.diff_decode_paired(q, kk, v, mask, self.scale, lam)  # (B, 1, h, 2d)
         elif backend == "sdpa" and variant == "fused":
             kf, vf = kv_buffers if kv_buffers is not None else (k, v)

@@ -190,22 +190,26 @@ def diff_decode_paired(q, kk, v, mask: AttnMask, scale: float, lam: torch.Tensor
     return out.transpose(1, 2)
 
 
-def native_diff_decode_ok(q, kk, v, mask: AttnMask, out_dtype: torch.dtype) -> bool:
-    """Whether :func:`native_diff_decode` takes this decoding step: one causal query over a paired bf16
-    cache on the CPU, the native kernels built (difftx.nn.native) and not switched off."""
+def native_diff_decode_ok(q, k, v, mask: AttnMask, out_dtype: torch.dtype) -> bool:
+    """Whether :func:`native_diff_decode` takes this decoding step: one causal query over a cache's
+    keys ``k`` (B, 2, h_kv, T, d) in float32 or bfloat16 on the CPU, the native kernels built
+    (difftx.nn.native) and not switched off."""
     from . import native
 
-    return (q.dtype == torch.bfloat16 and out_dtype in (torch.float32, torch.bfloat16)
-            and mask.causal and mask.n_q == 1 and kk.shape[2] == mask.n_k and mask.q_start == mask.n_k - 1
+    ok = (torch.float32, torch.bfloat16)
+    return (q.dtype in ok and k.dtype == v.dtype == q.dtype and out_dtype in ok and mask.causal
+            and mask.n_q == 1 and k.shape[3] == mask.n_k and mask.q_start == mask.n_k - 1
             and native.supports(q.dtype, q.device))
 
 
-def native_diff_decode(q, kk, v, mask: AttnMask, scale: float, lam: torch.Tensor, norm: bool,
+def native_diff_decode(q, k, v, mask: AttnMask, scale: float, lam: torch.Tensor, norm: bool,
                        weight: Optional[torch.Tensor], gain: float, eps: float, out_dtype: torch.dtype):
-    """:func:`diff_decode_paired` and the per-head RMSNorm (weight x gain) in one native call: (B, 1, h, 2d).
+    """One decoding step of DIFF V1 and its per-head RMSNorm (weight x gain) in one native call over the
+    cache's keys (B, 2, h_kv, T, d) and values (B, h_kv, T, 2d), strided views of either key layout
+    (:func:`difftx.nn.attention._cache_keys`): (B, 1, h, 2d).
 
-    Replaces the paired query's construction, the SDPA call, the fp32 combine and the norm's
-    casts (about a dozen small ops per layer and step) with one pass over K and V."""
+    Replaces the logits and value GEMMs (or the paired SDPA call), the two softmaxes, the combine
+    and the norm's casts (about a dozen small ops per layer and step) with one pass over K and V."""
     from . import native
 
     valid = None
@@ -213,7 +217,7 @@ def native_diff_decode(q, kk, v, mask: AttnMask, scale: float, lam: torch.Tensor
         valid = mask.key_valid[:, : mask.n_k].clone()
         valid[:, mask.q_start] = True  # a query always sees itself
     wg = None if weight is None else weight.to(torch.float32) * gain
-    return native.diff_decode(q, kk, v, valid, float(lam), scale, norm, wg, gain, eps, out_dtype)
+    return native.diff_decode(q, k, v, valid, float(lam), scale, norm, wg, gain, eps, out_dtype)
 
 
 def diff_sdpa(q1, q2, k1, k2, v, mask: AttnMask, scale: float, dropout_p: float = 0.0,

@@ -6,7 +6,7 @@
  *                             rounded once to the value product's dtype
  *   difftx_softmax_backward   dS = P (dP - rowsum(P dP)) per map, and the row sums (lambda's grad)
  *   difftx_rms_norm(_backward), difftx_swiglu(_backward), difftx_rope
- *   difftx_diff_decode        one decoding query of DIFF V1 over a paired cache, with the head norm
+ *   difftx_diff_decode        one decoding query of DIFF V1 over a KV cache, with the head norm
  *
  * Data are float32 or bfloat16 ("is_bf16"); every sum, exp and statistic is float32.
  *
@@ -61,6 +61,51 @@ static inline vf vexp_nonpos(vf x) {
     vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
     y = y * (vf)bits;
     return (vf)((vi)y & ~under);
+}
+
+typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(64), aligned(4)));
+
+/* n (<= LANES) values at base[off] as floats, lanes past n set to pad. */
+static inline vf vload(const void *base, int64_t off, int is_bf16, int64_t n, float pad) {
+    if (n == LANES) {
+        if (is_bf16) return (vf)(__builtin_convertvector(*(const vh *)((const uint16_t *)base + off), vu) << 16);
+        return *(const vf *)((const float *)base + off);
+    }
+    vf v = (vf){0} + pad;
+    if (is_bf16) {
+        const uint16_t *src = (const uint16_t *)base + off;
+        for (int64_t i = 0; i < n; i++) v[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(&v, (const float *)base + off, (size_t)n * sizeof(float));
+    }
+    return v;
+}
+
+static inline void vstore(void *base, int64_t off, int is_bf16, vf v, int64_t n) {
+    if (is_bf16) {
+        vu x = (vu)v;
+        x += 0x7FFFu + ((x >> 16) & 1u); /* round to nearest even */
+        vh r = __builtin_convertvector(x >> 16, vh);
+        if (n == LANES) {
+            *(vh *)((uint16_t *)base + off) = r;
+        } else {
+            memcpy((uint16_t *)base + off, &r, (size_t)n * sizeof(uint16_t));
+        }
+    } else if (n == LANES) {
+        *(vf *)((float *)base + off) = v;
+    } else {
+        memcpy((float *)base + off, &v, (size_t)n * sizeof(float));
+    }
+}
+
+/* The sum of the 16 lanes (a shuffle tree). */
+static inline float vhsum(vf v) {
+    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
 }
 
 static inline void load_row(const void *base, int64_t off, int is_bf16, float *dst, int64_t n) {
@@ -230,19 +275,24 @@ void difftx_rms_norm(const void *x, int x_bf16, void *y, int y_bf16, float *rstd
     }
 }
 
-/* One decoding query of DIFF V1 per head over a paired cache, with the per-head RMSNorm:
+/* One decoding query of DIFF V1 per head over a cache, with the per-head RMSNorm:
  *   q       (B, 2, H, d) contiguous: q1 and q2 of every head
- *   kk, v   (B, Hk, T, 2d) with row (token) stride 2d, head stride `head_stride` elements, batch
- *           stride `batch_stride`; kk holds [K1 | K2] per token, v the 2d-wide value
+ *   k       K1 of (batch b, head kh, token t) at b * k_batch + kh * k_head + t * k_tok, d contiguous
+ *           elements; K2 k2_off further.  The paired bf16 cache ([K1 | K2] per token):
+ *           k_tok = 2d, k2_off = d; the fp32 cache (B, 2 Hk, T, d): k_tok = d, k2_off = Hk heads.
+ *   v       2d contiguous elements at b * v_batch + kh * v_head + t * v_tok
  *   valid   (B, T) uint8 (1 = a key this query may see) or NULL (all T keys)
  *   out     (B, H, 2d): (softmax(q1 K1^T s) - lam softmax(q2 K2^T s)) V, then (when norm) the
  *           RMSNorm over 2d with weight*gain wg (float32, or NULL for the gain alone)
  * Query head i uses K/V head i / (H / Hk).  Logits, softmax, sums: float32. */
-void difftx_diff_decode(const void *q, const void *kk, const void *v, const uint8_t *valid, void *out,
+#define MAX_DV 8 /* vectors per head dim d in the decoding kernel's register path (d <= 128) */
+void difftx_diff_decode(const void *q, const void *k, const void *v, const uint8_t *valid, void *out,
                         int is_bf16, int out_bf16, int64_t B, int64_t H, int64_t Hk, int64_t T, int64_t d,
-                        int64_t head_stride, int64_t batch_stride, float scale, float lam, int norm,
-                        const float *wg, float gain, float eps, int nthreads) {
-    const int64_t group = H / Hk, w = 2 * d;
+                        int64_t k_batch, int64_t k_head, int64_t k_tok, int64_t k2_off, int64_t v_batch,
+                        int64_t v_head, int64_t v_tok, float scale, float lam, int norm, const float *wg,
+                        float gain, float eps, int nthreads) {
+    const int64_t group = H / Hk, w = 2 * d, nv = d / LANES;
+    const int vec = d % LANES == 0 && nv <= MAX_DV;
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = (float *)malloc((size_t)(2 * T + 4 * w) * sizeof(float));
@@ -250,7 +300,38 @@ void difftx_diff_decode(const void *q, const void *kk, const void *v, const uint
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * H; bh++) {
             const int64_t b = bh / H, hi = bh % H, kh = hi / group;
-            const int64_t kv_off = b * batch_stride + kh * head_stride;
+            const int64_t k_off = b * k_batch + kh * k_head, v_off = b * v_batch + kh * v_head;
+            if (vec) { /* d a multiple of 16 up to 128: whole vectors, q and the sums in registers */
+                vf q1v[MAX_DV], q2v[MAX_DV], av[2 * MAX_DV];
+                for (int64_t j = 0; j < nv; j++) {
+                    q1v[j] = vload(q, (b * 2 * H + hi) * d + j * LANES, is_bf16, LANES, 0.0f) * scale;
+                    q2v[j] = vload(q, (b * 2 * H + H + hi) * d + j * LANES, is_bf16, LANES, 0.0f) * scale;
+                }
+                for (int64_t t = 0; t < T; t++) {
+                    if (valid && !valid[b * T + t]) {
+                        l1[t] = -INFINITY;
+                        l2[t] = -INFINITY;
+                        continue;
+                    }
+                    const int64_t o = k_off + t * k_tok;
+                    vf a1 = {0}, a2 = {0};
+                    for (int64_t j = 0; j < nv; j++) {
+                        a1 += q1v[j] * vload(k, o + j * LANES, is_bf16, LANES, 0.0f);
+                        a2 += q2v[j] * vload(k, o + k2_off + j * LANES, is_bf16, LANES, 0.0f);
+                    }
+                    l1[t] = vhsum(a1);
+                    l2[t] = vhsum(a2);
+                }
+                const float inv1 = softmax_inplace(l1, T), inv2 = softmax_inplace(l2, T);
+                for (int64_t j = 0; j < 2 * nv; j++) av[j] = (vf){0};
+                for (int64_t t = 0; t < T; t++) {
+                    const float pt = l1[t] * inv1 - lam * inv2 * l2[t];
+                    if (pt == 0.0f) continue; /* masked keys */
+                    const int64_t o = v_off + t * v_tok;
+                    for (int64_t j = 0; j < 2 * nv; j++) av[j] += pt * vload(v, o + j * LANES, is_bf16, LANES, 0.0f);
+                }
+                for (int64_t j = 0; j < 2 * nv; j++) memcpy(acc + j * LANES, &av[j], sizeof(vf));
+            } else {
             load_row(q, (b * 2 * H + hi) * d, is_bf16, qf, d);            /* q1 */
             load_row(q, (b * 2 * H + H + hi) * d, is_bf16, qf + d, d);    /* q2 */
             for (int64_t i = 0; i < w; i++) qf[i] *= scale;
@@ -260,7 +341,8 @@ void difftx_diff_decode(const void *q, const void *kk, const void *v, const uint
                     l2[t] = -INFINITY;
                     continue;
                 }
-                load_row(kk, kv_off + t * w, is_bf16, row, w);
+                load_row(k, k_off + t * k_tok, is_bf16, row, d);
+                load_row(k, k_off + t * k_tok + k2_off, is_bf16, row + d, d);
                 float a1 = 0.0f, a2 = 0.0f;
 #pragma omp simd reduction(+ : a1)
                 for (int64_t i = 0; i < d; i++) a1 += qf[i] * row[i];
@@ -275,9 +357,10 @@ void difftx_diff_decode(const void *q, const void *kk, const void *v, const uint
             for (int64_t t = 0; t < T; t++) {
                 const float pt = l1[t];
                 if (pt == 0.0f) continue; /* masked keys */
-                load_row(v, kv_off + t * w, is_bf16, row, w);
+                load_row(v, v_off + t * v_tok, is_bf16, row, w);
 #pragma omp simd
                 for (int64_t i = 0; i < w; i++) acc[i] += pt * row[i];
+            }
             }
             float r = 1.0f;
             if (norm) {
@@ -344,42 +427,6 @@ void difftx_rms_norm_backward(const void *x, int x_bf16, const void *dy, int dy_
 }
 
 /* ---------------------------------------------------------------- SwiGLU: h = silu(g) * u */
-typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t vu __attribute__((vector_size(64), aligned(4)));
-
-/* n (<= LANES) values at base[off] as floats, lanes past n set to pad. */
-static inline vf vload(const void *base, int64_t off, int is_bf16, int64_t n, float pad) {
-    if (n == LANES) {
-        if (is_bf16) return (vf)(__builtin_convertvector(*(const vh *)((const uint16_t *)base + off), vu) << 16);
-        return *(const vf *)((const float *)base + off);
-    }
-    vf v = (vf){0} + pad;
-    if (is_bf16) {
-        const uint16_t *src = (const uint16_t *)base + off;
-        for (int64_t i = 0; i < n; i++) v[i] = bf16_to_f32(src[i]);
-    } else {
-        memcpy(&v, (const float *)base + off, (size_t)n * sizeof(float));
-    }
-    return v;
-}
-
-static inline void vstore(void *base, int64_t off, int is_bf16, vf v, int64_t n) {
-    if (is_bf16) {
-        vu x = (vu)v;
-        x += 0x7FFFu + ((x >> 16) & 1u); /* round to nearest even */
-        vh r = __builtin_convertvector(x >> 16, vh);
-        if (n == LANES) {
-            *(vh *)((uint16_t *)base + off) = r;
-        } else {
-            memcpy((uint16_t *)base + off, &r, (size_t)n * sizeof(uint16_t));
-        }
-    } else if (n == LANES) {
-        *(vf *)((float *)base + off) = v;
-    } else {
-        memcpy((float *)base + off, &v, (size_t)n * sizeof(float));
-    }
-}
-
 static inline vf vsigmoid(vf g) { /* 1 / (1 + exp(-g)), via exp(-|g|) <= 1 */
     const vi neg = g < 0.0f;
     vf a = (vf)((vi)g & ~neg) - (vf)((vi)g & neg); /* |g| */

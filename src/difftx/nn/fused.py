@@ -68,14 +68,17 @@ def _map_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if (dtype == torch.bfloat16 and not FP32_MAPS_FOR_BF16) else _compute_dtype(dtype)
 
 
-def chunk_size(b: int, m: int, h: int, n_q: int, n_k: int, element_size: int = 4) -> int:
-    """Query rows per block: one head's rows x keys of one map in about SLICE_BYTES, the whole block
-    (b x m x h heads) in at most BLOCK_BYTES, a multiple of MIN_CHUNK and at least that.
+def chunk_size(b: int, m: int, h: int, n_q: int, n_k: int, element_size: int = 4, slices: bool = True) -> int:
+    """Query rows per block: one head's rows x keys of one map in about SLICE_BYTES (unless not
+    ``slices``), the whole block (b x m x h heads) in at most BLOCK_BYTES, a multiple of MIN_CHUNK
+    and at least that.
 
     ``element_size`` is the maps' (2 for bf16 maps, 4 for fp32): bf16 blocks get twice the rows.
     """
     row = n_k * element_size
-    c = min(SLICE_BYTES // max(1, row), BLOCK_BYTES // max(1, b * m * h * row))
+    c = BLOCK_BYTES // max(1, b * m * h * row)
+    if slices:
+        c = min(c, SLICE_BYTES // max(1, row))
     c = max(MIN_CHUNK, (c // MIN_CHUNK) * MIN_CHUNK)
     return min(n_q, c)
 
@@ -196,8 +199,10 @@ class _Blocks:
         self._zero = _zero(q)
         # Causal without padding: key columns [q_start + i0, ke) of a block form a square whose
         # strict upper triangle is masked; adding -inf there is ~8x cheaper than masked_fill_.
+        # The native kernels skip those columns themselves and need no triangle.
+        self.plain_causal = mask.causal and mask.key_valid is None
         self._tri = None
-        if mask.causal and mask.key_valid is None:
+        if self.plain_causal and not self.native:
             c = min(chunk, n)
             self._tri = torch.full((c, c), float("-inf"), dtype=self.md, device=dev).triu_(1)
 
@@ -239,7 +244,7 @@ class _Blocks:
             s.copy_(low)
         else:
             torch.baddbmm(self._zero, qc, kt, beta=0, alpha=self.scale, out=s)
-        if self._tri is None:
+        if not self.plain_causal:
             allowed = _block_mask(self.mask, i0, i1, ke, qc.device)
             if allowed is not None:
                 s.view(b, m, hk, rep, c, ke).masked_fill_(~allowed, float("-inf"))
@@ -261,7 +266,7 @@ class _Blocks:
 
     def _diag0(self, i0: int) -> int:
         """The native kernels' causal offset: the block's first query among the keys, or -1 (none)."""
-        return self.mask.q_start + i0 if self._tri is not None else -1
+        return self.mask.q_start + i0 if self.plain_causal else -1
 
     def maps(self, qc: torch.Tensor, kk: torch.Tensor, i0: int, i1: int, ke: int, lam_c, want_p: bool):
         """(probs or None, combined map) of the block: :meth:`probs` and :meth:`combine` in one native pass
@@ -422,7 +427,11 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
         raise ValueError("fused_attention takes one map without lambda or two maps with lambda")
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, lam))
     if chunk is None:
-        chunk = chunk_size(b, m, h, n, min(k.shape[3], mask.n_k), _map_dtype(q.dtype).itemsize)
+        # Reduced-precision inference takes blocks as large as BLOCK_BYTES allows (at the small
+        # preset's prefill, 4 x 512 tokens: one block): fewer K/V prefix copies and Python steps,
+        # which do not parallelise (docs/performance.md, "Prefill blocks").
+        es = _map_dtype(q.dtype).itemsize
+        chunk = chunk_size(b, m, h, n, min(k.shape[3], mask.n_k), es, slices=needs_grad or es >= 4)
     with _no_autocast(q.device.type):
         if not needs_grad and n <= SMALL_QUERY:
             return _few_queries(q, k, v, lam, mask, scale)
