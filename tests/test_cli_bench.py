@@ -29,6 +29,9 @@ def test_bench_quick_writes_json_and_table(cli, tmp_path):
     assert row["train"]["tokens_per_s"] > 0 and 0 < row["train"]["share_of_matmul_peak"] < 1
     assert row["memory"]["total_bytes"] > row["memory"]["state_bytes"] > 0
     assert res["matmul_peak_flops"]["bf16"] > 0
+    assert len(res["matmul_peak_by_repeat"]["bf16"]) == res["bench_config"]["repeats"]  # one per training repeat
+    assert res["matmul_peak_flops"]["bf16"] >= max(res["matmul_peak_by_repeat"]["bf16"])  # the run's best
+    assert 0 < row["train"]["share_of_run_peak"] <= 1
     if "hf-llama" in arms:  # transformers installed: the peers' ratios are there too
         for key in PEER_KEYS:
             assert res["ratios"][key] > 0
@@ -98,3 +101,14 @@ def test_speed_ratio_pairs_the_repeats():
     ratios = _ratios(arms, "fp32", spread)
     assert ratios["diff_over_transformer_train"] == pytest.approx(1 / 1.1)
     assert spread["diff_over_transformer_train"] == pytest.approx([1 / 3.3, 1 / 1.1])
+
+
+def test_share_of_peak_is_paired_with_each_repeats_peak():
+    """A VM whose matmul speed halves mid-run: the step and the peak slow down together, so the paired
+    share stays put where a share against the run's best peak would halve."""
+    from difftx.benchmarking.speed import _speed
+
+    times, peaks = [1.0, 2.0, 2.0], [100.0, 50.0, 50.0]  # FLOP/s: 50 then 25, 25
+    s = _speed(times, tokens=10, flops_per_tok=5, peak=100.0, round_peaks=peaks)
+    assert s["share_of_matmul_peak"] == pytest.approx(0.5)
+    assert _speed(times, 10, 5, 100.0)["share_of_matmul_peak"] == pytest.approx(0.25)  # median step vs best peak

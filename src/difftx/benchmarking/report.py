@@ -22,7 +22,8 @@ def markdown(results: dict) -> str:
     for dt in bc["dtypes"]:
         peak = results["matmul_peak_flops"][dt]
         lines += [f"## {dt}" + (" (autocast)" if dt == "bf16" else ""),
-                  "", f"Matmul peak measured in this run: {peak / 1e9:.1f} GFLOP/s.", "",
+                  "", f"Matmul peak measured in this run: {peak / 1e9:.1f} GFLOP/s (best)"
+                  + _repeat_peaks(results, dt) + ".", "",
                   "| arm | params | train tok/s | x | prefill tok/s | x | decode tok/s | x | "
                   "train memory MB | x | KV B/token | train % peak |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -56,6 +57,14 @@ def markdown(results: dict) -> str:
               "parameters + optimiser state + the step's peak of live tensor bytes "
               f"({_memory_method(results)}).  FLOPs per token from `difftx.accounting.flops_per_token`.", ""]
     return "\n".join(lines)
+
+
+def _repeat_peaks(results: dict, dt: str) -> str:
+    peaks = results.get("matmul_peak_by_repeat", {}).get(dt)
+    if not peaks:
+        return ""
+    return (f"; {min(peaks) / 1e9:.0f}-{max(peaks) / 1e9:.0f} at the start of the training repeats, "
+            "which the train % peak column is paired with")
 
 
 def _memory_method(results: dict) -> str:

@@ -16,7 +16,9 @@ the median over repeats of the two arms' times in that repeat (:func:`speed_rati
 range over the repeats in ``ratio_spread_by_dtype``.  Achieved FLOP/s
 use :func:`difftx.accounting.flops_per_token` (DIFF counted as the standard formulation,
 1.5x the Transformer's attention FLOPs) and are compared to the matmul peak measured in the
-same run.  Peak training memory on the CPU is the high-water mark of live tensor bytes
+same run: for training, the peak measured again at the start of each repeat (the share is the
+median over repeats of step FLOP/s over that repeat's peak); ``share_of_run_peak`` is against
+the best peak of the whole run.  Peak training memory on the CPU is the high-water mark of live tensor bytes
 recorded by ``torch.profiler`` over one step, plus the parameters, gradients-to-be and
 optimiser state already held (on CUDA: ``torch.cuda.max_memory_allocated``).
 """
@@ -254,13 +256,17 @@ def peak_train_memory(arm: Arm, x, y, dtype: str, device) -> dict:
     return {"state_bytes": state, "step_bytes": step, "total_bytes": state + step, "method": method}
 
 
-def _interleaved(arms: list, repeats: int, warmup: int, run: Callable, timer) -> dict:
-    """{arm name: [seconds, ...]}: warmup each, then repeats in rotating order (A B C, B C A, ...)."""
+def _interleaved(arms: list, repeats: int, warmup: int, run: Callable, timer,
+                 before_repeat: Optional[Callable[[], None]] = None) -> dict:
+    """{arm name: [seconds, ...]}: warmup each, then repeats in rotating order (A B C, B C A, ...);
+    ``before_repeat`` runs at the start of every repeat."""
     for arm in arms:
         for _ in range(warmup):
             run(arm)
     times = {arm.name: [] for arm in arms}
     for r in range(repeats):
+        if before_repeat is not None:
+            before_repeat()
         order = arms[r % len(arms):] + arms[: r % len(arms)]
         for arm in order:
             t0 = timer()
@@ -300,10 +306,13 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
             arm.model.train()
         if "train" in bc.phases:
             log(f"  [{dt}] train ...")
-            times = _interleaved(arms, bc.repeats, bc.warmup, lambda a: _train_step(a, x, y, dt, device), timer)
+            round_peaks: list = []  # the matmul peak again before every repeat: the share is paired with it
+            times = _interleaved(arms, bc.repeats, bc.warmup, lambda a: _train_step(a, x, y, dt, device), timer,
+                                 lambda: round_peaks.append(matmul_peak(DTYPES[dt], device, repeats=2, timer=timer)))
+            results.setdefault("matmul_peak_by_repeat", {})[dt] = round_peaks
             for arm in arms:
                 fpt = flops_per_token(arm.cfg, n, causal=True, training=True)
-                rows[arm.name]["train"] = _speed(times[arm.name], b * n, fpt, peaks[dt])
+                rows[arm.name]["train"] = _speed(times[arm.name], b * n, fpt, peaks[dt], round_peaks)
             if bc.memory:
                 for arm in arms:
                     rows[arm.name]["memory"] = peak_train_memory(arm, x, y, dt, device)
@@ -332,13 +341,16 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
                 rows[arm.name]["decode"]["kv_bytes_per_token"] = kv[arm.name]
                 rows[arm.name]["decode"]["kv_bytes_per_token_accounting"] = kv_cache_bytes_per_token(
                     arm.cfg, 2 if dt == "bf16" else 4)
-    for dt in bc.dtypes:  # the peak again at the end (the best of both): load on a shared machine drifts
-        peaks[dt] = max(peaks[dt], matmul_peak(DTYPES[dt], device, timer=timer))
+    for dt in bc.dtypes:  # the peak again at the end (the best of all): load on a shared machine drifts
+        peaks[dt] = max([peaks[dt], matmul_peak(DTYPES[dt], device, timer=timer)]
+                        + results.get("matmul_peak_by_repeat", {}).get(dt, []))
         log(f"  matmul peak {dt}: {peaks[dt] / 1e9:.1f} GFLOP/s")
         for arm in arms:
             for speed in results["arms"][arm.name]["by_dtype"][dt].values():
                 if "achieved_flops" in speed:
-                    speed["share_of_matmul_peak"] = speed["achieved_flops"] / peaks[dt]
+                    speed["share_of_run_peak"] = speed["achieved_flops"] / peaks[dt]
+                    if "share_of_matmul_peak" not in speed:  # phases without a peak per repeat
+                        speed["share_of_matmul_peak"] = speed["share_of_run_peak"]
     results["ratio_spread_by_dtype"] = {dt: {} for dt in bc.dtypes}
     results["ratios_by_dtype"] = {dt: _ratios(results["arms"], dt, results["ratio_spread_by_dtype"][dt])
                                   for dt in bc.dtypes}
@@ -348,11 +360,22 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
     return results
 
 
-def _speed(times: list, tokens: int, flops_per_tok: int, peak: float) -> dict:
+def _speed(times: list, tokens: int, flops_per_tok: int, peak: float, round_peaks: Optional[list] = None) -> dict:
+    """Speed of one arm in one phase.  With ``round_peaks`` (the matmul peak measured at the start of
+    each repeat), ``share_of_matmul_peak`` is the median over repeats of that repeat's FLOP/s over
+    its own peak: the VM's matmul speed drifts within a run, and a step is compared with the peak
+    of the same minute.  Otherwise (and as ``share_of_run_peak``, filled in at the end) it is
+    against the best peak of the whole run."""
     med = statistics.median(times)
     tps = tokens / med
-    return {"seconds_median": med, "seconds": times, "tokens_per_s": tps, "flops_per_token": flops_per_tok,
-            "achieved_flops": tps * flops_per_tok, "share_of_matmul_peak": tps * flops_per_tok / peak}
+    out = {"seconds_median": med, "seconds": times, "tokens_per_s": tps, "flops_per_token": flops_per_tok,
+           "achieved_flops": tps * flops_per_tok}
+    if round_peaks and len(round_peaks) == len(times):
+        out["share_of_matmul_peak"] = statistics.median(
+            tokens * flops_per_tok / (t * pk) for t, pk in zip(times, round_peaks))
+    else:
+        out["share_of_matmul_peak"] = tps * flops_per_tok / peak
+    return out
 
 
 def speed_ratio(seconds_a: list, seconds_b: list) -> float:
