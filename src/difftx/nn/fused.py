@@ -429,7 +429,7 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
     if chunk is None:
         # Reduced-precision inference takes blocks as large as BLOCK_BYTES allows (at the small
         # preset's prefill, 4 x 512 tokens: one block): fewer K/V prefix copies and Python steps,
-        # which do not parallelise (docs/performance.md, "Prefill blocks").
+        # which do not parallelise (docs/performance.md, "Inference blocks").
         es = _map_dtype(q.dtype).itemsize
         chunk = chunk_size(b, m, h, n, min(k.shape[3], mask.n_k), es, slices=needs_grad or es >= 4)
     with _no_autocast(q.device.type):
