@@ -26,18 +26,24 @@ def test_bench_quick_writes_json_and_table(cli, tmp_path):
     base = arms["transformer"]["params"]
     assert all(abs(a["params"] - base) / base < 0.01 for a in arms.values())
     row = arms["diff"]["by_dtype"]["bf16"]
-    assert row["train"]["tokens_per_s"] > 0 and 0 < row["train"]["share_of_matmul_peak"] < 1
+    assert row["train"]["tokens_per_s"] > 0 and row["train"]["share_of_matmul_peak"] > 0
+    if res["environment"]["native_bf16_matmul"]:  # without bf16 hardware the bf16 "peak" is a slow fallback kernel's
+        assert row["train"]["share_of_matmul_peak"] < 1
     assert row["memory"]["total_bytes"] > row["memory"]["state_bytes"] > 0
     assert res["matmul_peak_flops"]["bf16"] > 0
     assert len(res["matmul_peak_by_repeat"]["bf16"]) == res["bench_config"]["repeats"]  # one per training repeat
     assert res["matmul_peak_flops"]["bf16"] >= max(res["matmul_peak_by_repeat"]["bf16"])  # the run's best
-    assert 0 < row["train"]["share_of_run_peak"] <= 1
+    assert 0 < row["train"]["share_of_run_peak"] <= (1 if res["environment"]["native_bf16_matmul"] else float("inf"))
     if "hf-llama" in arms:  # transformers installed: the peers' ratios are there too
         for key in PEER_KEYS:
             assert res["ratios"][key] > 0
         assert abs(arms["hf-diffllama"]["params"] - arms["diff"]["params"]) / base < 0.01
     table = (tmp_path / "bench.md").read_text()
     assert "| diff |" in table and "diff_over_transformer_train" in table
+    from difftx.runtime import native_bf16_matmul
+
+    # bf16 asked for on a CPU without bf16 matmul hardware (~100x slower than fp32 there): said once
+    assert ("no bf16 matrix hardware" in r.stderr) == (not native_bf16_matmul("cpu"))
     assert "| diff |" in r.stdout
 
 
@@ -112,3 +118,41 @@ def test_share_of_peak_is_paired_with_each_repeats_peak():
     s = _speed(times, tokens=10, flops_per_tok=5, peak=100.0, round_peaks=peaks)
     assert s["share_of_matmul_peak"] == pytest.approx(0.5)
     assert _speed(times, 10, 5, 100.0)["share_of_matmul_peak"] == pytest.approx(0.25)  # median step vs best peak
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bench_auto_dtypes_follow_the_bf16_hardware(monkeypatch, native):
+    """``auto`` (the default) benchmarks bf16 only where matmuls run it in hardware; named dtypes stay."""
+    import torch
+
+    from difftx.benchmarking import speed
+
+    monkeypatch.setattr(speed, "native_bf16_matmul", lambda device: native)
+    cpu = torch.device("cpu")
+    assert speed.resolve_dtypes(["auto"], cpu) == (["fp32", "bf16"] if native else ["fp32"])
+    assert speed.resolve_dtypes(["bf16", "auto"], cpu) == (["bf16", "fp32"])
+    assert speed.resolve_dtypes(["fp32", "fp32"], cpu) == ["fp32"]
+    assert speed.BenchConfig().dtypes == ["auto"]
+
+
+def test_matmul_peak_size_stops_growing_when_a_matmul_gets_slow():
+    """The peak's matmul grows from 256 by doubling while 8x one matmul fits the budget (a fake clock)."""
+    import torch
+
+    from difftx.benchmarking.speed import PEAK_BUDGET_S, matmul_peak
+
+    def clock(step):
+        t = [0.0]
+
+        def now():
+            t[0] += step  # one matmul between two readings: it "takes" step seconds
+            return t[0]
+        return now
+
+    slow = 1.0  # every matmul "takes" 1 s: 8 s > the budget, so the 256 matmul is the measure
+    assert 8 * slow > PEAK_BUDGET_S
+    assert matmul_peak(torch.float32, torch.device("cpu"), n=1024, repeats=2, timer=clock(slow)) \
+        == pytest.approx(2 * 256 ** 3 / slow)
+    fast = 1e-4  # fits: it grows to n
+    assert matmul_peak(torch.float32, torch.device("cpu"), n=1024, repeats=2, timer=clock(fast)) \
+        == pytest.approx(2 * 1024 ** 3 / fast)

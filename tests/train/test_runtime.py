@@ -19,6 +19,9 @@ def test_autocast_choice():
     assert autocast_dtype("fp32", cpu) is None and autocast_dtype("bf16", cpu) == torch.bfloat16
     native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
     assert autocast_dtype("auto", cpu) == (torch.bfloat16 if native else None)
+    from difftx.runtime import native_bf16_matmul
+
+    assert native_bf16_matmul(cpu) == native
 
 
 def test_cpu_bf16_training_uses_eager_attention_for_short_sequences():
@@ -44,6 +47,20 @@ def test_bf16_training_runs_and_learns(tmp_path, corpus, cache, attention):
     assert [r["step"] for r in diag] == [6, 12] and len(diag[0]["layer_grad_norms"]) == 2
     assert len(diag[0]["lambdas"]) == (0 if attention == "softmax" else 2)
     assert difftx.load_model(tmp_path / "run").parameters().__next__().dtype == torch.float32
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_explicit_bf16_on_a_cpu_without_bf16_hardware_is_warned(tmp_path, corpus, cache, capsys, monkeypatch, native):
+    """``--dtype bf16`` where bf16 matmuls have no hardware (~100x slower than fp32) says so, once; fp32 never does."""
+    from difftx.train import run as run_mod
+    from difftx.train import train
+
+    monkeypatch.setattr(run_mod, "native_bf16_matmul", lambda device: native)
+    for dtype in ("bf16", "fp32"):
+        tcfg, mcfg = tiny(corpus, cache, dtype=dtype, steps=1, eval_every=0)
+        train(tcfg, mcfg, tmp_path / dtype, announce=lambda line: None)
+        err = capsys.readouterr().err
+        assert err.count("no bf16 matrix hardware") == (1 if (dtype == "bf16" and not native) else 0), err
 
 
 def test_sigterm_checkpoints_and_resume_is_exact(tmp_path, corpus, cache):

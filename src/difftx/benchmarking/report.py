@@ -21,9 +21,12 @@ def markdown(results: dict) -> str:
     arms = results["arms"]
     for dt in bc["dtypes"]:
         peak = results["matmul_peak_flops"][dt]
+        slow = dt == "bf16" and env.get("native_bf16_matmul") is False
         lines += [f"## {dt}" + (" (autocast)" if dt == "bf16" else ""),
                   "", f"Matmul peak measured in this run: {peak / 1e9:.1f} GFLOP/s (best)"
-                  + _repeat_peaks(results, dt) + ".", "",
+                  + _repeat_peaks(results, dt) + "."
+                  + (" This device has no bf16 matmul hardware: torch's fallback kernels differ by op, so the "
+                     "share of this peak means little." if slow else ""), "",
                   "| arm | params | train tok/s | x | prefill tok/s | x | decode tok/s | x | "
                   "train memory MB | x | KV B/token | train % peak |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

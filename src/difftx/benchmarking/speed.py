@@ -41,7 +41,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..models import build_model
 from ..optim import build_optimizer
-from ..runtime import keep_freed_memory
+from ..runtime import SLOW_BF16, keep_freed_memory, native_bf16_matmul
 from .memory import peak_live_bytes
 
 ARMS = {  # name -> ModelConfig.from_preset overrides (the matched twins of the preset)
@@ -63,7 +63,7 @@ class BenchConfig:
     batch_size: int = 4
     repeats: int = 5
     warmup: int = 1
-    dtypes: list = field(default_factory=lambda: ["fp32", "bf16"])
+    dtypes: list = field(default_factory=lambda: ["auto"])  # auto: fp32, and bf16 where matmuls run it natively
     arms: list = field(default_factory=lambda: list(ARMS))
     peers: bool = True
     phases: list = field(default_factory=lambda: list(PHASES))
@@ -82,9 +82,11 @@ class BenchConfig:
             raise ConfigError("arms", f"unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
         if "transformer" not in self.arms:
             raise ConfigError("arms", "the arms must include 'transformer' (every ratio is relative to it)")
-        bad = [d for d in self.dtypes if d not in DTYPES]
+        bad = [d for d in self.dtypes if d not in DTYPES and d != "auto"]
         if bad:
-            raise ConfigError("dtypes", f"unknown dtype(s) {', '.join(bad)}; choose from {', '.join(DTYPES)}")
+            raise ConfigError("dtypes", f"unknown dtype(s) {', '.join(bad)}; choose from auto, {', '.join(DTYPES)}")
+        if not self.dtypes:
+            raise ConfigError("dtypes", "give at least one of auto, " + ", ".join(DTYPES))
         bad = [p for p in self.phases if p not in PHASES]
         if bad:
             raise ConfigError("phases", f"unknown phase(s) {', '.join(bad)}; choose from {', '.join(PHASES)}")
@@ -96,6 +98,17 @@ class BenchConfig:
                                                f"is seq_len - decode_tokens tokens")
         if self.timer not in ("wall", "cpu"):
             raise ConfigError("timer", f"must be 'wall' or 'cpu', got {self.timer!r}")
+
+
+def resolve_dtypes(dtypes: list, device: torch.device) -> list:
+    """``auto`` -> fp32, plus bf16 where the device multiplies bf16 in hardware
+    (:func:`difftx.runtime.native_bf16_matmul`); explicit names stay, in order, once each."""
+    out: list = []
+    for d in dtypes:
+        for name in (["fp32"] + (["bf16"] if native_bf16_matmul(device) else [])) if d == "auto" else [d]:
+            if name not in out:
+                out.append(name)
+    return out
 
 
 QUICK = dict(preset="nano", seq_len=32, batch_size=2, repeats=1, warmup=1, decode_tokens=4, threads=1)
@@ -218,19 +231,35 @@ def _autocast(dtype: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=(dtype == "bf16"))
 
 
+PEAK_BUDGET_S = 0.5  # the peak's matmul size grows (x2) only while one matmul of the next size fits in this
+
+
 def matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048, repeats: int = 5,
                 timer: Optional[Callable[[], float]] = None) -> float:
-    """Best FLOP/s of an n x n x n matmul in ``dtype`` (the machine's practical matmul peak)."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    """Best FLOP/s of an n x n x n matmul in ``dtype`` (the machine's practical matmul peak).
+
+    The size starts at 256 and doubles up to ``n`` while one matmul of the next size is expected to take
+    under PEAK_BUDGET_S: on hardware without bf16 matmul units (:func:`difftx.runtime.native_bf16_matmul`)
+    a bf16 2048^3 matmul takes ~15 s instead of ~0.03, and the peak is then read at 512.
+    """
     timer = timer or _timer("wall", device)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
+    size, elapsed = 256, 0.0
+    while True:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        a @ b
+        t0 = timer()
+        a @ b
+        elapsed = timer() - t0
+        if size >= n or 8 * elapsed > PEAK_BUDGET_S:
+            break
+        size *= 2
+    best = elapsed
+    for _ in range(repeats - 1):
         t0 = timer()
         a @ b
         best = min(best, timer() - t0)
-    return 2 * n ** 3 / best
+    return 2 * size ** 3 / max(best, 1e-9)
 
 
 def _train_step(arm: Arm, x, y, dtype: str, device) -> None:
@@ -282,6 +311,9 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
     if bc.threads:
         torch.set_num_threads(bc.threads)
     device = torch.device(bc.device)
+    bc.dtypes = resolve_dtypes(bc.dtypes, device)
+    if "bf16" in bc.dtypes and not native_bf16_matmul(device):
+        log(f"difftx bench: warning: {SLOW_BF16}")
     timer = _timer(bc.timer, device)
     torch.manual_seed(bc.seed)
     arms = build_arms(bc, device)
@@ -445,6 +477,7 @@ def environment(device: torch.device) -> dict:
         pass
     env = {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "device": str(device),
+           "native_bf16_matmul": native_bf16_matmul(device),
            "command": " ".join(["difftx"] + sys.argv[1:]) if sys.argv and "difftx" in sys.argv[0] else None}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)

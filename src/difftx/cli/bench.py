@@ -28,7 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step (default: 4)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved timed repeats per arm (default: 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per arm before timing (default: 1)")
-    p.add_argument("--dtypes", default="fp32,bf16", help=f"comma list of {', '.join(DTYPES)} (bf16 = autocast)")
+    p.add_argument("--dtypes", default="auto",
+                   help=f"comma list of auto, {', '.join(DTYPES)} (bf16 = autocast; default auto: fp32, and bf16 "
+                        "where the CPU/GPU has bf16 matmul hardware)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
     p.add_argument("--no-peers", action="store_true", help="leave out transformers' Llama and DiffLlama")
@@ -101,7 +103,9 @@ def _long_context(args, bc, command: str) -> int:
     if args.quick:
         lengths = [64, 256]
     torch.set_num_threads(bc.threads or torch.get_num_threads())
-    result = attention_scaling(lengths, preset=bc.preset, dtype=bc.dtypes[-1],
+    from ..benchmarking.speed import resolve_dtypes
+
+    result = attention_scaling(lengths, preset=bc.preset, dtype=resolve_dtypes(bc.dtypes, torch.device(bc.device))[-1],
                                log=lambda s: print(s, file=sys.stderr))
     result["command"] = command
     out = Path(args.out)

@@ -174,6 +174,12 @@ def run(args) -> int:
         command = " ".join(["difftx compare", *(shlex.quote(a) for a in sys.argv[2:])])
     else:  # called as a function (tests, notebooks): the flags are not known verbatim
         command = "difftx compare" + (f" --out {shlex.quote(str(out))}" if args.out else "")
+    if study.dtype == "bf16" and not args.quiet:
+        from ..runtime import SLOW_BF16, native_bf16_matmul
+        from ..train.distributed import pick_device
+
+        if not native_bf16_matmul(pick_device(study.device)):
+            print(f"difftx compare: warning: {SLOW_BF16}", file=sys.stderr)
     try:
         res = run_study(study, out, force=args.force, resume=args.resume, command=command,
                         progress=not (args.no_progress or args.quiet))

@@ -26,7 +26,7 @@ from ..accounting import count_parameters
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..io import CHECKPOINTS_DIR, CONFIG_FILE, FORMAT_KEY, FORMAT_VERSION, atomic_write_text
-from ..runtime import keep_freed_memory
+from ..runtime import SLOW_BF16, keep_freed_memory, native_bf16_matmul
 from .checkpoint import read_json, remove_partial, resolve_resume
 from .config import RESUMABLE_CHANGES, TrainConfig
 from .distributed import init_world, resolve_parallel, shutdown_world
@@ -157,6 +157,8 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
         trainer = Trainer(mcfg, tcfg, domain, world, out, run_config, callbacks)
         if world.is_main and announce and not tcfg.threads and world.device.type == "cpu":
             _hint_busy_cpu()  # after every input check, so a bad input still gets exactly one line
+        if world.is_main and announce and trainer.dtype is not None and not native_bf16_matmul(world.device):
+            print(f"difftx train: warning: {SLOW_BF16}", file=sys.stderr)
         if world.is_main and announce:
             what = f"resuming from {resume_ckpt}" if resume_ckpt else "training"
             announce(f"difftx train: {what}: {mcfg.attention} attention, {mcfg.preset or 'custom'} "

@@ -35,6 +35,7 @@ import torch
 
 from ..errors import DifftxError
 from ..io import clean_state_dict
+from ..runtime import native_bf16_matmul
 from ..models import build_model
 from ..optim import build_optimizer, lr_at, set_lr
 from . import checkpoint as ckpt
@@ -55,11 +56,7 @@ def autocast_dtype(pref: str, device: torch.device) -> Optional[torch.dtype]:
         return None
     if pref == "bf16":
         return torch.bfloat16
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    cpu = getattr(torch, "cpu", None)
-    fast = any(getattr(cpu, f, lambda: False)() for f in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
-    return torch.bfloat16 if fast else None
+    return torch.bfloat16 if native_bf16_matmul(device) else None
 
 
 CPU_EAGER_MAX_SEQ = 256
