@@ -336,3 +336,31 @@ def test_rope_native_matches_float64_rotation(style, dtype, per_batch, five_d, m
     tol = 1e-6 if dtype == torch.float32 else 8e-3
     assert (y.double() - yr).abs().max() <= tol * yr.abs().max()
     assert (gx.double() - gxr).abs().max() <= tol * gxr.abs().max()
+
+
+WIDTH_FLAGS = {"8 lanes (AVX2 without AVX-512)": "-mno-avx512f", "4 lanes (SSE)": "-mno-avx"}
+
+
+@needs_native
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"), reason="x86 vector-width flags")
+@pytest.mark.parametrize("flags", list(WIDTH_FLAGS.values()), ids=list(WIDTH_FLAGS))
+def test_every_vector_width_computes_the_same(flags, tmp_path):
+    """The kernels' vector width follows the ISA (16, 8 or 4 floats): build the narrower ones here with
+    DIFFTX_NATIVE_CFLAGS and run the kernel-level tests against them, whatever this CPU is."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, DIFFTX_NATIVE_CFLAGS=flags, DIFFTX_CACHE_DIR=str(tmp_path))
+    probe = "from difftx.nn import native; print(native.status())"
+    status = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert status.stdout.startswith("on (") and str(tmp_path) in status.stdout, status.stdout + status.stderr
+    tests = ("softmax_combine_and_backward or rms_norm_native or native_equals_torch_path_fp32 "
+             "or swiglu or rope or decode")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-p", "no:cacheprovider", __file__, "-k", tests],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    import re
+
+    passed = re.search(r"(\d+) passed", r.stdout)
+    assert passed and int(passed.group(1)) >= 40 and "failed" not in r.stdout, r.stdout[-500:]

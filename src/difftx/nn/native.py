@@ -8,8 +8,9 @@ and sums are float32.  Loops run on torch's own OpenMP threads.
 
 It is built once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``;
 a few seconds) into ``$DIFFTX_CACHE_DIR`` (default ``~/.cache/difftx``), keyed by the source, the
-compiler and the CPU's features, and loaded with ctypes: no Python extension ABI, no build step at
-install time.  Without a compiler, off Linux, or with ``DIFFTX_NATIVE=0``, everything runs the
+compiler, its flags and the CPU's features, and loaded with ctypes: no Python extension ABI, no build
+step at install time.  Vectors are as wide as the CPU's registers (16 floats with AVX-512, 8 with
+AVX2, 4 elsewhere); ``$DIFFTX_NATIVE_CFLAGS`` adds compiler flags.  Without a compiler, off Linux, or with ``DIFFTX_NATIVE=0``, everything runs the
 pure-torch path (same results up to rounding; the native paths round less: e.g. the combined map
 once from float32 probabilities).  :func:`status` says which, and ``difftx bench`` records it.
 """
@@ -20,6 +21,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -67,10 +69,17 @@ def _compiler() -> Optional[str]:
     return None
 
 
+def _flags() -> list[str]:
+    """The compiler flags: _FLAGS, then ``$DIFFTX_NATIVE_CFLAGS`` (e.g. ``-mno-avx512f`` builds the 8-lane
+    AVX2 kernels on an AVX-512 CPU, ``-mno-avx`` the 4-lane ones; the tests build each width this way)."""
+    return _FLAGS + shlex.split(os.environ.get("DIFFTX_NATIVE_CFLAGS", ""))
+
+
 def _build(cc: str) -> Path:
     source = _SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
+    flags = _flags()
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
                                      _cpu_features().encode(), platform.machine().encode()])).hexdigest()[:16]
     out_dir = _cache_dir()
     target = out_dir / f"cpu_kernels-{key}.so"
@@ -80,7 +89,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
