@@ -243,7 +243,11 @@ def test_variant_choice():
         assert resolve("auto", q) == "fused"  # training on the CPU
         assert resolve("auto", q, dropout_p=0.1) == "sdpa"
         with torch.no_grad():
-            assert resolve("auto", q) == "sdpa"  # inference: the flash forward
+            assert resolve("auto", q) == "sdpa"  # a decoding step (2 queries): the flash forward
+            prompt = torch.zeros(1, 1, 8, 2)
+            assert resolve("auto", prompt) == "fused"  # an fp32 prompt: fused
+            assert resolve("auto", prompt.bfloat16()) == "sdpa"  # reduced precision: CPU flash
+            assert resolve("auto", prompt, dropout_p=0.1) == "sdpa"
         assert resolve("fused", q.detach()) == "fused"
         with pytest.raises(ValueError):
             resolve("bogus", q)

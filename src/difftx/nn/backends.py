@@ -129,34 +129,42 @@ def resolve_diff_variant(variant: str, device: torch.device, dropout_p: float = 
     return "fused" if device.type == "cpu" else "2call"
 
 
-def resolve_softmax_variant(variant: str, q: torch.Tensor, dropout_p: float = 0.0) -> str:
-    """Softmax attention: ``sdpa`` or ``fused`` (the one-map case of the fused kernel).
+FUSED_INFERENCE_MIN_QUERIES = 5  # fp32 inference with fewer queries (decoding steps) keeps CPU flash
 
-    ``auto`` takes ``fused`` only where it was measured faster: training on the CPU, whose flash
-    backward is slow (a layer's forward + backward 5% faster in fp32, 10% in bf16); the CPU flash
-    forward wins for inference, and CUDA keeps SDPA.
-    """
+
+def _cpu_fused_wins(q: torch.Tensor, dropout_p: float) -> bool:
+    """Where the fused kernel beats SDPA for softmax attention and DIFF V2 (``auto``), as measured on the
+    CPU (docs/performance.md): training in every dtype (CPU flash's backward is slow: a layer's
+    forward + backward 5% faster in fp32, 10% in bf16), and fp32/fp64 inference over a prompt (small
+    preset, 4 x 512: prefill 5% faster for softmax and 10% for V2 on an AVX2 EPYC; on par on the AMX
+    Xeon).  CPU flash keeps reduced-precision inference, where its bf16 kernel won, and decoding steps
+    (it reads K once; the fused kernel would stack K for V2's two maps).  CUDA keeps SDPA."""
+    if dropout_p > 0 or q.device.type != "cpu":
+        return False
+    if torch.is_grad_enabled() and q.requires_grad:
+        return True
+    return q.dtype in (torch.float32, torch.float64) and q.shape[-2] >= FUSED_INFERENCE_MIN_QUERIES
+
+
+def resolve_softmax_variant(variant: str, q: torch.Tensor, dropout_p: float = 0.0) -> str:
+    """Softmax attention: ``sdpa`` or ``fused`` (the one-map case of the fused kernel); ``auto``:
+    fused where it was measured faster (:func:`_cpu_fused_wins`)."""
     if variant in ("fused", "sdpa"):
         return variant
     if variant not in ("auto", "2call", "4call"):
         raise ValueError(f"unknown softmax attention variant {variant!r}; one of auto, fused, sdpa")
-    if dropout_p > 0 or q.device.type != "cpu" or not (torch.is_grad_enabled() and q.requires_grad):
-        return "sdpa"
-    return "fused"
+    return "fused" if _cpu_fused_wins(q, dropout_p) else "sdpa"
 
 
 def resolve_v2_variant(variant: str, q: torch.Tensor, dropout_p: float = 0.0) -> str:
     """DIFF V2: ``fused`` (the per-token lambda combines the two maps before one d-wide value
-    product) or ``sdpa`` (one call over the 2h query heads, then the combine).  ``auto``: fused for
-    training on the CPU; SDPA's flash forward wins for inference (its decoding reads K once, where
-    the fused kernel would stack K for both maps)."""
+    product) or ``sdpa`` (one call over the 2h query heads, then the combine); ``auto``: fused where
+    it was measured faster (:func:`_cpu_fused_wins`)."""
     if variant in ("fused", "sdpa"):
         return variant
     if variant not in ("auto", "2call", "4call"):
         raise ValueError(f"unknown DIFF V2 variant {variant!r}; one of auto, fused, sdpa")
-    if dropout_p > 0 or q.device.type != "cpu" or not (torch.is_grad_enabled() and q.requires_grad):
-        return "sdpa"
-    return "fused"
+    return "fused" if _cpu_fused_wins(q, dropout_p) else "sdpa"
 
 
 def fused_attention(q, k, v, mask: AttnMask, scale: float, lam: Optional[torch.Tensor] = None) -> torch.Tensor:
