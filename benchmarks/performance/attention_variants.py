@@ -1,7 +1,7 @@
 """The candidate formulations of differential attention, timed side by side at one layer's shapes.
 
     python benchmarks/attention_variants.py [--preset small] [--batch 4] [--seq-len 512]
-        [--dtypes fp32,bf16] [--repeats 10] [--threads N] [--timer wall|cpu] [--flex] [--out FILE.json]
+        [--dtypes auto|fp32,bf16] [--repeats 10] [--threads N] [--timer wall|cpu] [--flex] [--out FILE.json]
 
 Every row is one DIFF layer's attention (the preset's DIFF twin: h heads, Q1/Q2/K1/K2 of d, V of 2d)
 against the Transformer twin's attention (2h heads of d through SDPA) as the reference ("x" = its
@@ -164,7 +164,8 @@ def main():
     p.add_argument("--preset", default="small")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--dtypes", default="auto", help="comma list of fp32, bf16 or auto (default: fp32, and bf16 "
+                                                     "where the CPU has bf16 matmul hardware)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int)
     p.add_argument("--timer", choices=["wall", "cpu"], default="wall")
@@ -176,7 +177,9 @@ def main():
     cfg = ModelConfig.from_preset(args.preset, attention="diff")
     auto = chunk_size(args.batch, 2, cfg.n_heads, args.seq_len, args.seq_len)
     rows = []
-    for dt in args.dtypes.split(","):
+    from difftx.benchmarking.speed import resolve_dtypes
+
+    for dt in resolve_dtypes(args.dtypes.split(","), torch.device("cpu")):
         rows += measure(args, dt)
     print(f"# DIFF attention formulations: preset {args.preset} DIFF twin, batch {args.batch} x {args.seq_len}, "
           f"{torch.get_num_threads()} threads, {args.timer} time, median of {args.repeats} (fused cauto = "

@@ -9,6 +9,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 export PYTHONPATH="$HERE/../../src${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
 python -m difftx bench --out "$OUT" "$@"
-python -m difftx bench --long-context --out "$OUT" --dtypes bf16 "$@"
+python -m difftx bench --long-context --out "$OUT" "$@"   # bf16 where the CPU has bf16 hardware, else fp32
 python "$HERE/attention_variants.py" --out "$OUT/attention_variants.json" | tee "$OUT/attention_variants.md"
+python "$HERE/native_kernels.py" --threads 1 | tee "$OUT/native_kernels.md"
 echo "results in $OUT"
