@@ -380,14 +380,22 @@ class ModelConfig:
             extra = cfg.d_model * cfg.n_heads * cfg.head_dim + cfg.d_model * cfg.n_heads  # q2 rows + lambda_proj
             per_unit = (3 if cfg.ffn == "swiglu" else 2) * cfg.d_model + (0 if cfg.ffn == "swiglu" or not cfg.bias else 1)
             exact = max(1, cfg.ffn_dim - int(round(extra / per_unit)))
-            cfg = cfg.replace(ffn_dim=exact)
             from .accounting import count_parameters
 
+            # V2 minus its baseline, per layer: the extra query rows and lambda_proj, less the FFN's shrink
+            # (exactly: each FFN unit is 3 (SwiGLU) or 2 weight rows of d_model, plus its biases).
+            q_rows = cfg.n_heads * cfg.head_dim
+            unit = (3 if cfg.ffn == "swiglu" else 2) * cfg.d_model + ((2 if cfg.ffn == "swiglu" else 1) if cfg.bias else 0)
             target = count_parameters(base)
+
+            def off(width: int) -> int:
+                return cfg.n_layers * (q_rows * (cfg.d_model + int(cfg.bias)) + cfg.d_model * cfg.n_heads
+                                       - (base.ffn_dim - width) * unit)
+
             lo = exact - exact % GEMM_MULTIPLE
-            for width in sorted((lo, lo + GEMM_MULTIPLE), key=lambda w: abs(w - exact)):
-                if width > 0 and abs(count_parameters(cfg.replace(ffn_dim=width)) - target) <= TWIN_TOLERANCE * target:
-                    return cfg.replace(ffn_dim=width)
+            choices = [w for w in sorted((lo, lo + GEMM_MULTIPLE), key=lambda w: abs(w - exact)) if w > 0]
+            fits = [w for w in choices if abs(off(w)) <= TWIN_TOLERANCE * target]
+            cfg = cfg.replace(ffn_dim=fits[0] if fits else exact)
         return cfg
 
     # ------------------------------------------------------------------ presets

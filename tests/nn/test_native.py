@@ -348,6 +348,7 @@ def test_every_vector_width_computes_the_same(flags, tmp_path):
     """The kernels' vector width follows the ISA (16, 8 or 4 floats): build the narrower ones here with
     DIFFTX_NATIVE_CFLAGS and run the kernel-level tests against them, whatever this CPU is."""
     import os
+    import re
     import subprocess
     import sys
 
@@ -360,7 +361,5 @@ def test_every_vector_width_computes_the_same(flags, tmp_path):
     r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-p", "no:cacheprovider", __file__, "-k", tests],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    import re
-
     passed = re.search(r"(\d+) passed", r.stdout)
     assert passed and int(passed.group(1)) >= 40 and "failed" not in r.stdout, r.stdout[-500:]

@@ -35,9 +35,9 @@ import torch
 
 from ..errors import DifftxError
 from ..io import clean_state_dict
-from ..runtime import native_bf16_matmul
 from ..models import build_model
 from ..optim import build_optimizer, lr_at, set_lr
+from ..runtime import native_bf16_matmul
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .distributed import (World, full_tensor, gathered_params, parallelize, reshard, resolve_parallel,
