@@ -41,7 +41,8 @@ ENV = "DIFFTX_KEEP_FREED_MEMORY"
 _applied: bool | None = None
 
 SLOW_BF16 = ("this CPU has no bf16 matrix hardware (AMX or AVX512-BF16): torch runs bf16 matmuls about 100x "
-             "slower than fp32 here; use fp32 (--dtype auto or fp32) unless you are testing bf16 numerics")
+             "slower than fp32 here; the default precision, auto, uses fp32 on it: ask for bf16 only to test "
+             "bf16 numerics")
 
 
 def native_bf16_matmul(device) -> bool:
