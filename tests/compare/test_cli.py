@@ -133,3 +133,17 @@ def test_lr_sweep_picks_each_arms_best_lr_and_reuses_its_run(compare, corpus, tm
         assert sweep["chosen"][arm] == best["lr"]
     assert "## Learning-rate sweep" in (out / "report.md").read_text()
     assert (out / "lr_sweep.png").exists()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_without_bf16_hardware_is_warned(compare, tmp_path, monkeypatch, native):
+    """``--dtype bf16`` on a CPU without bf16 matmul hardware says so in one line before the study runs."""
+    import difftx.compare as compare_pkg
+    import difftx.runtime as runtime
+
+    monkeypatch.setattr(runtime, "native_bf16_matmul", lambda device: native)
+    monkeypatch.setattr(compare_pkg, "run_study", lambda *a, **kw: None)  # the study itself is not the point
+    for dtype in ("bf16", "fp32"):
+        p = compare("--out", tmp_path / dtype, "--dtype", dtype)
+        assert p.returncode == 0, p.stderr
+        assert p.stderr.count("no bf16 matrix hardware") == (1 if (dtype == "bf16" and not native) else 0)
