@@ -177,7 +177,7 @@ def main():
     cfg = ModelConfig.from_preset(args.preset, attention="diff")
     auto = chunk_size(args.batch, 2, cfg.n_heads, args.seq_len, args.seq_len)
     rows = []
-    from difftx.benchmarking.speed import resolve_dtypes
+    from difftx.benchmarking import resolve_dtypes
 
     for dt in resolve_dtypes(args.dtypes.split(","), torch.device("cpu")):
         rows += measure(args, dt)

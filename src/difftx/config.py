@@ -385,7 +385,8 @@ class ModelConfig:
             # V2 minus its baseline, per layer: the extra query rows and lambda_proj, less the FFN's shrink
             # (exactly: each FFN unit is 3 (SwiGLU) or 2 weight rows of d_model, plus its biases).
             q_rows = cfg.n_heads * cfg.head_dim
-            unit = (3 if cfg.ffn == "swiglu" else 2) * cfg.d_model + ((2 if cfg.ffn == "swiglu" else 1) if cfg.bias else 0)
+            mats = 3 if cfg.ffn == "swiglu" else 2  # weight rows of d_model per FFN unit
+            unit = mats * cfg.d_model + (mats - 1 if cfg.bias else 0)  # + the biases inside the FFN
             target = count_parameters(base)
 
             def off(width: int) -> int:

@@ -8,7 +8,7 @@
 
 from .memory import peak_live_bytes
 from .report import markdown, write_results
-from .speed import ARMS, DTYPES, PEERS, PHASES, QUICK, BenchConfig, run_bench
+from .speed import ARMS, DTYPES, PEERS, PHASES, QUICK, BenchConfig, resolve_dtypes, run_bench
 
-__all__ = ["ARMS", "DTYPES", "PEERS", "PHASES", "QUICK", "BenchConfig", "run_bench", "markdown",
+__all__ = ["ARMS", "DTYPES", "PEERS", "PHASES", "QUICK", "BenchConfig", "resolve_dtypes", "run_bench", "markdown",
            "write_results", "peak_live_bytes"]

@@ -243,7 +243,7 @@ def matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048, repeats
     a bf16 2048^3 matmul takes ~15 s instead of ~0.03, and the peak is then read at 512.
     """
     timer = timer or _timer("wall", device)
-    size, elapsed = 256, 0.0
+    size = 256
     while True:
         a = torch.randn(size, size, device=device).to(dtype)
         b = torch.randn(size, size, device=device).to(dtype)

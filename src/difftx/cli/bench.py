@@ -103,10 +103,10 @@ def _long_context(args, bc, command: str) -> int:
     if args.quick:
         lengths = [64, 256]
     torch.set_num_threads(bc.threads or torch.get_num_threads())
-    from ..benchmarking.speed import resolve_dtypes
+    from ..benchmarking import resolve_dtypes
 
-    result = attention_scaling(lengths, preset=bc.preset, dtype=resolve_dtypes(bc.dtypes, torch.device(bc.device))[-1],
-                               log=lambda s: print(s, file=sys.stderr))
+    dtype = resolve_dtypes(bc.dtypes, torch.device(bc.device))[-1]  # auto: bf16 where native, else fp32
+    result = attention_scaling(lengths, preset=bc.preset, dtype=dtype, log=lambda s: print(s, file=sys.stderr))
     result["command"] = command
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
