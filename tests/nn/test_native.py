@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from difftx.nn import fused, native
+from difftx.nn.mask import AttnMask
 
 from .test_fast_paths import _kernel_case
 
@@ -66,10 +67,10 @@ def _attention_case(dtype, m, hk, padded, q_start, lam_kind, n=70, seed=1):
     return (q, k, v, lam), mask
 
 
-def _run(inputs, mask, use_native, monkeypatch):
+def _run(inputs, mask, use_native, monkeypatch, chunk=16):
     monkeypatch.setattr(native, "ENABLED", use_native)
     q, k, v, lam = inputs
-    out = fused.fused_attention(q, k, v, mask, 0.3, lam, chunk=16)
+    out = fused.fused_attention(q, k, v, mask, 0.3, lam, chunk=chunk)
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
     ins = [t for t in inputs if t is not None]
     return [out.detach()] + list(torch.autograd.grad((out * w).sum(), ins))
@@ -87,6 +88,8 @@ def test_fused_attention_native_equals_torch_path_fp32(m, hk, padded, q_start, l
     fp32 sum with cancellation whose torch-path rounding depends on the CPU's vector width (2.2e-6 of its
     scale on an AVX2 CPU, where the native kernel's is 5e-8)."""
     inputs, mask = _attention_case(torch.float32, m, hk, padded, q_start, lam_kind)
+    # the block path's row kernels (with 4-lane vectors, d = 8 would take the float32 attention kernel)
+    monkeypatch.setattr(native, "attention_ok", lambda *a, **kw: False)
     calls = []
     real = native.softmax_combine
     monkeypatch.setattr(native, "softmax_combine", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -101,6 +104,95 @@ def test_fused_attention_native_equals_torch_path_fp32(m, hk, padded, q_start, l
         scale = r.abs().max().clamp_min(1.0)
         assert (a.double() - r).abs().max() <= 2e-6 * scale
         assert (b.double() - r).abs().max() <= 5e-6 * scale  # the torch path, for comparison
+
+
+def _wide_case(m, h, hk, n, q_start, lam_kind, causal, seed=2):
+    """Inputs whose head widths take the native float32 attention kernel (d = 32, dv = 64: multiples of
+    its 8-, 16- or 32-float column block), in float64; ((q, k, v, lam), mask)."""
+    g = torch.Generator().manual_seed(seed)
+    b, d, dv, nk = 2, 32, 64 if m == 2 else 32, n + q_start
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+
+    lam = None
+    if lam_kind == "scalar":
+        lam = torch.tensor(0.37, dtype=torch.float64, requires_grad=True)
+    elif lam_kind == "rows":
+        lam = torch.rand(b, h, n, 1, generator=g, dtype=torch.float64).requires_grad_()
+    mask = AttnMask(causal=causal, n_q=n, n_k=nk, q_start=q_start)
+    return (t(b, m, h, n, d), t(b, m, hk, nk, d), t(b, hk, nk, dv), lam), mask
+
+
+def _wide_run(inputs, mask, dtype, use_native, monkeypatch, chunk):
+    return _run(tuple(None if x is None else x.detach().to(dtype).requires_grad_() for x in inputs), mask,
+                use_native, monkeypatch, chunk)
+
+
+@needs_native
+@pytest.mark.parametrize("m,h,hk,n,q_start,lam_kind,causal,chunk", [
+    (1, 4, 4, 70, 0, None, True, 16),  # a last block of 6 rows; keys not a multiple of the column block
+    (2, 4, 2, 70, 0, "scalar", True, 32),  # GQA
+    (2, 2, 2, 45, 9, "rows", True, 16),  # DIFF V2's per-token lambda, queries after a cached prefix
+    (1, 4, 2, 33, 0, None, False, 64),  # no causal mask (vision), one block
+    (2, 2, 1, 129, 0, "scalar", True, 64),  # several 64-row blocks, every key visible to the last
+])
+def test_native_float32_attention_matches_float64(m, h, hk, n, q_start, lam_kind, causal, chunk, monkeypatch):
+    """The float32 attention kernel (difftx_attn_forward / _backward: register-blocked products, causal
+    tiles skipped, maps rebuilt from the saved log-sum-exp) gives the output and every gradient (q, k, v,
+    lambda) of the float64 reference to a few fp32 ulp, and is the path taken."""
+    inputs, mask = _wide_case(m, h, hk, n, q_start, lam_kind, causal)
+    calls = []
+    fwd, bwd = native.attention_forward, native.attention_backward
+    monkeypatch.setattr(native, "attention_forward", lambda *a, **kw: calls.append("f") or fwd(*a, **kw))
+    monkeypatch.setattr(native, "attention_backward", lambda *a, **kw: calls.append("b") or bwd(*a, **kw))
+    got = _wide_run(inputs, mask, torch.float32, True, monkeypatch, chunk)
+    assert calls == ["f", "b"], calls
+    exact = _wide_run(inputs, mask, torch.float64, False, monkeypatch, chunk)
+    assert len(got) == len(exact) == 4 + (lam_kind is not None)
+    for i, (a, r) in enumerate(zip(got, exact)):
+        assert a.dtype == torch.float32 and a.shape == r.shape
+        scale = r.abs().max().clamp_min(1.0)
+        assert (a.double() - r).abs().max() <= 2e-6 * scale, (i, (a.double() - r).abs().max() / scale)
+
+
+@needs_native
+def test_native_float32_attention_is_causal_and_thread_count_invariant(monkeypatch):
+    """Changing the last query's inputs changes no earlier output; the results are bitwise the same with
+    1 and 2 threads (every sum has one order: one task per K/V head in the backward)."""
+    inputs, mask = _wide_case(2, 4, 2, 100, 0, "scalar", True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _wide_run(inputs, mask, torch.float32, True, monkeypatch, 32)
+        torch.set_num_threads(2)
+        two = _wide_run(inputs, mask, torch.float32, True, monkeypatch, 32)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+    q, k, v, lam = (None if x is None else x.detach().float() for x in inputs)
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    q2[:, :, :, -1] += 1.0
+    k2[:, :, :, -1] += 1.0
+    v2[:, :, -1] += 1.0
+    with torch.no_grad():
+        o1 = fused.fused_attention(q, k, v, mask, 0.3, lam, chunk=32)
+        o2 = fused.fused_attention(q2, k2, v2, mask, 0.3, lam, chunk=32)
+    assert torch.equal(o1[:, :-1], o2[:, :-1]) and not torch.equal(o1[:, -1], o2[:, -1])
+
+
+def test_native_float32_attention_declines_what_it_cannot_take():
+    """Heads not a multiple of the column block (d = 12), bf16, padded keys and a partial K keep the
+    block-by-block path."""
+    q, k, v = torch.zeros(1, 1, 2, 8, 12), torch.zeros(2, 8, 12), torch.zeros(2, 8, 12)
+    assert not native.attention_ok(q, k, v, 8, False)
+    q, k, v = torch.zeros(1, 1, 2, 8, 64), torch.zeros(2, 8, 64), torch.zeros(2, 8, 64)
+    assert not native.attention_ok(q, k, v, 8, True)
+    assert not native.attention_ok(q.bfloat16(), k.bfloat16(), v.bfloat16(), 8, False)
+    assert not native.attention_ok(q, k[:, :5], v[:, :5], 8, False)
+    if native.library() is not None:
+        assert native.attention_ok(q, k, v, 8, False)
 
 
 @needs_native
@@ -357,7 +449,7 @@ def test_every_vector_width_computes_the_same(flags, tmp_path):
     status = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert status.stdout.startswith("on (") and str(tmp_path) in status.stdout, status.stdout + status.stderr
     tests = ("softmax_combine_and_backward or rms_norm_native or native_equals_torch_path_fp32 "
-             "or swiglu or rope or decode")
+             "or swiglu or rope or decode or native_float32_attention")
     r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-p", "no:cacheprovider", __file__, "-k", tests],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]

@@ -310,6 +310,16 @@ class _FusedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, lam, mask: AttnMask, scale: float, chunk: int):
         q = q.contiguous()  # one pass over Q so that every block of it is a strided view
         k3, v3 = _batched(k), _batched(v)  # (B*M*Hk, Nk, d), (B*Hk, Nk, dv)
+        ctx.native_attn = native.attention_ok(q, k3, v3, mask.n_k, mask.key_valid is not None)
+        if ctx.native_attn:  # float32: every block's products and maps in one native call
+            want = any(ctx.needs_input_grad[:4])
+            lam_s, lam_rows = _lam_args(lam, q.shape)
+            out, lse = native.attention_forward(q, k3, v3, mask.causal, mask.q_start, chunk, scale, lam_s, lam_rows,
+                                                want)
+            if want:
+                ctx.save_for_backward(q, k3, v3, lam, lse)
+                ctx.mask, ctx.scale, ctx.chunk, ctx.shapes = mask, scale, chunk, (k.shape, v.shape)
+            return out
         g = _Blocks(q, k3, v3, lam, mask, scale, chunk)
         out = q.new_empty(g.b, g.n, g.h, v.shape[-1])
         for i0, i1, ke in g.blocks():
@@ -324,7 +334,32 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         with _no_autocast(dout.device.type), torch.no_grad():
+            if ctx.native_attn:
+                return _native_backward(ctx, dout)
             return _backward(ctx, dout)
+
+
+def _lam_args(lam: Optional[torch.Tensor], q_shape) -> tuple:
+    """(scalar lambda, per-row lambda (B, H, N) float32 or None) for the native kernels."""
+    if lam is None:
+        return 0.0, None
+    if lam.dim() == 0:
+        return float(lam), None
+    b, _, h, n, _ = q_shape
+    return 0.0, lam.detach().to(torch.float32).reshape(b, h, n).contiguous()
+
+
+def _native_backward(ctx, dout):
+    q, k3, v3, lam, lse = ctx.saved_tensors
+    k_shape, v_shape = ctx.shapes
+    lam_s, lam_rows = _lam_args(lam, q.shape)
+    dout = dout.to(torch.float32).contiguous()
+    dq, dk, dv, rs2 = native.attention_backward(q, k3, v3, dout, lse, ctx.mask.causal, ctx.mask.q_start, ctx.chunk,
+                                                ctx.scale, lam_s, lam_rows)
+    dlam = None
+    if lam is not None and ctx.needs_input_grad[3]:
+        dlam = (-rs2.sum() if lam.dim() == 0 else -rs2.view(lam.shape)).to(lam.dtype)
+    return dq, dk.view(k_shape), dv.view(v_shape), dlam, None, None, None
 
 
 def _backward(ctx, dout):

@@ -119,6 +119,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_swiglu_backward.restype = None
     lib.difftx_rope.argtypes = [p, p, i, p, p, i64, i64, i64, i64, i64, i, f, i]
     lib.difftx_rope.restype = None
+    lib.difftx_gemm_nr.argtypes = []
+    lib.difftx_gemm_nr.restype = i
+    lib.difftx_attn_forward.argtypes = [p, p, i64, i64, p, i64, i64, p, p, p] + [i64] * 9 + [i, i64, f, f, p, i]
+    lib.difftx_attn_forward.restype = None
+    lib.difftx_attn_backward.argtypes = ([p, p, i64, i64, p, i64, i64, p, p, p, p, p, p, p, p] + [i64] * 9
+                                         + [i, i64, f, f, p, i])
+    lib.difftx_attn_backward.restype = None
 
 
 def _load() -> None:
@@ -257,6 +264,69 @@ def swiglu_backward(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor):
     library().difftx_swiglu_backward(g.data_ptr(), u.data_ptr(), dh.data_ptr(), dg.data_ptr(), du.data_ptr(),
                                      int(g.dtype == torch.bfloat16), g.numel(), torch.get_num_threads())
     return dg, du
+
+
+def attention_ok(q: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, nk: int, padded: bool) -> bool:
+    """Whether :func:`attention_forward` takes a fused-attention call: float32 on the CPU, no key padding,
+    head widths multiples of the micro-kernel's column block (16 floats with AVX2, 32 with AVX-512),
+    K/V rows with a contiguous last dim and exactly ``nk`` keys."""
+    if not (supports(q.dtype, q.device) and q.dtype == k3.dtype == v3.dtype == torch.float32) or padded:
+        return False
+    nr = library().difftx_gemm_nr()
+    return (q.shape[-1] % nr == 0 and v3.shape[-1] % nr == 0 and k3.shape[1] == v3.shape[1] == nk >= 1
+            and k3.stride(-1) == 1 and v3.stride(-1) == 1)
+
+
+def _pack(name: str, numel: int, device: torch.device) -> torch.Tensor:
+    from .fused import _scratch  # the fused kernel's per-thread buffers
+
+    return _scratch(name, numel, torch.float32, device)
+
+
+def _panels(nk: int) -> int:
+    nr = library().difftx_gemm_nr()
+    return (nk + nr - 1) // nr * nr
+
+
+def attention_forward(q: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, causal: bool, q_start: int, chunk: int,
+                      scale: float, lam: float, lam_rows: Optional[torch.Tensor], want_lse: bool):
+    """The float32 fused attention (one or two maps over one value) in native blocks: (out, lse or None).
+
+    ``q`` (B, M, H, N, d) contiguous; ``k3`` (B*M*Hk, nk, d) and ``v3`` (B*Hk, nk, dv) with contiguous rows;
+    ``lam_rows`` float32 (B, H, N) or None (the scalar ``lam``).  out (B, N, H, dv); lse (B, M, H, N), the
+    rows' log-sum-exp that :func:`attention_backward` rebuilds the maps from."""
+    b, m, h, n, d = q.shape
+    hk, nk, dv = k3.shape[0] // (b * m), k3.shape[1], v3.shape[-1]
+    assert q.is_contiguous() and (lam_rows is None or (lam_rows.is_contiguous() and lam_rows.dtype == torch.float32))
+    out = q.new_empty(b, n, h, dv)
+    lse = q.new_empty(b, m, h, n) if want_lse else None
+    kpack = _pack("kpack", k3.shape[0] * _panels(nk) * d, q.device)
+    library().difftx_attn_forward(q.data_ptr(), k3.data_ptr(), k3.stride(0), k3.stride(1), v3.data_ptr(),
+                                  v3.stride(0), v3.stride(1), out.data_ptr(), _ptr(lse), kpack.data_ptr(), b, m, h,
+                                  hk, n, nk, d, dv, q_start, int(causal), chunk, float(scale), float(lam),
+                                  _ptr(lam_rows), torch.get_num_threads())
+    return out, lse
+
+
+def attention_backward(q, k3, v3, dout, lse, causal: bool, q_start: int, chunk: int, scale: float, lam: float,
+                       lam_rows: Optional[torch.Tensor]):
+    """Gradients of :func:`attention_forward`: dq (like q), dk (like k3, contiguous), dv (like v3), and for two
+    maps rowsum(P2 dP) (B, H, N) (lambda's gradient is minus it, summed for a scalar lambda), else None."""
+    b, m, h, n, d = q.shape
+    hk, nk, dv_w = k3.shape[0] // (b * m), k3.shape[1], v3.shape[-1]
+    assert dout.is_contiguous() and dout.shape == (b, n, h, dv_w) and dout.dtype == torch.float32
+    dq = torch.empty_like(q)
+    dk = q.new_empty(k3.shape[0], nk, d)
+    dv = q.new_empty(v3.shape[0], nk, dv_w)
+    rs2 = q.new_empty(b, h, n) if m == 2 else None
+    kpack = _pack("kpack", k3.shape[0] * _panels(nk) * d, q.device)
+    vpack = _pack("vpack", v3.shape[0] * _panels(nk) * dv_w, q.device)
+    library().difftx_attn_backward(q.data_ptr(), k3.data_ptr(), k3.stride(0), k3.stride(1), v3.data_ptr(),
+                                   v3.stride(0), v3.stride(1), dout.data_ptr(), lse.data_ptr(), dq.data_ptr(),
+                                   dk.data_ptr(), dv.data_ptr(), _ptr(rs2), kpack.data_ptr(), vpack.data_ptr(), b, m,
+                                   h, hk, n, nk, d, dv_w, q_start, int(causal), chunk, float(scale), float(lam),
+                                   _ptr(lam_rows), torch.get_num_threads())
+    return dq, dk, dv, rs2
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, inverse: bool = False):
