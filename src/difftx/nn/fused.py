@@ -23,6 +23,14 @@ CPU specifics: scratch buffers are reused across blocks and calls (per thread), 
 causal diagonal is an additive -inf triangle, and every reduced-precision GEMM operand
 is compact (oneDNN would otherwise gather a transposed copy).
 
+float32 on the CPU without key padding (head widths a multiple of 16 floats with AVX2, 32
+with AVX-512) runs the whole loop natively instead (:func:`difftx.nn.native.attention_forward`
+/ ``attention_backward``): the same blocks and the same math, each block's products through one
+register-blocked micro-kernel that skips the causal tiles past the diagonal, the maps kept in the
+core's cache; the forward saves each row's log-sum-exp, from which the backward rebuilds the maps
+(one exp per entry, no max or sum pass).  One task per K/V head in the backward, so dK and dV are
+summed in one order whatever the thread count.
+
 Layouts (views; only a block of Q is copied at a time):
     q   (B, M, H, Nq, d)    M maps (1: softmax, 2: differential), H query heads
     k   (B, M, Hk, Nk, d)   H a multiple of Hk (GQA: query head i uses K/V head i // (H / Hk))
