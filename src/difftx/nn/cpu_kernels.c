@@ -160,37 +160,41 @@ static inline void store_row(void *base, int64_t off, int is_bf16, const float *
     }
 }
 
-/* e[0:n] = exp(e - max), returns 1 / sum. */
-static inline float softmax_inplace(float *e, int64_t n) {
+/* e[0:n] = exp(e - max) (unnormalised); returns the sum, sets *mx. */
+static inline float exp_row(float *e, int64_t n, float *mx_out) {
     float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
     for (int64_t i = 0; i < n; i++) mx = e[i] > mx ? e[i] : mx;
     vf acc = {0}, acc2 = {0};
     int64_t i = 0;
-    for (; i + 2 * LANES <= n; i += 2 * LANES) { /* two independent chains per iteration */
-        vf v = vexp_nonpos(*(const vf *)(e + i) - mx);
-        vf w = vexp_nonpos(*(const vf *)(e + i + LANES) - mx);
-        *(vf *)(e + i) = v;
-        *(vf *)(e + i + LANES) = w;
-        acc += v;
-        acc2 += w;
+    for (; i + 2 * LANES <= n; i += 2 * LANES) {
+        vf x = vexp_nonpos(*(const vf *)(e + i) - mx), y = vexp_nonpos(*(const vf *)(e + i + LANES) - mx);
+        *(vf *)(e + i) = x;
+        *(vf *)(e + i + LANES) = y;
+        acc += x;
+        acc2 += y;
     }
     acc += acc2;
     for (; i + LANES <= n; i += LANES) {
-        vf v = vexp_nonpos(*(const vf *)(e + i) - mx); /* vf is aligned(4): unaligned loads */
-        *(vf *)(e + i) = v;
-        acc += v;
+        vf x = vexp_nonpos(*(const vf *)(e + i) - mx);
+        *(vf *)(e + i) = x;
+        acc += x;
     }
-    if (i < n) { /* the tail, padded with -inf (exp -> 0) */
-        vf v = (vf){0} - INFINITY;
-        memcpy(&v, e + i, (size_t)(n - i) * sizeof(float));
-        v = vexp_nonpos(v - mx);
-        memcpy(e + i, &v, (size_t)(n - i) * sizeof(float));
-        acc += v;
+    if (i < n) {
+        vf x = (vf){0} - INFINITY;
+        memcpy(&x, e + i, (size_t)(n - i) * sizeof(float));
+        x = vexp_nonpos(x - mx);
+        memcpy(e + i, &x, (size_t)(n - i) * sizeof(float));
+        acc += x;
     }
-    float sum = 0.0f;
-    for (int l = 0; l < LANES; l++) sum += acc[l];
-    return 1.0f / sum;
+    *mx_out = mx;
+    return vhsum(acc);
+}
+
+/* e[0:n] = exp(e - max), returns 1 / sum. */
+static inline float softmax_inplace(float *e, int64_t n) {
+    float mx;
+    return 1.0f / exp_row(e, n, &mx);
 }
 
 static inline int64_t visible(int64_t j, int64_t c, int64_t diag0, int64_t ke) {
@@ -638,37 +642,6 @@ static inline int64_t attn_visible(int causal, int64_t q_start, int64_t i, int64
     if (!causal) return nk;
     const int64_t n = q_start + i + 1;
     return n < nk ? n : nk;
-}
-
-/* e[0:n] = exp(e - max) (unnormalised); returns the sum, sets *mx. */
-static inline float exp_row(float *e, int64_t n, float *mx_out) {
-    float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-    for (int64_t i = 0; i < n; i++) mx = e[i] > mx ? e[i] : mx;
-    vf acc = {0}, acc2 = {0};
-    int64_t i = 0;
-    for (; i + 2 * LANES <= n; i += 2 * LANES) {
-        vf x = vexp_nonpos(*(const vf *)(e + i) - mx), y = vexp_nonpos(*(const vf *)(e + i + LANES) - mx);
-        *(vf *)(e + i) = x;
-        *(vf *)(e + i + LANES) = y;
-        acc += x;
-        acc2 += y;
-    }
-    acc += acc2;
-    for (; i + LANES <= n; i += LANES) {
-        vf x = vexp_nonpos(*(const vf *)(e + i) - mx);
-        *(vf *)(e + i) = x;
-        acc += x;
-    }
-    if (i < n) {
-        vf x = (vf){0} - INFINITY;
-        memcpy(&x, e + i, (size_t)(n - i) * sizeof(float));
-        x = vexp_nonpos(x - mx);
-        memcpy(e + i, &x, (size_t)(n - i) * sizeof(float));
-        acc += x;
-    }
-    *mx_out = mx;
-    return vhsum(acc);
 }
 
 /* e[0:n] = exp(e - lse): the probabilities of a row from its saved log-sum-exp. */
