@@ -411,7 +411,7 @@ def test_block_rows_stay_bounded_for_inference_blocks(monkeypatch):
     """bf16 inference drops the per-head slice limit but keeps the whole-block cap (memory linear in N)."""
     seen = []
     run = fused._FusedAttention.apply
-    monkeypatch.setattr(fused._FusedAttention, "apply", lambda *a: seen.append(a[-1]) or run(*a))
+    monkeypatch.setattr(fused._FusedAttention, "apply", lambda *a: seen.append(a[-2]) or run(*a))
     b, m, h, n = 4, 2, 4, 512
     assert fused.chunk_size(b, m, h, n, n, 2, slices=False) == n  # the small preset's prefill: one block
     assert fused.chunk_size(b, m, h, n, n, 2) == fused.SLICE_BYTES // (n * 2)  # training: slices
@@ -423,6 +423,17 @@ def test_block_rows_stay_bounded_for_inference_blocks(monkeypatch):
         fused.fused_attention(q, k, v, mask, 0.3, lam)
     fused.fused_attention(q, k, v, mask, 0.3, lam)
     assert seen == [300, 192]  # one block; slices of SLICE_BYTES (131072 / 600 bytes, in 64-row steps)
+
+
+def test_float32_kernel_blocks_are_whole_micro_tiles(monkeypatch):
+    """Without an explicit chunk, the float32 kernel gets blocks of a multiple of 48 rows (8 tiles of its
+    6-row micro-kernel), 3/4 of the block path's: 48 at the small preset's 512 tokens."""
+    seen = []
+    run = fused._FusedAttention.apply
+    monkeypatch.setattr(fused._FusedAttention, "apply", lambda *a: seen.append(a[-2:]) or run(*a))
+    q, k, v, lam, mask = _kernel_case(2, "scalar", 4, 2, False, 0, torch.float32, n=512)
+    fused.fused_attention(q, k, v, mask, 0.3, lam)
+    assert seen == [(64, 48)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

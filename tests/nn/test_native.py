@@ -157,6 +157,38 @@ def test_native_float32_attention_matches_float64(m, h, hk, n, q_start, lam_kind
 
 
 @needs_native
+def test_native_float32_attention_reads_values_in_place_and_returns_their_gradient_in_their_layout(monkeypatch):
+    """V as the head view of a value projection's output (B, N, Hk*dv) -> (B, Hk, N, dv), strided: the kernel
+    reads it without a copy, and dV comes back in that layout (so the projection's gradient needs no copy
+    either), matching float64."""
+    (q, k, v, lam), mask = _wide_case(2, 4, 2, 70, 0, "scalar", True)
+    b, hk, nk, dv = v.shape
+    proj = v.detach().transpose(1, 2).reshape(b, nk, hk * dv)  # what v_proj would have produced
+
+    def run(dtype, use_native):
+        qq, kk, pp = (t.detach().to(dtype).requires_grad_() for t in (q, k, proj))
+        ll = lam.detach().to(dtype).requires_grad_()
+        vv = pp.view(b, nk, hk, dv).transpose(1, 2)
+        strides = []
+        vv.register_hook(lambda g: strides.append(g.stride()))
+        monkeypatch.setattr(native, "ENABLED", use_native)
+        out = fused.fused_attention(qq, kk, vv, mask, 0.3, ll, chunk=32)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+        return [out.detach()] + list(torch.autograd.grad((out * w).sum(), [qq, kk, pp, ll])), strides, vv.stride()
+
+    calls = []
+    fwd = native.attention_forward
+    monkeypatch.setattr(native, "attention_forward", lambda *a, **kw: calls.append(a[2].stride()) or fwd(*a, **kw))
+    got, strides, v_stride = run(torch.float32, True)
+    assert calls == [v_stride]  # the kernel ran on V itself (a copy would be contiguous)
+    assert strides == [v_stride]  # and dV came back in V's own strides
+    exact, _, _ = run(torch.float64, False)
+    for i, (a, r) in enumerate(zip(got, exact)):
+        scale = r.abs().max().clamp_min(1.0)
+        assert (a.double() - r).abs().max() <= 2e-6 * scale, i
+
+
+@needs_native
 def test_native_float32_attention_is_causal_and_thread_count_invariant(monkeypatch):
     """Changing the last query's inputs changes no earlier output; the results are bitwise the same with
     1 and 2 threads (every sum has one order: one task per K/V head in the backward)."""
@@ -185,14 +217,16 @@ def test_native_float32_attention_is_causal_and_thread_count_invariant(monkeypat
 def test_native_float32_attention_declines_what_it_cannot_take():
     """Heads not a multiple of the column block (d = 12), bf16, padded keys and a partial K keep the
     block-by-block path."""
-    q, k, v = torch.zeros(1, 1, 2, 8, 12), torch.zeros(2, 8, 12), torch.zeros(2, 8, 12)
+    q, k, v = torch.zeros(1, 1, 2, 8, 12), torch.zeros(2, 8, 12), torch.zeros(1, 2, 8, 12)
     assert not native.attention_ok(q, k, v, 8, False)
-    q, k, v = torch.zeros(1, 1, 2, 8, 64), torch.zeros(2, 8, 64), torch.zeros(2, 8, 64)
+    q, k, v = torch.zeros(1, 1, 2, 8, 64), torch.zeros(2, 8, 64), torch.zeros(1, 2, 8, 64)
     assert not native.attention_ok(q, k, v, 8, True)
     assert not native.attention_ok(q.bfloat16(), k.bfloat16(), v.bfloat16(), 8, False)
-    assert not native.attention_ok(q, k[:, :5], v[:, :5], 8, False)
+    assert not native.attention_ok(q, k[:, :5], v[:, :, :5], 8, False)
+    assert not native.attention_ok(q, k, torch.zeros(1, 2, 64, 8).transpose(-1, -2), 8, False)  # V rows strided
     if native.library() is not None:
         assert native.attention_ok(q, k, v, 8, False)
+        assert native.attention_ok(q, k, torch.zeros(1, 8, 2, 64).transpose(1, 2), 8, False)  # a head view
 
 
 @needs_native
@@ -428,6 +462,44 @@ def test_rope_native_matches_float64_rotation(style, dtype, per_batch, five_d, m
     tol = 1e-6 if dtype == torch.float32 else 8e-3
     assert (y.double() - yr).abs().max() <= tol * yr.abs().max()
     assert (gx.double() - gxr).abs().max() <= tol * gxr.abs().max()
+
+
+@needs_native
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_rope_reads_a_projection_view_in_place_and_writes_its_gradient_in_that_layout(style, monkeypatch):
+    """DIFF's stacked heads: x = proj.view(b, n, h, 2, d).permute(0, 3, 2, 1, 4), a strided view of the
+    projection's output.  The kernel reads it without a copy; the gradient comes back in x's own strides
+    (so its way back to the projection is views only); both match float64."""
+    from difftx.nn.rope import RotaryEmbedding, apply_rope
+
+    monkeypatch.setattr(native, "ENABLED", True)
+    gen = torch.Generator().manual_seed(3)
+    b, n, h, d = 2, 9, 3, 16
+    cos, sin = RotaryEmbedding(d, style=style).cos_sin(torch.arange(n))
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    proj = torch.randn(b, n, h * 2 * d, generator=gen, dtype=torch.float64)
+
+    def run(dtype, use_native):
+        monkeypatch.setattr(native, "ENABLED", use_native)
+        pp = proj.to(dtype).requires_grad_()
+        x = pp.view(b, n, h, 2, d).permute(0, 3, 2, 1, 4)
+        strides = []
+        x.register_hook(lambda g: strides.append(g.stride()))
+        y = apply_rope(x, c.to(torch.float64) if dtype == torch.float64 else c,
+                       s.to(torch.float64) if dtype == torch.float64 else s, style)
+        gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(dtype)
+        (gp,) = torch.autograd.grad(y, [pp], gy)
+        return y, gp, strides, x.stride()
+
+    seen = []
+    real = native.rope
+    monkeypatch.setattr(native, "rope", lambda x, *a, **kw: seen.append(x.stride()) or real(x, *a, **kw))
+    y, gp, strides, x_stride = run(torch.float32, True)
+    assert seen[0] == x_stride  # read in place (a copy would be contiguous)
+    assert strides == [x_stride]  # the gradient in x's layout
+    yr, gpr, _, _ = run(torch.float64, False)
+    assert (y.double() - yr).abs().max() <= 1e-6 * yr.abs().max()
+    assert (gp.double() - gpr).abs().max() <= 1e-6 * gpr.abs().max()
 
 
 WIDTH_FLAGS = {"8 lanes (AVX2 without AVX-512)": "-mno-avx512f", "4 lanes (SSE)": "-mno-avx"}

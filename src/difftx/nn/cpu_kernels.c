@@ -487,37 +487,63 @@ void difftx_swiglu_backward(const void *g, const void *u, const void *dh, void *
 }
 
 /* ---------------------------------------------------------------- rotary embeddings
- * x (B, A, N, d) contiguous (A: any number of heads), cos/sin (Bc, N, d/2) float32 with Bc 1 or B.
+ * x and out (B, A1, A2, N, d), each with its own strides (in elements) for B, A1, A2 and N and a
+ * contiguous last dim: a view of a projection's output is read in place, and a gradient can be
+ * written in the layout its projection produced.  cos/sin (Bc, N, d/2) float32 with Bc 1 or B.
  * half: channel i rotates with i + d/2; interleaved: 2i with 2i + 1.  sign -1 rotates backwards
  * (the gradient).  float32 math, out in x's dtype. */
-void difftx_rope(const void *x, void *out, int is_bf16, const float *cos_, const float *sin_, int64_t B,
-                 int64_t A, int64_t N, int64_t d, int64_t Bc, int interleaved, float sign, int nthreads) {
-    const int64_t half = d / 2, rows = B * A * N;
+static inline void rope_row(const void *x, int64_t xo, void *out, int64_t oo, int is_bf16, const float *c,
+                            const float *s, int64_t d, int interleaved, float sign, float *xr, float *yr) {
+    const int64_t half = d / 2;
+    load_row(x, xo, is_bf16, xr, d);
+    if (interleaved) {
+        for (int64_t i = 0; i < half; i++) {
+            const float a = xr[2 * i], e = xr[2 * i + 1], si = sign * s[i];
+            yr[2 * i] = a * c[i] - e * si;
+            yr[2 * i + 1] = a * si + e * c[i];
+        }
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) {
+            const float a = xr[i], e = xr[i + half], si = sign * s[i];
+            yr[i] = a * c[i] - e * si;
+            yr[i + half] = a * si + e * c[i];
+        }
+    }
+    store_row(out, oo, is_bf16, yr, 1.0f, NULL, 0.0f, d, d);
+}
+
+void difftx_rope(const void *x, const int64_t *xst, void *out, const int64_t *ost, int is_bf16, const float *cos_,
+                 const float *sin_, int64_t B, int64_t A1, int64_t A2, int64_t N, int64_t d, int64_t Bc,
+                 int interleaved, float sign, int nthreads) {
+    const int64_t half = d / 2, heads = A1 * A2;
+    /* Rows in the order memory holds them: position-major when either side keeps a position's heads side
+     * by side (a projection's output, or a gradient going back to one), else head-major. */
+    const int pos_major = (A2 > 1 && (xst[3] > xst[2] || ost[3] > ost[2])) ||
+                          (A1 > 1 && (xst[3] > xst[1] || ost[3] > ost[1]));
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = (float *)malloc((size_t)(2 * d) * sizeof(float));
         float *xr = buf, *yr = buf + d;
+        if (pos_major) {
 #pragma omp for schedule(static)
-        for (int64_t row = 0; row < rows; row++) {
-            const int64_t b = row / (A * N), n = row % N;
-            const float *c = cos_ + ((Bc > 1 ? b : 0) * N + n) * half;
-            const float *s = sin_ + ((Bc > 1 ? b : 0) * N + n) * half;
-            load_row(x, row * d, is_bf16, xr, d);
-            if (interleaved) {
-                for (int64_t i = 0; i < half; i++) {
-                    const float a = xr[2 * i], e = xr[2 * i + 1], si = sign * s[i];
-                    yr[2 * i] = a * c[i] - e * si;
-                    yr[2 * i + 1] = a * si + e * c[i];
-                }
-            } else {
-#pragma omp simd
-                for (int64_t i = 0; i < half; i++) {
-                    const float a = xr[i], e = xr[i + half], si = sign * s[i];
-                    yr[i] = a * c[i] - e * si;
-                    yr[i + half] = a * si + e * c[i];
-                }
+            for (int64_t o = 0; o < B * N; o++) {
+                const int64_t b = o / N, n = o % N, bc = Bc > 1 ? b : 0;
+                for (int64_t a1 = 0; a1 < A1; a1++)
+                    for (int64_t a2 = 0; a2 < A2; a2++)
+                        rope_row(x, b * xst[0] + a1 * xst[1] + a2 * xst[2] + n * xst[3], out,
+                                 b * ost[0] + a1 * ost[1] + a2 * ost[2] + n * ost[3], is_bf16, cos_ + (bc * N + n) * half,
+                                 sin_ + (bc * N + n) * half, d, interleaved, sign, xr, yr);
             }
-            store_row(out, row * d, is_bf16, yr, 1.0f, NULL, 0.0f, d, d);
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t o = 0; o < B * heads; o++) {
+                const int64_t b = o / heads, a1 = o % heads / A2, a2 = o % A2, bc = Bc > 1 ? b : 0;
+                const int64_t xo = b * xst[0] + a1 * xst[1] + a2 * xst[2], oo = b * ost[0] + a1 * ost[1] + a2 * ost[2];
+                for (int64_t n = 0; n < N; n++)
+                    rope_row(x, xo + n * xst[3], out, oo + n * ost[3], is_bf16, cos_ + (bc * N + n) * half,
+                             sin_ + (bc * N + n) * half, d, interleaved, sign, xr, yr);
+            }
         }
         free(buf);
     }
@@ -532,9 +558,11 @@ void difftx_rope(const void *x, void *out, int is_bf16, const float *cos_, const
  * Layouts (float32; "rows" have a contiguous last dim):
  *   q     (B, M, H, N, d) contiguous          out, dout (B, N, H, dv) contiguous
  *   k     slice s = (b*M + m)*Hk + hk at k + s*ks, key j at + j*kr (nk keys of d)
- *   v     slice s = b*Hk + hk at v + s*vs, key j at + j*vr (nk keys of dv)
+ *   v     slice (b, hk) at v + b*vsb + hk*vsh, key j at + j*vr (nk keys of dv): a head view of the
+ *         value projection's output is read in place
  *   lse   (B, M, H, N) log-sum-exp of each map's row (written by the forward when not NULL)
- *   dq like q; dk (B*M*Hk, nk, d), dv (B*Hk, nk, dv) contiguous; rs2 (B, H, N): rowsum(P2 dP) of map 2
+ *   dq like q; dk (B*M*Hk, nk, d) contiguous; dv with its own strides (dvsb, dvsh, dvr) like v's;
+ *   rs2 (B, H, N): rowsum(P2 dP) of map 2
  * Causal: query i (position q_start + i) sees keys [0, q_start + i]; else all nk keys.
  * d and dv are multiples of GEMM_NR (the caller checks difftx_gemm_nr()). */
 #define GEMM_MR 6
@@ -656,20 +684,61 @@ static inline void exp_lse_row(float *e, int64_t n, float lse) {
     }
 }
 
-static void pack_keys(const float *x, int64_t xs, int64_t xr, int64_t slices, int64_t nk, int64_t w,
-                      float *out, int nthreads) {
-    const int64_t np = (nk + GEMM_NR - 1) / GEMM_NR;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t s = 0; s < slices; s++) pack_t(x + s * xs, xr, nk, w, out + s * np * w * GEMM_NR);
+/* p1[0:n] = exp(p1 - lse) and g = p0 - l p1 in one pass: map 2's probabilities and the combined map. */
+static inline void exp_lse_comb_row(float *p1, const float *p0, float *g, int64_t n, float lse, float l) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const vf x = vexp_nonpos(*(const vf *)(p1 + i) - lse);
+        *(vf *)(p1 + i) = x;
+        *(vf *)(g + i) = *(const vf *)(p0 + i) - l * x;
+    }
+    if (i < n) {
+        vf x = (vf){0} - INFINITY, y = {0};
+        memcpy(&x, p1 + i, (size_t)(n - i) * sizeof(float));
+        memcpy(&y, p0 + i, (size_t)(n - i) * sizeof(float));
+        x = vexp_nonpos(x - lse);
+        y -= l * x;
+        memcpy(p1 + i, &x, (size_t)(n - i) * sizeof(float));
+        memcpy(g + i, &y, (size_t)(n - i) * sizeof(float));
+    }
 }
 
-void difftx_attn_forward(const float *q, const float *k, int64_t ks, int64_t kr, const float *v, int64_t vs,
-                         int64_t vr, float *out, float *lse, float *kpack, int64_t B, int64_t M, int64_t H,
-                         int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal,
+/* Slice s of `slices` starts at x + (s / inner) * so + (s % inner) * si: rows of keys (or values) of
+ * one head, row stride xr. */
+static inline const float *slice_at(const float *x, int64_t s, int64_t inner, int64_t so, int64_t si) {
+    return x + (s / inner) * so + (s % inner) * si;
+}
+
+static void pack_keys(const float *x, int64_t inner, int64_t so, int64_t si, int64_t xr, int64_t slices, int64_t nk,
+                      int64_t w, float *out, int nthreads) {
+    const int64_t np = (nk + GEMM_NR - 1) / GEMM_NR;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t s = 0; s < slices; s++) pack_t(slice_at(x, s, inner, so, si), xr, nk, w, out + s * np * w * GEMM_NR);
+}
+
+/* X (n rows of w floats, row stride ldx; w a multiple of NR) as w / NR column panels of (n, NR), each
+ * contiguous: the B operand of a product over X's rows, streamed in order. */
+static void pack_n(const float *x, int64_t ldx, int64_t n, int64_t w, float *out) {
+    for (int64_t p = 0; p < w / GEMM_NR; p++) {
+        float *dst = out + p * n * GEMM_NR;
+        for (int64_t j = 0; j < n; j++) memcpy(dst + j * GEMM_NR, x + j * ldx + p * GEMM_NR, GEMM_NR * sizeof(float));
+    }
+}
+
+static void pack_values(const float *x, int64_t inner, int64_t so, int64_t si, int64_t xr, int64_t slices,
+                        int64_t nk, int64_t w, float *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t s = 0; s < slices; s++) pack_n(slice_at(x, s, inner, so, si), xr, nk, w, out + s * nk * w);
+}
+
+void difftx_attn_forward(const float *q, const float *k, int64_t ks, int64_t kr, const float *v, int64_t vsb,
+                         int64_t vsh, int64_t vr, float *out, float *lse, float *kpack, float *vpack, int64_t B,
+                         int64_t M, int64_t H, int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal,
                          int64_t chunk, float scale, float lam, const float *lam_rows, int nthreads) {
     const int64_t np_all = (nk + GEMM_NR - 1) / GEMM_NR, rep = H / Hk;
     const int64_t nblk = (N + chunk - 1) / chunk, tasks = B * H * nblk;
-    pack_keys(k, ks, kr, B * M * Hk, nk, d, kpack, nthreads);
+    pack_keys(k, 1, ks, 0, kr, B * M * Hk, nk, d, kpack, nthreads);
+    pack_values(v, Hk, vsb, vsh, vr, B * Hk, nk, dv, vpack, nthreads);
 #pragma omp parallel num_threads(nthreads)
     {
         float *S = (float *)malloc((size_t)(M * chunk * np_all * GEMM_NR) * sizeof(float));
@@ -703,22 +772,24 @@ void difftx_attn_forward(const float *q, const float *k, int64_t ks, int64_t kr,
                 }
                 if (ke > n) memset(e0 + n, 0, (size_t)(ke - n) * sizeof(float));
             }
-            gemm(c, dv, ke, S, ld, 1, v + (b * Hk + hk) * vs, vr, out + ((b * N + i0) * H + h) * dv, H * dv, 1.0f, 0,
-                 diag, -1);
+            for (int64_t j = 0; j < dv; j += GEMM_NR) /* one contiguous panel of values at a time */
+                gemm(c, GEMM_NR, ke, S, ld, 1, vpack + ((b * Hk + hk) * dv + j) * nk, GEMM_NR,
+                     out + ((b * N + i0) * H + h) * dv + j, H * dv, 1.0f, 0, diag, -1);
         }
         free(S);
     }
 }
 
-void difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr, const float *v, int64_t vs,
-                          int64_t vr, const float *dout, const float *lse, float *dq, float *dk, float *dv_,
+void difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr, const float *v, int64_t vsb,
+                          int64_t vsh, int64_t vr, const float *dout, const float *lse, float *dq, float *dk,
+                          float *dv_, int64_t dvsb, int64_t dvsh, int64_t dvr,
                           float *rs2, float *kpack, float *vpack, int64_t B, int64_t M, int64_t H, int64_t Hk,
                           int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal, int64_t chunk,
                           float scale, float lam, const float *lam_rows, int nthreads) {
     const int64_t np_all = (nk + GEMM_NR - 1) / GEMM_NR, rep = H / Hk;
     const int64_t nblk = (N + chunk - 1) / chunk;
-    pack_keys(k, ks, kr, B * M * Hk, nk, d, kpack, nthreads);
-    pack_keys(v, vs, vr, B * Hk, nk, dv, vpack, nthreads);
+    pack_keys(k, 1, ks, 0, kr, B * M * Hk, nk, d, kpack, nthreads);
+    pack_keys(v, Hk, vsb, vsh, vr, B * Hk, nk, dv, vpack, nthreads);
     /* one task per K/V head: its dK and dV sums are its own (no races, and the same order of
      * summation whatever the thread count) */
 #pragma omp parallel num_threads(nthreads)
@@ -728,8 +799,8 @@ void difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < B * Hk; t++) {
             const int64_t b = t / Hk, hk = t % Hk;
-            float *dvs = dv_ + t * nk * dv;
-            memset(dvs, 0, (size_t)(nk * dv) * sizeof(float));
+            float *dvs = dv_ + b * dvsb + hk * dvsh;
+            for (int64_t j = 0; j < nk; j++) memset(dvs + j * dvr, 0, (size_t)dv * sizeof(float));
             for (int64_t m = 0; m < M; m++) memset(dk + ((b * M + m) * Hk + hk) * nk * d, 0, (size_t)(nk * d) * sizeof(float));
             for (int64_t h = hk * rep; h < (hk + 1) * rep; h++) {
                 for (int64_t blk = 0; blk < nblk; blk++) {
@@ -742,46 +813,59 @@ void difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr
                     for (int64_t m = 0; m < M; m++) { /* the maps again, from the saved log-sum-exp */
                         const int64_t s = (b * M + m) * Hk + hk;
                         const float *qm = q + (((b * M + m) * H + h) * N + i0) * d;
-                        float *Sm = S + m * chunk * ld;
-                        gemm_panels(c, np, d, qm, d, kpack + s * np_all * d * GEMM_NR, Sm, ld, scale, diag);
-                        for (int64_t i = 0; i < c; i++) {
-                            const int64_t n = attn_visible(causal, q_start, i0 + i, nk);
-                            exp_lse_row(Sm + i * ld, n, lse[(((b * M + m) * H + h) * N) + i0 + i]);
-                            if (ke > n) memset(Sm + i * ld + n, 0, (size_t)(ke - n) * sizeof(float));
-                        }
+                        gemm_panels(c, np, d, qm, d, kpack + s * np_all * d * GEMM_NR, S + m * chunk * ld, ld, scale,
+                                    diag);
                     }
-                    for (int64_t i = 0; i < c; i++) {
-                        float *g = G + i * ld;
-                        const float *p0 = S + i * ld;
+                    for (int64_t i = 0; i < c; i++) { /* P1 (and P2) rebuilt, and the combined map G, per row */
+                        const int64_t n = attn_visible(causal, q_start, i0 + i, nk), row = (b * M * H + h) * N + i0 + i;
+                        float *p0 = S + i * ld, *g = G + i * ld;
+                        exp_lse_row(p0, n, lse[row]);
                         if (M == 1) {
-                            memcpy(g, p0, (size_t)ke * sizeof(float));
+                            memcpy(g, p0, (size_t)n * sizeof(float));
                         } else {
-                            const float *p1 = S + (chunk + i) * ld;
+                            float *p1 = S + (chunk + i) * ld;
                             const float l = lam_rows ? lam_rows[(b * H + h) * N + i0 + i] : lam;
-                            for (int64_t j = 0; j < ke; j++) g[j] = p0[j] - l * p1[j];
+                            exp_lse_comb_row(p1, p0, g, n, lse[row + H * N], l);
+                            if (ke > n) memset(p1 + n, 0, (size_t)(ke - n) * sizeof(float));
+                        }
+                        if (ke > n) {
+                            memset(p0 + n, 0, (size_t)(ke - n) * sizeof(float));
+                            memset(g + n, 0, (size_t)(ke - n) * sizeof(float));
                         }
                     }
                     /* dV[:ke] += comb^T dO */
-                    gemm(ke, dv, c, G, 1, ld, doc, H * dv, dvs, dv, 1.0f, 1, -1, diag);
+                    gemm(ke, dv, c, G, 1, ld, doc, H * dv, dvs, dvr, 1.0f, 1, -1, diag);
                     /* dP = dO V^T */
                     gemm_panels(c, np, dv, doc, H * dv, vpack + t * np_all * dv * GEMM_NR, G, ld, 1.0f, diag);
-                    for (int64_t m = 0; m < M; m++) {
-                        float *Sm = S + m * chunk * ld;
-                        for (int64_t i = 0; i < c; i++) {
-                            const int64_t n = attn_visible(causal, q_start, i0 + i, nk);
-                            float *p = Sm + i * ld;
-                            const float *g = G + i * ld;
+                    for (int64_t i = 0; i < c; i++) { /* dS_m = w_m P_m (dP - rowsum(P_m dP)), w = 1, -lambda */
+                        const int64_t n = attn_visible(causal, q_start, i0 + i, nk);
+                        float *p0 = S + i * ld;
+                        const float *g = G + i * ld;
+                        if (M == 1) {
                             float r = 0.0f;
 #pragma omp simd reduction(+ : r)
-                            for (int64_t j = 0; j < n; j++) r += p[j] * g[j];
-                            float w = 1.0f; /* map 2 enters the output with weight -lambda */
-                            if (m == 1) {
-                                rs2[(b * H + h) * N + i0 + i] = r;
-                                w = -(lam_rows ? lam_rows[(b * H + h) * N + i0 + i] : lam);
-                            }
+                            for (int64_t j = 0; j < n; j++) r += p0[j] * g[j];
 #pragma omp simd
-                            for (int64_t j = 0; j < n; j++) p[j] = w * p[j] * (g[j] - r);
+                            for (int64_t j = 0; j < n; j++) p0[j] = p0[j] * (g[j] - r);
+                        } else {
+                            float *p1 = S + (chunk + i) * ld;
+                            float r0 = 0.0f, r1 = 0.0f;
+#pragma omp simd reduction(+ : r0, r1)
+                            for (int64_t j = 0; j < n; j++) {
+                                r0 += p0[j] * g[j];
+                                r1 += p1[j] * g[j];
+                            }
+                            rs2[(b * H + h) * N + i0 + i] = r1;
+                            const float w1 = -(lam_rows ? lam_rows[(b * H + h) * N + i0 + i] : lam);
+#pragma omp simd
+                            for (int64_t j = 0; j < n; j++) {
+                                p0[j] = p0[j] * (g[j] - r0);
+                                p1[j] = w1 * p1[j] * (g[j] - r1);
+                            }
                         }
+                    }
+                    for (int64_t m = 0; m < M; m++) {
+                        float *Sm = S + m * chunk * ld;
                         const int64_t s = (b * M + m) * Hk + hk;
                         const float *qm = q + (((b * M + m) * H + h) * N + i0) * d;
                         /* dQ = scale dS K, dK[:ke] += scale dS^T Q */

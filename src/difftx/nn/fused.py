@@ -61,6 +61,7 @@ from .mask import AttnMask
 SLICE_BYTES = 128 << 10
 BLOCK_BYTES = 32 << 20
 MIN_CHUNK = 64  # rows per block at least (GEMM efficiency at long N); memory stays linear in N
+NATIVE_CHUNK = 48  # the float32 kernel's blocks: multiples of this (see fused_attention)
 # Under bf16 the maps' elementwise math runs on bf16 tensors (the softmax and row sums still
 # accumulate in fp32 inside their kernels): ~15% faster than fp32 maps, and about as accurate,
 # since the bf16 logits out of the GEMM dominate the error either way (docs/performance.md).
@@ -315,19 +316,20 @@ class _Blocks:
 
 class _FusedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, lam, mask: AttnMask, scale: float, chunk: int):
+    def forward(ctx, q, k, v, lam, mask: AttnMask, scale: float, chunk: int, native_chunk: int):
         q = q.contiguous()  # one pass over Q so that every block of it is a strided view
-        k3, v3 = _batched(k), _batched(v)  # (B*M*Hk, Nk, d), (B*Hk, Nk, dv)
-        ctx.native_attn = native.attention_ok(q, k3, v3, mask.n_k, mask.key_valid is not None)
-        if ctx.native_attn:  # float32: every block's products and maps in one native call
+        k3 = _batched(k)  # (B*M*Hk, Nk, d)
+        ctx.native_attn = native.attention_ok(q, k3, v, mask.n_k, mask.key_valid is not None)
+        if ctx.native_attn:  # float32: every block's products and maps in one native call; V read in place
             want = any(ctx.needs_input_grad[:4])
             lam_s, lam_rows = _lam_args(lam, q.shape)
-            out, lse = native.attention_forward(q, k3, v3, mask.causal, mask.q_start, chunk, scale, lam_s, lam_rows,
-                                                want)
+            out, lse = native.attention_forward(q, k3, v, mask.causal, mask.q_start, native_chunk, scale, lam_s,
+                                                lam_rows, want)
             if want:
-                ctx.save_for_backward(q, k3, v3, lam, lse)
-                ctx.mask, ctx.scale, ctx.chunk, ctx.shapes = mask, scale, chunk, (k.shape, v.shape)
+                ctx.save_for_backward(q, k3, v, lam, lse)
+                ctx.mask, ctx.scale, ctx.chunk, ctx.shapes = mask, scale, native_chunk, (k.shape, v.shape)
             return out
+        v3 = _batched(v)  # (B*Hk, Nk, dv)
         g = _Blocks(q, k3, v3, lam, mask, scale, chunk)
         out = q.new_empty(g.b, g.n, g.h, v.shape[-1])
         for i0, i1, ke in g.blocks():
@@ -358,16 +360,16 @@ def _lam_args(lam: Optional[torch.Tensor], q_shape) -> tuple:
 
 
 def _native_backward(ctx, dout):
-    q, k3, v3, lam, lse = ctx.saved_tensors
-    k_shape, v_shape = ctx.shapes
+    q, k3, v, lam, lse = ctx.saved_tensors
+    k_shape, _ = ctx.shapes
     lam_s, lam_rows = _lam_args(lam, q.shape)
     dout = dout.to(torch.float32).contiguous()
-    dq, dk, dv, rs2 = native.attention_backward(q, k3, v3, dout, lse, ctx.mask.causal, ctx.mask.q_start, ctx.chunk,
+    dq, dk, dv, rs2 = native.attention_backward(q, k3, v, dout, lse, ctx.mask.causal, ctx.mask.q_start, ctx.chunk,
                                                 ctx.scale, lam_s, lam_rows)
     dlam = None
     if lam is not None and ctx.needs_input_grad[3]:
         dlam = (-rs2.sum() if lam.dim() == 0 else -rs2.view(lam.shape)).to(lam.dtype)
-    return dq, dk.view(k_shape), dv.view(v_shape), dlam, None, None, None
+    return dq, dk.view(k_shape), dv, dlam, None, None, None, None
 
 
 def _backward(ctx, dout):
@@ -445,7 +447,7 @@ def _backward(ctx, dout):
     dk = dk.mul_(g.scale).view(k_shape).to(k3.dtype)
     if dlam is not None:
         dlam = dlam.to(lam.dtype)
-    return dq, dk, dv.view(v_shape).to(v3.dtype), dlam, None, None, None
+    return dq, dk, dv.view(v_shape).to(v3.dtype), dlam, None, None, None, None
 
 
 def _acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fresh: bool) -> None:
@@ -469,18 +471,23 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
     if m not in (1, 2) or (m == 2) != (lam is not None):
         raise ValueError("fused_attention takes one map without lambda or two maps with lambda")
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, lam))
+    native_chunk = chunk
     if chunk is None:
         # Reduced-precision inference takes blocks as large as BLOCK_BYTES allows (at the small
         # preset's prefill, 4 x 512 tokens: one block): fewer K/V prefix copies and Python steps,
         # which do not parallelise (docs/performance.md, "Inference blocks").
         es = _map_dtype(q.dtype).itemsize
         chunk = chunk_size(b, m, h, n, min(k.shape[3], mask.n_k), es, slices=needs_grad or es >= 4)
+        # The float32 kernel's blocks: 3/4 as many rows, a multiple of 48 = 8 tiles of its 6-row
+        # micro-kernel (64 rows end in a 4-row tile) whose maps stay further inside L2: 1 ms (2%)
+        # less per DIFF layer at the small preset (docs/performance.md).
+        native_chunk = max(NATIVE_CHUNK, chunk // MIN_CHUNK * NATIVE_CHUNK)
     with _no_autocast(q.device.type):
         if not needs_grad and n <= SMALL_QUERY:
             return _few_queries(q, k, v, lam, mask, scale)
         if k.shape[3] > mask.n_k:  # a cache's whole buffers: keep the written part
             k, v = k[:, :, :, : mask.n_k], v[:, :, : mask.n_k]
-        return _FusedAttention.apply(q, k, v, lam, mask, scale, chunk)
+        return _FusedAttention.apply(q, k, v, lam, mask, scale, chunk, native_chunk)
 
 
 SMALL_QUERY = 4  # up to this many queries (decoding), a single block without scratch bookkeeping

@@ -117,14 +117,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_swiglu.restype = None
     lib.difftx_swiglu_backward.argtypes = [p, p, p, p, p, i, i64, i]
     lib.difftx_swiglu_backward.restype = None
-    lib.difftx_rope.argtypes = [p, p, i, p, p, i64, i64, i64, i64, i64, i, f, i]
+    lib.difftx_rope.argtypes = [p, p, p, p, i, p, p, i64, i64, i64, i64, i64, i64, i, f, i]
     lib.difftx_rope.restype = None
     lib.difftx_gemm_nr.argtypes = []
     lib.difftx_gemm_nr.restype = i
-    lib.difftx_attn_forward.argtypes = [p, p, i64, i64, p, i64, i64, p, p, p] + [i64] * 9 + [i, i64, f, f, p, i]
+    lib.difftx_attn_forward.argtypes = [p, p, i64, i64, p, i64, i64, i64, p, p, p, p] + [i64] * 9 + [i, i64, f, f, p, i]
     lib.difftx_attn_forward.restype = None
-    lib.difftx_attn_backward.argtypes = ([p, p, i64, i64, p, i64, i64, p, p, p, p, p, p, p, p] + [i64] * 9
-                                         + [i, i64, f, f, p, i])
+    lib.difftx_attn_backward.argtypes = ([p, p, i64, i64, p, i64, i64, i64, p, p, p, p, p, i64, i64, i64, p, p, p]
+                                         + [i64] * 9 + [i, i64, f, f, p, i])
     lib.difftx_attn_backward.restype = None
 
 
@@ -266,15 +266,16 @@ def swiglu_backward(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor):
     return dg, du
 
 
-def attention_ok(q: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, nk: int, padded: bool) -> bool:
+def attention_ok(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, nk: int, padded: bool) -> bool:
     """Whether :func:`attention_forward` takes a fused-attention call: float32 on the CPU, no key padding,
     head widths multiples of the micro-kernel's column block (16 floats with AVX2, 32 with AVX-512),
-    K/V rows with a contiguous last dim and exactly ``nk`` keys."""
-    if not (supports(q.dtype, q.device) and q.dtype == k3.dtype == v3.dtype == torch.float32) or padded:
+    K rows (k3, (B*M*Hk, nk, d)) and V rows (v, (B, Hk, nk, dv), any strides) with a contiguous last dim
+    and exactly ``nk`` keys."""
+    if not (supports(q.dtype, q.device) and q.dtype == k3.dtype == v.dtype == torch.float32) or padded:
         return False
     nr = library().difftx_gemm_nr()
-    return (q.shape[-1] % nr == 0 and v3.shape[-1] % nr == 0 and k3.shape[1] == v3.shape[1] == nk >= 1
-            and k3.stride(-1) == 1 and v3.stride(-1) == 1)
+    return (q.shape[-1] % nr == 0 and v.shape[-1] % nr == 0 and v.dim() == 4 and k3.shape[1] == v.shape[2] == nk >= 1
+            and k3.stride(-1) == 1 and v.stride(-1) == 1)
 
 
 def _pack(name: str, numel: int, device: torch.device) -> torch.Tensor:
@@ -288,58 +289,97 @@ def _panels(nk: int) -> int:
     return (nk + nr - 1) // nr * nr
 
 
-def attention_forward(q: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, causal: bool, q_start: int, chunk: int,
+def attention_forward(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, causal: bool, q_start: int, chunk: int,
                       scale: float, lam: float, lam_rows: Optional[torch.Tensor], want_lse: bool):
     """The float32 fused attention (one or two maps over one value) in native blocks: (out, lse or None).
 
-    ``q`` (B, M, H, N, d) contiguous; ``k3`` (B*M*Hk, nk, d) and ``v3`` (B*Hk, nk, dv) with contiguous rows;
-    ``lam_rows`` float32 (B, H, N) or None (the scalar ``lam``).  out (B, N, H, dv); lse (B, M, H, N), the
-    rows' log-sum-exp that :func:`attention_backward` rebuilds the maps from."""
+    ``q`` (B, M, H, N, d) contiguous; ``k3`` (B*M*Hk, nk, d) with contiguous rows; ``v`` (B, Hk, nk, dv) with
+    contiguous rows, read in place (a head view of the value projection); ``lam_rows`` float32 (B, H, N) or
+    None (the scalar ``lam``).  out (B, N, H, dv); lse (B, M, H, N), the rows' log-sum-exp that
+    :func:`attention_backward` rebuilds the maps from."""
     b, m, h, n, d = q.shape
-    hk, nk, dv = k3.shape[0] // (b * m), k3.shape[1], v3.shape[-1]
+    hk, nk, dv = k3.shape[0] // (b * m), k3.shape[1], v.shape[-1]
     assert q.is_contiguous() and (lam_rows is None or (lam_rows.is_contiguous() and lam_rows.dtype == torch.float32))
+    assert v.shape[:2] == (b, hk)
     out = q.new_empty(b, n, h, dv)
     lse = q.new_empty(b, m, h, n) if want_lse else None
     kpack = _pack("kpack", k3.shape[0] * _panels(nk) * d, q.device)
-    library().difftx_attn_forward(q.data_ptr(), k3.data_ptr(), k3.stride(0), k3.stride(1), v3.data_ptr(),
-                                  v3.stride(0), v3.stride(1), out.data_ptr(), _ptr(lse), kpack.data_ptr(), b, m, h,
-                                  hk, n, nk, d, dv, q_start, int(causal), chunk, float(scale), float(lam),
-                                  _ptr(lam_rows), torch.get_num_threads())
+    vpack = _pack("vpack", b * hk * _panels(nk) * dv, q.device)
+    library().difftx_attn_forward(q.data_ptr(), k3.data_ptr(), k3.stride(0), k3.stride(1), v.data_ptr(), v.stride(0),
+                                  v.stride(1), v.stride(2), out.data_ptr(), _ptr(lse), kpack.data_ptr(),
+                                  vpack.data_ptr(), b, m, h, hk, n, nk, d, dv, q_start, int(causal), chunk,
+                                  float(scale), float(lam), _ptr(lam_rows), torch.get_num_threads())
     return out, lse
 
 
-def attention_backward(q, k3, v3, dout, lse, causal: bool, q_start: int, chunk: int, scale: float, lam: float,
+def dense_layout(t: torch.Tensor) -> Optional[tuple]:
+    """(shape, strides) of t when it is dense (a permutation of a contiguous tensor) with contiguous rows,
+    else None: the layout to write t's gradient in, so that the gradient of a head view of a projection's
+    output reaches the projection without a copy."""
+    if t.stride(-1) == 1 and torch.empty_like(t, device="meta").stride() == t.stride():  # preserve_format
+        return tuple(t.shape), t.stride()
+    return None
+
+
+def _like(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor shaped like t, in :func:`dense_layout` when t has one, else contiguous."""
+    layout = dense_layout(t)
+    if layout is not None:
+        return torch.empty_strided(*layout, dtype=t.dtype, device=t.device)
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def attention_backward(q, k3, v, dout, lse, causal: bool, q_start: int, chunk: int, scale: float, lam: float,
                        lam_rows: Optional[torch.Tensor]):
-    """Gradients of :func:`attention_forward`: dq (like q), dk (like k3, contiguous), dv (like v3), and for two
-    maps rowsum(P2 dP) (B, H, N) (lambda's gradient is minus it, summed for a scalar lambda), else None."""
+    """Gradients of :func:`attention_forward`: dq (like q), dk (like k3, contiguous), dv (v's shape, in v's
+    layout when dense, see :func:`_like`), and for two maps rowsum(P2 dP) (B, H, N) (lambda's gradient is
+    minus it, summed for a scalar lambda), else None."""
     b, m, h, n, d = q.shape
-    hk, nk, dv_w = k3.shape[0] // (b * m), k3.shape[1], v3.shape[-1]
+    hk, nk, dv_w = k3.shape[0] // (b * m), k3.shape[1], v.shape[-1]
     assert dout.is_contiguous() and dout.shape == (b, n, h, dv_w) and dout.dtype == torch.float32
     dq = torch.empty_like(q)
     dk = q.new_empty(k3.shape[0], nk, d)
-    dv = q.new_empty(v3.shape[0], nk, dv_w)
+    dv = _like(v)
     rs2 = q.new_empty(b, h, n) if m == 2 else None
     kpack = _pack("kpack", k3.shape[0] * _panels(nk) * d, q.device)
-    vpack = _pack("vpack", v3.shape[0] * _panels(nk) * dv_w, q.device)
-    library().difftx_attn_backward(q.data_ptr(), k3.data_ptr(), k3.stride(0), k3.stride(1), v3.data_ptr(),
-                                   v3.stride(0), v3.stride(1), dout.data_ptr(), lse.data_ptr(), dq.data_ptr(),
-                                   dk.data_ptr(), dv.data_ptr(), _ptr(rs2), kpack.data_ptr(), vpack.data_ptr(), b, m,
-                                   h, hk, n, nk, d, dv_w, q_start, int(causal), chunk, float(scale), float(lam),
-                                   _ptr(lam_rows), torch.get_num_threads())
+    vpack = _pack("vpack", b * hk * _panels(nk) * dv_w, q.device)
+    library().difftx_attn_backward(q.data_ptr(), k3.data_ptr(), k3.stride(0), k3.stride(1), v.data_ptr(),
+                                   v.stride(0), v.stride(1), v.stride(2), dout.data_ptr(), lse.data_ptr(),
+                                   dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dv.stride(0), dv.stride(1),
+                                   dv.stride(2), _ptr(rs2), kpack.data_ptr(), vpack.data_ptr(), b, m, h, hk, n, nk,
+                                   d, dv_w, q_start, int(causal), chunk, float(scale), float(lam), _ptr(lam_rows),
+                                   torch.get_num_threads())
     return dq, dk, dv, rs2
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, inverse: bool = False):
-    """Rotate x (..., N, d), contiguous, by float32 angles cos/sin (Bc, N, d/2) (Bc 1 or x's first dim);
-    ``inverse`` rotates backwards (the gradient)."""
-    assert x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and cos.dtype == torch.float32
-    n, d = x.shape[-2], x.shape[-1]
-    b = x.shape[0] if x.dim() > 2 else 1
-    a = x.numel() // (b * n * d)
-    out = torch.empty_like(x)
-    library().difftx_rope(x.data_ptr(), out.data_ptr(), int(x.dtype == torch.bfloat16), cos.data_ptr(),
-                          sin.data_ptr(), b, a, n, d, cos.shape[0], int(interleaved), -1.0 if inverse else 1.0,
-                          torch.get_num_threads())
+def _rows4(t: torch.Tensor):
+    """((B, A1, A2, N), their element strides) of t (..., N, d), 2 to 5 dims with a contiguous last dim
+    (the first dim of 3+ is the batch; missing head dims are 1), or None."""
+    if not 2 <= t.dim() <= 5 or t.stride(-1) != 1:
+        return None
+    sizes, strides = list(t.shape[:-1]), list(t.stride()[:-1])
+    pad = 3 if t.dim() == 2 else 5 - t.dim()
+    at = 0 if t.dim() == 2 else 1  # after the batch dim
+    return sizes[:at] + [1] * pad + sizes[at:], strides[:at] + [0] * pad + strides[at:]
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, inverse: bool = False,
+         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rotate x (..., N, d) by float32 angles cos/sin (Bc, N, d/2) (Bc 1 or x's first dim); ``inverse``
+    rotates backwards (the gradient).  x may be strided (its last dim contiguous, at most 5 dims); the
+    result goes to ``out`` (x's shape and dtype, any such strides) or to a new contiguous tensor."""
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.dtype == torch.float32
+    if _rows4(x) is None:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    assert out.shape == x.shape and out.dtype == x.dtype and _rows4(out) is not None
+    (b, a1, a2, n), xs = _rows4(x)
+    _, os_ = _rows4(out)
+    arr = ctypes.c_int64 * 4
+    library().difftx_rope(x.data_ptr(), arr(*xs), out.data_ptr(), arr(*os_), int(x.dtype == torch.bfloat16),
+                          cos.data_ptr(), sin.data_ptr(), b, a1, a2, n, x.shape[-1], cos.shape[0], int(interleaved),
+                          -1.0 if inverse else 1.0, torch.get_num_threads())
     return out
 
 

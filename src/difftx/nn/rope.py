@@ -43,7 +43,9 @@ class RotaryEmbedding(nn.Module):
 
 class _NativeRope(torch.autograd.Function):
     """The rotation in one native pass per row (difftx.nn.native), float32 angles; the gradient is
-    the inverse rotation."""
+    the inverse rotation.  x is read in place when strided (a head view of a projection's output);
+    its gradient is written in x's own layout when x is dense (a permutation of a contiguous
+    tensor, rows contiguous), so that the views back to the projection cost no copy."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, interleaved: bool):
@@ -51,14 +53,18 @@ class _NativeRope(torch.autograd.Function):
 
         ctx.save_for_backward(cos, sin)
         ctx.interleaved = interleaved
-        return native.rope(x.contiguous(), cos, sin, interleaved)
+        ctx.grad_layout = native.dense_layout(x)
+        return native.rope(x, cos, sin, interleaved)
 
     @staticmethod
     def backward(ctx, dy):
         from . import native
 
         cos, sin = ctx.saved_tensors
-        return native.rope(dy.contiguous(), cos, sin, ctx.interleaved, inverse=True), None, None, None
+        out = None
+        if ctx.grad_layout is not None:
+            out = torch.empty_strided(*ctx.grad_layout, dtype=dy.dtype, device=dy.device)
+        return native.rope(dy, cos, sin, ctx.interleaved, inverse=True, out=out), None, None, None
 
 
 def _native_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> Optional[torch.Tensor]:
