@@ -502,6 +502,32 @@ def test_rope_reads_a_projection_view_in_place_and_writes_its_gradient_in_that_l
     assert (gp.double() - gpr).abs().max() <= 1e-6 * gpr.abs().max()
 
 
+@needs_native
+def test_rope_native_takes_more_than_three_leading_dims(monkeypatch):
+    """(B, a, b, c, N, d): the leading head dims are flattened; rotation and gradient match float64."""
+    from difftx.nn.rope import RotaryEmbedding, apply_rope
+
+    monkeypatch.setattr(native, "ENABLED", True)
+    gen = torch.Generator().manual_seed(6)
+    cos, sin = RotaryEmbedding(8).cos_sin(torch.arange(5))
+    c, s = cos[:, None, None], sin[:, None, None]  # (1, 1, 1, 1, N, d/2)
+    x = torch.randn(2, 3, 2, 2, 5, 8, generator=gen, dtype=torch.float64)
+    gy = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    calls = []
+    real = native.rope
+    monkeypatch.setattr(native, "rope", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    xf = x.float().requires_grad_()
+    y = apply_rope(xf, c, s, "half")
+    (g,) = torch.autograd.grad(y, [xf], gy.float())
+    assert calls  # the native rotation, forward and backward
+    monkeypatch.setattr(native, "ENABLED", False)
+    xr = x.clone().requires_grad_()
+    yr = apply_rope(xr, c.double(), s.double(), "half")
+    (gr,) = torch.autograd.grad(yr, [xr], gy)
+    assert (y.double() - yr).abs().max() <= 1e-6 * yr.abs().max()
+    assert (g.double() - gr).abs().max() <= 1e-6 * gr.abs().max()
+
+
 WIDTH_FLAGS = {"8 lanes (AVX2 without AVX-512)": "-mno-avx512f", "4 lanes (SSE)": "-mno-avx"}
 
 

@@ -369,8 +369,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     rotates backwards (the gradient).  x may be strided (its last dim contiguous, at most 5 dims); the
     result goes to ``out`` (x's shape and dtype, any such strides) or to a new contiguous tensor."""
     assert cos.is_contiguous() and sin.is_contiguous() and cos.dtype == torch.float32
-    if _rows4(x) is None:
+    if _rows4(x) is None:  # rows not contiguous, or more than three leading dims: (B, heads..., N, d) flattened
+        shape = x.shape
         x = x.contiguous()
+        if x.dim() > 5:
+            x = x.view(shape[0], -1, *shape[-2:])
+            return rope(x, cos, sin, interleaved, inverse, None if out is None else out.view(x.shape)).view(shape)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     assert out.shape == x.shape and out.dtype == x.dtype and _rows4(out) is not None

@@ -53,7 +53,7 @@ class _NativeRope(torch.autograd.Function):
 
         ctx.save_for_backward(cos, sin)
         ctx.interleaved = interleaved
-        ctx.grad_layout = native.dense_layout(x)
+        ctx.grad_layout = native.dense_layout(x) if x.dim() <= 5 else None
         return native.rope(x, cos, sin, interleaved)
 
     @staticmethod
