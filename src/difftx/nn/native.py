@@ -321,25 +321,24 @@ def dense_layout(t: torch.Tensor) -> Optional[tuple]:
     return None
 
 
-def _like(t: torch.Tensor) -> torch.Tensor:
-    """An empty tensor shaped like t, in :func:`dense_layout` when t has one, else contiguous."""
-    layout = dense_layout(t)
+def empty_in(layout: Optional[tuple], shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor of ``shape`` in ``layout`` (from :func:`dense_layout`), or contiguous when None."""
     if layout is not None:
-        return torch.empty_strided(*layout, dtype=t.dtype, device=t.device)
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        return torch.empty_strided(*layout, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def attention_backward(q, k3, v, dout, lse, causal: bool, q_start: int, chunk: int, scale: float, lam: float,
                        lam_rows: Optional[torch.Tensor]):
     """Gradients of :func:`attention_forward`: dq (like q), dk (like k3, contiguous), dv (v's shape, in v's
-    layout when dense, see :func:`_like`), and for two maps rowsum(P2 dP) (B, H, N) (lambda's gradient is
+    layout when dense, see :func:`dense_layout`), and for two maps rowsum(P2 dP) (B, H, N) (lambda's gradient is
     minus it, summed for a scalar lambda), else None."""
     b, m, h, n, d = q.shape
     hk, nk, dv_w = k3.shape[0] // (b * m), k3.shape[1], v.shape[-1]
     assert dout.is_contiguous() and dout.shape == (b, n, h, dv_w) and dout.dtype == torch.float32
     dq = torch.empty_like(q)
     dk = q.new_empty(k3.shape[0], nk, d)
-    dv = _like(v)
+    dv = empty_in(dense_layout(v), v.shape, v.dtype, v.device)
     rs2 = q.new_empty(b, h, n) if m == 2 else None
     kpack = _pack("kpack", k3.shape[0] * _panels(nk) * d, q.device)
     vpack = _pack("vpack", b * hk * _panels(nk) * dv_w, q.device)
@@ -369,17 +368,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     rotates backwards (the gradient).  x may be strided (its last dim contiguous, at most 5 dims); the
     result goes to ``out`` (x's shape and dtype, any such strides) or to a new contiguous tensor."""
     assert cos.is_contiguous() and sin.is_contiguous() and cos.dtype == torch.float32
-    if _rows4(x) is None:  # rows not contiguous, or more than three leading dims: (B, heads..., N, d) flattened
+    rows = _rows4(x)
+    if rows is None:  # rows not contiguous, or more than three leading dims: (B, heads..., N, d) flattened
         shape = x.shape
         x = x.contiguous()
         if x.dim() > 5:
             x = x.view(shape[0], -1, *shape[-2:])
             return rope(x, cos, sin, interleaved, inverse, None if out is None else out.view(x.shape)).view(shape)
+        rows = _rows4(x)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    assert out.shape == x.shape and out.dtype == x.dtype and _rows4(out) is not None
-    (b, a1, a2, n), xs = _rows4(x)
-    _, os_ = _rows4(out)
+    out_rows = _rows4(out)
+    assert out.shape == x.shape and out.dtype == x.dtype and out_rows is not None
+    (b, a1, a2, n), xs = rows
+    os_ = out_rows[1]
     arr = ctypes.c_int64 * 4
     library().difftx_rope(x.data_ptr(), arr(*xs), out.data_ptr(), arr(*os_), int(x.dtype == torch.bfloat16),
                           cos.data_ptr(), sin.data_ptr(), b, a1, a2, n, x.shape[-1], cos.shape[0], int(interleaved),

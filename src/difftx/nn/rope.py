@@ -61,9 +61,7 @@ class _NativeRope(torch.autograd.Function):
         from . import native
 
         cos, sin = ctx.saved_tensors
-        out = None
-        if ctx.grad_layout is not None:
-            out = torch.empty_strided(*ctx.grad_layout, dtype=dy.dtype, device=dy.device)
+        out = native.empty_in(ctx.grad_layout, dy.shape, dy.dtype, dy.device)
         return native.rope(dy, cos, sin, ctx.interleaved, inverse=True, out=out), None, None, None
 
 
