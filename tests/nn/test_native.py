@@ -393,6 +393,27 @@ def test_model_decoding_takes_the_native_step_and_matches_the_torch_step(padded,
 
 
 @needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_swiglu_float32_blocks_and_tails_match_float64(threads, monkeypatch):
+    """Several of the kernel's 4096-element blocks with a partial vector at the end: the float32 vector
+    loop and the tail path agree with float64, whatever the thread count."""
+    monkeypatch.setattr(native, "ENABLED", True)
+    gen = torch.Generator().manual_seed(1)
+    g = torch.randn(3, 4099, generator=gen, dtype=torch.float64) * 4
+    u, dh = torch.randn(3, 4099, generator=gen, dtype=torch.float64), torch.randn(3, 4099, generator=gen, dtype=torch.float64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        h = native.swiglu(g.float(), u.float())
+        dg, du = native.swiglu_backward(g.float(), u.float(), dh.float())
+    finally:
+        torch.set_num_threads(before)
+    s = torch.sigmoid(g)
+    for a, b in ((h, g * s * u), (dg, dh * u * s * (1 + g * (1 - s))), (du, dh * g * s)):
+        assert (a.double() - b).abs().max() <= 1e-6 * b.abs().max()
+
+
+@needs_native
 def test_rms_norm_backward_is_deterministic():
     """The weight gradient sums per-thread partials in thread order: bitwise equal run to run."""
     g = torch.Generator().manual_seed(0)
