@@ -280,38 +280,26 @@ void difftx_rms_norm(const void *x, int x_bf16, void *y, int y_bf16, float *rstd
                      float gain, float eps, int64_t rows, int64_t dim, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     {
-        float *e = (float *)malloc((size_t)dim * sizeof(float));
+        float *e = (float *)malloc((size_t)dim * sizeof(float)); /* a bfloat16 row as floats */
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < rows; row++) {
-            if (!x_bf16 && !y_bf16) { /* float32: straight from x to y, no row copy */
-                const float *xr = (const float *)x + row * dim;
-                float *yr = (float *)y + row * dim;
-                float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-                for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
-                const float r = 1.0f / sqrtf(ss / (float)dim + eps), rg = r * gain;
-                if (rstd_out) rstd_out[row] = r;
-                if (wg) {
-#pragma omp simd
-                    for (int64_t i = 0; i < dim; i++) yr[i] = (xr[i] * wg[i]) * r;
-                } else {
-#pragma omp simd
-                    for (int64_t i = 0; i < dim; i++) yr[i] = xr[i] * rg;
-                }
-                continue;
-            }
-            load_row(x, row * dim, x_bf16, e, dim);
+            /* float32 rows are read and written in place; bfloat16 ones go through e */
+            const float *xr = x_bf16 ? e : (const float *)x + row * dim;
+            if (x_bf16) load_row(x, row * dim, 1, e, dim);
             float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < dim; i++) ss += e[i] * e[i];
-            const float r = 1.0f / sqrtf(ss / (float)dim + eps);
+            for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
+            const float r = 1.0f / sqrtf(ss / (float)dim + eps), rg = r * gain;
             if (rstd_out) rstd_out[row] = r;
+            float *yr = y_bf16 ? e : (float *)y + row * dim;
             if (wg) {
-                for (int64_t i = 0; i < dim; i++) e[i] *= wg[i];
-                store_row(y, row * dim, y_bf16, e, r, NULL, 0.0f, dim, dim);
+#pragma omp simd
+                for (int64_t i = 0; i < dim; i++) yr[i] = (xr[i] * wg[i]) * r;
             } else {
-                store_row(y, row * dim, y_bf16, e, r * gain, NULL, 0.0f, dim, dim);
+#pragma omp simd
+                for (int64_t i = 0; i < dim; i++) yr[i] = xr[i] * rg;
             }
+            if (y_bf16) store_row(y, row * dim, 1, e, 1.0f, NULL, 0.0f, dim, dim);
         }
         free(e);
     }
@@ -433,44 +421,31 @@ void difftx_rms_norm_backward(const void *x, int x_bf16, const void *dy, int dy_
     int used = 1;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *buf = (float *)malloc((size_t)(2 * dim) * sizeof(float));
-        float *xh = buf, *g = buf + dim;
+        float *buf = (float *)malloc((size_t)(2 * dim) * sizeof(float)); /* bfloat16 rows as floats */
+        float *xb = buf, *gb = buf + dim;
         float *dw = partial ? partial + (int64_t)omp_get_thread_num() * dim : NULL;
 #pragma omp single
         used = omp_get_num_threads();
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < rows; row++) {
             const float r = rstd[row];
-            if (!x_bf16 && !dy_bf16) { /* float32: two passes over the rows in place, no row copies */
-                const float *xr = (const float *)x + row * dim, *dyr = (const float *)dy + row * dim;
-                float *dxr = (float *)dx + row * dim, dot = 0.0f;
-                if (dw) {
-#pragma omp simd
-                    for (int64_t i = 0; i < dim; i++) dw[i] += xr[i] * r * dyr[i];
-                }
-#pragma omp simd reduction(+ : dot)
-                for (int64_t i = 0; i < dim; i++) dot += (dyr[i] * (wg ? wg[i] : gain)) * (xr[i] * r);
-                const float c = -dot / (float)dim;
-#pragma omp simd
-                for (int64_t i = 0; i < dim; i++) dxr[i] = (dyr[i] * (wg ? wg[i] : gain) + (xr[i] * r) * c) * r;
-                continue;
-            }
-            load_row(x, row * dim, x_bf16, xh, dim);
-            load_row(dy, row * dim, dy_bf16, g, dim);
-            float dot = 0.0f;
+            /* float32 rows are read (and dx written) in place; bfloat16 ones go through buf */
+            const float *xr = x_bf16 ? xb : (const float *)x + row * dim;
+            const float *dyr = dy_bf16 ? gb : (const float *)dy + row * dim;
+            if (x_bf16) load_row(x, row * dim, 1, xb, dim);
+            if (dy_bf16) load_row(dy, row * dim, 1, gb, dim);
             if (dw) {
 #pragma omp simd
-                for (int64_t i = 0; i < dim; i++) dw[i] += xh[i] * r * g[i];
+                for (int64_t i = 0; i < dim; i++) dw[i] += xr[i] * r * dyr[i];
             }
+            float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < dim; i++) {
-                xh[i] *= r;
-                g[i] *= wg ? wg[i] : gain;
-                dot += g[i] * xh[i];
-            }
+            for (int64_t i = 0; i < dim; i++) dot += (dyr[i] * (wg ? wg[i] : gain)) * (xr[i] * r);
             const float c = -dot / (float)dim;
-            for (int64_t i = 0; i < dim; i++) g[i] += xh[i] * c;
-            store_row(dx, row * dim, x_bf16, g, r, NULL, 0.0f, dim, dim);
+            float *dxr = x_bf16 ? gb : (float *)dx + row * dim; /* dx has x's dtype */
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) dxr[i] = (dyr[i] * (wg ? wg[i] : gain) + (xr[i] * r) * c) * r;
+            if (x_bf16) store_row(dx, row * dim, 1, gb, 1.0f, NULL, 0.0f, dim, dim);
         }
         free(buf);
     }
