@@ -534,22 +534,25 @@ void difftx_swiglu_backward(const void *g, const void *u, const void *dh, void *
 static inline void rope_row(const void *x, int64_t xo, void *out, int64_t oo, int is_bf16, const float *c,
                             const float *s, int64_t d, int interleaved, float sign, float *xr, float *yr) {
     const int64_t half = d / 2;
-    load_row(x, xo, is_bf16, xr, d);
+    /* float32 rows are read and written in place; bfloat16 ones go through xr / yr */
+    const float *xs = is_bf16 ? xr : (const float *)x + xo;
+    float *ys = is_bf16 ? yr : (float *)out + oo;
+    if (is_bf16) load_row(x, xo, 1, xr, d);
     if (interleaved) {
         for (int64_t i = 0; i < half; i++) {
-            const float a = xr[2 * i], e = xr[2 * i + 1], si = sign * s[i];
-            yr[2 * i] = a * c[i] - e * si;
-            yr[2 * i + 1] = a * si + e * c[i];
+            const float a = xs[2 * i], e = xs[2 * i + 1], si = sign * s[i];
+            ys[2 * i] = a * c[i] - e * si;
+            ys[2 * i + 1] = a * si + e * c[i];
         }
     } else {
 #pragma omp simd
         for (int64_t i = 0; i < half; i++) {
-            const float a = xr[i], e = xr[i + half], si = sign * s[i];
-            yr[i] = a * c[i] - e * si;
-            yr[i + half] = a * si + e * c[i];
+            const float a = xs[i], e = xs[i + half], si = sign * s[i];
+            ys[i] = a * c[i] - e * si;
+            ys[i + half] = a * si + e * c[i];
         }
     }
-    store_row(out, oo, is_bf16, yr, 1.0f, NULL, 0.0f, d, d);
+    if (is_bf16) store_row(out, oo, 1, yr, 1.0f, NULL, 0.0f, d, d);
 }
 
 void difftx_rope(const void *x, const int64_t *xst, void *out, const int64_t *ost, int is_bf16, const float *cos_,
