@@ -549,6 +549,28 @@ def test_rope_native_takes_more_than_three_leading_dims(monkeypatch):
     assert (g.double() - gr).abs().max() <= 1e-6 * gr.abs().max()
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_native_rotates_in_place(dtype, interleaved):
+    """``out`` may be x itself (float32 rows are read and written in place, bfloat16 ones through
+    scratch): the same values as into a new tensor, for a strided x (a head view of a projection)."""
+    from difftx.nn.rope import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(8)
+    b, n, h, d = 2, 7, 3, 16
+    cos, sin = RotaryEmbedding(d).cos_sin(torch.arange(n))
+    c3, s3 = cos.reshape(1, n, d // 2).contiguous(), sin.reshape(1, n, d // 2).contiguous()
+    proj = torch.randn(b, n, 2 * h * d, generator=gen).to(dtype)
+    x = proj[..., : h * d].view(b, n, h, d).transpose(1, 2)  # strided, position-major
+    expect = native.rope(x, c3, s3, interleaved)
+    assert expect.is_contiguous() and not torch.equal(expect, x)
+    untouched = proj[..., h * d:].clone()
+    assert native.rope(x, c3, s3, interleaved, out=x) is x
+    assert torch.equal(x, expect)
+    assert torch.equal(proj[..., h * d:], untouched)  # only x's own elements were written
+
+
 WIDTH_FLAGS = {"8 lanes (AVX2 without AVX-512)": "-mno-avx512f", "4 lanes (SSE)": "-mno-avx"}
 
 

@@ -366,7 +366,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
          out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rotate x (..., N, d) by float32 angles cos/sin (Bc, N, d/2) (Bc 1 or x's first dim); ``inverse``
     rotates backwards (the gradient).  x may be strided (its last dim contiguous, at most 5 dims); the
-    result goes to ``out`` (x's shape and dtype, any such strides) or to a new contiguous tensor."""
+    result goes to ``out`` (x's shape and dtype, any such strides; x itself, or memory not overlapping x)
+    or to a new contiguous tensor."""
     assert cos.is_contiguous() and sin.is_contiguous() and cos.dtype == torch.float32
     rows = _rows4(x)
     if rows is None:  # rows not contiguous, or more than three leading dims: (B, heads..., N, d) flattened
