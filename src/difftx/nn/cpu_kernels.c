@@ -565,8 +565,8 @@ void difftx_rope(const void *x, const int64_t *xst, void *out, const int64_t *os
                           (A1 > 1 && (xst[3] > xst[1] || ost[3] > ost[1]));
 #pragma omp parallel num_threads(nthreads)
     {
-        float *buf = (float *)malloc((size_t)(2 * d) * sizeof(float));
-        float *xr = buf, *yr = buf + d;
+        float *buf = is_bf16 ? (float *)malloc((size_t)(2 * d) * sizeof(float)) : NULL; /* bf16 rows only */
+        float *xr = buf, *yr = buf ? buf + d : NULL;
         if (pos_major) {
 #pragma omp for schedule(static)
             for (int64_t o = 0; o < B * N; o++) {
