@@ -55,7 +55,7 @@ def train(model, data, steps, lr, batch, seq, seed, label=""):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if (step + 1) % 50 == 0:
-            print(f"  {label} step {step + 1}/{steps} loss {float(loss):.3f}", file=sys.stderr, flush=True)
+            print(f"  {label} step {step + 1}/{steps} loss {loss.item():.3f}", file=sys.stderr, flush=True)
     model.eval()
     return model
 

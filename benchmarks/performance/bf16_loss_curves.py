@@ -51,7 +51,7 @@ def train(args, data, seed: int, dtype: str) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(loss.item())
     seconds = time.perf_counter() - t0
     tail = losses[-max(1, args.steps // 10):]
     return {"seed": seed, "dtype": dtype, "final_loss": statistics.mean(tail), "losses": losses,

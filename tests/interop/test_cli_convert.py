@@ -120,3 +120,36 @@ def test_loading_never_executes_code_from_the_directory(tmp_path, llama_dir):
     with pytest.raises(CheckpointError, match="weights-only"):
         difftx.load_model(bad)
     assert not marker.exists()
+
+
+def test_verify_reads_a_hugging_face_source_with_transformers(capsys, llama_dir, tmp_path, monkeypatch):
+    """--verify must not read source and result through the same converter: a conversion that changes the
+    function is caught (here one weight is perturbed on its way through difftx's Llama reader)."""
+    pytest.importorskip("transformers")
+    import difftx.interop.convert as conv
+
+    _, src = llama_dir
+    rc, out, err = run_main(capsys, src, tmp_path / "ok", "--verify")
+    assert rc == 0, err
+    assert "source read by transformers, result by difftx" in out
+    assert float(re.search(r"max \|logit difference\| (\S+)", out).group(1)) < 1e-5
+
+    read = conv.read_hf_as_difftx
+
+    def off_by_a_bit(path):
+        cfg, state = read(path)
+        state["final_norm.weight"] = state["final_norm.weight"] * 1.01
+        return cfg, state
+
+    monkeypatch.setattr(conv, "read_hf_as_difftx", off_by_a_bit)
+    rc, out, err = run_main(capsys, src, tmp_path / "bad", "--verify")
+    assert rc == 0, err
+    assert float(re.search(r"max \|logit difference\| (\S+)", out).group(1)) > 1e-3
+
+
+def test_corrupt_config_json_of_a_hugging_face_dir_is_named(capsys, llama_dir, tmp_path):
+    _, src = llama_dir
+    (src / "config.json").write_text('{"model_type": "llama", ')
+    rc, _, err = run_main(capsys, src, tmp_path / "out")
+    _one_error_line(rc, err, "config.json", "not valid JSON", "corrupt")
+    assert not (tmp_path / "out").exists()

@@ -136,3 +136,74 @@ def test_llama_with_biases(tmp_path):
     x = tokens(97)
     with torch.no_grad():
         assert max_diff(model(x).logits, hf(x).logits) < TOL
+
+
+def _bpe_tokenizer_json() -> str:
+    from difftx.data.tokenizers import train_bpe
+
+    return train_bpe(["the quick brown fox jumps over the lazy dog. " * 20], vocab_size=300)._json  # the files are what is checked
+
+
+@pytest.mark.parametrize("kind", ["llama", "diffllama"])
+def test_hf_to_difftx_to_hf_keeps_tokenizer_token_ids_and_dtype(tmp_path, kind):
+    """A bf16 checkpoint with its tokenizer files and special-token ids survives HF -> difftx -> HF."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_llama(kind, heads=4, kv=2)
+    hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id = 1, 2, 0
+    hf.generation_config.bos_token_id, hf.generation_config.eos_token_id = 1, 2
+    hf = hf.to(torch.bfloat16)
+    hf.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text(_bpe_tokenizer_json())
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 128}))
+    names = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+
+    convert(tmp_path / "hf", tmp_path / "dx")
+    from safetensors.torch import load_file
+
+    stored = load_file(tmp_path / "dx" / "model.safetensors")
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}  # as the source, with no --dtype
+    convert(tmp_path / "dx", tmp_path / "hf2", dst_format=f"hf-{kind}")
+    for name in names:
+        assert (tmp_path / "hf2" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
+    written = json.loads((tmp_path / "hf2" / "config.json").read_text())
+    assert written["dtype"] == "bfloat16"
+    assert (written["bos_token_id"], written["eos_token_id"], written["pad_token_id"]) == (1, 2, 0)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation="eager").eval()
+    assert back.dtype == torch.bfloat16 and back.config.eos_token_id == 2
+    for name, t in hf.state_dict().items():
+        assert torch.equal(t, back.state_dict()[name]), name
+
+
+def test_difftx_byte_tokenizer_goes_along_under_its_own_name(tmp_path):
+    import json
+
+    from difftx.data.tokenizers import ByteTokenizer
+
+    model = difftx_model(attention="softmax", n_heads=4, vocab_size=256)
+    difftx.save_model(model, tmp_path / "m")
+    ByteTokenizer().save(tmp_path / "m")
+    convert(tmp_path / "m", tmp_path / "hf", dst_format="hf-llama")
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()  # not a Hugging Face tokenizer
+    assert json.loads((tmp_path / "hf" / "difftx_tokenizer.json").read_text())["difftx_tokenizer"] == "byte"
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"
+    convert(tmp_path / "hf", tmp_path / "back")
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (tmp_path / "m" / "tokenizer.json").read_bytes()
+
+
+def test_diffllama_config_without_rms_norm_eps_uses_diffllamas_default(tmp_path):
+    import json
+
+    hf = hf_llama("diffllama", heads=4, kv=2, eps=1e-5)
+    hf.save_pretrained(tmp_path / "hf")
+    cfg_path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["rms_norm_eps"]  # transformers' DiffLlamaConfig then uses 1e-5 (Llama's default is 1e-6)
+    cfg_path.write_text(json.dumps(cfg))
+    model = difftx.load_model(tmp_path / "hf")
+    assert model.config.norm_eps == model.config.head_norm_eps == 1e-5
+    x = tokens(97)
+    with torch.no_grad():
+        assert max_diff(model(x).logits, hf(x).logits) < TOL

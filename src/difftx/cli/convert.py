@@ -1,8 +1,9 @@
 """``difftx convert SRC DST``: checkpoints between difftx, transformers (Llama, DiffLlama, difftx) and unilm.
 
-A thin layer over :func:`difftx.interop.convert.convert`.  ``--verify`` reloads
-the result with difftx and prints the largest logit difference to the source on
-a fixed random batch (and the KL divergence for ``--diff-init``).
+A thin layer over :func:`difftx.interop.convert.convert`.  ``--verify`` reads the
+source and the result back, each with its own library (transformers for a Llama /
+DiffLlama directory when it is installed, difftx otherwise), and prints the largest
+logit difference on a fixed random batch (and the KL divergence for ``--diff-init``).
 """
 
 from __future__ import annotations
@@ -41,24 +42,40 @@ def add_parser(sub) -> None:
     p.add_argument("--unilm-variant", choices=("flash", "naive"), default="flash",
                    help="unilm: which official file's GQA pairing the weights were trained with (default flash)")
     p.add_argument("--verify", action="store_true",
-                   help="reload the result and print the max logit difference to the source on random tokens")
+                   help="read source and result back (Llama / DiffLlama with transformers when installed) and "
+                        "print their max logit difference on random tokens")
     p.add_argument("--force", action="store_true", help="overwrite a DST that already holds a model")
     p.set_defaults(func=run)
+
+
+def _read_back(path: Path):
+    """(model in float32, "transformers" or "difftx"): ``path`` read by the library that owns its format."""
+    from ..interop.convert import detect_format
+    from ..io import load_model
+
+    fmt = detect_format(path)
+    if fmt in ("hf-llama", "hf-diffllama"):
+        try:
+            import transformers
+        except ImportError:
+            pass
+        else:
+            cls = transformers.LlamaForCausalLM if fmt == "hf-llama" else transformers.DiffLlamaForCausalLM
+            return cls.from_pretrained(str(path), local_files_only=True).float().eval(), "transformers"
+    return load_model(path).float(), "difftx"
 
 
 def _verify(src: Path, dst: Path, diff_init) -> str:
     import torch
 
-    from ..io import load_model
-
-    a, b = load_model(src), load_model(dst)
-    a, b = a.float(), b.float()
+    (a, ra), (b, rb) = _read_back(src), _read_back(dst)
     g = torch.Generator().manual_seed(0)
-    n = min(32, a.config.max_seq_len)
+    n = min(32, getattr(a.config, "max_seq_len", None) or a.config.max_position_embeddings)
     x = torch.randint(0, a.config.vocab_size, (2, n), generator=g)
     with torch.no_grad():
         la, lb = a(x).logits.float(), b(x).logits.float()
-    msg = f"max |logit difference| {float((la - lb).abs().max()):.3g} on 2x{n} random tokens"
+    msg = (f"max |logit difference| {float((la - lb).abs().max()):.3g} on 2x{n} random tokens "
+           f"(source read by {ra}, result by {rb})")
     if diff_init:
         kl = torch.nn.functional.kl_div(lb.log_softmax(-1), la.log_softmax(-1), log_target=True,
                                         reduction="none").sum(-1).mean()

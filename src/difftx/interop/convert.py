@@ -30,7 +30,8 @@ import torch
 
 from ..config import NORM_FLAGS, NORM_PRESETS, ModelConfig
 from ..errors import CheckpointError, ConfigError, DifftxError
-from ..io import WEIGHTS_FILE, clean_state_dict, is_model_dir, load_safetensors, read_model_config, save_model
+from ..io import (CONFIG_FILE, WEIGHTS_FILE, clean_state_dict, is_model_dir, list_checkpoints, load_safetensors,
+                  read_model_config, save_model)
 from . import hf_io
 from .layouts import relayout
 
@@ -39,6 +40,8 @@ FORMATS = ("difftx",) + HF_FORMATS
 MODEL_TYPES = {"llama": "hf-llama", "diffllama": "hf-diffllama", "difftx": "hf-difftx"}
 ARCHITECTURES = {"hf-llama": "LlamaForCausalLM", "hf-diffllama": "DiffLlamaForCausalLM",
                  "hf-difftx": "DifftxForCausalLM"}
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+TOKEN_IDS_KEY = "hf_token_ids"  # where a difftx model directory keeps a Hugging Face source's token ids
 HF_DIFFTX_PREFIX = "model."  # DifftxForCausalLM holds the DecoderLM as ``.model``
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some old checkpoints saved
 
@@ -71,7 +74,7 @@ def _llama_like_config(hf: dict, src: str, diff: bool) -> ModelConfig:
         domain="lm", d_model=d_model, n_layers=need("num_hidden_layers"), head_dim=head_dim,
         ffn_dim=need("intermediate_size"), vocab_size=need("vocab_size"),
         max_seq_len=hf.get("max_position_embeddings", 2048), norms="S1", norm="rms",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), ffn="swiglu", positions="rope", rope_style="half",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-5 if diff else 1e-6)), ffn="swiglu",  # transformers' defaults positions="rope", rope_style="half",
         rope_theta=float(theta), tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bias=attn_bias,
         init_std=float(hf.get("initializer_range", 0.02)),
     )
@@ -128,7 +131,7 @@ def llama_config_dict(cfg: ModelConfig, fmt: str) -> dict:
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         rope_theta=cfg.rope_theta,  # the pre-v5 spelling, for older transformers
         attention_bias=cfg.bias, attention_dropout=0.0, use_cache=True, dtype="float32",
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,  # save_hf fills in the dtype and known ids
     )
     if diff:
         out["lambda_std_dev"] = cfg.lambda_std
@@ -195,6 +198,8 @@ def detect_format(path) -> str:
     path = Path(path)
     if path.is_file():
         return "unilm"
+    if (path / hf_io.CONFIG_FILE).is_file() and not list_checkpoints(path):
+        hf_io.read_json(path / hf_io.CONFIG_FILE)  # corrupt: say so (not "needs --to" or "not a model")
     if is_model_dir(path) or _is_difftx_run(path):
         return "difftx"
     if hf_io.is_hf_dir(path):
@@ -301,14 +306,46 @@ def difftx_to_hf(cfg: ModelConfig, state: dict, fmt: str) -> tuple[dict, dict]:
 
 
 def save_hf(model_or_state, path, fmt: str, cfg: Optional[ModelConfig] = None,
-            dtype: Optional[torch.dtype] = None) -> Path:
-    """Write a difftx model (or ``state`` + ``cfg``) as a Hugging Face directory of format ``fmt``."""
+            dtype: Optional[torch.dtype] = None, token_ids: Optional[dict] = None) -> Path:
+    """Write a difftx model (or ``state`` + ``cfg``) as a Hugging Face directory of format ``fmt``.
+
+    ``config.json``'s ``dtype`` names the stored weights' dtype (``dtype``, else the state's own);
+    ``token_ids`` (``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``) go into it as given.
+    """
     if isinstance(model_or_state, torch.nn.Module):
         cfg, state = model_or_state.config, model_or_state.state_dict()
     else:
         state = model_or_state
     hf_config, tensors = difftx_to_hf(cfg, state, fmt)
+    stored = dtype or common_float_dtype(tensors)
+    if stored is not None:
+        hf_config["dtype"] = str(stored).removeprefix("torch.")
+    hf_config.update({k: v for k, v in (token_ids or {}).items() if k in TOKEN_ID_KEYS})
     return hf_io.write_hf_dir(path, hf_config, tensors, dtype)
+
+
+def common_float_dtype(state: dict) -> Optional[torch.dtype]:
+    """The one floating dtype of ``state``'s floating tensors (None if there are none, or several)."""
+    dtypes = {v.dtype for v in state.values() if torch.is_tensor(v) and v.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def source_token_ids(src: Path, fmt: str) -> dict:
+    """A source's ``bos/eos/pad_token_id``: from a Hugging Face ``config.json``, or kept by an earlier
+    conversion in a difftx model directory's ``config.json`` (under ``hf_token_ids``)."""
+    if fmt == "unilm" or not (src / CONFIG_FILE).is_file():
+        return {}
+    data = hf_io.read_json(src / CONFIG_FILE)
+    if fmt == "difftx":
+        data = data.get(TOKEN_IDS_KEY)
+        if not isinstance(data, dict):
+            return {}
+
+    def ok(v):  # an id, or a list of ids (several end-of-sequence tokens)
+        return (isinstance(v, int) and not isinstance(v, bool)) or (
+            isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v))
+
+    return {k: data[k] for k in TOKEN_ID_KEYS if ok(data.get(k))}
 
 
 def _copy_tokenizer(src: Path, dst: Path, src_fmt: str, dst_fmt: str) -> None:
@@ -318,14 +355,25 @@ def _copy_tokenizer(src: Path, dst: Path, src_fmt: str, dst_fmt: str) -> None:
     if src_hf == dst_hf:
         names = hf_io.HF_TOKENIZER_FILES + (hf_io.DIFFTX_TOKENIZER_IN_HF,) if src_hf else ("tokenizer.json",)
         hf_io.copy_files(src, dst, names)
-    elif dst_hf:  # a difftx tokenizer.json is not a Hugging Face tokenizer: keep it under another name
-        if (src / "tokenizer.json").is_file():
+    elif dst_hf:
+        if _is_hf_tokenizer(src / "tokenizer.json"):  # came from Hugging Face, or a bpe trained here
+            hf_io.copy_files(src, dst, hf_io.HF_TOKENIZER_FILES)
+        elif (src / "tokenizer.json").is_file():  # difftx's byte / char: not one, keep it under another name
             shutil.copyfile(src / "tokenizer.json", dst / hf_io.DIFFTX_TOKENIZER_IN_HF)
     else:
         if (src / hf_io.DIFFTX_TOKENIZER_IN_HF).is_file():
             shutil.copyfile(src / hf_io.DIFFTX_TOKENIZER_IN_HF, dst / "tokenizer.json")
         else:
             hf_io.copy_files(src, dst, hf_io.HF_TOKENIZER_FILES)
+
+
+def _is_hf_tokenizer(path: Path) -> bool:
+    """Whether ``path`` is a Hugging Face ``tokenizers`` file (the rule of :func:`difftx.data.load_tokenizer`)."""
+    try:
+        data = hf_io.read_json(path, "tokenizer")
+    except CheckpointError:
+        return False
+    return "difftx_tokenizer" not in data and isinstance(data.get("model"), dict)
 
 
 def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None, *,
@@ -336,7 +384,9 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
     ``pairing`` / ``rope_style`` re-lay a difftx output out (function unchanged);
     ``diff_init`` turns a softmax (Llama) model into DIFF for continued training
     (see :mod:`.llama_to_diff`).  ``depth`` / ``variant`` apply to unilm weight
-    files (see :mod:`.unilm`).  Returns ``dst``.
+    files (see :mod:`.unilm`).  Weights keep the source's dtype unless ``dtype`` is given; a
+    Hugging Face source's ``bos/eos/pad_token_id`` and tokenizer files travel with the model
+    (through a difftx directory too, so HF -> difftx -> HF gives them back).  Returns ``dst``.
     """
     src, dst = Path(src), Path(dst)
     detected = detect_format(src)
@@ -358,6 +408,8 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
     if dst.resolve() == src.resolve():
         raise DifftxError(f"{dst}: the destination is the source; pick another directory")
     cfg, state, _ = read_any(src)
+    dtype = dtype or common_float_dtype(state)  # default: the source's dtype
+    token_ids = source_token_ids(src, detected)
     if diff_init is not None:
         from .llama_to_diff import llama_to_diff
 
@@ -372,9 +424,9 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
         load_state_dict_into(model, state, str(src))
         if dtype is not None:
             model = model.to(dtype)
-        save_model(model, dst)
+        save_model(model, dst, extra_config={TOKEN_IDS_KEY: token_ids} if token_ids else None)
     else:
-        save_hf(state, dst, dst_format, cfg=cfg, dtype=dtype)
+        save_hf(state, dst, dst_format, cfg=cfg, dtype=dtype, token_ids=token_ids)
     _copy_tokenizer(src, dst, detected, dst_format)
     return dst
 
