@@ -55,6 +55,25 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
 
+def make_out_dir(path, flag: str = "--out") -> Path:
+    """``mkdir -p path`` for a command's output; a path that cannot be a directory is one
+    :class:`~difftx.errors.DifftxError` naming ``flag``, the path and the fix (no traceback)."""
+    from .errors import DifftxError
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise DifftxError(f"{flag} {path}: a file of that name exists; pick a directory path") from None
+    except NotADirectoryError:
+        raise DifftxError(f"{flag} {path}: part of the path is a file, not a directory; pick another path") from None
+    except PermissionError:
+        raise DifftxError(f"{flag} {path}: permission denied; pick a directory you can write to") from None
+    except OSError as e:
+        raise DifftxError(f"{flag} {path}: cannot create the directory ({e.strerror}); pick another path") from None
+    return path
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -78,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # Python's exit-time flush must not raise again
         return 0
+    except OSError as e:  # the file system said no (disk full, permissions, a path in the way): one line
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"difftx {args.command}: error: {where}{e.strerror or e}; check the path, its permissions and free "
+              "space", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover
