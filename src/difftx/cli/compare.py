@@ -137,7 +137,7 @@ def explicit_fields(args) -> dict:
     if args.set:
         fields["model"] = parse_overrides(args.set)
     if args.retrieval_opt:
-        fields["retrieval_options"] = parse_overrides(args.retrieval_opt)
+        fields["retrieval_options"] = parse_overrides(args.retrieval_opt, "--retrieval-opt")
     if args.lr:
         fields["lr"] = parse_lr(args.lr)
     sweep = parse_sweep(args.lr_sweep)

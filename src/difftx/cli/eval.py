@@ -205,7 +205,7 @@ def _run_eval(args, model, tok) -> tuple[dict, dict]:
         opts = {"lm": dict(data=args.data, max_tokens=args.max_tokens), "niah": dict(data=args.data, seed=args.seed),
                 "mqar": dict(seed=args.seed), "icl": dict(seed=args.seed)}[args.metric]
         opts.update(bs)
-        opts.update(parse_overrides(args.metric_opt))
+        opts.update(parse_overrides(args.metric_opt, "--metric-opt"))
         s = dict(bits=args.bits, granularity=args.quant_granularity, metric=args.metric, metric_options=opts)
         return evaluate_quant(model, tok, progress=prog, **s), s
     if name == "icl":

@@ -25,13 +25,14 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def parse_overrides(items: list[str]) -> dict:
-    """FIELD=VALUE strings -> dict, values parsed as JSON when possible (numbers, true/false, null)."""
+def parse_overrides(items: list[str], flag: str = "--set") -> dict:
+    """FIELD=VALUE strings (of option ``flag``) -> dict, values parsed as JSON when possible (numbers,
+    true/false, null)."""
     out = {}
     for item in items:
-        if "=" not in item:
-            raise DifftxError(f"--set expects FIELD=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip():
+            raise DifftxError(f"{flag} expects FIELD=VALUE, got {item!r}")
         try:
             out[k.strip()] = json.loads(v)
         except json.JSONDecodeError:

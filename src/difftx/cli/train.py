@@ -23,10 +23,10 @@ TRAIN_FLAGS = ("data", "tokenizer", "bpe_vocab_size", "text_field", "val_fractio
 MODEL_FLAGS = ("attention", "norms", "d_model", "n_layers", "n_heads", "vocab_size")
 
 
-def _kv(items):
+def _kv(items, flag):
     from .info import parse_overrides
 
-    return parse_overrides(items) if items else None
+    return parse_overrides(items, flag) if items else None
 
 
 def _betas(text: str):
@@ -128,8 +128,8 @@ def run(args) -> int:
         return _list_recipes()
     from ..train import resolve_configs, train
 
-    args.task_options = _kv(args.task_opt)
-    args.domain_options = _kv(args.domain_opt)
+    args.task_options = _kv(args.task_opt, "--task-opt")
+    args.domain_options = _kv(args.domain_opt, "--domain-opt")
     train_kw = {f: getattr(args, f) for f in TRAIN_FLAGS if getattr(args, f, None) is not None}
     model_kw = {f: getattr(args, f) for f in MODEL_FLAGS if getattr(args, f, None) is not None}
     model_kw.update(_kv(args.set) or {})
