@@ -57,7 +57,7 @@ def main() -> int:
         for kind, ck in ckpts.items():
             t0 = time.perf_counter()
             r = subprocess.run([sys.executable, "-m", "difftx", "eval", name, "--checkpoint", str(ck),
-                                "--out", str(out / kind), "--no-plot", "--quiet"], env=env, capture_output=True,
+                                "--out", str(out / kind), "--no-plot", "--quiet", "--force"], env=env, capture_output=True,
                                text=True)
             wall = time.perf_counter() - t0
             own = json.loads((out / kind / f"{name}.json").read_text())["seconds"] if r.returncode == 0 else None

@@ -1,7 +1,8 @@
 """bf16 autocast against fp32 training: loss curves within seed noise, and the speed-up.
 
-    python benchmarks/bf16_loss_curves.py --data input.txt [--preset tiny] [--attention diff]
+    python benchmarks/performance/bf16_loss_curves.py --data input.txt [--preset tiny] [--attention diff]
         [--steps 500] [--seeds 0,1,2] [--batch-size 8] [--seq-len 256] [--lr 1e-3] [--out FILE.json]
+    python benchmarks/performance/bf16_loss_curves.py --merge A.json B.json   # the runs of several --out files together
 
 A short, self-contained loop (byte tokens, AdamW, cosine schedule with warmup, the same data
 order for both dtypes at a seed) so the claim can be checked before the full trainer exists.
@@ -70,7 +71,15 @@ def main():
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int)
     p.add_argument("--out")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="train nothing: report the runs of these --out files together (same settings, other seeds)")
     args = p.parse_args()
+    if args.merge:
+        docs = [json.loads(Path(f).read_text()) for f in args.merge]
+        a = docs[0]["args"]
+        report(f"{a['preset']} {a['attention']}, {a['steps']} steps, batch {a['batch_size']} x {a['seq_len']} "
+               f"({len(docs)} files merged)", [r for d in docs for r in d["runs"]])
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     path = Path(args.data)
@@ -84,8 +93,19 @@ def main():
             r = runs[-1]
             print(f"seed {seed} {dtype}: final loss {r['final_loss']:.4f}, {r['tokens_per_s']:.0f} tok/s",
                   file=sys.stderr)
-    fp32 = [r for r in runs if r["dtype"] == "fp32"]
-    bf16 = [r for r in runs if r["dtype"] == "bf16"]
+    title = (f"{args.preset} {args.attention}, {args.steps} steps, batch {args.batch_size} x {args.seq_len}")
+    summary = report(title, runs)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "args": vars(args),
+                                              "summary": summary, "runs": runs}, indent=2))
+
+
+def report(title: str, runs: list) -> dict:
+    """Print the markdown table and the seed-noise verdict of ``runs``; return the summary."""
+    fp32 = sorted((r for r in runs if r["dtype"] == "fp32"), key=lambda r: r["seed"])
+    bf16 = sorted((r for r in runs if r["dtype"] == "bf16"), key=lambda r: r["seed"])
+    if [r["seed"] for r in fp32] != [r["seed"] for r in bf16]:
+        sys.exit("bf16_loss_curves.py: error: every seed needs one fp32 and one bf16 run")
     diffs = [b["final_loss"] - f["final_loss"] for f, b in zip(fp32, bf16)]
     spread = statistics.stdev([r["final_loss"] for r in fp32]) if len(fp32) > 1 else float("nan")
     se = spread / math.sqrt(len(fp32)) if len(fp32) > 1 else float("nan")
@@ -93,8 +113,7 @@ def main():
     summary = {"mean_final_loss_diff_bf16_minus_fp32": statistics.mean(diffs), "fp32_seed_std": spread,
                "within_seed_noise": abs(statistics.mean(diffs)) < 2 * se if len(fp32) > 1 else None,
                "bf16_speedup_tokens_per_s": speedup}
-    print(f"# bf16 autocast vs fp32: {args.preset} {args.attention}, {args.steps} steps, "
-          f"batch {args.batch_size} x {args.seq_len}\n")
+    print(f"# bf16 autocast vs fp32: {title}\n")
     print("| seed | fp32 final loss | bf16 final loss | bf16 - fp32 | speed-up |\n|---:|---:|---:|---:|---:|")
     for f, b in zip(fp32, bf16):
         print(f"| {f['seed']} | {f['final_loss']:.4f} | {b['final_loss']:.4f} | "
@@ -102,10 +121,7 @@ def main():
     print(f"\nfp32 seed std {spread:.4f}; mean difference {summary['mean_final_loss_diff_bf16_minus_fp32']:+.4f}; "
           f"within seed noise (|mean diff| < 2 s.e.): {summary['within_seed_noise']}; "
           f"median bf16 speed-up {speedup:.2f}x")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "args": vars(args),
-                                              "summary": summary, "runs": runs}, indent=2))
-
+    return summary
 
 if __name__ == "__main__":
     main()
