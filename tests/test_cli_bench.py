@@ -63,6 +63,14 @@ def test_bench_long_context_quick(cli, tmp_path):
     (["--preset", "nope"], "preset"),
     (["--long-context", "--lengths", "1k"], "lengths"),
     (["--threads", "0"], "threads"),
+    (["--device", "tpu"], "device"),
+    (["--warmup", "-1"], "warmup"),
+    (["--phases", ","], "phases"),
+    (["--quick", "--preset", "nope"], "preset"),  # --quick no longer hides explicit values
+    (["--quick", "--repeats", "-1"], "repeats"),
+    (["--quick", "--seq-len", "0"], "seq_len"),
+    (["--preset", "vit-tiny"], "language-model preset"),
+    (["--long-context", "--quick", "--preset", "vit-tiny"], "language-model preset"),
 ])
 def test_bench_bad_input_is_one_line(capsys, tmp_path, args, needle):
     from difftx.cli import main
@@ -72,6 +80,58 @@ def test_bench_bad_input_is_one_line(capsys, tmp_path, args, needle):
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("difftx bench: error:")
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def _bench_one_line(capsys, argv) -> str:
+    from difftx.cli import main
+
+    assert main(["bench", *map(str, argv)]) == 2
+    lines = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("difftx bench: error:"), lines
+    return lines[0]
+
+
+def test_bench_unusable_out_is_one_line(capsys, tmp_path):
+    (tmp_path / "file").write_text("keep")
+    for out in (tmp_path / "file", tmp_path / "file" / "sub"):
+        assert "--out" in _bench_one_line(capsys, ["--quick", "--out", out])
+    assert (tmp_path / "file").read_text() == "keep"
+
+
+def test_bench_keeps_earlier_results_unless_force(capsys, tmp_path, monkeypatch):
+    """A second run into the same --out is refused (the first run's files untouched); --force overwrites."""
+    from difftx.benchmarking import speed
+
+    for name in ("bench.json", "long_context.json"):
+        (tmp_path / name).write_text("earlier")
+    quick = ["--out", tmp_path, "--quick", "--arms", "transformer", "--no-peers", "--phases", "prefill",
+             "--no-memory", "--dtypes", "fp32"]
+    assert "--force" in _bench_one_line(capsys, quick)
+    assert "--force" in _bench_one_line(capsys, ["--long-context", *quick])
+    assert (tmp_path / "bench.json").read_text() == "earlier" and not (tmp_path / "bench.md").exists()
+    monkeypatch.setattr(speed, "matmul_peak", lambda *a, **k: 1e9)  # the peak's timing is not under test
+    from difftx.cli import main
+
+    assert main(["bench", *map(str, quick), "--force"]) == 0
+    assert json.loads((tmp_path / "bench.json").read_text())["arms"]["transformer"]["params"] > 0
+    assert (tmp_path / "long_context.json").read_text() == "earlier"  # another mode's results are not bench's
+
+
+def test_bench_quick_keeps_explicit_values(tmp_path, monkeypatch):
+    """--quick's tiny settings fill in what was not given; what was given is benchmarked."""
+    import difftx.benchmarking as benchmarking
+    from difftx.cli import main
+    from difftx.errors import DifftxError
+
+    seen = {}
+
+    def fake_run_bench(bc, log=print):
+        seen.update(vars(bc))
+        raise DifftxError("stop here")
+
+    monkeypatch.setattr(benchmarking, "run_bench", fake_run_bench)
+    assert main(["bench", "--quick", "--out", str(tmp_path), "--repeats", "2", "--preset", "tiny"]) == 2
+    assert (seen["repeats"], seen["preset"], seen["seq_len"], seen["threads"]) == (2, "tiny", 32, 1)
 
 
 def test_bench_bad_flag_through_the_real_cli(cli, tmp_path):

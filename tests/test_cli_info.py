@@ -46,3 +46,20 @@ def test_info_bad_input(cli):
     assert "--attention" in _one_line_error(cli("info", "small", "--attention", "linear"))
     assert "unrecognized" in _one_line_error(cli("info", "small", "--bogus"))
     assert "invalid choice" in _one_line_error(cli("frobnicate"))
+
+
+def test_info_bad_config_file_and_preset_override(capsys, tmp_path):
+    from difftx.cli import main
+
+    def one_line(*argv):
+        assert main(["info", *map(str, argv)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("difftx info: error:") and "\n" not in err, err
+        return err
+
+    for text in ('{"model": null}', "[1, 2]", '{"model": [1]}', '{"d_model": ', "\xff"):
+        (tmp_path / "c.json").write_bytes(text.encode("latin-1"))
+        assert str(tmp_path / "c.json") in one_line(tmp_path / "c.json")
+    assert "preset" in one_line("nano", "--set", "preset=5")
+    (tmp_path / "c.json").write_text(json.dumps({"model": {"preset": 5}}))
+    assert "preset" in one_line(tmp_path / "c.json")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every committed benchmark, one command:  benchmarks/performance/run_all.sh [OUT_DIR] [extra difftx bench flags]
 # e.g. on a quiet 2-core machine:   benchmarks/performance/run_all.sh benchmarks/performance/results/quiet-2core
+#      (an OUT that already holds bench results is refused: pass --force to overwrite them)
 #      on a shared machine:         benchmarks/performance/run_all.sh benchmarks/performance/results/dev --timer cpu --threads 1
 set -euo pipefail
 OUT=${1:-benchmarks/performance/results/$(hostname)-$(date +%Y%m%d)}

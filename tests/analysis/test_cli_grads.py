@@ -69,6 +69,11 @@ def test_grads_on_checkpoints(tmp_path, capsys, keep_threads):
     (["--data", "/nonexistent.txt"], "/nonexistent.txt"),
     (["--device", "nonsense"], "--device"),
     (["--seq-len", "100", "--preset", "nanogpt"], "max_seq_len"),
+    (["--lr-adamw", "nan"], "--lr-adamw"),
+    (["--lr-msgdw", "inf"], "--lr-msgdw"),
+    (["--lr-adamw", "0"], "--lr-adamw"),
+    (["--clip", "-1"], "--clip"),
+    (["--flow-optimizer", "bogus"], "--flow-optimizer"),
 ])
 def test_grads_bad_input_is_one_line_and_exit_2(tmp_path, capsys, keep_threads, argv, needle):
     rc = main(["grads", "--out", str(tmp_path / "o"), *TINY, *argv])
@@ -83,3 +88,40 @@ def test_grads_command_line_rejects_a_bad_setting(cli, tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().startswith("difftx grads: error:") and "S9" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "o" / "flow.json").exists()
+
+
+def _grads_error(capsys, out, *argv) -> str:
+    rc = main(["grads", "--out", str(out), *TINY, *map(str, argv)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("difftx grads: error:") and "\n" not in err, err
+    return err
+
+
+def test_grads_data_must_be_utf8_text_as_for_train(tmp_path, capsys, keep_threads):
+    """The checks of `difftx train --data`: a binary file and a Latin-1 file are refused by name."""
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\u00e9 au lait, d\u00e9j\u00e0 vu\n".encode("latin-1") * 100)
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    late = tmp_path / "late.txt"  # valid UTF-8 for the first 8 KiB, then a Latin-1 byte
+    late.write_bytes(b"plain text line\n" * 1000 + "\u00e9\n".encode("latin-1"))
+    for path in (latin, binary, late):
+        assert str(path) in _grads_error(capsys, tmp_path / "o", "--data", path)
+    assert not (tmp_path / "o").exists()
+
+
+def test_grads_unusable_out_is_one_line(tmp_path, capsys, keep_threads):
+    (tmp_path / "file").write_text("keep")
+    assert "--out" in _grads_error(capsys, tmp_path / "file" / "sub", "--only", "flow", "--no-plots")
+    assert (tmp_path / "file").read_text() == "keep"
+
+
+def test_grads_keeps_earlier_results_unless_force(tmp_path, capsys, keep_threads):
+    out = tmp_path / "g"
+    out.mkdir()
+    (out / "report.md").write_text("earlier")
+    assert "--force" in _grads_error(capsys, out, "--only", "flow", "--no-plots")
+    assert (out / "report.md").read_text() == "earlier" and not (out / "flow.json").exists()
+    rc = main(["grads", "--out", str(out), *TINY, "--only", "flow", "--no-plots", "--force"])
+    assert rc == 0, capsys.readouterr().err
+    assert "Gradient flow" in (out / "report.md").read_text() and (out / "flow.json").is_file()

@@ -147,3 +147,42 @@ def test_bf16_without_bf16_hardware_is_warned(compare, tmp_path, monkeypatch, na
         p = compare("--out", tmp_path / dtype, "--dtype", dtype)
         assert p.returncode == 0, p.stderr
         assert p.stderr.count("no bf16 matrix hardware") == (1 if (dtype == "bf16" and not native) else 0)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--device", "tpu"], "device"),
+    (["--tokenizer", "nope"], "--tokenizer 'nope'"),
+    (["--retrieval", "mqar", "--retrieval-opt", "bogus=1"], "valid options: pairs, vocab, power_a, random_non_queries"),
+    (["--retrieval", "mqar", "--retrieval-opt", "power_a=NaN"], "power_a"),
+    (["--data", "{tiny}"], "give more --data or a smaller --seq-len"),
+])
+def test_bad_input_writes_no_study(compare, tmp_path, args, needle):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("too little text\n" * 20)
+    out = tmp_path / "out"
+    p = compare("--out", out, *[a.replace("{tiny}", str(tiny)) for a in args], "--steps", "1", "--no-progress")
+    line = _one_line_error(p)
+    assert needle in line and "--val-fraction" not in line
+    assert not out.exists() or not any(out.iterdir())  # a rerun with the input fixed is not refused
+
+
+def test_bad_input_found_by_a_job_takes_back_the_new_study(compare, tmp_path):
+    """Too little text for the char tokenizer (2-byte characters pass the size pre-check): the job fails."""
+    data = tmp_path / "e.txt"
+    data.write_text(("é" * 50 + "\n") * 10, encoding="utf-8")
+    out = tmp_path / "out"
+    p = compare("--out", out, "--arms", "transformer:adamw", "--seeds", "1", "--steps", "1", "--retrieval", "none",
+                "--workers", "1", "--data", data, "--tokenizer", "char", "--cache-dir", tmp_path / "cache",
+                "--no-progress")
+    line = _one_line_error(p)
+    assert "--seq-len" in line and "--val-fraction" not in line
+    assert out.is_dir() and not any(out.iterdir())
+
+
+@pytest.mark.parametrize("where, needle", [("file", "is not a directory"),
+                                           ("under-file", "part of the path is a file")])
+def test_unusable_out_is_one_line(compare, tmp_path, where, needle):
+    (tmp_path / "f").write_text("keep me")
+    out = tmp_path / "f" if where == "file" else tmp_path / "f" / "x"
+    assert needle in _one_line_error(compare("--out", out, "--steps", "1", "--no-progress"))
+    assert (tmp_path / "f").read_text() == "keep me"

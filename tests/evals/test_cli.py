@@ -99,3 +99,105 @@ def test_bad_input_from_the_command_line(case, checkpoint, tmp_path, cli):
     r = cli("eval", *argv, env=env)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("difftx eval: error:") and BAD[case][1] in r.stderr
+
+
+def _eval(argv, capsys):
+    """``difftx eval ARGV`` in this process: (exit code, the stderr lines)."""
+    capsys.readouterr()
+    try:
+        rc = main(["eval", *map(str, argv)])
+    except SystemExit as e:  # argparse errors
+        rc = e.code
+    return rc, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("where, message", [("file", "a file of that name exists"),
+                                            ("under-file", "part of the path is a file"),
+                                            ("proc", "cannot create the directory")])
+def test_unusable_out_is_one_line(where, message, checkpoint, tmp_path, capsys):
+    (tmp_path / "f").write_text("keep me")
+    out = {"file": tmp_path / "f", "under-file": tmp_path / "f" / "x", "proc": Path("/proc/difftx-nope")}[where]
+    rc, err = _eval(["mqar", "--checkpoint", checkpoint, "--out", out, "--lengths", "32", "--pairs", "4",
+                     "--samples", "1", "--no-plot", "--quiet"], capsys)
+    assert rc == 2 and len(err) == 1 and f"--out {out}" in err[0] and message in err[0]
+    assert (tmp_path / "f").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["mqar", "--power-a", "nan"], "--power-a"), (["mqar", "--power-a", "inf"], "--power-a"),
+    (["mqar", "--power-a", "-1"], "--power-a"), (["mqar", "--power-a", "0"], "--power-a"),
+    (["mqar", "--pairs", "0,4"], "--pairs"), (["mqar", "--lengths=-64"], "--lengths"),
+    (["niah", "--lengths", "0"], "--lengths"), (["icl", "--shots=-1"], "--shots"),
+    (["quant", "--bits", "0"], "--bits"), (["quant", "--bits", "16,40"], "--bits"),
+])
+def test_bad_numbers_are_refused_before_use(args, flag, checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc, err = _eval([*args, "--checkpoint", checkpoint, "--out", out, "--no-plot", "--quiet"], capsys)
+    assert rc == 2 and len(err) == 1 and flag in err[0]
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_library_refuses_bad_power_a_and_bits(checkpoint):
+    from difftx.errors import ConfigError
+    from difftx.evals.common import load_checkpoint
+    from difftx.evals.mqar import evaluate_mqar, mqar_task
+    from difftx.evals.quant import evaluate_quant
+
+    model, tok = load_checkpoint(checkpoint)
+    for a in (float("nan"), float("inf"), -0.5, 0.0):
+        with pytest.raises(ConfigError, match="power_a"):
+            evaluate_mqar(model, lengths=[32], pairs=[4], samples=1, power_a=a)
+        with pytest.raises(ConfigError, match="power_a"):
+            mqar_task(tok, 32, power_a=a)
+    with pytest.raises(ConfigError, match="bits"):
+        evaluate_quant(model, tok, bits=[0], metric="mqar", metric_options=dict(lengths=[32], pairs=[4], samples=1))
+
+
+def test_unknown_task_options_list_the_valid_keys():
+    from difftx.data import ByteTokenizer
+    from difftx.errors import ConfigError
+    from difftx.evals.mqar import mqar_task
+    from difftx.evals.niah import niah_task
+
+    with pytest.raises(ConfigError, match="no option 'bogus'; valid options: pairs, vocab, power_a"):
+        mqar_task(ByteTokenizer(), 64, bogus=1)
+    with pytest.raises(ConfigError, match="no option 'bogus'; valid options: needles, queries"):
+        niah_task(ByteTokenizer(), 256, bogus=1)
+
+
+def test_rerun_into_the_same_out_is_refused_unless_force(checkpoint, tmp_path, capsys):
+    argv = ["mqar", "--checkpoint", checkpoint, "--out", tmp_path, "--lengths", "32", "--pairs", "4",
+            "--samples", "1", "--quiet"]
+    assert _eval(argv, capsys)[0] == 0
+    first = (tmp_path / "mqar.json").read_text()
+    rc, err = _eval([*argv, "--seed", "1"], capsys)
+    assert rc == 2 and len(err) == 1 and "mqar.json already exists" in err[0] and "--force" in err[0]
+    assert (tmp_path / "mqar.json").read_text() == first
+    assert _eval([*argv, "--seed", "1", "--force"], capsys)[0] == 0
+    assert json.loads((tmp_path / "mqar.json").read_text())["settings"]["seed"] == 1
+    assert _eval(["lm", "--checkpoint", checkpoint, "--out", tmp_path, "--data", checkpoint / "haystack.txt",
+                  "--max-tokens", "64", "--seq-len", "32", "--quiet"], capsys)[0] == 0  # another eval: its own file
+
+
+def test_attention_too_short_names_its_own_flag(checkpoint, tmp_path, capsys):
+    rc, err = _eval(["attention", "--checkpoint", checkpoint, "--out", tmp_path / "out", "--length", "16",
+                     "--data", checkpoint / "haystack.txt", "--samples", "1", "--quiet"], capsys)
+    assert rc == 2 and len(err) == 1 and "--length" in err[0] and "--lengths" not in err[0]
+
+
+def test_vision_checkpoint_is_named_a_vision_model(tmp_path, capsys):
+    import difftx
+
+    vis = tmp_path / "vis"
+    difftx.save_model(difftx.build_model(difftx.ModelConfig.from_preset("vit-tiny")), vis)
+    rc, err = _eval(["lm", "--checkpoint", vis, "--out", tmp_path / "out", "--quiet"], capsys)
+    assert rc == 2 and len(err) == 1 and "a vision model" in err[0] and "tokenizer" not in err[0]
+
+
+def test_non_utf8_data_is_refused(checkpoint, tmp_path, capsys):
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("café naïve text, ".encode("latin-1") * 40)
+    rc, err = _eval(["lm", "--checkpoint", checkpoint, "--out", tmp_path / "out", "--data", latin,
+                     "--max-tokens", "64", "--seq-len", "32", "--quiet"], capsys)
+    assert rc == 2 and len(err) == 1 and "not UTF-8" in err[0]
+    assert not (tmp_path / "out" / "lm.json").exists()

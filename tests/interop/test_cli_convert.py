@@ -153,3 +153,97 @@ def test_corrupt_config_json_of_a_hugging_face_dir_is_named(capsys, llama_dir, t
     rc, _, err = run_main(capsys, src, tmp_path / "out")
     _one_error_line(rc, err, "config.json", "not valid JSON", "corrupt")
     assert not (tmp_path / "out").exists()
+
+
+def test_unusable_dst_is_one_line(capsys, llama_dir, tmp_path):
+    """A DST that cannot be a directory: one line for every kind of output, nothing created."""
+    _, src = llama_dir
+    difftx.save_model(difftx_model(attention="softmax", n_heads=4), tmp_path / "m")
+    unilm = tmp_path / "unilm.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"q_proj.weight": torch.zeros(4, 4)}, unilm)
+    (tmp_path / "file").write_text("keep")
+    for argv in ([src], [tmp_path / "m", "--to", "hf-llama"], [unilm, "--from", "unilm"]):
+        for dst in (tmp_path / "file", tmp_path / "file" / "sub"):
+            rc, _, err = run_main(capsys, argv[0], dst, *argv[1:])
+            _one_error_line(rc, err, str(dst))
+    assert (tmp_path / "file").read_text() == "keep"
+
+
+def test_unusable_dst_is_one_line_when_only_the_write_fails(tmp_path):
+    """The library's writers name DST in one DifftxError (the CLI's early check aside)."""
+    from difftx.interop.hf_io import write_hf_dir
+
+    (tmp_path / "file").write_text("keep")
+    model = difftx_model(attention="softmax", n_heads=4)
+    difftx.save_model(model, tmp_path / "m")
+    for fn in (lambda d: write_hf_dir(d, {}, {}), lambda d: convert(tmp_path / "m", d, pairing="halves"),
+               lambda d: convert(tmp_path / "m", d, dst_format="hf-llama")):
+        with pytest.raises(difftx.DifftxError, match="DST"):
+            fn(tmp_path / "file" / "sub")
+
+
+def _fake_run(path, model):
+    """The layout of a difftx training run: config.json with a train section and checkpoints/step_*/."""
+    run_config = {"difftx_format": 1, "model": model.config.to_dict(), "train": {"steps": 2}}
+    ckpt = path / "checkpoints" / "step_00000002"
+    difftx.save_model(model, ckpt)
+    (ckpt / "config.json").write_text(json.dumps(run_config))
+    (path / "config.json").write_text(json.dumps(run_config))
+    return {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_force_refuses_to_overwrite_what_convert_did_not_write(capsys, llama_dir, tmp_path):
+    _, src = llama_dir
+    before = _fake_run(tmp_path / "run", difftx_model(attention="softmax", n_heads=4))
+    (tmp_path / "study").mkdir()
+    (tmp_path / "study" / "study.json").write_text("{}")
+    for dst in (tmp_path / "run", tmp_path / "run" / "checkpoints" / "step_00000002", tmp_path / "study"):
+        rc, _, err = run_main(capsys, src, dst, "--force")
+        _one_error_line(rc, err, str(dst), "--force")
+    assert {p: p.read_bytes() for p in sorted((tmp_path / "run").rglob("*")) if p.is_file()} == before
+    assert [p.name for p in (tmp_path / "study").iterdir()] == ["study.json"]
+    rc, _, err = run_main(capsys, src, tmp_path / "dx")  # a model directory convert wrote: --force may replace it
+    assert rc == 0, err
+    rc, _, err = run_main(capsys, src, tmp_path / "dx", "--force")
+    assert rc == 0, err
+
+
+def test_difftx_source_weights_are_checked_against_its_config(capsys, tmp_path):
+    """A config saying d_model 32 over 64-wide weights is refused before anything is written."""
+    model = difftx_model(attention="softmax", n_heads=4, d_model=64)
+    difftx.save_model(model, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["model"].update(d_model=32, head_dim=None, ffn_dim=None)
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    for to in ("hf-llama", "hf-difftx"):
+        rc, _, err = run_main(capsys, tmp_path / "m", tmp_path / to, "--to", to)
+        _one_error_line(rc, err, "embed.weight", "shape")
+        assert not (tmp_path / to).exists()
+
+
+def test_refused_pickles_give_only_the_one_line(capsys, llama_dir, tmp_path):
+    """torch's warning about the refused pickle is not printed on top of our error (and nothing runs)."""
+    import pickle
+    import warnings
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    _, src = llama_dir
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text((src / "config.json").read_text())
+    # plain pickles (not torch.save's zip), protocol 4: torch's weights-only reader warns about the protocol
+    (tmp_path / "hf" / "pytorch_model.bin").write_bytes(pickle.dumps({"model.embed_tokens.weight": Payload()}, 4))
+    (tmp_path / "evil.pt").write_bytes(pickle.dumps({"q_proj.weight": Payload()}, 4))
+    for argv in ([tmp_path / "hf"], [tmp_path / "evil.pt", "--from", "unilm"]):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rc, _, err = run_main(capsys, argv[0], tmp_path / "out", *argv[1:])
+        _one_error_line(rc, err, "weights-only")
+        assert not caught, [str(w.message) for w in caught]
+    assert not marker.exists()

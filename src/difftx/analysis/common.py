@@ -53,7 +53,17 @@ def load_text(path: Optional[str] = None, max_bytes: int = STDLIB_BYTES) -> str:
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: data file not found; give a text file or leave out --data to use the stdlib source")
-    text = p.read_text(encoding="utf-8", errors="replace")[:max_bytes]
+    from ..data.corpus import Source, looks_binary
+
+    if looks_binary(p):  # the checks of `difftx train --data`: NUL bytes or not UTF-8 is an error
+        raise DataError(f"{p}: looks like a binary file (NUL bytes or not UTF-8); --data needs UTF-8 text")
+    pieces, n = [], 0
+    for piece, _ in Source(p).pieces():
+        pieces.append(piece)
+        n += len(piece)
+        if n >= max_bytes:
+            break
+    text = "".join(pieces)[:max_bytes]
     if len(text) < 1000:
         raise DataError(f"{p}: only {len(text)} characters; the studies need at least 1000")
     return text

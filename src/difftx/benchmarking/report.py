@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..io import atomic_write_text
+from ..io import atomic_write_text, make_out_dir
 from .speed import PHASES, speed_ratio
 
 
@@ -79,7 +79,7 @@ def _memory_method(results: dict) -> str:
 
 
 def write_results(results: dict, out: Path) -> tuple[Path, Path]:
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_out_dir(out)
     js, md = out / "bench.json", out / "bench.md"
     atomic_write_text(js, json.dumps(results, indent=2, default=str) + "\n")
     atomic_write_text(md, markdown(results))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -77,6 +78,15 @@ class BenchConfig:
     seed: int = 0
 
     def validate(self) -> None:
+        from ..presets import PRESETS
+
+        if self.preset not in PRESETS:
+            raise ConfigError("preset", f"unknown preset {self.preset!r}; see `difftx info --list`")
+        domain = ModelConfig.from_preset(self.preset).domain
+        if domain != "lm":
+            raise ConfigError("preset", f"{self.preset!r} is a {domain} preset; bench needs a language-model preset "
+                                        "(e.g. nano, small; see `difftx info --list`)")
+        check_device(self.device)
         bad = [a for a in self.arms if a not in ARMS]
         if bad:
             raise ConfigError("arms", f"unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
@@ -90,14 +100,35 @@ class BenchConfig:
         bad = [p for p in self.phases if p not in PHASES]
         if bad:
             raise ConfigError("phases", f"unknown phase(s) {', '.join(bad)}; choose from {', '.join(PHASES)}")
+        if not self.phases:
+            raise ConfigError("phases", "give at least one of " + ", ".join(PHASES))
         for name in ("seq_len", "batch_size", "repeats", "decode_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be at least 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ConfigError("warmup", f"must be 0 or more, got {self.warmup}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError("threads", f"must be at least 1, got {self.threads}")
         if "decode" in self.phases and self.decode_tokens >= self.seq_len:
             raise ConfigError("decode_tokens", f"must be smaller than seq_len ({self.seq_len}): the prompt "
                                                f"is seq_len - decode_tokens tokens")
         if self.timer not in ("wall", "cpu"):
             raise ConfigError("timer", f"must be 'wall' or 'cpu', got {self.timer!r}")
+
+
+def check_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N`` as a torch device; anything else, or CUDA where there is none (or
+    no device N), is one ConfigError naming the fix."""
+    if not isinstance(name, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise ConfigError("device", f"{name!r} is not a device bench runs on; use cpu, cuda or cuda:N")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError("device", f"{name!r} requested but CUDA is not available; use --device cpu")
+        index, count = int(name.partition(":")[2] or 0), torch.cuda.device_count()
+        if index >= count:
+            raise ConfigError("device", f"{name!r} requested but there are {count} CUDA device(s); "
+                                        f"use cuda:0..cuda:{count - 1}")
+    return torch.device(name)
 
 
 def resolve_dtypes(dtypes: list, device: torch.device) -> list:

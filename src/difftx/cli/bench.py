@@ -5,7 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DifftxError
+
+RESULT_FILES = ("bench.json", "bench.md")
+LONG_CONTEXT_FILES = ("long_context.json", "long_context.md")
 
 
 def _csv(text: str) -> list[str]:
@@ -23,18 +26,18 @@ def add_parser(sub) -> None:
                     "against the matmul peak measured in the same run.  Repeats are interleaved; medians "
                     "and ratios go to DIR/bench.json and DIR/bench.md.")
     p.add_argument("--out", required=True, help="directory for bench.json and bench.md")
-    p.add_argument("--preset", default="small", help="model preset the arms are twins of (default: small)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default: 512)")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per step (default: 4)")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved timed repeats per arm (default: 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs per arm before timing (default: 1)")
+    p.add_argument("--preset", help="language-model preset the arms are twins of (default: small)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: 512)")
+    p.add_argument("--batch-size", type=int, help="sequences per step (default: 4)")
+    p.add_argument("--repeats", type=int, help="interleaved timed repeats per arm (default: 5)")
+    p.add_argument("--warmup", type=int, help="untimed runs per arm before timing (default: 1)")
     p.add_argument("--dtypes", default="auto",
                    help=f"comma list of auto, {', '.join(DTYPES)} (bf16 = autocast; default auto: fp32, and bf16 "
                         "where the CPU/GPU has bf16 matmul hardware)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
     p.add_argument("--no-peers", action="store_true", help="leave out transformers' Llama and DiffLlama")
-    p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decode run (default: 32)")
+    p.add_argument("--decode-tokens", type=int, help="tokens generated per decode run (default: 32)")
     p.add_argument("--timer", choices=["wall", "cpu"], default="wall",
                    help="wall-clock, or process CPU time (steadier ratios on a shared machine)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
@@ -50,43 +53,60 @@ def add_parser(sub) -> None:
     p.add_argument("--lengths", default="1024,2048,4096,8192,16384",
                    help="sequence lengths for --long-context (default: 1024,...,16384)")
     p.add_argument("--quick", action="store_true",
-                   help="tiny smoke run (preset nano, 32 tokens, 1 repeat) for tests; numbers mean nothing")
+                   help="tiny smoke run (preset nano, 32 tokens, 1 repeat; options given explicitly still apply) "
+                        "for tests; numbers mean nothing")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite the results of an earlier run in --out (default: refuse)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    import torch
-
     from ..benchmarking import QUICK, BenchConfig, markdown, run_bench, write_results
+    from ..io import make_out_dir
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError("device", f"{args.device!r} requested but CUDA is not available; use --device cpu")
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError("threads", f"must be at least 1, got {args.threads}")
-    bc = BenchConfig(preset=args.preset, seq_len=args.seq_len, batch_size=args.batch_size, repeats=args.repeats,
-                     warmup=args.warmup, dtypes=_csv(args.dtypes), arms=_csv(args.arms), peers=not args.no_peers,
-                     phases=_csv(args.phases), decode_tokens=args.decode_tokens, timer=args.timer,
-                     threads=args.threads, device=args.device, memory=not args.no_memory,
-                     fused_adamw=args.fused_adamw)
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(bc, k, v)
-    from ..presets import PRESETS
-
-    if bc.preset not in PRESETS:
-        raise ConfigError("preset", f"unknown preset {bc.preset!r}; see `difftx info --list`")
+    # --quick's tiny settings, then every option given explicitly on top (validated like any other value)
+    sizes = dict(QUICK) if args.quick else {}
+    for k in ("preset", "seq_len", "batch_size", "repeats", "warmup", "decode_tokens", "threads"):
+        if getattr(args, k) is not None:
+            sizes[k] = getattr(args, k)
+    bc = BenchConfig(dtypes=_csv(args.dtypes), arms=_csv(args.arms), peers=not args.no_peers,
+                     phases=_csv(args.phases), timer=args.timer, device=args.device, memory=not args.no_memory,
+                     fused_adamw=args.fused_adamw, **sizes)
+    lengths = _lengths(args.lengths) if args.long_context else []
+    bc.validate()  # every bad value is one line before anything runs or is written
+    out = Path(args.out)
+    _refuse_old_results(out, LONG_CONTEXT_FILES if args.long_context else RESULT_FILES, args.force)
+    make_out_dir(out)
     command = "difftx " + " ".join(sys.argv[sys.argv.index("bench"):] if "bench" in sys.argv else ["bench"])
     if args.long_context:
-        return _long_context(args, bc, command)
+        return _long_context(args, bc, lengths, out, command)
     results = run_bench(bc, log=lambda s: print(s, file=sys.stderr))
     results["command"] = command
-    js, md = write_results(results, Path(args.out))
+    js, md = write_results(results, out)
     print(markdown(results))
     print(f"wrote {js} and {md}", file=sys.stderr)
     return 0
 
 
-def _long_context(args, bc, command: str) -> int:
+def _refuse_old_results(out: Path, names: tuple, force: bool) -> None:
+    """An earlier run's results in ``out`` are kept unless ``--force``."""
+    old = [n for n in names if (out / n).exists()]
+    if old and not force:
+        raise DifftxError(f"--out {out} already holds the results of an earlier run ({', '.join(old)}); "
+                          "pass --force to overwrite them, or choose another --out (nothing was changed)")
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in _csv(text)]
+    except ValueError:
+        raise ConfigError("lengths", f"expects comma-separated integers, got {text!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise ConfigError("lengths", f"expects positive integers, got {text!r}")
+    return lengths
+
+
+def _long_context(args, bc, lengths: list, out: Path, command: str) -> int:
     import json
 
     import torch
@@ -94,12 +114,6 @@ def _long_context(args, bc, command: str) -> int:
     from ..benchmarking.long_context import attention_scaling, markdown
     from ..io import atomic_write_text
 
-    try:
-        lengths = [int(x) for x in _csv(args.lengths)]
-    except ValueError:
-        raise ConfigError("lengths", f"expects comma-separated integers, got {args.lengths!r}") from None
-    if not lengths or min(lengths) < 1:
-        raise ConfigError("lengths", f"expects positive integers, got {args.lengths!r}")
     if args.quick:
         lengths = [64, 256]
     torch.set_num_threads(bc.threads or torch.get_num_threads())
@@ -108,8 +122,6 @@ def _long_context(args, bc, command: str) -> int:
     dtype = resolve_dtypes(bc.dtypes, torch.device(bc.device))[-1]  # auto: bf16 where native, else fp32
     result = attention_scaling(lengths, preset=bc.preset, dtype=dtype, log=lambda s: print(s, file=sys.stderr))
     result["command"] = command
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "long_context.json", json.dumps(result, indent=2) + "\n")
     text = markdown(result, command)
     atomic_write_text(out / "long_context.md", text)

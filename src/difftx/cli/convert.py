@@ -83,6 +83,54 @@ def _verify(src: Path, dst: Path, diff_init) -> str:
     return msg
 
 
+def _check_dst_path(dst: Path) -> None:
+    """A DST that cannot become a directory (part of it is a file, a parent that cannot be written) is
+    one line before anything is read or converted; nothing is created here."""
+    import os
+
+    parent = dst
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if parent == dst:
+        return
+    if not parent.is_dir():
+        raise DifftxError(f"DST {dst}: part of the path ({parent}) is a file, not a directory; pick another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DifftxError(f"DST {dst}: cannot create a directory in {parent} (permission denied); pick another path")
+
+
+def _check_overwritable(dst: Path) -> None:
+    """``--force`` overwrites only a model directory convert could have written: a difftx model directory,
+    a Hugging Face model directory or converted unilm attention modules -- never a training run, a
+    checkpoint, a compare study or any other directory."""
+    import json
+
+    from ..interop.unilm import MODULES_FILE
+    from ..io import CHECKPOINTS_DIR, CONFIG_FILE, FORMAT_KEY
+
+    refuse = (f"{dst}: not a model directory that difftx convert writes ({{why}}); --force overwrites only "
+              "such a directory, so pick another DST (nothing was changed)")
+    if (dst / CHECKPOINTS_DIR).exists():
+        raise DifftxError(refuse.format(why=f"it has {CHECKPOINTS_DIR}/: a training run"))
+    if (dst / CONFIG_FILE).is_file():
+        try:
+            data = json.loads((dst / CONFIG_FILE).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = None
+        if not isinstance(data, dict):
+            raise DifftxError(refuse.format(why=f"its {CONFIG_FILE} is not a JSON object"))
+        if FORMAT_KEY in data:
+            if "train" in data or not isinstance(data.get("model"), dict):
+                raise DifftxError(refuse.format(why=f"its {CONFIG_FILE} is a training run's or checkpoint's"))
+            return
+        if "model_type" in data:
+            return
+        raise DifftxError(refuse.format(why=f"its {CONFIG_FILE} is neither a difftx nor a Hugging Face model config"))
+    if (dst / MODULES_FILE).is_file():
+        return
+    raise DifftxError(refuse.format(why=f"no {CONFIG_FILE} or {MODULES_FILE}"))
+
+
 def run(args) -> int:
     import torch
 
@@ -93,8 +141,11 @@ def run(args) -> int:
         raise DifftxError(f"--depth must be >= 0 (0-based layer index); got {args.depth}")
     if dst.exists() and not dst.is_dir():
         raise DifftxError(f"{dst}: exists and is not a directory")
+    _check_dst_path(dst)
     if dst.is_dir() and any(dst.iterdir()) and not args.force:
         raise DifftxError(f"{dst}: directory is not empty; pick a new one or pass --force to overwrite")
+    if args.force and dst.is_dir() and any(dst.iterdir()):
+        _check_overwritable(dst)
     detected = detect_format(src)
     if args.force and dst.is_dir() and dst.resolve() != src.resolve():
         from ..interop.hf_io import BIN_FILE, BIN_INDEX, SAFE_INDEX

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 
 from ..errors import ConfigError, DifftxError
 
@@ -25,12 +26,18 @@ EVALS = {
 }
 
 
-def _list(kind):
+def _list(kind, lo=-math.inf, hi=math.inf):
+    """A comma-separated list of ``kind``, every item in [lo, hi]."""
     def parse(text: str):
         try:
-            return [kind(x) for x in text.split(",") if x.strip()]
+            out = [kind(x) for x in text.split(",") if x.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
+        bad = [x for x in out if not lo <= x <= hi] if (lo, hi) != (-math.inf, math.inf) else []
+        if bad:
+            where = f"at least {lo}" if hi == math.inf else f"between {lo} and {hi}"
+            raise argparse.ArgumentTypeError(f"every value must be {where}, got {bad[0]}")
+        return out
     parse.__name__ = f"{kind.__name__} list"
     return parse
 
@@ -45,6 +52,27 @@ def _positive(text: str) -> int:
     return v
 
 
+def _number(lo: float, hi: float = math.inf, lo_open: bool = True):
+    """A finite float in (lo, hi] (or [lo, hi] when not ``lo_open``): NaN, inf and out-of-range values are refused."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = math.nan
+        if not (math.isfinite(v) and (lo < v if lo_open else lo <= v) and v <= hi):
+            where = f"{'>' if lo_open else '>='} {lo:g}" if hi == math.inf else \
+                f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            raise argparse.ArgumentTypeError(f"expected a finite number {where}, got {text!r}")
+        return v
+    parse.__name__ = "number"
+    return parse
+
+
+def _force(p) -> None:
+    p.add_argument("--force", action="store_true",
+                   help="overwrite an earlier result of this evaluation in --out (refused without it)")
+
+
 def _common(p, corpus: bool = True) -> None:
     p.add_argument("--checkpoint", required=True, help="model, checkpoint or training-run directory")
     p.add_argument("--out", required=True, help="directory for NAME.json (and NAME.png)")
@@ -57,6 +85,7 @@ def _common(p, corpus: bool = True) -> None:
                    help="what shares one absmax scale when quantizing (default: head)")
     p.add_argument("--no-plot", action="store_true", help="do not write NAME.png")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    _force(p)
     if corpus:
         p.add_argument("--data", default=None,
                        help="UTF-8 text file (default: the tail of the built-in corpus, the trainer's validation split)")
@@ -87,7 +116,7 @@ def add_parser(sub) -> None:
     _common(q)
     _niah_like(q)
     q.add_argument("--grid", default="N1R1,N2R2,N4R2,N6R2", help="N x R cells (default: Table 2's)")
-    q.add_argument("--lengths", type=_list(int), default=None,
+    q.add_argument("--lengths", type=_list(int, lo=1), default=None,
                    help="context lengths in tokens (default: L/2 and L, L = max_seq_len within 256..1024; "
                         "RoPE models may go past max_seq_len)")
     q.add_argument("--depths", type=_list(float), default=[0, 25, 50, 75, 100],
@@ -97,11 +126,14 @@ def add_parser(sub) -> None:
 
     q = ev.add_parser("mqar", help=EVALS["mqar"], description=EVALS["mqar"])
     _common(q, corpus=False)
-    q.add_argument("--lengths", type=_list(int), default=[64, 128, 256], help="sequence lengths (default: 64,128,256)")
-    q.add_argument("--pairs", type=_list(int), default=[4, 8, 16, 32], help="key-value pairs (default: 4,8,16,32)")
+    q.add_argument("--lengths", type=_list(int, lo=1), default=[64, 128, 256],
+                   help="sequence lengths (default: 64,128,256)")
+    q.add_argument("--pairs", type=_list(int, lo=1), default=[4, 8, 16, 32],
+                   help="key-value pairs (default: 4,8,16,32)")
     q.add_argument("--samples", type=_positive, default=16, help="sequences per cell (default: 16)")
     q.add_argument("--vocab", type=_positive, default=None, help="ids used (default: the model's vocabulary)")
-    q.add_argument("--power-a", type=float, default=0.01, help="query-gap power law exponent (default: 0.01)")
+    q.add_argument("--power-a", type=_number(0, 10), default=0.01,
+                   help="query-gap power law exponent, in (0, 10] (default: 0.01; 1: uniform gaps)")
 
     q = ev.add_parser("attention", help=EVALS["attention"], description=EVALS["attention"])
     _common(q)
@@ -121,7 +153,8 @@ def add_parser(sub) -> None:
 
     q = ev.add_parser("quant", help=EVALS["quant"], description=EVALS["quant"])
     _common(q)
-    q.add_argument("--bits", type=_list(int), default=[16, 8, 6, 4], help="bit widths (default: 16,8,6,4)")
+    q.add_argument("--bits", type=_list(int, lo=2, hi=32), default=[16, 8, 6, 4],
+                   help="bit widths, each 2..32 (default: 16,8,6,4)")
     q.add_argument("--metric", choices=["lm", "niah", "mqar", "icl"], default="lm",
                    help="what to measure at each width (default: lm validation loss)")
     q.add_argument("--max-tokens", type=_positive, default=4096, help="token budget of the lm metric (default: 4096)")
@@ -134,7 +167,7 @@ def add_parser(sub) -> None:
     q.add_argument("--tasks", type=_list(str), default=["synthetic-6"],
                    help="synthetic-C (C classes, e.g. synthetic-6,synthetic-50,synthetic-150) or JSONL files "
                         "with text/label fields (default: synthetic-6)")
-    q.add_argument("--shots", type=_list(int), default=None,
+    q.add_argument("--shots", type=_list(int, lo=0), default=None,
                    help="numbers of demonstrations (default: 1,2,4,... up to what fits)")
     q.add_argument("--seeds", type=_positive, default=3, help="demonstration orders per point (default: 3)")
     q.add_argument("--arrangements", type=_list(str), default=["random", "alternating"],
@@ -150,10 +183,11 @@ def add_parser(sub) -> None:
     q.add_argument("--out", required=True, help="directory for lm-eval.json")
     q.add_argument("--tasks", type=_list(str), required=True, help="comma-separated lm-eval task names")
     q.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per task")
-    q.add_argument("--limit", type=float, default=None, help="examples per task (or a fraction)")
+    q.add_argument("--limit", type=_number(0), default=None, help="examples per task (or a fraction)")
     q.add_argument("--batch-size", type=_positive, default=None, help="batch size")
     q.add_argument("--device", default=None, help="cpu, cuda, ...")
     q.add_argument("--seed", type=int, default=None, help="the harness's seeds (default: the adapter's)")
+    _force(q)
     p.set_defaults(func=run)
 
 
@@ -259,8 +293,11 @@ def _run_lm_eval(args) -> int:
         from ..interop.lm_eval import run_lm_eval
     except ImportError as e:
         raise DifftxError(f"lm-eval is not available ({e}); install it with: pip install 'difftx[eval]'") from None
-    from ..evals.common import Timer, envelope, write_result
+    from ..evals.common import Timer, claim_out, envelope, write_result
 
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ConfigError("--num-fewshot", f"must be 0 or more, got {args.num_fewshot}")
+    claim_out(args.out, "lm-eval", force=args.force, plot=False)  # before the harness runs: a bad --out fails fast
     kwargs = {k: v for k, v in dict(num_fewshot=args.num_fewshot, limit=args.limit, batch_size=args.batch_size,
                                     device=args.device, seed=args.seed).items() if v is not None}
     with Timer() as t:
@@ -277,7 +314,7 @@ def _run_lm_eval(args) -> int:
 def run(args) -> int:
     if args.eval_name == "lm-eval":
         return _run_lm_eval(args)
-    from ..evals.common import Timer, envelope, load_checkpoint, read_text_file, resolve_device, write_result
+    from ..evals.common import Timer, claim_out, envelope, load_checkpoint, read_text_file, resolve_device, write_result
     from ..evals.quant import quantized_logits
 
     if args.eval_name == "quant" and args.quant_bits is not None:
@@ -287,10 +324,8 @@ def run(args) -> int:
     if getattr(args, "data", None) is not None:
         read_text_file(args.data)  # a bad --data fails before the checkpoint loads
     device = resolve_device(args.device)
-    model, tok = load_checkpoint(args.checkpoint, device=str(device))
-    if getattr(model.config, "domain", "lm") != "lm":
-        raise DifftxError(f"{args.checkpoint}: a {model.config.domain} model; 'difftx eval {args.eval_name}' "
-                          "needs a language model")
+    model, tok = load_checkpoint(args.checkpoint, device=str(device), what=f"'difftx eval {args.eval_name}'")
+    claim_out(args.out, args.eval_name, force=args.force, plot=not args.no_plot)  # before the evaluation runs
     _say(args, f"difftx eval {args.eval_name}: {model.config.attention} model, "
                f"{model.num_parameters() / 1e6:.2f}M parameters, on {device}")
     with Timer() as t, quantized_logits(model, args.quant_bits, args.quant_granularity) as q:

@@ -8,6 +8,7 @@ Thin: parses, builds the models and the local data, calls
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from ..errors import ConfigError, DifftxError
 
 DEFAULT_SETTINGS = "S1,S2,S3,S4,S5,diff"
+RESULT_FILES = ("flow.json", "tails.json", "report.md")  # an earlier run's, kept unless --force
 TINY = dict(d_model=64, n_layers=2)  # the default model: preset "nano" shrunk to 2 x 64 (4 heads of 16)
 
 
@@ -60,6 +62,8 @@ def add_parser(sub) -> None:
                    help="torch CPU threads (default: 1 for models under 5M parameters, whose small matmuls "
                         "only lose to threading overhead; else torch's default)")
     p.add_argument("--no-plots", action="store_true", help="write JSON and report.md only")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite the results of an earlier run in --out (default: refuse)")
     p.set_defaults(func=run)
 
 
@@ -73,9 +77,12 @@ def _check(args) -> None:
             raise ConfigError(flag, f"must be >= {low}; got {value}")
     if args.tail_steps is not None and args.tail_steps < 0:
         raise ConfigError("--tail-steps", f"must be >= 0; got {args.tail_steps}")
-    for name in [args.flow_optimizer] + _split(args.optimizers):
-        if name not in OPTIMIZERS:
-            raise ConfigError("--optimizers", f"unknown optimiser {name!r}; one of {', '.join(OPTIMIZERS)}")
+    for flag, names in (("--flow-optimizer", [args.flow_optimizer]), ("--optimizers", _split(args.optimizers))):
+        for name in names:
+            if name not in OPTIMIZERS:
+                raise ConfigError(flag, f"unknown optimiser {name!r}; one of {', '.join(OPTIMIZERS)}")
+        if not names:
+            raise ConfigError(flag, f"give at least one of {', '.join(OPTIMIZERS)}")
     import torch
 
     try:
@@ -86,8 +93,11 @@ def _check(args) -> None:
         raise ConfigError("--device", "cuda was asked for but torch sees no CUDA device; use --device cpu")
     if args.threads is not None and args.threads < 1:
         raise ConfigError("--threads", f"must be >= 1; got {args.threads}")
-    if args.lr_adamw <= 0 or args.lr_msgdw <= 0:
-        raise ConfigError("--lr-adamw/--lr-msgdw", "learning rates must be positive")
+    for flag, value in (("--lr-adamw", args.lr_adamw), ("--lr-msgdw", args.lr_msgdw)):
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(flag, f"must be a positive finite learning rate; got {value}")
+    if not (math.isfinite(args.clip) and args.clip >= 0):
+        raise ConfigError("--clip", f"must be a finite norm >= 0 (0 for no clipping); got {args.clip}")
 
 
 def _split(s: str) -> list[str]:
@@ -156,6 +166,10 @@ class _Study:
         self.out = Path(args.out)
         if self.out.exists() and not self.out.is_dir():
             raise ConfigError("--out", f"{self.out} exists and is not a directory")
+        old = [n for n in RESULT_FILES if (self.out / n).exists()]
+        if old and not args.force:
+            raise DifftxError(f"--out {self.out} already holds the results of an earlier run ({', '.join(old)}); "
+                              "pass --force to overwrite them, or choose another --out (nothing was changed)")
         text = common.load_text(args.data)
         self.meta = {"batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
                      "data": args.data or "python stdlib source (byte tokens)", "device": args.device}
@@ -281,12 +295,12 @@ def _tails_section(st: _Study) -> None:
 
 
 def run(args) -> int:
-    from ..io import atomic_write_text
+    from ..io import atomic_write_text, make_out_dir
 
     t_start = time.perf_counter()
     _check(args)
     st = _Study(args)  # validates everything before anything is written
-    st.out.mkdir(parents=True, exist_ok=True)
+    make_out_dir(st.out)
     if args.only in (None, "flow"):
         _flow_section(st)
     if args.only in (None, "tails"):

@@ -46,8 +46,15 @@ def resolve_config(name: str, overrides: dict):
 
     path = Path(name)
     if path.suffix == ".json" and path.is_file():
-        data = json.loads(path.read_text())
-        data = data.get("model", data)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DifftxError(f"{path}: not valid JSON ({e}); give a ModelConfig JSON object") from None
+        if isinstance(data, dict) and "model" in data:
+            data = data["model"]
+        if not isinstance(data, dict):
+            raise DifftxError(f"{path}: expected a JSON object of ModelConfig fields (or one under 'model'), "
+                              f"got {json.dumps(data)[:40]}")
         cfg = ModelConfig.from_dict(data)
     elif path.is_dir():
         cfg = read_model_config(path)
@@ -114,6 +121,9 @@ def run(args) -> int:
         cfg = resolve_config(args.preset, overrides)
     except TypeError as e:
         raise DifftxError(str(e)) from None
+    if cfg.preset is not None and not isinstance(cfg.preset, str):
+        raise ConfigError("preset", f"is the name of a preset (a string), got {cfg.preset!r}; pick the preset with "
+                                    "the first argument (difftx info PRESET), not --set preset=...")
     info = describe(cfg, args.seq_len)
     if args.json:
         print(json.dumps(info, indent=2))

@@ -74,7 +74,7 @@ def add_parser(sub) -> None:
     o.add_argument("--global-batch", type=int, help="sequences per step over all processes (sets --grad-accum)")
     o.add_argument("--steps", type=int, help="optimizer steps (500)")
     o.add_argument("--epochs", type=float, help="train this many epochs instead of --steps")
-    o.add_argument("--warmup-epochs", type=float, help="warmup in epochs (with --epochs)")
+    o.add_argument("--warmup-epochs", type=float, help="warmup in epochs (needs --epochs)")
     o.add_argument("--optimizer", choices=["adamw", "msgdw", "sgd", "muon"], help="optimizer (adamw)")
     o.add_argument("--lr", type=float, help="peak learning rate (1e-3)")
     o.add_argument("--min-lr", type=float, help="final learning rate of the decay (1e-4)")
@@ -100,7 +100,7 @@ def add_parser(sub) -> None:
     c = p.add_argument_group("evaluation, logging and checkpoints")
     c.add_argument("--eval-every", type=int, help="validate every N steps (250; 0: at the end only)")
     c.add_argument("--eval-batches", type=int, help="validation batches (50)")
-    c.add_argument("--log-every", type=int, help="a metrics.jsonl row every N steps (1)")
+    c.add_argument("--log-every", type=int, help="a metrics.jsonl row every N steps (1; at least 1)")
     c.add_argument("--diag-every", type=int, help="per-layer lambda and gradient norms every N steps (100; 0: off)")
     c.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (0: at the end only)")
     c.add_argument("--keep-last", type=int, help="checkpoints to keep (3)")
@@ -132,7 +132,7 @@ def run(args) -> int:
     args.domain_options = _kv(args.domain_opt, "--domain-opt")
     train_kw = {f: getattr(args, f) for f in TRAIN_FLAGS if getattr(args, f, None) is not None}
     model_kw = {f: getattr(args, f) for f in MODEL_FLAGS if getattr(args, f, None) is not None}
-    model_kw.update(_kv(args.set) or {})
+    model_kw.update(_kv(args.set, "--set") or {})
     tcfg, mcfg = resolve_configs(args.recipe, train_kw, model_kw, args.preset)
     if args.out is None:
         if args.resume == "auto":

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..errors import ConfigError
-from ..io import atomic_write_text
+from ..errors import ConfigError, DataError, DifftxError
+from ..io import atomic_write_text, make_out_dir
 from .jobs import Job, plan, step_cost, sweep_plan
 from .progress import StudyProgress
 from .study import StudyConfig
@@ -66,8 +66,12 @@ def resume_config(out: Path, explicit: dict) -> StudyConfig:
     return given
 
 
-def prepare_out(out: Path, study: StudyConfig, force: bool, resume: bool, command: str) -> None:
-    """Check and claim the output directory; nothing is deleted unless ``force`` and it is a study's."""
+def prepare_out(out: Path, study: StudyConfig, force: bool, resume: bool, command: str) -> bool:
+    """Check and claim the output directory; nothing is deleted unless ``force`` and it is a study's.
+
+    True when it wrote a new ``study.json`` into a directory that was empty (or absent): a study this
+    invocation started, that :func:`discard_new_study` may take back if its input fails before any job finishes.
+    """
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError("out", f"{out} exists and is not a directory")
@@ -84,24 +88,53 @@ def prepare_out(out: Path, study: StudyConfig, force: bool, resume: bool, comman
         shutil.rmtree(out / "runs", ignore_errors=True)
         for name in OUTPUTS + (STUDY_FILE,):
             (out / name).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
+    make_out_dir(out, flag="--out")
     if not (resume and has_study):
         from .. import __version__
 
         atomic_write_text(out / STUDY_FILE, json.dumps({"difftx_compare": 1, "difftx_version": __version__,
                                                          "command": command, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
                                                          "study": study.to_dict()}, indent=2))
+    return not busy and not (resume and has_study)
+
+
+def discard_new_study(out: Path) -> None:
+    """Undo a new study whose input failed before any job finished: ``study.json`` and ``runs/`` go, so the same
+    command, input fixed, runs into the same ``--out`` (a finished job is a result: then nothing is removed)."""
+    out = Path(out)
+    if any((out / "runs").rglob("job.json")) or any((out / name).exists() for name in OUTPUTS):
+        return
+    shutil.rmtree(out / "runs", ignore_errors=True)
+    (out / STUDY_FILE).unlink(missing_ok=True)
 
 
 def check_inputs(study: StudyConfig) -> None:
-    """Everything that can be checked before a job starts: every arm's config, the corpus, the task options."""
+    """Everything that can be checked before a job starts: every arm's config, every job's training config
+    (device, budgets), the corpus, the tokenizer, the task options."""
+    from ..train.config import TrainConfig
+    from .jobs import plan, train_config
+
     for task in study.tasks():
         for arm in study.arm_list():
             study.model_config(arm, task)
+    for job in plan(study):
+        train_config(study, job)  # TrainConfig validates itself (e.g. --device)
+    if study.domain == "lm" and study.tokenizer not in ("byte", "char", "bpe"):
+        from ..data.tokenizers import build_tokenizer
+
+        build_tokenizer(study.tokenizer)  # a saved tokenizer: it must exist and load
     if study.domain == "lm" and study.data is not None:
         from ..data.corpus import resolve_corpus
 
-        resolve_corpus(study.data)
+        corpus = resolve_corpus(study.data)
+        if all(src.kind == "text" for src in corpus.sources):  # at most one token per byte, one end-of-text per file
+            n = corpus.nbytes() + len(corpus.sources)
+            val = int(round(n * TrainConfig.val_fraction))
+            need = study.task_seq_len("corpus") + 1
+            if min(val, n - val) < need:
+                raise DataError(f"--data {study.data}: at most {val} validation tokens (the last "
+                                f"{TrainConfig.val_fraction:.0%} of the corpus), fewer than --seq-len + 1 = {need}; "
+                                "give more --data or a smaller --seq-len")
     if study.retrieval != "none":
         from ..data.tasks import get_task
         from ..data.tokenizers import ByteTokenizer
@@ -237,11 +270,11 @@ def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False
 
     out = Path(out)
     world = init_world(study.device)  # under torchrun: the process group every job's training shares
-    executor = None
+    executor, created = None, False
     try:
         check_inputs(study)
         if world.is_main:
-            prepare_out(out, study, force, resume, command)
+            created = prepare_out(out, study, force, resume, command)
         world.barrier()
         workers, threads = resolve_workers(study, 1 << 30, world.device.type, world.distributed)
         sweep = sweep_plan(study, world.world_size) if study.lr_sweep else []
@@ -279,6 +312,13 @@ def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False
         return res
     except KeyboardInterrupt:
         raise StudyInterrupted(f"interrupted; continue with: difftx compare --out {out} --resume") from None
+    except DifftxError:
+        if created:  # bad input found only by a job (e.g. too little --data): take back the new study
+            if executor is not None:
+                executor.close()
+                executor = None
+            discard_new_study(out)
+        raise
     finally:
         if executor is not None:
             executor.close()

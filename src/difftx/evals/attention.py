@@ -145,6 +145,10 @@ def evaluate_attention(model, tokenizer, depths: Sequence[float] = DEPTHS, lengt
         raise ConfigError("length", f"{length} exceeds max_seq_len={hard_limit(model)} of a model with "
                                     f"{model.config.positions} positions")
     builder = NiahBuilder(tokenizer, text=text, data=data, template=template, digits=digits)
+    need = builder.min_length(needles, 1)
+    if length < need:
+        raise ConfigError("length", f"{length} tokens cannot hold {needles} needle(s) and a query ({need} tokens); "
+                                    "pass a longer --length, fewer --needles or --template short")
     by_depth = []
     for di, d in enumerate(depths):
         ss = [builder.sample(rng_for(seed, 0xA77, di, k), length, needles, 1, d) for k in range(samples)]

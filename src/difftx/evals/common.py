@@ -24,20 +24,28 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from ..errors import ConfigError, DataError
+from ..errors import CheckpointError, ConfigError, DataError, DifftxError
 from ..nn.probe import AttentionProbe, attach_probe
 
 SCHEMA_VERSION = 1
 
 
 # ----------------------------------------------------------------------------- loading
-def load_checkpoint(path, device: Optional[str] = None, dtype: Optional[torch.dtype] = None):
-    """(model, tokenizer) from a difftx model, checkpoint or training-run directory; model in eval mode."""
+def load_checkpoint(path, device: Optional[str] = None, dtype: Optional[torch.dtype] = None,
+                    what: str = "this evaluation"):
+    """(model, tokenizer) from a difftx model, checkpoint or training-run directory; model in eval mode.
+
+    A model of another domain (a vision model has no tokenizer) is one CheckpointError saying so.
+    """
     from ..data import load_tokenizer
     from ..io import load_model
 
     model = load_model(path, device=device, dtype=dtype)
     model.eval()
+    domain = getattr(model.config, "domain", "lm")
+    if domain != "lm":
+        raise CheckpointError(f"{path}: a {domain} model; {what} needs a language model (a checkpoint of "
+                              "'difftx train' without --domain vision)")
     tokenizer = load_tokenizer(path)
     return model, tokenizer
 
@@ -144,7 +152,11 @@ def read_text_file(path) -> str:
         raise DataError(f"{p}: data file is empty")
     if b"\x00" in raw[:65536]:
         raise DataError(f"{p}: looks binary (NUL bytes); pass a UTF-8 text file")
-    return raw.decode("utf-8", errors="replace")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # as difftx train's --data: no silent replacement characters
+        raise DataError(f"{p}: not UTF-8 text (bad byte at offset {e.start}); "
+                        "convert it to UTF-8 or pass another --data") from None
 
 
 def encode(tokenizer, text: str, what: str = "text") -> list[int]:
@@ -305,6 +317,13 @@ def parse_range(v, name: str) -> tuple[int, int]:
     return lo, hi
 
 
+def check_options(task: str, options: dict, valid: Sequence[str]) -> None:
+    """A task's options are among ``valid``, else one ConfigError listing the valid keys."""
+    unknown = [k for k in options if k not in valid]
+    if unknown:
+        raise ConfigError(None, f"the {task} task has no option {unknown[0]!r}; valid options: {', '.join(valid)}")
+
+
 def rng_for(*key: int) -> np.random.Generator:
     """A numpy Generator that is a pure function of the integers in ``key`` (seed, step, rank, ...)."""
     return np.random.default_rng(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in key]))
@@ -341,11 +360,29 @@ def envelope(name: str, results: dict, model=None, checkpoint=None, settings: Op
     })
 
 
-def write_result(out_dir, name: str, doc: dict) -> Path:
-    from ..io import atomic_write_text
-
+def result_paths(out_dir, name: str, plot: bool = True) -> list[Path]:
+    """The files ``difftx eval NAME`` writes into ``out_dir``: NAME.json (and NAME.png with a plot)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    return [out / f"{name}.json"] + ([out / f"{name}.png"] if plot else [])
+
+
+def claim_out(out_dir, name: str, force: bool = False, plot: bool = True) -> Path:
+    """Check ``--out`` before an evaluation runs: a usable directory (created) holding no earlier result of
+    ``name`` unless ``force`` (as ``difftx compare`` refuses a directory holding a study)."""
+    from ..io import make_out_dir
+
+    out = make_out_dir(out_dir, flag="--out")
+    old = [p for p in result_paths(out, name, plot) if p.exists()]
+    if old and not force:
+        raise DifftxError(f"--out {out}: {old[0].name} already exists (an earlier result); pass --force to "
+                          "overwrite it or choose another --out (nothing was changed)")
+    return out
+
+
+def write_result(out_dir, name: str, doc: dict) -> Path:
+    from ..io import atomic_write_text, make_out_dir
+
+    out = make_out_dir(out_dir, flag="--out")
     path = out / f"{name}.json"
     atomic_write_text(path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
     return path

@@ -20,6 +20,7 @@ vocabulary is the model's (a byte model: keys 1..127, values 128..255), so
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import numpy as np
@@ -27,10 +28,11 @@ import torch
 
 from ..data.tasks import register_task
 from ..errors import ConfigError
-from .common import batches, hard_limit, model_device, parse_range, rng_for
+from .common import batches, check_options, hard_limit, model_device, parse_range, rng_for
 
 DEFAULT_LENGTHS = (64, 128, 256)
 DEFAULT_PAIRS = (4, 8, 16, 32)
+TASK_OPTIONS = ("pairs", "vocab", "power_a", "random_non_queries")  # of the training task (--task-opt, --retrieval-opt)
 
 
 def check_shape(seq_len: int, pairs: int, vocab: int) -> Optional[str]:
@@ -42,6 +44,18 @@ def check_shape(seq_len: int, pairs: int, vocab: int) -> Optional[str]:
     if pairs > vocab // 2 - 1:
         return f"{pairs} distinct keys need a vocabulary of at least {2 * pairs + 2} (have {vocab})"
     return None
+
+
+def check_power_a(power_a) -> float:
+    """``power_a`` as a float: finite and > 0 (the gap law p(g) ~ g**(a-1) needs it), else ConfigError."""
+    try:
+        a = float(power_a)
+    except (TypeError, ValueError):
+        a = math.nan
+    if not (math.isfinite(a) and 0 < a <= 10):
+        raise ConfigError("power_a", f"must be a finite number in (0, 10] (default 0.01; 1: uniform gaps), "
+                                     f"got {power_a!r}")
+    return a
 
 
 def mqar_example(rng: np.random.Generator, seq_len: int, pairs: int, vocab: int, power_a: float = 0.01,
@@ -90,6 +104,7 @@ def evaluate_mqar(model, lengths: Sequence[int] = DEFAULT_LENGTHS, pairs: Sequen
                   random_non_queries: bool = True, seed: int = 0, batch_size: int = 32,
                   progress: bool = False) -> dict:
     """Accuracy per (sequence length, number of pairs); shapes that do not fit are listed as skipped."""
+    power_a = check_power_a(power_a)
     vocab = int(vocab or model.config.vocab_size)
     if vocab > model.config.vocab_size:
         raise ConfigError("vocab", f"{vocab} exceeds the model's vocabulary ({model.config.vocab_size})")
@@ -144,7 +159,7 @@ class MqarTask:
             raise ConfigError("seq_len", "the mqar task needs a sequence length (--seq-len)")
         self.vocab, self.seq_len, self.seed = int(vocab), int(seq_len), int(seed)
         self.pairs = parse_range(pairs, "pairs")
-        self.power_a, self.random_non_queries = float(power_a), bool(random_non_queries)
+        self.power_a, self.random_non_queries = check_power_a(power_a), bool(random_non_queries)
         why = check_shape(self.seq_len - self.seq_len % 2, self.pairs[1], self.vocab)
         if why:
             raise ConfigError("mqar", f"seq_len {self.seq_len}, pairs up to {self.pairs[1]}: {why}")
@@ -160,4 +175,5 @@ class MqarTask:
 @register_task("mqar")
 def mqar_task(tokenizer, seq_len: int, seed: int = 0, vocab: Optional[int] = None, **options) -> MqarTask:
     """Zoology MQAR over the tokenizer's ids (options: pairs, vocab, power_a, random_non_queries)."""
+    check_options("mqar", options, TASK_OPTIONS)
     return MqarTask(int(vocab or tokenizer.vocab_size), seq_len, seed, **options)

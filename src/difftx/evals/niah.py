@@ -40,8 +40,8 @@ import torch
 
 from ..data.tasks import register_task
 from ..errors import ConfigError, DataError
-from .common import (batches, corpus_text, encode, hard_limit, map_batch_size, model_device, pad_left, pad_right,
-                     parse_range, rng_for, task_context)
+from .common import (batches, check_options, corpus_text, encode, hard_limit, map_batch_size, model_device, pad_left,
+                     pad_right, parse_range, rng_for, task_context)
 
 CITIES = (
     "Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Cairo", "Delhi", "Madrid", "Berlin", "Rome", "Vienna", "Prague",
@@ -60,6 +60,7 @@ TEMPLATES = {
 }
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_GRID = ((1, 1), (2, 2), (4, 2), (6, 2))  # Table 2
+TASK_OPTIONS = ("needles", "queries", "digits", "template", "data", "text", "loss_on")  # of the training task
 # token regions of a sample (used by the attention evaluation)
 NOISE, ANSWER, ANSWER_NEEDLE, OTHER_NEEDLE, QUERY = 0, 1, 2, 3, 4
 REGION_NAMES = ("noise", "answer", "answer_needle", "other_needles", "query")
@@ -393,4 +394,5 @@ class NiahTask:
 @register_task("niah")
 def niah_task(tokenizer, seq_len: int, seed: int = 0, **options) -> NiahTask:
     """Multi-needle retrieval samples (options: needles, queries, digits, template, data, loss_on)."""
+    check_options("niah", options, TASK_OPTIONS)
     return NiahTask(tokenizer, seq_len, seed, **options)

@@ -140,6 +140,9 @@ def _metric_fn(metric: str) -> Callable:
 def evaluate_quant(model, tokenizer, bits: Sequence[int] = DEFAULT_BITS, granularity: str = "head",
                    metric: str = "lm", metric_options: Optional[dict] = None, progress: bool = False) -> dict:
     """The metric unquantized and with the logits quantized to each of ``bits`` (Fig. 8)."""
+    bad = [b for b in bits if isinstance(b, bool) or not isinstance(b, int) or not 2 <= b <= 32]
+    if bad or not bits:
+        raise ConfigError("bits", f"each width must be an integer between 2 and 32, got {bad[0] if bad else 'none'!r}")
     fn = _metric_fn(metric)
     opts = dict(metric_options or {})
     rows = []

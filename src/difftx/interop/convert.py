@@ -31,7 +31,7 @@ import torch
 from ..config import NORM_FLAGS, NORM_PRESETS, ModelConfig
 from ..errors import CheckpointError, ConfigError, DifftxError
 from ..io import (CONFIG_FILE, WEIGHTS_FILE, clean_state_dict, is_model_dir, list_checkpoints, load_safetensors,
-                  read_model_config, save_model)
+                  make_out_dir, read_model_config, save_model)
 from . import hf_io
 from .layouts import relayout
 
@@ -251,8 +251,11 @@ def read_any(path) -> tuple[ModelConfig, dict, str]:
         raise DifftxError(f"{path}: a unilm attention state dict holds one module, not a model; "
                           "use difftx.interop.unilm.load_unilm_attention")
     if fmt == "difftx":
-        if is_model_dir(path):
-            return read_model_config(path), clean_state_dict(load_safetensors(Path(path) / WEIGHTS_FILE)), fmt
+        if is_model_dir(path):  # tensors checked by name and shape against the config before anything is written
+            cfg = read_model_config(path)
+            state = clean_state_dict(load_safetensors(Path(path) / WEIGHTS_FILE))
+            shapes = expected_shapes(cfg)
+            return cfg, map_and_check(state, [(k, k) for k in shapes], shapes, str(Path(path) / WEIGHTS_FILE)), fmt
         from ..io import load_model
 
         model = load_model(path)  # a run or checkpoint directory: its newest checkpoint
@@ -424,6 +427,7 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
         load_state_dict_into(model, state, str(src))
         if dtype is not None:
             model = model.to(dtype)
+        make_out_dir(dst, flag="DST")  # save_model's mkdir would raise a traceback for a path under a file
         save_model(model, dst, extra_config={TOKEN_IDS_KEY: token_ids} if token_ids else None)
     else:
         save_hf(state, dst, dst_format, cfg=cfg, dtype=dtype, token_ids=token_ids)

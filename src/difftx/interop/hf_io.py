@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from ..errors import CheckpointError
-from ..io import atomic_write_text, load_safetensors, save_safetensors
+from ..io import atomic_write_text, load_safetensors, make_out_dir, save_safetensors
 
 CONFIG_FILE = "config.json"
 SAFE_FILE = "model.safetensors"
@@ -65,7 +66,9 @@ def is_hf_dir(path) -> bool:
 
 def _load_bin(path: Path) -> dict:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a refused pickle: our one-line error, not torch's warning too
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{path}: cannot read as a weights-only torch file ({type(e).__name__}); "
                               "re-save it as safetensors") from None
@@ -96,8 +99,7 @@ def read_hf_weights(path) -> dict:
 
 def write_hf_dir(path, config: dict, state: dict, dtype: Optional[torch.dtype] = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (atomic files) into directory ``path``."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    path = make_out_dir(path, flag="DST")
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     save_safetensors(state, path / SAFE_FILE, metadata={"format": "pt"})

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -31,7 +32,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
-from ..io import atomic_write_text, load_safetensors, load_state_dict_into, save_safetensors
+from ..io import atomic_write_text, load_safetensors, load_state_dict_into, make_out_dir, save_safetensors
 from .layouts import relayout
 
 LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
@@ -114,7 +115,9 @@ def read_weights_file(path: Path) -> dict:
     if path.suffix == ".safetensors":
         return load_safetensors(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a refused pickle: our one-line error, not torch's warning too
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{path}: not a safetensors or weights-only torch file ({type(e).__name__})") from None
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
@@ -163,7 +166,7 @@ def convert_unilm_file(src, dst, depth: Optional[int] = None, rope_theta: float 
         module, cfg = load_unilm_attention(state, layer_depth, rope_theta, variant, pairing, rope_style)
         tensors.update({prefix + k: v for k, v in module.state_dict().items()})
         index[prefix] = {"layer": layer_depth + 1, "model": cfg.to_dict()}
-    dst.mkdir(parents=True, exist_ok=True)
+    make_out_dir(dst, flag="DST")
     save_safetensors(tensors, dst / MODULES_WEIGHTS, metadata={"format": "pt"})
     atomic_write_text(dst / MODULES_FILE, json.dumps({"difftx_attention_modules": 1, "modules": index}, indent=2))
     return dst

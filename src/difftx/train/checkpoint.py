@@ -23,17 +23,20 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import os
 import pickle
 import random
 import shutil
+import textwrap
+import warnings
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..io import (CHECKPOINTS_DIR, CONFIG_FILE, WEIGHTS_FILE, atomic_write_bytes, atomic_write_text,
                   clean_state_dict, list_checkpoints, load_safetensors, load_state_dict_into, save_safetensors)
 
@@ -231,19 +234,46 @@ def _torch_load(path: Path, device) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: optimizer state missing; the checkpoint is incomplete, use another")
     try:
-        return torch.load(path, map_location=device, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{path}: refused to load ({str(e).splitlines()[0][:120]}); difftx loads tensors "
-                              "only (weights_only=True), never code") from None
+        with warnings.catch_warnings():  # torch warns about what it refuses; the error below says it in one line
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError:  # random bytes and pickled code alike: torch does not tell them apart
+        raise CheckpointError(f"{path}: not a weights-only torch file (torch.load(weights_only=True) refused it): "
+                              "corrupt, or unsafe pickled objects (nothing in it was run); use another "
+                              "checkpoint") from None
     except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointError(f"{path}: not a readable optimizer state ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:120]}); the file is truncated or corrupt") from None
+                              f"{textwrap.shorten(first, 120)}); the file is truncated or corrupt, use another "
+                              "checkpoint") from None
+
+
+_STATE_FIELDS = {"step": int, "tokens_seen": int, "samples_seen": int, "elapsed_s": (int, float), "last_eval": dict}
+
+
+def check_trainer_state(state: dict, path: Path) -> dict:
+    """``state`` (trainer_state.json at ``path``) with its fields type-checked: a wrong one is a corrupt file."""
+    for key, kind in _STATE_FIELDS.items():
+        if key not in state and key != "step":
+            continue  # optional (defaults in Trainer.load_state_dict)
+        v = state.get(key)
+        numeric = kind is not dict and isinstance(v, kind) and not isinstance(v, bool)
+        if not (numeric and 0 <= v < math.inf or kind is dict and isinstance(v, dict)):
+            got = repr(v) if key in state else "missing"
+            what = "a JSON object" if kind is dict else "a non-negative integer" if kind is int else \
+                "a non-negative number"
+            raise CheckpointError(f"{path}: {key!r} is {got}, not {what}; the trainer state is corrupt, use "
+                                  "another checkpoint")
+    return state
 
 
 def load_checkpoint(trainer, path: Path) -> dict:
     """Restore model, optimizer, RNG and trainer state from checkpoint ``path``; returns the trainer state."""
     path = Path(path)
-    state = read_json(path / STATE_FILE, "trainer state")
+    state = check_trainer_state(read_json(path / STATE_FILE, "trainer state"), path / STATE_FILE)
+    if state["step"] > trainer.cfg.steps:
+        raise ConfigError("steps", f"{trainer.cfg.steps} is before the step of the checkpoint being resumed "
+                                   f"({state['step']}, {path}); pass a larger --steps")
     sharded = (path / SHARDED_DIR).is_dir()
     if sharded != (trainer.parallel == "fsdp"):
         saved = "fsdp" if sharded else "a single process or ddp"
@@ -281,7 +311,12 @@ def load_checkpoint(trainer, path: Path) -> dict:
             raise CheckpointError(f"{path / OPTIM_FILE}: does not match this model's optimizer ({e})") from None
     rng_file = path / RNG_DIR / f"rank_{trainer.world.rank}.json"
     if rng_file.is_file():
-        set_rng_state(read_json(rng_file, "RNG state"))
+        rng = read_json(rng_file, "RNG state")
+        try:
+            set_rng_state(rng)
+        except Exception as e:
+            raise CheckpointError(f"{rng_file}: not a valid RNG state ({type(e).__name__}); the file is corrupt, "
+                                  "use another checkpoint") from None
     return state
 
 

@@ -102,7 +102,9 @@ class TrainConfig:
             v = getattr(self, name)
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
             if not ok or (lo_open and v == lo):
-                raise ConfigError(name, f"must be a number in {'(' if lo_open else '['}{lo}, {hi}]; got {v!r}")
+                where = f"{'>' if lo_open else '>='} {lo:g}" if hi == math.inf else \
+                    f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+                raise ConfigError(name, f"must be a finite number {where}; got {v!r}")
 
         def choice(name: str, options) -> None:
             if getattr(self, name) not in options:
@@ -114,9 +116,9 @@ class TrainConfig:
         choice("parallel", PARALLEL)
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ConfigError("device", f"must be auto, cpu or cuda[:N]; got {self.device!r}")
-        for name in ("batch_size", "grad_accum", "steps", "bpe_vocab_size", "eval_batches", "keep_last"):
+        for name in ("batch_size", "grad_accum", "steps", "bpe_vocab_size", "eval_batches", "keep_last", "log_every"):
             positive_int(name)
-        for name in ("warmup", "eval_every", "log_every", "diag_every", "checkpoint_every"):
+        for name in ("warmup", "eval_every", "diag_every", "checkpoint_every"):  # 0: off (see the field comments)
             positive_int(name, allow_zero=True)
         for name in ("seq_len", "global_batch", "stop_at", "threads"):
             positive_int(name, allow_none=True)
@@ -132,10 +134,12 @@ class TrainConfig:
             raise ConfigError("min_lr", f"({self.min_lr}) must not exceed lr ({self.lr})")
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
             raise ConfigError("betas", f"must be two numbers in [0, 1); got {self.betas!r}")
-        for name in ("epochs", "warmup_epochs"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
-                raise ConfigError(name, f"must be a non-negative number; got {v!r}")
+        if self.epochs is not None:
+            number("epochs", 0.0, lo_open=True)
+        if self.warmup_epochs is not None:
+            if self.epochs is None:
+                raise ConfigError("warmup_epochs", "needs --epochs (with --steps give the warmup in steps: --warmup)")
+            number("warmup_epochs")
         if self.task is not None and self.data is not None:
             raise ConfigError("task", "give either --task or --data, not both")
 

@@ -107,6 +107,9 @@ class LMDomain(Domain):
 
     def __init__(self, cfg: TrainConfig, world: World):
         super().__init__(cfg, world)
+        if cfg.domain_options:
+            raise ConfigError("domain_options", f"the lm domain takes no options (got "
+                                                f"{', '.join(sorted(cfg.domain_options))}); drop --domain-opt")
         self.tokenizer = None
         self.data = None
         self.sampler = None

@@ -4,8 +4,9 @@
 values and ties the sequence length to the model.  :func:`train` checks the
 output directory (a run there is never overwritten without ``--resume``),
 reloads the saved config when resuming (only the fields in
-``RESUMABLE_CHANGES`` may change), prepares the domain's data *before* writing
-anything, then writes the run directory and runs the :class:`Trainer`.
+``RESUMABLE_CHANGES`` may change), prepares the domain's data and loads the
+checkpoint being resumed *before* writing anything, then writes the run
+directory and runs the :class:`Trainer`.
 
 Run directory contract (docs/training.md): ``config.json`` (difftx_format,
 model, train, data, world), ``tokenizer.json``, ``metrics.jsonl``,
@@ -25,7 +26,7 @@ import torch
 from ..accounting import count_parameters
 from ..config import ModelConfig
 from ..errors import ConfigError
-from ..io import CHECKPOINTS_DIR, CONFIG_FILE, FORMAT_KEY, FORMAT_VERSION, atomic_write_text
+from ..io import CHECKPOINTS_DIR, CONFIG_FILE, FORMAT_KEY, FORMAT_VERSION, atomic_write_text, make_out_dir
 from ..runtime import SLOW_BF16, keep_freed_memory, native_bf16_matmul
 from .checkpoint import read_json, remove_partial, resolve_resume
 from .config import RESUMABLE_CHANGES, TrainConfig
@@ -54,9 +55,10 @@ def resolve_configs(recipe: Optional[str] = None, train: Optional[dict] = None, 
     if r is not None and r.train.get("epochs") is not None and train.get("steps") is not None \
             and "epochs" not in train:  # explicit --steps beats a recipe's epochs; warmup keeps its fraction
         train["epochs"] = None
-        if r.train.get("warmup_epochs") is not None and "warmup" not in train and "warmup_epochs" not in train:
+        if r.train.get("warmup_epochs") is not None and "warmup_epochs" not in train:
             train["warmup_epochs"] = None
-            train["warmup"] = round(r.train["warmup_epochs"] / r.train["epochs"] * train["steps"])
+            if "warmup" not in train:
+                train["warmup"] = round(r.train["warmup_epochs"] / r.train["epochs"] * train["steps"])
     for key in ("domain_options", "task_options"):  # option dicts merge: the recipe's < the explicit ones
         if r is not None and r.train.get(key) and key in train:
             train[key] = {**r.train[key], **(train[key] or {})}
@@ -148,13 +150,15 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
         run_config = {FORMAT_KEY: FORMAT_VERSION, "model": mcfg.to_dict(), "train": tcfg.to_dict(),
                       "data": domain.describe(), "world_size": world.world_size,
                       "torch": torch.__version__}
+        trainer = Trainer(mcfg, tcfg, domain, world, out, run_config, callbacks)
+        if resume_ckpt is not None:  # load (and so check) the checkpoint before writing anything
+            trainer.resume(resume_ckpt)
         if world.is_main:
-            out.mkdir(parents=True, exist_ok=True)
+            make_out_dir(out)
             remove_partial(out)
             atomic_write_text(out / CONFIG_FILE, json.dumps(run_config, indent=2))
             domain.save_artifacts(out)
         world.barrier()
-        trainer = Trainer(mcfg, tcfg, domain, world, out, run_config, callbacks)
         if world.is_main and announce and not tcfg.threads and world.device.type == "cpu":
             _hint_busy_cpu()  # after every input check, so a bad input still gets exactly one line
         if world.is_main and announce and trainer.dtype is not None and not native_bf16_matmul(world.device):

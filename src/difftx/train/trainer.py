@@ -107,6 +107,7 @@ class Trainer:
         self.samples_seen = 0
         self.elapsed = 0.0
         self.last_eval: dict = {}
+        self.resumed_from: Optional[Path] = None
         self._stop_signal: Optional[int] = None
 
     # ------------------------------------------------------------------ state
@@ -115,6 +116,11 @@ class Trainer:
                 "data_position": {"sampler": "stateless (seed, step)", "next_step": self.step},
                 "elapsed_s": round(self.elapsed, 3), "world_size": self.world.world_size,
                 "parallel": self.parallel, "micro_batches": self.n_micro, "last_eval": self.last_eval}
+
+    def resume(self, path: Path) -> None:
+        """Restore checkpoint ``path`` (model, optimizer, RNG, step); :meth:`fit` then continues from it."""
+        self.load_state_dict(ckpt.load_checkpoint(self, path))
+        self.resumed_from = Path(path)
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
@@ -224,8 +230,9 @@ class Trainer:
 
     def fit(self, resume_from: Optional[Path] = None) -> dict:
         cfg, world = self.cfg, self.world
-        if resume_from is not None:
-            self.load_state_dict(ckpt.load_checkpoint(self, resume_from))
+        if resume_from is not None and self.resumed_from != Path(resume_from):
+            self.resume(resume_from)
+        resume_from = self.resumed_from
         stop_at = min(cfg.stop_at or cfg.steps, cfg.steps)
         logger = MetricsLogger(self.run_dir, world.is_main, cfg.tensorboard,
                                resume_step=self.step if resume_from is not None else None,

@@ -79,7 +79,8 @@ def parse_options(options: dict) -> tuple[dict, aug.AugmentOptions]:
     check("crop", a.get("crop", 0), lambda v: isinstance(v, int) and v >= 0, "a non-negative integer (padding)")
     check("flip", a.get("flip", False), lambda v: isinstance(v, bool), "true or false")
     for k in ("mixup", "cutmix"):
-        check(k, a.get(k, 0.0), lambda v: isinstance(v, num) and v >= 0, "a non-negative Beta alpha (0: off)")
+        check(k, a.get(k, 0.0), lambda v: isinstance(v, num) and 0 <= v < math.inf,
+              "a non-negative Beta alpha (0: off)")
     for k in ("random_erasing", "mix_prob", "switch_prob"):
         check(k, a.get(k, 0.0), lambda v: isinstance(v, num) and 0 <= v <= 1, "a probability in [0, 1]")
     check("label_smoothing", a.get("label_smoothing", 0.0), lambda v: isinstance(v, num) and 0 <= v < 1,

@@ -1,0 +1,165 @@
+"""Bad flags, output paths and checkpoints: one line, exit 2, and nothing of an existing run is touched."""
+
+import hashlib
+import json
+import os
+import pickle
+import warnings
+
+import pytest
+import torch
+
+from difftx.errors import DifftxError
+
+
+def _snapshot(run):
+    return {p.relative_to(run): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(run.rglob("*"))
+            if p.is_file()}
+
+
+def _one_line(capsys):
+    err = capsys.readouterr().err
+    assert err.startswith("difftx train: error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.fixture
+def run4(tmp_path, train_cli):
+    """A finished 4-step run with checkpoints at steps 2 and 4."""
+    run = tmp_path / "run"
+    assert train_cli("--steps", 4, "--checkpoint-every", 2, "--eval-every", 0, "--out", run) == 0
+    return run
+
+
+@pytest.mark.parametrize("where", ["file", "under a file", "proc"])
+def test_unusable_out_names_the_flag(tmp_path, train_cli, corpus, cache, capsys, where):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    out = {"file": afile, "under a file": afile / "run", "proc": "/proc/difftx-run"}[where]
+    assert train_cli("--steps", 1, "--eval-every", 0, "--out", out) == 2
+    err = _one_line(capsys)
+    assert f"--out {out}:" in err and "pick" in err, err
+    assert afile.read_text() == "keep me"
+    # the library says the same (an OSError traceback before)
+    from difftx.train import resolve_configs, train
+
+    tcfg, mcfg = resolve_configs(train=dict(data=str(corpus), cache_dir=str(cache), tokenizer="char", seq_len=16,
+                                            batch_size=2, steps=1, eval_every=0, progress=False),
+                                 model=dict(d_model=32, n_layers=2, n_heads=2))
+    with pytest.raises(DifftxError, match="--out"):
+        train(tcfg, mcfg, out, announce=None)
+
+
+def test_log_every_zero_refused_and_zero_intervals_mean_off(tmp_path, train_cli, capsys):
+    assert train_cli("--steps", 3, "--log-every", 0, "--out", tmp_path / "a") == 2
+    assert "log_every: must be a positive integer" in _one_line(capsys)
+    assert not (tmp_path / "a").exists()
+    run = tmp_path / "b"  # the intervals documented as "0: off / only at the end" train fine
+    assert train_cli("--steps", 3, "--eval-every", 0, "--diag-every", 0, "--checkpoint-every", 0, "--out", run) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_loss" in r] == [3] and not any("lambdas" in r for r in rows)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000003"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--epochs", "nan"], "epochs: must be a finite number > 0; got nan"),
+    (["--epochs", "inf"], "epochs: must be a finite number > 0; got inf"),
+    (["--epochs", "0"], "epochs: must be a finite number > 0; got 0"),
+    (["--epochs", "1", "--warmup-epochs", "nan"], "warmup_epochs: must be a finite number >= 0; got nan"),
+    (["--steps", "3", "--warmup-epochs", "1"], "warmup_epochs: needs --epochs"),
+    (["--steps", "3", "--domain-opt", "bogus=1"], "the lm domain takes no options (got bogus)"),
+])
+def test_epochs_and_domain_options_checked(tmp_path, train_cli, capsys, flags, message):
+    assert train_cli(*flags, "--out", tmp_path / "new") == 2
+    assert message in _one_line(capsys)
+    assert not (tmp_path / "new").exists()
+
+
+def test_recipe_epochs_give_way_to_steps_and_warmup():
+    """--steps and --warmup beat a recipe's epochs and warmup_epochs (both dropped, not half-kept)."""
+    from difftx.train import resolve_configs
+
+    tcfg, _ = resolve_configs("vit-tiny-adamw", train=dict(steps=10, warmup=2))
+    assert (tcfg.steps, tcfg.warmup, tcfg.epochs, tcfg.warmup_epochs) == (10, 2, None, None)
+    tcfg, _ = resolve_configs("vit-tiny-adamw", train=dict(steps=40))
+    assert tcfg.epochs is None and tcfg.warmup_epochs is None and tcfg.warmup == 3  # 3 of 40 epochs -> 3 of 40 steps
+
+
+@pytest.mark.parametrize("state", [{"step": "x"}, {"step": None}, {"tokens_seen": 3}, {"step": 4.5},
+                                   {"step": 4, "tokens_seen": "many"}, {"step": 4, "last_eval": [1]},
+                                   {"step": 4, "elapsed_s": float("nan")}])
+def test_wrong_types_in_trainer_state(run4, train_cli, capsys, state):
+    path = run4 / "checkpoints" / "step_00000004" / "trainer_state.json"
+    path.write_text(json.dumps(state))
+    before = _snapshot(run4)
+    assert train_cli("--steps", 6, "--out", run4, "--resume", "auto") == 2
+    err = _one_line(capsys)
+    assert str(path) in err and "corrupt" in err, err
+    assert _snapshot(run4) == before
+
+
+def _evil(path, marker):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"state": Evil()}, path)
+
+
+@pytest.mark.parametrize("victim, how", [("optimizer.pt", "garbage"), ("optimizer.pt", "missing"),
+                                         ("optimizer.pt", "code"), ("model.safetensors", "garbage"),
+                                         ("trainer_state.json", "bad step"), ("rng/rank_0.json", "bad state")])
+def test_failed_resume_changes_nothing(run4, train_cli, capsys, tmp_path, victim, how):
+    """config.json (and every other file) stays as it was when the checkpoint cannot be resumed."""
+    path = run4 / "checkpoints" / "step_00000004" / victim
+    if how == "garbage":
+        path.write_bytes(os.urandom(400))
+    elif how == "missing":
+        path.unlink()
+    elif how == "code":
+        _evil(path, tmp_path / "pwned")
+    elif how == "bad step":
+        path.write_text('{"step": "x"}')
+    else:
+        path.write_text('{"torch": 1}')
+    before = _snapshot(run4)
+    assert train_cli("--steps", 6, "--out", run4, "--resume", "auto") == 2  # --steps 6 would change config.json
+    assert str(path) in _one_line(capsys)
+    assert _snapshot(run4) == before
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_resume_past_steps_refused(run4, train_cli, capsys):
+    before = _snapshot(run4)
+    assert train_cli("--steps", 3, "--out", run4, "--resume", "auto") == 2
+    err = _one_line(capsys)
+    assert "step_00000004" in err and "pass a larger --steps" in err, err
+    assert _snapshot(run4) == before
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("content", ["random", "torch.save code", "pickle code"])
+def test_unloadable_optimizer_state_whole_message_no_warning(run4, train_cli, capsys, tmp_path, content):
+    path = run4 / "checkpoints" / "step_00000004" / "optimizer.pt"
+    if content == "random":
+        path.write_bytes(os.urandom(400))
+    elif content == "torch.save code":
+        _evil(path, tmp_path / "pwned")
+    else:  # a plain pickle (protocol 4): torch also warns about the protocol before refusing it
+        path.write_bytes(pickle.dumps(_Evil(tmp_path / "pwned")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert train_cli("--steps", 6, "--out", run4, "--resume", "auto") == 2
+    err = _one_line(capsys)
+    assert err.rstrip().endswith(f"{path}: not a weights-only torch file (torch.load(weights_only=True) refused "
+                                 "it): corrupt, or unsafe pickled objects (nothing in it was run); use another "
+                                 "checkpoint"), err
+    assert not [w for w in caught if issubclass(w.category, UserWarning)], [str(w.message)[:200] for w in caught]
+    assert not (tmp_path / "pwned").exists()
