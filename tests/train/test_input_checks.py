@@ -85,6 +85,17 @@ def test_recipe_epochs_give_way_to_steps_and_warmup():
     assert tcfg.epochs is None and tcfg.warmup_epochs is None and tcfg.warmup == 3  # 3 of 40 epochs -> 3 of 40 steps
 
 
+def test_a_saved_config_with_the_old_ignored_warmup_epochs_still_loads():
+    """Runs saved before --warmup-epochs without --epochs was refused (a recipe's, kept beside --steps and
+    --warmup) still resume: the field was ignored then and is dropped on loading; a new config is refused."""
+    from difftx.train.config import TrainConfig
+
+    saved = {**TrainConfig(steps=10, warmup=2).to_dict(), "warmup_epochs": 3}
+    assert TrainConfig.from_dict(saved) == TrainConfig(steps=10, warmup=2)
+    with pytest.raises(DifftxError, match="warmup_epochs"):
+        TrainConfig(steps=10, warmup_epochs=3)
+
+
 @pytest.mark.parametrize("state", [{"step": "x"}, {"step": None}, {"tokens_seen": 3}, {"step": 4.5},
                                    {"step": 4, "tokens_seen": "many"}, {"step": 4, "last_eval": [1]},
                                    {"step": 4, "elapsed_s": float("nan")}])

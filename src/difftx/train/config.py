@@ -167,7 +167,10 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
-        return cls(**known_fields(cls, data))
+        data = known_fields(cls, data)
+        if data.get("epochs") is None and data.get("warmup_epochs") is not None:
+            data["warmup_epochs"] = None  # saved by runs before this was refused: it was ignored, and still is
+        return cls(**data)
 
     def replace(self, **changes) -> "TrainConfig":
         return TrainConfig.from_dict({**self.to_dict(), **changes})
