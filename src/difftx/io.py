@@ -168,6 +168,9 @@ def load_state_dict_into(model: torch.nn.Module, state: dict, source: str) -> No
         if tuple(v.shape) != tuple(own[k].shape):
             raise CheckpointError(f"{source}: tensor '{k}' has shape {tuple(v.shape)}, "
                                   f"the model expects {tuple(own[k].shape)}")
+        if own[k].is_floating_point() and not v.is_floating_point():  # load_state_dict would cast it silently
+            raise CheckpointError(f"{source}: tensor '{k}' is {str(v.dtype).removeprefix('torch.')}, not floating "
+                                  "point; the weights are corrupt")
     model.load_state_dict(state, strict=True)
 
 

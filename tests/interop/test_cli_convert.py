@@ -247,3 +247,25 @@ def test_refused_pickles_give_only_the_one_line(capsys, llama_dir, tmp_path):
         _one_error_line(rc, err, "weights-only")
         assert not caught, [str(w.message) for w in caught]
     assert not marker.exists()
+
+
+def test_an_integer_weight_tensor_is_refused(capsys, llama_dir, tmp_path):
+    """load_state_dict would cast an int tensor into a float parameter without a word: a corrupt file."""
+    from safetensors.torch import load_file, save_file
+
+    _, src = llama_dir
+    sd = load_file(src / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    sd[name] = sd[name].round().to(torch.int32)
+    save_file(sd, src / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"'{re.escape(name)}' is int32, not floating point"):
+        difftx.load_model(src)
+    rc, _, err = run_main(capsys, src, tmp_path / "out")
+    _one_error_line(rc, err, name, "int32")
+    model = difftx_model(attention="softmax", n_heads=4)
+    difftx.save_model(model, tmp_path / "m")
+    sd = load_file(tmp_path / "m" / "model.safetensors")
+    sd["final_norm.weight"] = sd["final_norm.weight"].to(torch.int64)
+    save_file(sd, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="'final_norm.weight' is int64"):
+        difftx.load_model(tmp_path / "m")

@@ -185,6 +185,9 @@ def map_and_check(state: dict, pairs: list[tuple[str, str]], shapes: dict, sourc
         if tuple(t.shape) != shapes[dst]:
             raise CheckpointError(f"{source}: tensor '{src}' has shape {tuple(t.shape)}, the config implies "
                                   f"{shapes[dst]}; the weights do not match the config")
+        if not t.is_floating_point():  # every difftx tensor is a float: an integer one is a corrupt file
+            raise CheckpointError(f"{source}: tensor '{src}' is {str(t.dtype).removeprefix('torch.')}, not floating "
+                                  "point; the weights are corrupt")
         out[dst] = t
     missing = set(shapes) - set(out)
     if missing:  # a difftx tensor no pair provides: a config this format cannot hold
