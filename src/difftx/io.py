@@ -74,6 +74,27 @@ def make_out_dir(path, flag: str = "--out") -> Path:
     return path
 
 
+def refuse_old_results(out, names, force: bool, flag: str = "--out") -> None:
+    """An earlier run's result files (``names``) in ``out`` are kept unless ``force``: one DifftxError naming
+    the first one and the fix (how ``difftx eval``, ``bench`` and ``grads`` treat a reused output directory)."""
+    from .errors import DifftxError
+
+    old = [n for n in names if (Path(out) / n).exists()]
+    if old and not force:
+        raise DifftxError(f"{flag} {out}: {old[0]} already exists (an earlier result); pass --force to overwrite "
+                          f"it, or choose another {flag} (nothing was changed)")
+
+
+def torch_load_weights_only(path, map_location="cpu"):
+    """``torch.load(weights_only=True)``: tensors and plain containers, never code.  torch's warning about a
+    file it refuses is silenced (callers turn the exception into their own one-line error)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

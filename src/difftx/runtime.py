@@ -81,3 +81,26 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _applied = bool(mallopt(_M_MMAP_THRESHOLD, THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, THRESHOLD))
     return _applied
+
+
+def resolve_device(device, flag: str = "--device"):
+    """``auto`` (CUDA when there is one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N`` as a torch device;
+    anything else, CUDA where there is none, or a missing device N is one ConfigError naming ``flag``."""
+    import re
+
+    import torch
+
+    from .errors import ConfigError
+
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ConfigError(flag, f"{device!r} is not a device; use cpu, cuda, cuda:N or auto")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(flag, f"{device!r} requested but CUDA is not available on this machine; use {flag} cpu")
+        index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+        if index >= count:
+            raise ConfigError(flag, f"{device!r} requested but there are {count} CUDA device(s); "
+                                    f"use cuda:0..cuda:{count - 1}")
+    return torch.device(device)

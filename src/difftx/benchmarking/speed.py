@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -42,7 +41,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..models import build_model
 from ..optim import build_optimizer
-from ..runtime import SLOW_BF16, keep_freed_memory, native_bf16_matmul
+from ..runtime import SLOW_BF16, keep_freed_memory, native_bf16_matmul, resolve_device
 from .memory import peak_live_bytes
 
 ARMS = {  # name -> ModelConfig.from_preset overrides (the matched twins of the preset)
@@ -86,7 +85,7 @@ class BenchConfig:
         if domain != "lm":
             raise ConfigError("preset", f"{self.preset!r} is a {domain} preset; bench needs a language-model preset "
                                         "(e.g. nano, small; see `difftx info --list`)")
-        check_device(self.device)
+        self.device = str(resolve_device(self.device))  # cpu, cuda or cuda:N (auto resolved)
         bad = [a for a in self.arms if a not in ARMS]
         if bad:
             raise ConfigError("arms", f"unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
@@ -114,21 +113,6 @@ class BenchConfig:
                                                f"is seq_len - decode_tokens tokens")
         if self.timer not in ("wall", "cpu"):
             raise ConfigError("timer", f"must be 'wall' or 'cpu', got {self.timer!r}")
-
-
-def check_device(name: str) -> torch.device:
-    """``cpu``, ``cuda`` or ``cuda:N`` as a torch device; anything else, or CUDA where there is none (or
-    no device N), is one ConfigError naming the fix."""
-    if not isinstance(name, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", name):
-        raise ConfigError("device", f"{name!r} is not a device bench runs on; use cpu, cuda or cuda:N")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError("device", f"{name!r} requested but CUDA is not available; use --device cpu")
-        index, count = int(name.partition(":")[2] or 0), torch.cuda.device_count()
-        if index >= count:
-            raise ConfigError("device", f"{name!r} requested but there are {count} CUDA device(s); "
-                                        f"use cuda:0..cuda:{count - 1}")
-    return torch.device(name)
 
 
 def resolve_dtypes(dtypes: list, device: torch.device) -> list:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError, DifftxError
+from ..errors import ConfigError
 
 RESULT_FILES = ("bench.json", "bench.md")
 LONG_CONTEXT_FILES = ("long_context.json", "long_context.md")
@@ -62,7 +62,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..benchmarking import QUICK, BenchConfig, markdown, run_bench, write_results
-    from ..io import make_out_dir
+    from ..io import make_out_dir, refuse_old_results
 
     # --quick's tiny settings, then every option given explicitly on top (validated like any other value)
     sizes = dict(QUICK) if args.quick else {}
@@ -75,7 +75,7 @@ def run(args) -> int:
     lengths = _lengths(args.lengths) if args.long_context else []
     bc.validate()  # every bad value is one line before anything runs or is written
     out = Path(args.out)
-    _refuse_old_results(out, LONG_CONTEXT_FILES if args.long_context else RESULT_FILES, args.force)
+    refuse_old_results(out, LONG_CONTEXT_FILES if args.long_context else RESULT_FILES, args.force)
     make_out_dir(out)
     command = "difftx " + " ".join(sys.argv[sys.argv.index("bench"):] if "bench" in sys.argv else ["bench"])
     if args.long_context:
@@ -86,14 +86,6 @@ def run(args) -> int:
     print(markdown(results))
     print(f"wrote {js} and {md}", file=sys.stderr)
     return 0
-
-
-def _refuse_old_results(out: Path, names: tuple, force: bool) -> None:
-    """An earlier run's results in ``out`` are kept unless ``--force``."""
-    old = [n for n in names if (out / n).exists()]
-    if old and not force:
-        raise DifftxError(f"--out {out} already holds the results of an earlier run ({', '.join(old)}); "
-                          "pass --force to overwrite them, or choose another --out (nothing was changed)")
 
 
 def _lengths(text: str) -> list[int]:

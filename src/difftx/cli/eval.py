@@ -314,8 +314,9 @@ def _run_lm_eval(args) -> int:
 def run(args) -> int:
     if args.eval_name == "lm-eval":
         return _run_lm_eval(args)
-    from ..evals.common import Timer, claim_out, envelope, load_checkpoint, read_text_file, resolve_device, write_result
+    from ..evals.common import Timer, claim_out, envelope, load_checkpoint, read_text_file, write_result
     from ..evals.quant import quantized_logits
+    from ..runtime import resolve_device
 
     if args.eval_name == "quant" and args.quant_bits is not None:
         raise ConfigError("--quant-bits", "'difftx eval quant' sweeps --bits itself; leave --quant-bits out")

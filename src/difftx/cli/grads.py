@@ -83,14 +83,9 @@ def _check(args) -> None:
                 raise ConfigError(flag, f"unknown optimiser {name!r}; one of {', '.join(OPTIMIZERS)}")
         if not names:
             raise ConfigError(flag, f"give at least one of {', '.join(OPTIMIZERS)}")
-    import torch
+    from ..runtime import resolve_device
 
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise ConfigError("--device", f"unknown torch device {args.device!r}; e.g. cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device", "cuda was asked for but torch sees no CUDA device; use --device cpu")
+    args.device = str(resolve_device(args.device))
     if args.threads is not None and args.threads < 1:
         raise ConfigError("--threads", f"must be >= 1; got {args.threads}")
     for flag, value in (("--lr-adamw", args.lr_adamw), ("--lr-msgdw", args.lr_msgdw)):
@@ -166,10 +161,9 @@ class _Study:
         self.out = Path(args.out)
         if self.out.exists() and not self.out.is_dir():
             raise ConfigError("--out", f"{self.out} exists and is not a directory")
-        old = [n for n in RESULT_FILES if (self.out / n).exists()]
-        if old and not args.force:
-            raise DifftxError(f"--out {self.out} already holds the results of an earlier run ({', '.join(old)}); "
-                              "pass --force to overwrite them, or choose another --out (nothing was changed)")
+        from ..io import refuse_old_results
+
+        refuse_old_results(self.out, RESULT_FILES, args.force)
         text = common.load_text(args.data)
         self.meta = {"batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
                      "data": args.data or "python stdlib source (byte tokens)", "device": args.device}

@@ -246,13 +246,18 @@ def build_tokenizer(spec: str, texts: Optional[Callable[[], Iterable[str]]] = No
     return load_tokenizer(path)
 
 
+def is_hf_tokenizer_json(data) -> bool:
+    """Whether parsed tokenizer.json ``data`` is a Hugging Face ``tokenizers`` file (not a difftx one)."""
+    return isinstance(data, dict) and "difftx_tokenizer" not in data and isinstance(data.get("model"), dict)
+
+
 def tokenizer_from_dict(data: dict, source: str = "tokenizer") -> Tokenizer:
     kind = data.get("difftx_tokenizer") if isinstance(data, dict) else None
     if kind == "byte":
         return ByteTokenizer()
     if kind == "char":
         return CharTokenizer(data["chars"])
-    if kind is None and isinstance(data, dict) and isinstance(data.get("model"), dict):
+    if is_hf_tokenizer_json(data):
         return HFTokenizer.from_str(json.dumps(data), source)
     raise DataError(f"{source}: not a difftx or Hugging Face tokenizer (unknown kind {kind!r})")
 
@@ -269,6 +274,6 @@ def load_tokenizer(path) -> Tokenizer:
         data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: tokenizer is not valid JSON ({e})") from None
-    if isinstance(data, dict) and "difftx_tokenizer" not in data and isinstance(data.get("model"), dict):
+    if is_hf_tokenizer_json(data):
         return HFTokenizer.from_str(text, str(path))  # keep the file's exact bytes (and fingerprint)
     return tokenizer_from_dict(data, str(path))

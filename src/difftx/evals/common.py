@@ -24,7 +24,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from ..errors import CheckpointError, ConfigError, DataError, DifftxError
+from ..errors import CheckpointError, ConfigError, DataError
 from ..nn.probe import AttentionProbe, attach_probe
 
 SCHEMA_VERSION = 1
@@ -48,18 +48,6 @@ def load_checkpoint(path, device: Optional[str] = None, dtype: Optional[torch.dt
                               "'difftx train' without --domain vision)")
     tokenizer = load_tokenizer(path)
     return model, tokenizer
-
-
-def resolve_device(device: Optional[str]) -> torch.device:
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ConfigError("--device", f"{device!r} is not a device; use cpu, cuda, cuda:N or auto") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device", "CUDA is not available on this machine; use --device cpu")
-    return dev
 
 
 def model_device(model) -> torch.device:
@@ -369,13 +357,10 @@ def result_paths(out_dir, name: str, plot: bool = True) -> list[Path]:
 def claim_out(out_dir, name: str, force: bool = False, plot: bool = True) -> Path:
     """Check ``--out`` before an evaluation runs: a usable directory (created) holding no earlier result of
     ``name`` unless ``force`` (as ``difftx compare`` refuses a directory holding a study)."""
-    from ..io import make_out_dir
+    from ..io import make_out_dir, refuse_old_results
 
     out = make_out_dir(out_dir, flag="--out")
-    old = [p for p in result_paths(out, name, plot) if p.exists()]
-    if old and not force:
-        raise DifftxError(f"--out {out}: {old[0].name} already exists (an earlier result); pass --force to "
-                          "overwrite it or choose another --out (nothing was changed)")
+    refuse_old_results(out, [p.name for p in result_paths(out, name, plot)], force)
     return out
 
 

@@ -375,11 +375,12 @@ def _copy_tokenizer(src: Path, dst: Path, src_fmt: str, dst_fmt: str) -> None:
 
 def _is_hf_tokenizer(path: Path) -> bool:
     """Whether ``path`` is a Hugging Face ``tokenizers`` file (the rule of :func:`difftx.data.load_tokenizer`)."""
+    from ..data.tokenizers import is_hf_tokenizer_json
+
     try:
-        data = hf_io.read_json(path, "tokenizer")
+        return is_hf_tokenizer_json(hf_io.read_json(path, "tokenizer"))
     except CheckpointError:
         return False
-    return "difftx_tokenizer" not in data and isinstance(data.get("model"), dict)
 
 
 def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None, *,

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from ..errors import CheckpointError
-from ..io import atomic_write_text, load_safetensors, make_out_dir, save_safetensors
+from ..io import atomic_write_text, load_safetensors, make_out_dir, save_safetensors, torch_load_weights_only
 
 CONFIG_FILE = "config.json"
 SAFE_FILE = "model.safetensors"
@@ -66,9 +65,7 @@ def is_hf_dir(path) -> bool:
 
 def _load_bin(path: Path) -> dict:
     try:
-        with warnings.catch_warnings():  # a refused pickle: our one-line error, not torch's warning too
-            warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return torch_load_weights_only(path)
     except Exception as e:
         raise CheckpointError(f"{path}: cannot read as a weights-only torch file ({type(e).__name__}); "
                               "re-save it as safetensors") from None

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -32,7 +31,8 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
-from ..io import atomic_write_text, load_safetensors, load_state_dict_into, make_out_dir, save_safetensors
+from ..io import (atomic_write_text, load_safetensors, load_state_dict_into, make_out_dir, save_safetensors,
+                  torch_load_weights_only)
 from .layouts import relayout
 
 LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
@@ -115,9 +115,7 @@ def read_weights_file(path: Path) -> dict:
     if path.suffix == ".safetensors":
         return load_safetensors(path)
     try:
-        with warnings.catch_warnings():  # a refused pickle: our one-line error, not torch's warning too
-            warnings.simplefilter("ignore")
-            state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch_load_weights_only(path)
     except Exception as e:
         raise CheckpointError(f"{path}: not a safetensors or weights-only torch file ({type(e).__name__})") from None
     if isinstance(state, dict) and isinstance(state.get("model"), dict):

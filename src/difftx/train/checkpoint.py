@@ -29,7 +29,6 @@ import pickle
 import random
 import shutil
 import textwrap
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -38,7 +37,8 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..io import (CHECKPOINTS_DIR, CONFIG_FILE, WEIGHTS_FILE, atomic_write_bytes, atomic_write_text,
-                  clean_state_dict, list_checkpoints, load_safetensors, load_state_dict_into, save_safetensors)
+                  clean_state_dict, list_checkpoints, load_safetensors, load_state_dict_into, save_safetensors,
+                  torch_load_weights_only)
 
 STATE_FILE = "trainer_state.json"
 OPTIM_FILE = "optimizer.pt"
@@ -234,9 +234,7 @@ def _torch_load(path: Path, device) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: optimizer state missing; the checkpoint is incomplete, use another")
     try:
-        with warnings.catch_warnings():  # torch warns about what it refuses; the error below says it in one line
-            warnings.simplefilter("ignore")
-            return torch.load(path, map_location=device, weights_only=True)
+        return torch_load_weights_only(path, map_location=device)
     except pickle.UnpicklingError:  # random bytes and pickled code alike: torch does not tell them apart
         raise CheckpointError(f"{path}: not a weights-only torch file (torch.load(weights_only=True) refused it): "
                               "corrupt, or unsafe pickled objects (nothing in it was run); use another "
