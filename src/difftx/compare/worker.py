@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from ..analysis.common import json_safe
-from ..errors import DataError
+from ..data.shards import SplitTooSmall
 from ..io import atomic_write_text
 from .jobs import JOB_FILE, Job, train_config
 from .study import StudyConfig
@@ -81,11 +81,8 @@ def run_job(study: StudyConfig, job: Job, out: Path, report: Report = lambda e: 
     except TrainingDiverged as e:
         summary = None
         result.update(diverged=True, message=str(e))
-    except DataError as e:  # the trainer's advice may name `difftx train` flags compare does not have
-        if "--val-fraction" not in str(e):
-            raise
-        msg = str(e).replace(" or a different --val-fraction", "")
-        raise DataError(msg.replace(", a smaller --seq-len", " or a smaller --seq-len")) from None
+    except SplitTooSmall as e:  # the trainer's advice names --val-fraction, which compare does not have
+        raise SplitTooSmall(e.what, e.n_tokens, e.seq_len, advice="give more data or a smaller --seq-len") from None
     result["train"] = {"cpu_s": round(time.process_time() - cpu0, 3), "wall_s": round(time.perf_counter() - wall0, 3),
                        "world_size": world.world_size, "threads": torch.get_num_threads()}
     if summary is not None and summary.get("stopped_by"):

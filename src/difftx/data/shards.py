@@ -155,6 +155,16 @@ def prepare_tokens(corpus: Corpus, tokenizer: Tokenizer, cache_dir: Optional[Pat
                                            n_val=n - n_train, path=str(folder)), folder)
 
 
+class SplitTooSmall(DataError):
+    """A train or validation split shorter than one window (``seq_len + 1`` tokens).  ``advice`` names the
+    fix in the caller's flags (``difftx train``'s by default; ``difftx compare`` has no --val-fraction)."""
+
+    def __init__(self, what: str, n_tokens: int, seq_len: int,
+                 advice: str = "give more data, a smaller --seq-len or a different --val-fraction"):
+        self.what, self.n_tokens, self.seq_len = what, n_tokens, seq_len
+        super().__init__(f"the {what} split has {n_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}; {advice}")
+
+
 class WindowSampler:
     """(seq_len + 1)-token windows of a token array: inputs x = w[:-1], targets y = w[1:].
 
@@ -170,8 +180,7 @@ class WindowSampler:
         self.seed = seed
         self.span = len(tokens) - seq_len  # number of valid starts
         if self.span < 1:
-            raise DataError(f"the {what} split has {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
-                            f"give more data, a smaller --seq-len or a different --val-fraction")
+            raise SplitTooSmall(what, len(tokens), seq_len)
 
     def offsets(self, step: int, n: int) -> np.ndarray:
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 0, step])))
