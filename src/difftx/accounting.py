@@ -1,4 +1,5 @@
-"""Counting facts about a config: parameters, FLOPs per token, KV-cache bytes per token.
+"""Counting facts about a config: parameters, FLOPs per token, KV-cache bytes per token, and a floor
+under a training process's memory.
 
 One function per fact; ``difftx info``, the benchmarks and the compare report
 all call these.
@@ -67,3 +68,39 @@ def kv_cache_bytes_per_token(cfg, bytes_per_element: int = 2) -> int:
     else:
         width = cfg.n_kv_heads * cfg.head_dim
     return 2 * width * cfg.n_layers * bytes_per_element
+
+
+# optimizer state tensors per parameter (each the parameter's size, fp32) that every step keeps
+OPTIMIZER_STATES = {"adamw": 2, "muon": 1}  # muon: one momentum (AdamW on the rest has two: at least 1)
+
+
+def training_memory_floor(cfg, batch_size: int, seq_len: int, optimizer: str = "adamw", momentum: float = 0.9,
+                          bf16: bool = False, shards: int = 1) -> dict:
+    """A lower bound, in bytes, on the peak memory of one training process of ``cfg``.
+
+    ``state``: fp32 weights plus the optimizer's per-parameter state, held between steps.
+    ``step``: what one step adds at its high-water mark, at least the larger of the gradients and
+    the activations saved for backward.  The activations counted are only those every layer must keep
+    per token: six ``d_model``-wide tensors (the residual input, the norm output, q, k, v and the
+    attention output), two ``ffn_dim``-wide ones (the FFN's hidden activations), and for a language
+    model the logits and their gradient; fp32, or 2 bytes each under bf16 autocast.  With
+    ``attn_backend: eager`` also the fp32 attention maps, N x N per head (two per DIFF head).  ``shards``
+    divides weights, gradients and optimizer state (FSDP).  ``total`` = ``state`` + ``step``.
+
+    It is a floor, not an estimate: a run whose floor exceeds the free memory cannot fit.  Measured
+    peaks are 1.16-1.78x it (``benchmarks/memory_floor.py``, table in ``benchmarks/results/memory_floor.md``).
+    """
+    params = count_parameters(cfg)
+    states = OPTIMIZER_STATES.get(optimizer, 1 if momentum > 0 else 0)
+    state = params * 4 * (1 + states) // shards
+    n = seq_len if cfg.domain == "lm" else cfg.n_patches + (cfg.pooling == "cls")
+    tokens = batch_size * n
+    per_token = cfg.n_layers * (6 * cfg.d_model + 2 * cfg.ffn_dim) + (2 * cfg.vocab_size if cfg.domain == "lm" else 0)
+    activations = tokens * per_token * (2 if bf16 else 4)
+    if cfg.attn_backend == "eager":  # it keeps every attention map (fp32) for backward: two per DIFF head
+        maps = cfg.n_heads * (1 if cfg.attention == "softmax" else 2)
+        activations += cfg.n_layers * batch_size * maps * n * n * 4
+    gradients = params * 4 // shards
+    step = max(gradients, activations)
+    return {"parameters": params, "state": state, "gradients": gradients, "activations": activations,
+            "step": step, "total": state + step, "tokens": tokens}

@@ -30,3 +30,7 @@ class CheckpointError(DifftxError):
 
 class DataError(DifftxError):
     """A data path that is missing, empty, binary or otherwise unusable."""
+
+
+class InsufficientMemory(DifftxError):
+    """A run that cannot fit in the free memory of its device (see ``difftx.train.memory_check``)."""

@@ -83,6 +83,63 @@ def keep_freed_memory() -> bool:
     return _applied
 
 
+def free_memory(device) -> int | None:
+    """Bytes that new tensors on ``device`` can still get; None where that is unknown.
+
+    CUDA: the driver's free memory on the device.  CPU (Linux): ``MemAvailable`` + ``SwapFree`` from
+    /proc/meminfo, capped by a container's cgroup memory limit (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``) less its current usage other than page cache.  Elsewhere None.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    return linux_free_memory()
+
+
+def linux_free_memory(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """:func:`free_memory` of the CPU from these files (None where ``meminfo`` is missing or lacks MemAvailable)."""
+    try:
+        with open(meminfo) as f:
+            info = {k.strip(): int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f if ":" in line)
+                    if v.split() and v.split()[0].isdigit()}
+    except (OSError, ValueError):
+        return None
+    if "MemAvailable" not in info:
+        return None
+    free = info["MemAvailable"] + info.get("SwapFree", 0)
+    for base, limit_name, usage_name, cache_keys in ((cgroup, "memory.max", "memory.current", ("file",)),
+                                                     (f"{cgroup}/memory", "memory.limit_in_bytes",
+                                                      "memory.usage_in_bytes", ("total_cache", "cache"))):
+        try:
+            with open(f"{base}/{limit_name}") as f:
+                limit = f.read().strip()
+            with open(f"{base}/{usage_name}") as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:  # "max" / a huge number: no limit
+            usage -= _cgroup_cache(f"{base}/memory.stat", cache_keys)  # page cache is reclaimed under the limit
+            free = min(free, max(0, int(limit) - max(0, usage)))
+        break
+    return free
+
+
+def _cgroup_cache(stat_file: str, keys: tuple) -> int:
+    """Page-cache bytes a cgroup's ``memory.stat`` reports under the first of ``keys`` it has (0 if none)."""
+    try:
+        with open(stat_file) as f:
+            stat = dict(line.split()[:2] for line in f if len(line.split()) >= 2)
+        return next((int(stat[k]) for k in keys if k in stat), 0)
+    except (OSError, ValueError):
+        return 0
+
+
 def resolve_device(device, flag: str = "--device"):
     """``auto`` (CUDA when there is one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N`` as a torch device;
     anything else, CUDA where there is none, or a missing device N is one ConfigError naming ``flag``."""

@@ -42,6 +42,44 @@ def peak_live_bytes(fn: Callable[[], object], device: torch.device | str = "cpu"
     return peak, "torch.profiler memory events (peak of live CPU tensor bytes)"
 
 
+def measured_training_memory(cfg, batch_size: int, seq_len: int, optimizer: str = "adamw",
+                             bf16: bool = False) -> dict:
+    """Peak bytes of a CPU training step of ``cfg`` as the trainer runs it: ``state`` (fp32 weights and the
+    optimizer's state after a first step, held between steps) + ``step`` (the step's high-water mark of tensor
+    bytes, :func:`peak_live_bytes`) = ``total``.  Random tokens (images); the attention backend the trainer
+    picks.  What ``benchmarks/memory_floor.py`` and the tests hold the memory floor against."""
+    from ..models import build_model
+    from ..optim import build_optimizer
+    from ..train.trainer import training_attention_backend
+
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    backend = training_attention_backend(cfg, torch.device("cpu"), torch.bfloat16 if bf16 else None, seq_len)
+    if backend is not None:
+        model.set_attention_backend(backend)
+    opt = build_optimizer(model, optimizer, lr=1e-3, weight_decay=0.1, momentum=0.9)
+    if cfg.domain == "lm":
+        x = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))
+        y = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))
+    else:
+        x = torch.randn(batch_size, cfg.in_channels, cfg.image_size, cfg.image_size)
+        y = torch.randint(0, cfg.num_classes, (batch_size,))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(x, targets=y, loss_reduction="sum").loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # the optimizer state exists from here on, as in every step after the first
+    state = sum(p.numel() * p.element_size() for p in model.parameters())
+    for st in (s for o in getattr(opt, "optimizers", [opt]) for s in o.state.values()):  # muon: two optimizers
+        state += sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
+    peak, _ = peak_live_bytes(step)
+    return {"state": state, "step": peak, "total": state + peak}
+
+
 @contextlib.contextmanager
 def _quiet_stderr():
     """Silence the profiler backend's start/stop lines, written by C++ straight to fd 2."""

@@ -160,6 +160,42 @@ def resolve_workers(study: StudyConfig, n_jobs: int, device_type: str, distribut
     return workers, threads
 
 
+def fit_in_memory(study: StudyConfig, workers: int, world) -> tuple[int, bool, Optional[str]]:
+    """(parallel jobs, whether memory lowered them, a warning line or None).
+
+    Refuses a study whose largest job, or ``--workers`` of them at once, cannot fit in the free memory
+    (difftx.train.memory_check).  With ``--workers`` auto, runs only as many jobs at once as fit with room for a
+    peak of TYPICAL x the floor: fewer parallel jobs cost time, running out of memory costs the study."""
+    from ..train.memory_check import TYPICAL, copies_that_fit, host_processes, require_fit, run_floor
+    from ..train.trainer import autocast_dtype
+    from .jobs import plan, train_config
+
+    largest = None
+    for job in plan(study, world_size=world.world_size):
+        tcfg = train_config(study, job)
+        floor = run_floor(study.model_config(job.arm, job.task), tcfg,
+                          autocast_dtype(tcfg.dtype, world.device) is not None)
+        if largest is None or floor["total"] > largest[1]["total"]:
+            largest = job, floor
+    if largest is None:
+        return workers, False, None
+    job, floor = largest
+    per_job = host_processes(world.device)  # torchrun's processes on this host's CPU share its memory
+    shrink = "lower --batch-size or --seq-len" if job.task == "corpus" else \
+        "lower --retrieval-batch-size or --retrieval-seq-len"
+    what = f"the study's largest job ({job.arm.id}, {job.task})"
+    warning = require_fit(floor, world.device, what, shrink, copies=per_job)
+    if study.workers is not None:  # asked for: refused only if that many cannot fit
+        if workers > 1:
+            warning = require_fit(floor, world.device, what, shrink, copies=workers * per_job,
+                                  fewer_advice="lower --workers")
+        return workers, False, warning
+    fit = copies_that_fit(floor, world.device, TYPICAL)  # auto: as many as fit with room for a typical peak
+    if fit is None or workers * per_job <= fit:
+        return workers, False, warning
+    return max(1, fit // per_job), True, warning
+
+
 class Executor:
     """Runs jobs and feeds the progress display; in this process or in a spawned CPU pool."""
 
@@ -265,6 +301,7 @@ def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False
               progress: Optional[bool] = None, stream=sys.stderr) -> Optional[dict]:
     """Run ``study`` into ``out``; returns the results dict on rank 0 (None on other ranks)."""
     from ..train.distributed import init_world, shutdown_world
+    from ..train.memory_check import on_rank0
     from .results import build_results, choose_lrs
     from .report import write_outputs
 
@@ -273,10 +310,11 @@ def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False
     executor, created = None, False
     try:
         check_inputs(study)
+        workers, threads = resolve_workers(study, 1 << 30, world.device.type, world.distributed)
+        workers, memory_bound, memory_warning = on_rank0(world, lambda: fit_in_memory(study, workers, world))
         if world.is_main:
             created = prepare_out(out, study, force, resume, command)
         world.barrier()
-        workers, threads = resolve_workers(study, 1 << 30, world.device.type, world.distributed)
         sweep = sweep_plan(study, world.world_size) if study.lr_sweep else []
         main = plan(study, world_size=world.world_size)
         if sweep:  # placeholder main jobs for the ETA; the sweep's best runs are reused, so drop one seed's corpus
@@ -287,7 +325,10 @@ def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False
         prog = StudyProgress(sweep + main, costs, workers, stream=stream, enabled=show)
         prog.line(f"difftx compare: {len(study.arm_list())} arms x {study.seeds} seeds x {len(study.tasks())} tasks"
                   f"{f' + {len(sweep)}-run lr sweep' if sweep else ''} on {world.world_size} x {world.device.type}"
-                  f" ({workers} parallel job{'s' if workers > 1 else ''}) -> {out}")
+                  f" ({workers} parallel job{'s' if workers > 1 else ''}"
+                  f"{'; more would not fit in memory' if memory_bound else ''}) -> {out}")
+        if memory_warning:
+            prog.line(f"difftx compare: warning: {memory_warning}")
         t0, cpu0, tree0 = time.perf_counter(), time.process_time(), _cpu_s()
         executor = Executor(study, out, workers, threads, world.is_main)
         sweep_results = executor.run(sweep, prog) if sweep else {}

@@ -5,7 +5,8 @@ values and ties the sequence length to the model.  :func:`train` checks the
 output directory (a run there is never overwritten without ``--resume``),
 reloads the saved config when resuming (only the fields in
 ``RESUMABLE_CHANGES`` may change), prepares the domain's data and loads the
-checkpoint being resumed *before* writing anything, then writes the run
+checkpoint being resumed *before* writing anything, refuses a run whose memory floor
+exceeds the free memory (:mod:`difftx.train.memory_check`), then writes the run
 directory and runs the :class:`Trainer`.
 
 Run directory contract (docs/training.md): ``config.json`` (difftx_format,
@@ -34,6 +35,7 @@ from .distributed import init_world, resolve_parallel, shutdown_world
 from .domain import get_domain
 from .metrics import METRICS_FILE
 from .recipes import get_recipe
+from .memory_check import check_run
 from .trainer import Trainer
 
 DEFAULT_PRESET = "nano"
@@ -147,6 +149,7 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
         if tcfg.epochs is not None and source is None:
             tcfg = _epochs_to_steps(tcfg, domain, world.world_size)
 
+        memory_warning = check_run(world, mcfg, tcfg, resolve_parallel(tcfg.parallel, world))
         run_config = {FORMAT_KEY: FORMAT_VERSION, "model": mcfg.to_dict(), "train": tcfg.to_dict(),
                       "data": domain.describe(), "world_size": world.world_size,
                       "torch": torch.__version__}
@@ -161,6 +164,8 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
         world.barrier()
         if world.is_main and announce and not tcfg.threads and world.device.type == "cpu":
             _hint_busy_cpu()  # after every input check, so a bad input still gets exactly one line
+        if world.is_main and announce and memory_warning:
+            print(f"difftx train: warning: {memory_warning}", file=sys.stderr)
         if world.is_main and announce and trainer.dtype is not None and not native_bf16_matmul(world.device):
             print(f"difftx train: warning: {SLOW_BF16}", file=sys.stderr)
         if world.is_main and announce:
