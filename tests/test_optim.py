@@ -127,6 +127,58 @@ def test_muon_for_matrices_adamw_for_the_rest():
     assert len(opt.param_groups) == len(muon.param_groups) + len(adamw.param_groups)
 
 
+@pytest.mark.parametrize("nesterov, rule", [(True, "match_rms_adamw"), (False, "original")])
+def test_muon_in_bf16_is_torchs_muon_exactly(nesterov, rule):
+    """Same hyperparameters, state and update as torch.optim.Muon, bit for bit, when it iterates in bf16."""
+    from difftx.optim import Muon
+
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(40, 24)), torch.nn.Parameter(torch.randn(16, 48))]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=rule)
+    a, b = Muon(ours, ns_dtype=torch.bfloat16, **kw), torch.optim.Muon(ref, **kw)
+    for _ in range(3):
+        for p, q in zip(ours, ref):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        a.step()
+        b.step()
+        for p, q in zip(ours, ref):
+            assert torch.equal(p, q)
+    for s, t in zip(a.state.values(), b.state.values()):
+        assert torch.equal(s["momentum_buffer"], t["momentum_buffer"])
+    b.load_state_dict(a.state_dict())  # the checkpoints are interchangeable
+
+
+def test_muon_fp32_iteration_matches_a_float64_reference():
+    """fp32 Newton-Schulz (the CPU without bf16 hardware) is the same map as in float64, to fp32 rounding."""
+    from difftx.optim import newton_schulz
+
+    coeffs = (3.4445, -4.7750, 2.0315)
+    for shape in [(48, 20), (20, 48)]:
+        g = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+        x = g.double().T if shape[0] > shape[1] else g.double()  # independent reference: the wide orientation
+        x = x / x.norm()
+        for _ in range(5):
+            a = x @ x.T
+            x = coeffs[0] * x + (coeffs[1] * a + coeffs[2] * a @ a) @ x
+        ref = x.T if shape[0] > shape[1] else x
+        got = newton_schulz(g, coeffs, 5, 1e-7, torch.float32)
+        assert got.dtype == torch.float32 and got.shape == g.shape
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)
+        sv = torch.linalg.svdvals(ref)
+        assert sv.min() > 0.5 and sv.max() < 1.5  # it orthogonalises (singular values near 1)
+
+
+def test_muon_iterates_in_fp32_where_bf16_matmul_is_slow(monkeypatch):
+    import difftx.runtime
+
+    model = _model("softmax")
+    for native, dtype in [(False, torch.float32), (True, torch.bfloat16)]:
+        monkeypatch.setattr(difftx.runtime, "native_bf16_matmul", lambda device, native=native: native)
+        assert build_optimizer(model, "muon").optimizers[0].ns_dtype == dtype
+
+
 def test_schedules():
     peak, lo, total, warm = 1.0, 0.1, 100, 10
     assert lr_at(0, total, peak, "cosine", warm, lo) == pytest.approx(0.1)
