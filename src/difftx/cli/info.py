@@ -67,7 +67,7 @@ def resolve_config(name: str, overrides: dict):
 
 
 def describe(cfg, seq_len: int | None = None) -> dict:
-    from ..accounting import count_parameters, flops_per_token, kv_cache_bytes_per_token
+    from ..accounting import count_parameters, flops_per_token, kv_cache_bytes_per_token, training_memory_floor
 
     seq = seq_len or (cfg.max_seq_len if cfg.domain == "lm" else cfg.n_patches + (cfg.pooling == "cls"))
     return {
@@ -81,8 +81,15 @@ def describe(cfg, seq_len: int | None = None) -> dict:
         "train_flops_per_token": flops_per_token(cfg, seq, training=True),
         "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg) if cfg.domain == "lm" else 0,
         "kv_cache_dtype_bytes": 2,
+        "train_memory_floor": _memory_floor(training_memory_floor(cfg, 1, seq)),
         "config": cfg.to_dict(),
     }
+
+
+def _memory_floor(one: dict) -> dict:
+    """The training-memory floor of one sequence (AdamW, fp32) as state + max(gradients, batch x activations)."""
+    return {"optimizer": "adamw", "dtype": "fp32", "state_bytes": one["state"], "gradient_bytes": one["gradients"],
+            "activation_bytes_per_sequence": one["activations"]}
 
 
 def _human(n: float) -> str:
@@ -90,6 +97,10 @@ def _human(n: float) -> str:
         if abs(n) >= div:
             return f"{n / div:.2f}{unit}"
     return str(int(n))
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 2 ** 30:,.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
 
 
 def run(args) -> int:
@@ -135,6 +146,9 @@ def run(args) -> int:
     print(f"  FLOPs/token (training)   {info['train_flops_per_token']:>16,}")
     if cfg.domain == "lm":
         print(f"  KV cache bytes/token     {info['kv_cache_bytes_per_token']:>16,}  (2-byte elements)")
+    mem = info["train_memory_floor"]
+    print(f"  training memory, AdamW fp32  >= {_bytes(mem['state_bytes'])} + max({_bytes(mem['gradient_bytes'])}, "
+          f"batch x {_bytes(mem['activation_bytes_per_sequence'])})  (a floor, docs/training.md)")
     print("  config:")
     for k, v in cfg.to_dict().items():
         print(f"    {k} = {v!r}")
