@@ -64,7 +64,7 @@ def require_fit(floor: dict, device, what: str, shrink_advice: str, copies: int 
                 fewer_advice: str = "run fewer processes at once") -> str | None:
     """Raise InsufficientMemory when ``copies`` x the floor exceeds ``device``'s free memory.
 
-    ``what`` names the run ("this run", "each job of the study"); ``shrink_advice`` says how to make
+    ``what`` names the run ("this run", "the study's largest job (...)"); ``shrink_advice`` says how to make
     its micro-batch smaller in the caller's own flags (given when the model's weights, gradients and
     optimizer state alone would fit).  Returns a warning line for the caller to show when the floor
     fits but a peak of :data:`TYPICAL` x the floor (above every measured one) would not; else None.
