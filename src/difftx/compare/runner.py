@@ -170,8 +170,11 @@ def fit_in_memory(study: StudyConfig, workers: int, world) -> tuple[int, bool, O
     from ..train.trainer import autocast_dtype
     from .jobs import plan, train_config
 
-    largest = None
+    largest, seen = None, set()
     for job in plan(study, world_size=world.world_size):
+        if (job.task, job.arm.id) in seen:  # seeds (and learning rates) do not change a job's memory
+            continue
+        seen.add((job.task, job.arm.id))
         tcfg = train_config(study, job)
         floor = run_floor(study.model_config(job.arm, job.task), tcfg,
                           autocast_dtype(tcfg.dtype, world.device) is not None)

@@ -2,8 +2,9 @@
 
 Without this, a run too large for the machine (a 13B preset on a laptop, ``--seq-len 100000``) is
 killed by the operating system's out-of-memory killer on the CPU, with no message, or stops with
-CUDA's out-of-memory error; either after building the model and writing the run directory, and
-perhaps after minutes of data preparation.  :func:`require_fit` compares the run's memory floor
+CUDA's out-of-memory error, after it has written its run directory.  The check runs once the data
+is prepared (the tokenizer decides the vocabulary, so the floor is exact in it; the token shards
+are cached, so a corrected rerun does not pay for them again).  :func:`require_fit` compares the run's memory floor
 (:func:`difftx.accounting.training_memory_floor`: a lower bound, never above what a run needs;
 ``benchmarks/memory_floor.py`` measures it against real peaks) with the device's free memory
 (:func:`difftx.runtime.free_memory`), and raises :class:`~difftx.errors.InsufficientMemory`, one
@@ -74,8 +75,9 @@ def require_fit(floor: dict, device, what: str, shrink_advice: str, copies: int 
     free = free_memory(device)
     if free is None:
         return None
+    device = torch.device(device)
     need = floor["total"] * copies
-    where = "the CPU" if torch.device(device).type == "cpu" else str(device)
+    where = "the CPU" if device.type == "cpu" else str(device)
     if need <= free:
         if need * TYPICAL <= free:
             return None
@@ -83,7 +85,6 @@ def require_fit(floor: dict, device, what: str, shrink_advice: str, copies: int 
         return (f"{what}{at_once} needs at least {gib(need)} on {where} and {gib(free)} is free; training can take "
                 f"{TYPICAL:g}x that floor, so it may run out of memory ({shrink_advice}"
                 f"{f', or {fewer_advice},' if copies > 1 else ''} if it does)")
-    device = torch.device(device)
     times = f"; {copies} processes at once: {gib(need)}" if copies > 1 else ""
     if (floor["state"] + floor["gradients"]) * copies <= free:  # the model fits: its micro-batch does not
         advice = shrink_advice

@@ -33,9 +33,9 @@ from .checkpoint import read_json, remove_partial, resolve_resume
 from .config import RESUMABLE_CHANGES, TrainConfig
 from .distributed import init_world, resolve_parallel, shutdown_world
 from .domain import get_domain
+from .memory_check import check_run
 from .metrics import METRICS_FILE
 from .recipes import get_recipe
-from .memory_check import check_run
 from .trainer import Trainer
 
 DEFAULT_PRESET = "nano"
