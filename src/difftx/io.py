@@ -192,7 +192,16 @@ def load_state_dict_into(model: torch.nn.Module, state: dict, source: str) -> No
         if own[k].is_floating_point() and not v.is_floating_point():  # load_state_dict would cast it silently
             raise CheckpointError(f"{source}: tensor '{k}' is {str(v.dtype).removeprefix('torch.')}, not floating "
                                   "point; the weights are corrupt")
+        check_finite(k, v, source)
     model.load_state_dict(state, strict=True)
+
+
+def check_finite(name: str, tensor: torch.Tensor, source: str) -> None:
+    """CheckpointError if a floating ``tensor`` holds NaN or inf (the trainer never saves one: it stops first)."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise CheckpointError(f"{source}: tensor '{name}' holds {bad} non-finite value{'s' if bad > 1 else ''} "
+                              "(NaN or inf); the weights are corrupt or from a diverged run: use an earlier checkpoint")
 
 
 def list_checkpoints(run_dir) -> list[Path]:

@@ -269,3 +269,28 @@ def test_an_integer_weight_tensor_is_refused(capsys, llama_dir, tmp_path):
     save_file(sd, tmp_path / "m" / "model.safetensors")
     with pytest.raises(CheckpointError, match="'final_norm.weight' is int64"):
         difftx.load_model(tmp_path / "m")
+
+
+def test_a_non_finite_weight_is_refused(capsys, llama_dir, tmp_path):
+    """A NaN or inf weight (a corrupt file, a diverged export) is refused by name, not loaded."""
+    from safetensors.torch import load_file, save_file
+
+    _, src = llama_dir
+    sd = load_file(src / "model.safetensors")
+    name = "model.layers.1.self_attn.k_proj.weight"
+    sd[name][0, :3] = float("nan")
+    save_file(sd, src / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"'{re.escape(name)}' holds 3 non-finite values"):
+        difftx.load_model(src)
+    rc, _, err = run_main(capsys, src, tmp_path / "out")
+    _one_error_line(rc, err, name, "non-finite")
+    assert not (tmp_path / "out").exists()
+    model = difftx_model(attention="diff", n_heads=2)
+    difftx.save_model(model, tmp_path / "m")
+    sd = load_file(tmp_path / "m" / "model.safetensors")
+    sd["final_norm.weight"][1] = float("-inf")
+    save_file(sd, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="'final_norm.weight' holds 1 non-finite value "):
+        difftx.load_model(tmp_path / "m")
+    rc, _, err = run_main(capsys, tmp_path / "m", tmp_path / "out2", "--to", "hf-difftx")
+    _one_error_line(rc, err, "final_norm.weight", "non-finite")

@@ -69,14 +69,24 @@ def two_checkpoints(tmp_path, train_cli):
 
 
 @pytest.mark.parametrize("victim, how", [("model.safetensors", "truncate"), ("optimizer.pt", "truncate"),
-                                         ("optimizer.pt", "garbage"), ("trainer_state.json", "garbage")])
+                                         ("optimizer.pt", "garbage"), ("trainer_state.json", "garbage"),
+                                         ("model.safetensors", "nan")])
 def test_corrupt_checkpoint_names_the_file(two_checkpoints, train_cli, capsys, victim, how):
     path = two_checkpoints / "checkpoints" / "step_00000004" / victim
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 3] if how == "truncate" else b"\x00garbage" * 10)
+    if how == "nan":  # a well-formed file whose weights are not finite
+        from safetensors.torch import load_file, save_file
+
+        sd = load_file(path)
+        sd["final_norm.weight"][0] = float("nan")
+        save_file(sd, path)
+    else:
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 3] if how == "truncate" else b"\x00garbage" * 10)
     assert train_cli("--steps", 6, "--out", two_checkpoints, "--resume", "auto") == 2
     err = capsys.readouterr().err
     assert str(path) in err and err.count("\n") == 1, err
+    if how == "nan":
+        assert "'final_norm.weight' holds 1 non-finite value" in err, err
     if victim == "model.safetensors":
         with pytest.raises(CheckpointError, match=victim):
             difftx.load_model(two_checkpoints)

@@ -30,8 +30,8 @@ import torch
 
 from ..config import NORM_FLAGS, NORM_PRESETS, ModelConfig
 from ..errors import CheckpointError, ConfigError, DifftxError
-from ..io import (CONFIG_FILE, WEIGHTS_FILE, clean_state_dict, is_model_dir, list_checkpoints, load_safetensors,
-                  make_out_dir, read_model_config, save_model)
+from ..io import (CONFIG_FILE, WEIGHTS_FILE, check_finite, clean_state_dict, is_model_dir, list_checkpoints,
+                  load_safetensors, make_out_dir, read_model_config, save_model)
 from . import hf_io
 from .layouts import relayout
 
@@ -188,6 +188,7 @@ def map_and_check(state: dict, pairs: list[tuple[str, str]], shapes: dict, sourc
         if not t.is_floating_point():  # every difftx tensor is a float: an integer one is a corrupt file
             raise CheckpointError(f"{source}: tensor '{src}' is {str(t.dtype).removeprefix('torch.')}, not floating "
                                   "point; the weights are corrupt")
+        check_finite(src, t, source)
         out[dst] = t
     missing = set(shapes) - set(out)
     if missing:  # a difftx tensor no pair provides: a config this format cannot hold
