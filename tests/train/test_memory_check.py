@@ -170,6 +170,20 @@ def test_compare_refuses_a_study_whose_job_cannot_fit(tmp_path, compare, free):
     assert not (tmp_path / "out").exists()
 
 
+def test_compare_jobs_are_not_checked_again_one_by_one(tmp_path, compare, monkeypatch):
+    """The study checked every job up front, with its parallel jobs; a job's own check would see the memory of
+    the jobs beside it and could stop the study midway with advice in difftx train's flags."""
+    import difftx.train.run as run
+
+    def no_second_check(*args, **kwargs):
+        raise AssertionError("a compare job ran the per-run memory check")
+
+    monkeypatch.setattr(run, "check_run", no_second_check)
+    code, err = compare("--out", tmp_path / "out", *STUDY, "--workers", 1)
+    assert code == 0, err
+    assert len(list((tmp_path / "out").rglob("job.json"))) == 2
+
+
 def test_compare_runs_fewer_jobs_at_once_when_all_would_not_fit(free):
     from difftx.compare.runner import fit_in_memory
     from difftx.train.distributed import World

@@ -25,12 +25,13 @@ def fmt_duration(s: Optional[float]) -> str:
 
 
 class StudyProgress:
-    def __init__(self, jobs: list, costs: dict, workers: int, stream: TextIO = sys.stderr,
+    def __init__(self, jobs: list, costs: dict, workers: int, stream: Optional[TextIO] = None,
                  tty: Optional[bool] = None, every_s: float = 15.0, enabled: bool = True):
         self.jobs = {j.key: j for j in jobs}
         self.cost = dict(costs)                      # key -> cost of one step
         self.workers = max(1, workers)
-        self.stream, self.enabled = stream, enabled
+        self.stream = sys.stderr if stream is None else stream  # looked up now: sys.stderr can be replaced
+        self.enabled = enabled
         self.tty = stream.isatty() if tty is None else tty
         self.every_s = every_s
         self.state: dict[str, dict] = {}             # key -> {"phase", "step", "t0", "t_train"}

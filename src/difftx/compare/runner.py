@@ -301,8 +301,10 @@ def _cpu_s() -> float:
 
 
 def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False, command: str = "",
-              progress: Optional[bool] = None, stream=sys.stderr) -> Optional[dict]:
-    """Run ``study`` into ``out``; returns the results dict on rank 0 (None on other ranks)."""
+              progress: Optional[bool] = None, stream=None) -> Optional[dict]:
+    """Run ``study`` into ``out``; returns the results dict on rank 0 (None on other ranks).
+
+    ``stream``: where the progress display goes (default: ``sys.stderr`` at the time of the call)."""
     from ..train.distributed import init_world, shutdown_world
     from ..train.memory_check import on_rank0
     from .results import build_results, choose_lrs
@@ -325,7 +327,7 @@ def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False
         costs = {j.key: step_cost(study, j) for j in sweep + main}
         workers = min(workers, max(1, len(sweep + main)))
         show = world.is_main and (progress if progress is not None else True)
-        prog = StudyProgress(sweep + main, costs, workers, stream=stream, enabled=show)
+        prog = StudyProgress(sweep + main, costs, workers, stream=stream or sys.stderr, enabled=show)
         prog.line(f"difftx compare: {len(study.arm_list())} arms x {study.seeds} seeds x {len(study.tasks())} tasks"
                   f"{f' + {len(sweep)}-run lr sweep' if sweep else ''} on {world.world_size} x {world.device.type}"
                   f" ({workers} parallel job{'s' if workers > 1 else ''}"

@@ -77,7 +77,8 @@ def run_job(study: StudyConfig, job: Job, out: Path, report: Report = lambda e: 
     result = {"job": job.to_dict(), "label": job.arm.label, "params": None, "diverged": False}
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # the trainer's own lines; the study's display replaces them
-            summary = train(tcfg, mcfg, run_dir, resume="auto", callbacks=[_Progress(job, report)], announce=None)
+            summary = train(tcfg, mcfg, run_dir, resume="auto", callbacks=[_Progress(job, report)], announce=None,
+                            memory_check=False)  # the runner checked the study's jobs at once (fit_in_memory)
     except TrainingDiverged as e:
         summary = None
         result.update(diverged=True, message=str(e))

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-from torch import nn
-
 
 class ModelMixin:
     config: "object"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import nn
 
 RESIDUAL_OUTPUTS = ("out_proj", "w_down")

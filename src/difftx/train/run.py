@@ -113,8 +113,11 @@ def _merge_resumed(saved: dict, source: Path, tcfg: TrainConfig, mcfg: ModelConf
 
 def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = None,
           explicit_train: Iterable[str] = (), explicit_model: Iterable[str] = (), callbacks=(),
-          announce=print) -> dict:
-    """Run (or resume) a training run into directory ``out``; returns a summary dict."""
+          announce=print, memory_check: bool = True) -> dict:
+    """Run (or resume) a training run into directory ``out``; returns a summary dict.
+
+    ``memory_check=False`` skips the memory check (difftx.train.memory_check): for a caller that checked
+    already, such as ``difftx compare``, which checks every job of its study, with its parallel jobs, up front."""
     out = Path(out)
     if tcfg.tensorboard:
         _require_tensorboard()
@@ -149,7 +152,8 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
         if tcfg.epochs is not None and source is None:
             tcfg = _epochs_to_steps(tcfg, domain, world.world_size)
 
-        memory_warning = check_run(world, mcfg, tcfg, resolve_parallel(tcfg.parallel, world))
+        memory_warning = (check_run(world, mcfg, tcfg, resolve_parallel(tcfg.parallel, world)) if memory_check
+                          else None)
         run_config = {FORMAT_KEY: FORMAT_VERSION, "model": mcfg.to_dict(), "train": tcfg.to_dict(),
                       "data": domain.describe(), "world_size": world.world_size,
                       "torch": torch.__version__}
