@@ -56,3 +56,31 @@ def test_frequency_threshold_moves_frequent_bigrams_to_others():
     assert rare["ar_hit"]["tokens"] == 2
     assert base["ar_hit"]["tokens"] > rare["ar_hit"]["tokens"]
     assert abs(base["loss"] - rare["loss"]) < 1e-9
+
+
+def test_logits_in_slices_give_the_same_results(monkeypatch):
+    """The LM head runs on slices of positions (never all B x N x V logits); the results do not change."""
+    import difftx.evals.common as common
+
+    model = tiny_model("diff")
+    torch.manual_seed(2)
+    tokens = torch.randint(0, 256, (6 * 40 + 1,))
+    whole = evaluate_lm(model, tokens, seq_len=40, max_tokens=6 * 40, batch_size=4)
+    sizes = []
+    head = model.head
+
+    def counting_head(hidden):
+        sizes.append(hidden.shape[0] * hidden.shape[1])
+        return head(hidden)
+
+    monkeypatch.setattr(model, "head", counting_head)
+    monkeypatch.setattr(common, "LOGIT_BUDGET", 4 * 7 * 256)  # 7 positions of a batch of 4 at a time
+    sliced = evaluate_lm(model, tokens, seq_len=40, max_tokens=6 * 40, batch_size=4)
+    assert max(sizes) * 256 <= 4 * 7 * 256 and len(sizes) == 6 + 3  # 4 windows: 7 positions a slice; 2: 14
+    assert abs(sliced["loss"] - whole["loss"]) < 1e-6
+    for a, b in zip(sliced["by_position"]["nll"], whole["by_position"]["nll"]):
+        assert abs(a - b) < 1e-5
+    assert sliced["ar_hit"]["tokens"] == whole["ar_hit"]["tokens"]
+    ids = tokens[:80].view(2, 40)
+    with torch.no_grad():
+        assert torch.equal(common.predictions(model, ids), model(ids).logits.argmax(-1))

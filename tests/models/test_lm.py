@@ -239,3 +239,18 @@ def test_bf16_autocast_close_to_fp32(attention):
         model(x, targets=x).loss.backward()
     if attention == "diff":
         assert model.layers[0].attn.lambda_q1.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("attention", KINDS)
+def test_head_of_features_is_the_forward_pass(attention):
+    """``head(features(x))`` is ``forward(x).logits``, padding and cache included (the evaluations rely on it)."""
+    model = build_model(tiny(attention)).eval()
+    torch.manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        assert torch.equal(model.head(model.features(ids, attention_mask=mask)), model(ids, attention_mask=mask).logits)
+        c1, c2 = model.new_cache(2, 16), model.new_cache(2, 16)
+        model(ids[:, :8], cache=c1), model.features(ids[:, :8], cache=c2)
+        assert torch.equal(model.head(model.features(ids[:, 8:], cache=c2)), model(ids[:, 8:], cache=c1).logits)

@@ -9,6 +9,8 @@
   histogram (a quantile sketch with bounded relative error): state of fixed
   size however many values stream through.
 * :func:`write_result` -- ``NAME.json`` with a common envelope (see docs/evals.md).
+* :func:`logit_chunks` / :func:`predictions` -- logits a slice of positions at a time, so that
+  an evaluation at 16K tokens with a 128K vocabulary never holds all (B, N, V) logits.
 """
 
 from __future__ import annotations
@@ -52,6 +54,37 @@ def load_checkpoint(path, device: Optional[str] = None, dtype: Optional[torch.dt
 
 def model_device(model) -> torch.device:
     return next(model.parameters()).device
+
+
+# at most this many logits (B x positions x V) exist at once in an evaluation: 64 MiB in fp32 (the
+# cross-entropy's log-softmax doubles it); 512 positions of a 32K vocabulary, a whole window of a small one
+LOGIT_BUDGET = 1 << 24
+
+
+def logit_chunks(model, ids: torch.Tensor, budget: Optional[int] = None, **kwargs):
+    """Yield ``(start, logits[:, start:start + k])`` of ``model(ids, **kwargs)``, k positions at a time.
+
+    The backbone runs once (:meth:`~difftx.models.DecoderLM.features`); the LM head runs on slices of at
+    most ``budget`` (default :data:`LOGIT_BUDGET`) logits, so peak memory holds one slice, not all B x N x V of them (8.6 GB in fp32 for
+    16K tokens of a 128K vocabulary).  A model without ``features`` (not a difftx DecoderLM) yields its
+    whole logits once.
+    """
+    if not (hasattr(model, "features") and hasattr(model, "head")):
+        yield 0, model(ids, **kwargs).logits
+        return
+    hidden = model.features(ids, **kwargs)
+    b, n = hidden.shape[:2]
+    step = max(1, (budget or LOGIT_BUDGET) // max(1, b * int(model.config.vocab_size)))
+    for start in range(0, n, step):
+        yield start, model.head(hidden[:, start:start + step])
+
+
+def predictions(model, ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Greedy next-token predictions (B, N) of ``model`` on ``ids``: the argmax of :func:`logit_chunks`."""
+    out = torch.empty(ids.shape, dtype=torch.long, device=ids.device)
+    for start, logits in logit_chunks(model, ids, **kwargs):
+        out[:, start:start + logits.shape[1]] = logits.argmax(-1)
+    return out
 
 
 def model_summary(model) -> dict:

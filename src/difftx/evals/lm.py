@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DataError
-from .common import context_limit, corpus_text, encode, model_device
+from .common import context_limit, corpus_text, encode, logit_chunks, model_device
 
 
 def ar_hit_mask(windows: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -92,9 +92,11 @@ def evaluate_lm(model, tokens, seq_len: Optional[int] = None, max_tokens: int = 
         idx = torch.arange(start, min(n_windows, start + batch_size))
         win = torch.stack([used[i * seq_len: i * seq_len + seq_len + 1] for i in idx.tolist()])
         x, y = win[:, :-1].to(device), win[:, 1:].to(device)
-        logits = model(x).logits
-        nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
-        nll = nll.view(y.shape).double().cpu()
+        nll = torch.empty(y.shape, dtype=torch.float64)
+        for s, logits in logit_chunks(model, x):  # never all (B, N, V) logits at once
+            k = logits.shape[1]
+            nll[:, s:s + k] = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y[:, s:s + k].reshape(-1),
+                                              reduction="none").view(-1, k).double().cpu()
         pos_sum += nll.sum(0)
         pos_cnt += nll.shape[0]
         hit = ar_hit_mask(win, vocab)

@@ -28,7 +28,7 @@ import torch
 
 from ..data.tasks import register_task
 from ..errors import ConfigError
-from .common import batches, check_options, hard_limit, model_device, parse_range, rng_for
+from .common import batches, check_options, hard_limit, model_device, parse_range, predictions, rng_for
 
 DEFAULT_LENGTHS = (64, 128, 256)
 DEFAULT_PAIRS = (4, 8, 16, 32)
@@ -92,7 +92,7 @@ def mqar_accuracy(model, x: torch.Tensor, y: torch.Tensor, batch_size: int = 32)
     device, correct, total = model_device(model), 0, 0
     for idx in batches(list(range(x.shape[0])), batch_size):
         xb, yb = x[idx].to(device), y[idx]
-        pred = model(xb).logits.argmax(-1).cpu()
+        pred = predictions(model, xb).cpu()
         m = yb != -100
         correct += int((pred[m] == yb[m]).sum())
         total += int(m.sum())

@@ -41,7 +41,7 @@ import torch
 from ..data.tasks import register_task
 from ..errors import ConfigError, DataError
 from .common import (batches, check_options, corpus_text, encode, hard_limit, map_batch_size, model_device, pad_left,
-                     pad_right, parse_range, rng_for, task_context)
+                     pad_right, parse_range, predictions, rng_for, task_context)
 
 CITIES = (
     "Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Cairo", "Delhi", "Madrid", "Berlin", "Rome", "Vienna", "Prague",
@@ -220,7 +220,7 @@ def score_teacher_forced(model, samples: Sequence[NiahSample], batch_size: int) 
     device, out = model_device(model), []
     for chunk in batches(list(samples), batch_size):
         ids = pad_right([s.ids for s in chunk]).to(device)
-        pred = model(ids).logits.argmax(-1).cpu()
+        pred = predictions(model, ids).cpu()
         for i, s in enumerate(chunk):
             em, acc = [], []
             for a, b in s.answers:

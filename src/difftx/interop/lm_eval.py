@@ -93,10 +93,10 @@ class DifftxLM(_LMBase):
             ids = torch.zeros(len(chunk), width, dtype=torch.long)
             for row, (_, seq, _) in enumerate(chunk):
                 ids[row, :len(seq)] = torch.tensor(seq)  # right padding: causal, so real positions never see it
-            logp = F.log_softmax(self.model(ids.to(self._dev)).logits.float(), dim=-1)
+            hidden = self.model.features(ids.to(self._dev))  # the LM head runs on the continuations only
             for row, (i, seq, cont) in enumerate(chunk):
                 n = len(seq)
-                lp = logp[row, n - len(cont):n]
+                lp = F.log_softmax(self.model.head(hidden[row, n - len(cont):n]).float(), dim=-1)
                 target = torch.tensor(cont, device=lp.device)
                 out[i] = (float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all()))
         return out  # type: ignore[return-value]

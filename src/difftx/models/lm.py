@@ -68,6 +68,32 @@ class DecoderLM(ModelMixin, nn.Module):
         ``attention_mask`` (B, N): 1 for tokens, 0 for padding (left or right).
         With a ``cache``, ``input_ids`` are the new tokens only.
         """
+        logits = self.head(self.features(input_ids, attention_mask, position_ids, cache))
+        loss = n_targets = None
+        if targets is not None:
+            flat = targets.reshape(-1)
+            # at least float32; a float64 model keeps float64 (gradient checks against a float64 reference)
+            loss = F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), flat, ignore_index=-100,
+                                   reduction="sum")
+            n_targets = (flat != -100).sum()
+            if loss_reduction == "mean":
+                loss = loss / n_targets.clamp_min(1)
+            elif loss_reduction != "sum":
+                raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        return LMOutput(logits=logits, loss=loss, n_targets=n_targets, cache=cache)
+
+    def features(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        cache: Optional[KVCache] = None,
+    ) -> torch.Tensor:
+        """The final hidden states (B, N, d_model): :meth:`forward` up to, not including, the LM head.
+
+        ``model.head(model.features(ids))`` equals ``model(ids).logits``; calling :meth:`head` on a few
+        positions, or on chunks of them, never holds all (B, N, V) logits (difftx.evals do this).
+        """
         cfg = self.config
         b, n = input_ids.shape
         device = input_ids.device
@@ -114,20 +140,11 @@ class DecoderLM(ModelMixin, nn.Module):
             cache.advance(n, step_valid)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)
+        return x
 
-        loss = n_targets = None
-        if targets is not None:
-            flat = targets.reshape(-1)
-            # at least float32; a float64 model keeps float64 (gradient checks against a float64 reference)
-            loss = F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), flat, ignore_index=-100,
-                                   reduction="sum")
-            n_targets = (flat != -100).sum()
-            if loss_reduction == "mean":
-                loss = loss / n_targets.clamp_min(1)
-            elif loss_reduction != "sum":
-                raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        return LMOutput(logits=logits, loss=loss, n_targets=n_targets, cache=cache)
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of final hidden states (any leading shape): the LM head, tied to the embedding or not."""
+        return self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.embed.weight)
 
     # ------------------------------------------------------------------ decoding
     def new_cache(self, batch_size: int, max_len: int, dtype: Optional[torch.dtype] = None) -> KVCache:
