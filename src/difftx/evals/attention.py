@@ -121,7 +121,7 @@ def allocation(model, samples: Sequence[NiahSample], normalize: str = "l1",
             ids = pad_right([s.ids for s in chunk])
             regions = pad_right([s.regions for s in chunk], pad=-1)
             probe.arm(*_query_rows(chunk), regions)
-            model(ids.to(device))
+            model.features(ids.to(device))  # the probe reads the attention; the LM head is not needed
     layers = sorted(probe.shares)
     per_layer = {layer: torch.cat(probe.shares[layer]).mean(0) for layer in layers}  # (R,)
     mass = {layer: float(torch.cat(probe.mass[layer]).mean()) for layer in layers}

@@ -166,14 +166,15 @@ def constrained_classify(model, prefix: list[int], queries: list[list[int]], tri
     prefix_cache = None
     if prefix:
         prefix_cache = model.new_cache(1, max_len)
-        model(torch.tensor([prefix], device=device), cache=prefix_cache)
+        model.features(torch.tensor([prefix], device=device), cache=prefix_cache)  # fills the cache; no logits
     for chunk in batches(queries, batch_size):
         ids, mask = pad_left(chunk)
         if prefix_cache is None:
             cache = model.new_cache(len(chunk), max_len)
         else:
             cache = _repeat_cache(prefix_cache, len(chunk), lambda b: model.new_cache(b, max_len))
-        logits = model(ids.to(device), attention_mask=mask.to(device), cache=cache).logits[:, -1].float().cpu()
+        hidden = model.features(ids.to(device), mask.to(device), cache=cache)
+        logits = model.head(hidden[:, -1]).float().cpu()  # the last position's logits, not all (B, N, V)
         nodes = [trie.root] * len(chunk)
         for _ in range(trie.depth):
             if all(len(n["labels"]) == 1 for n in nodes):

@@ -109,7 +109,7 @@ def evaluate_outliers(model, tokens, seq_len: Optional[int] = None, max_tokens: 
         for start in range(0, n_windows, bs):
             n = min(bs, n_windows - start)
             x = tokens[start * seq_len:(start + n) * seq_len].view(n, seq_len).to(device)
-            model(x)
+            model.features(x)  # the blocks' hooks and probes see everything; the LM head is not needed
             if progress:
                 print(f"  outliers: {(start + n) * seq_len} / {n_windows * seq_len} tokens", flush=True)
     return {"tokens": n_windows * seq_len, "seq_len": seq_len, "attention_logits": col.logits.summary(),

@@ -67,7 +67,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, temperatu
     try:
         mask = None if attention_mask is None else attention_mask.to(input_ids.device).long()
         cache = model.new_cache(b, n + max_new_tokens) if use_cache else None
-        logits = model(input_ids, attention_mask=mask, cache=cache).logits[:, -1]
+        logits = model.head(model.features(input_ids, mask, cache=cache)[:, -1])  # the prompt's last logits only
         out = [input_ids]
         finished = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
         for step in range(max_new_tokens):
@@ -86,7 +86,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, temperatu
                 seq = torch.cat(out, dim=1)
                 if mask is not None:
                     mask = torch.cat((mask, torch.ones(b, 1, dtype=mask.dtype, device=mask.device)), dim=1)
-                logits = model(seq, attention_mask=mask).logits[:, -1]
+                logits = model.head(model.features(seq, mask)[:, -1])
         return torch.cat(out, dim=1)
     finally:
         model.train(was_training)
