@@ -126,6 +126,26 @@ def test_train_warns_when_only_the_floor_fits(tmp_path, train_cli, capsys, free,
     assert "difftx train: warning: this run needs at least" in err and "may run out of memory" in err
 
 
+def test_a_gpu_reads_the_drivers_free_memory_and_advises_sharding(monkeypatch):
+    """No GPU here: the CUDA branch is run against a stand-in driver."""
+    import torch
+
+    from difftx import runtime
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: asked.append(device) or (3 * GIB, 80 * GIB))
+    assert runtime.free_memory("cuda:1") == 3 * GIB and asked == [torch.device("cuda:1")]
+    monkeypatch.setattr(memory_check, "free_memory", runtime.free_memory)
+    floor = {"total": 5 * GIB, "state": 4 * GIB, "gradients": GIB, "activations": GIB, "tokens": 2048}
+    with pytest.raises(InsufficientMemory, match=r"on cuda:1 .*pick a smaller model, or shard it over more GPUs "
+                                                 r"with --parallel fsdp"):
+        memory_check.require_fit(floor, "cuda:1", "this run", "lower --batch-size", copies=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert runtime.free_memory("cuda:0") is None  # unknown: nothing is refused
+    assert memory_check.require_fit(floor, "cuda:0", "this run", "lower --batch-size") is None
+
+
 def test_multi_process_cpu_runs_count_together(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert memory_check.host_processes("cpu") == 4
