@@ -75,7 +75,7 @@ OPTIMIZER_STATES = {"adamw": 2, "muon": 1}  # muon: one momentum (AdamW on the r
 
 
 def training_memory_floor(cfg, batch_size: int, seq_len: int, optimizer: str = "adamw", momentum: float = 0.9,
-                          bf16: bool = False, shards: int = 1) -> dict:
+                          bf16: bool = False, shards: int = 1, loss_chunk: int = 0) -> dict:
     """A lower bound, in bytes, on the peak memory of one training process of ``cfg``.
 
     ``state``: fp32 weights plus the optimizer's per-parameter state, held between steps.
@@ -83,7 +83,8 @@ def training_memory_floor(cfg, batch_size: int, seq_len: int, optimizer: str = "
     the activations saved for backward.  The activations counted are only those every layer must keep
     per token: six ``d_model``-wide tensors (the residual input, the norm output, q, k, v and the
     attention output), two ``ffn_dim``-wide ones (the FFN's hidden activations), and for a language
-    model the logits and their gradient; fp32, or 2 bytes each under bf16 autocast.  With
+    model the logits and their gradient (of ``loss_chunk`` tokens only when the loss is chunked); fp32, or 2
+    bytes each under bf16 autocast.  With
     ``attn_backend: eager`` also the fp32 attention maps, N x N per head (two per DIFF head).  ``shards``
     divides weights, gradients and optimizer state (FSDP).  ``total`` = ``state`` + ``step``.
 
@@ -95,8 +96,9 @@ def training_memory_floor(cfg, batch_size: int, seq_len: int, optimizer: str = "
     state = params * 4 * (1 + states) // shards
     n = seq_len if cfg.domain == "lm" else cfg.n_patches + (cfg.pooling == "cls")
     tokens = batch_size * n
-    per_token = cfg.n_layers * (6 * cfg.d_model + 2 * cfg.ffn_dim) + (2 * cfg.vocab_size if cfg.domain == "lm" else 0)
-    activations = tokens * per_token * (2 if bf16 else 4)
+    per_token = cfg.n_layers * (6 * cfg.d_model + 2 * cfg.ffn_dim)
+    logit_tokens = (min(tokens, loss_chunk) if loss_chunk > 0 else tokens) if cfg.domain == "lm" else 0
+    activations = (tokens * per_token + logit_tokens * 2 * cfg.vocab_size) * (2 if bf16 else 4)
     if cfg.attn_backend == "eager":  # it keeps every attention map (fp32) for backward: two per DIFF head
         maps = cfg.n_heads * (1 if cfg.attention == "softmax" else 2)
         activations += cfg.n_layers * batch_size * maps * n * n * 4

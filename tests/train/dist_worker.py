@@ -1,6 +1,6 @@
 """Run under ``python -m torch.distributed.run --nproc-per-node 2``: DDP and FSDP2 runs of the tiny model.
 
-argv: DATA CACHE OUT.  Writes OUT/{ddp,fsdp,fsdp_resumed}/ run dirs and OUT/grads_{mode}.safetensors (rank 0).
+argv: DATA CACHE OUT.  Writes OUT/{ddp,fsdp,fsdp_chunked,fsdp_resumed}/ run dirs and OUT/grads_{mode}.safetensors (rank 0).
 """
 
 import sys
@@ -16,9 +16,10 @@ from difftx.train import train  # noqa: E402
 
 data, cache, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 dist.init_process_group("gloo")
-for mode in ("ddp", "fsdp"):
+for mode in ("ddp", "fsdp", "fsdp_chunked"):  # fsdp_chunked: FSDP2 with the chunked loss (--loss-chunk 5)
     rec = GradRecorder()
-    tcfg, mcfg = tiny(data, cache, parallel=mode, batch_size=4, grad_accum=1)
+    tcfg, mcfg = tiny(data, cache, parallel=mode.removesuffix("_chunked"), batch_size=4, grad_accum=1,
+                      loss_chunk=5 if mode.endswith("_chunked") else 0)
     train(tcfg, mcfg, out / mode, callbacks=[rec], announce=None)
     if dist.get_rank() == 0:
         save_file({f"{i}/{k}": v.contiguous() for i, g in enumerate(rec.grads) for k, v in g.items()},

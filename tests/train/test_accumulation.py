@@ -44,9 +44,10 @@ class PaddedDomain(Domain):
         return total
 
 
-def _update(tmp_path, batch_size, accum, attention="softmax", **kw):
+def _update(tmp_path, batch_size, accum, attention="softmax", loss_chunk=0, **kw):
     cfg = TrainConfig(batch_size=batch_size, grad_accum=accum, optimizer="sgd", momentum=0.0, lr=0.5, warmup=0,
-                      schedule="constant", grad_clip=0.0, weight_decay=0.0, dtype="fp32", steps=2, seq_len=16)
+                      schedule="constant", grad_clip=0.0, weight_decay=0.0, dtype="fp32", steps=2, seq_len=16,
+                      loss_chunk=loss_chunk)
     mcfg = ModelConfig(attention=attention, d_model=32, n_layers=2, n_heads=2, vocab_size=VOCAB, max_seq_len=16)
     wrong = 9.5 * batch_size if kw.get("wrong") else None  # ~ targets per micro-batch: the same overall scale
     tr = Trainer(mcfg, cfg, PaddedDomain(cfg, World(), wrong), World(), tmp_path, {})
@@ -59,6 +60,17 @@ def test_micro_batches_equal_one_big_batch_padded(tmp_path, attention):
     ref_loss, ref = _update(tmp_path, 8, 1, attention)
     for bs, k in [(4, 2), (2, 4), (1, 8)]:
         loss, w = _update(tmp_path, bs, k, attention)
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        for name in ref:
+            torch.testing.assert_close(w[name], ref[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{bs}x{k} {name}: {m}")
+
+
+@pytest.mark.parametrize("attention", ["softmax", "diff"])
+def test_the_chunked_loss_gives_the_same_updates(tmp_path, attention):
+    """--loss-chunk (7 tokens at a time, padded micro-batches) changes neither the loss nor the update."""
+    ref_loss, ref = _update(tmp_path, 8, 1, attention)
+    for bs, k in [(8, 1), (4, 2)]:
+        loss, w = _update(tmp_path, bs, k, attention, loss_chunk=7)
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         for name in ref:
             torch.testing.assert_close(w[name], ref[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{bs}x{k} {name}: {m}")

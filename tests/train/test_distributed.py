@@ -34,7 +34,7 @@ def dist_runs(tmp_path_factory):
     return tmp, rec.grads
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp_chunked"])
 def test_same_losses_and_gradients_as_one_process(dist_runs, mode):
     tmp, ref_grads = dist_runs
     assert losses(tmp / mode) == pytest.approx(losses(tmp / "single"), rel=1e-5, abs=1e-6)

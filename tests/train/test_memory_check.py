@@ -36,6 +36,21 @@ def test_floor_is_below_the_measured_peak_and_within_typical(preset, changes, ba
     assert got["total"] <= memory_check.TYPICAL * floor["total"], (floor, got)
 
 
+def test_the_floor_stays_below_the_peak_with_a_chunked_loss_and_a_large_vocabulary():
+    """Logits dominate here; --loss-chunk takes them out of the peak, and out of the floor, together."""
+    cfg = ModelConfig.from_preset("nano", attention="diff", vocab_size=8192)
+    for chunk in (0, 64):
+        floor = training_memory_floor(cfg, 4, 256, "adamw", loss_chunk=chunk)
+        got = measured_training_memory(cfg, 4, 256, "adamw", loss_chunk=chunk)
+        assert floor["state"] <= got["state"] and floor["step"] <= got["step"], (chunk, floor, got)
+        assert got["total"] <= memory_check.TYPICAL * floor["total"], (chunk, floor, got)
+        if chunk:
+            assert got["step"] < 0.5 * full["step"], (got, full)  # the logits were most of the step
+        full = got
+    assert training_memory_floor(cfg, 4, 256, loss_chunk=64)["activations"] == \
+        training_memory_floor(cfg, 4, 256)["activations"] - (4 * 256 - 64) * 2 * 8192 * 4
+
+
 def test_floor_counts_what_it_says():
     cfg = ModelConfig.from_preset("nano")
     p = training_memory_floor(cfg, 1, 64)["parameters"]

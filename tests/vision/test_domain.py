@@ -106,6 +106,8 @@ def test_options_are_checked():
         parse_options({"flip": "yes"})
     with pytest.raises(ConfigError, match="mix_prob must be a probability"):
         parse_options({"mix_prob": 2})
+    with pytest.raises(ConfigError, match="loss_chunk: .*drop --loss-chunk"):  # a language-model option
+        VisionDomain(TrainConfig(domain="vision", loss_chunk=64), World())
 
 
 def test_recipe_options_not_implemented_warn(capsys):

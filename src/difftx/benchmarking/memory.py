@@ -43,7 +43,7 @@ def peak_live_bytes(fn: Callable[[], object], device: torch.device | str = "cpu"
 
 
 def measured_training_memory(cfg, batch_size: int, seq_len: int, optimizer: str = "adamw",
-                             bf16: bool = False) -> dict:
+                             bf16: bool = False, loss_chunk: int = 0) -> dict:
     """Peak bytes of a CPU training step of ``cfg`` as the trainer runs it: ``state`` (fp32 weights and the
     optimizer's state after a first step, held between steps) + ``step`` (the step's high-water mark of tensor
     bytes, :func:`peak_live_bytes`) = ``total``.  Random tokens (images); the attention backend the trainer
@@ -67,7 +67,8 @@ def measured_training_memory(cfg, batch_size: int, seq_len: int, optimizer: str 
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(x, targets=y, loss_reduction="sum").loss
+            chunked = {"loss_chunk": loss_chunk} if loss_chunk else {}  # language models only
+            loss = model(x, targets=y, loss_reduction="sum", **chunked).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

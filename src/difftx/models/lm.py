@@ -17,6 +17,7 @@ from torch import nn
 from ..errors import DifftxError
 from ..nn.block import Block
 from ..nn.cache import KVCache
+from ..nn.loss import linear_cross_entropy
 from ..nn.mask import AttnMask
 from ..nn.norms import make_norm, upcast
 from ..nn.rope import RotaryEmbedding, sinusoidal_table
@@ -26,7 +27,7 @@ from .init import init_weights
 
 @dataclass
 class LMOutput:
-    logits: torch.Tensor
+    logits: Optional[torch.Tensor]  # None when the loss was computed in chunks (loss_chunk)
     loss: Optional[torch.Tensor] = None
     n_targets: Optional[torch.Tensor] = None  # number of non-ignored targets in the loss
     cache: Optional[KVCache] = None
@@ -59,22 +60,32 @@ class DecoderLM(ModelMixin, nn.Module):
         position_ids: Optional[torch.Tensor] = None,
         cache: Optional[KVCache] = None,
         loss_reduction: str = "mean",
+        loss_chunk: int = 0,
     ) -> LMOutput:
         """Logits (B, N, V) for ``input_ids`` (B, N).
 
         ``targets`` (B, N) are aligned with the logits (position t predicts
         targets[t]); -100 is ignored.  ``loss_reduction`` is ``mean`` over the
         counted targets or ``sum`` (for accumulation over micro-batches).
+        ``loss_chunk`` > 0 (with ``targets``): the loss ``loss_chunk`` tokens at a
+        time, never all (B, N, V) logits (:func:`difftx.nn.loss.linear_cross_entropy`);
+        ``logits`` is then None.
         ``attention_mask`` (B, N): 1 for tokens, 0 for padding (left or right).
         With a ``cache``, ``input_ids`` are the new tokens only.
         """
-        logits = self.head(self.features(input_ids, attention_mask, position_ids, cache))
-        loss = n_targets = None
-        if targets is not None:
-            flat = targets.reshape(-1)
-            # at least float32; a float64 model keeps float64 (gradient checks against a float64 reference)
-            loss = F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), flat, ignore_index=-100,
-                                   reduction="sum")
+        hidden = self.features(input_ids, attention_mask, position_ids, cache)
+        logits = loss = n_targets = None
+        flat = targets.reshape(-1) if targets is not None else None
+        if flat is not None and loss_chunk > 0:
+            weight = self.lm_head.weight if self.lm_head is not None else self.embed.weight
+            loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, flat, loss_chunk)
+        else:
+            logits = self.head(hidden)
+            if flat is not None:
+                # at least float32; a float64 model keeps float64 (gradient checks against a float64 reference)
+                loss = F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), flat, ignore_index=-100,
+                                       reduction="sum")
+        if flat is not None:
             n_targets = (flat != -100).sum()
             if loss_reduction == "mean":
                 loss = loss / n_targets.clamp_min(1)

@@ -212,7 +212,7 @@ class LMDomain(Domain):
 
     def loss(self, model, batch: dict) -> torch.Tensor:
         out = model(batch["input_ids"], targets=batch["targets"], attention_mask=batch.get("attention_mask"),
-                    loss_reduction="sum")
+                    loss_reduction="sum", loss_chunk=self.cfg.loss_chunk)
         return out.loss
 
     # ------------------------------------------------------------------ evaluation

@@ -41,7 +41,7 @@ def gib(n: float) -> str:
 def run_floor(mcfg, tcfg, bf16: bool, shards: int = 1) -> dict:
     """The memory floor of one training process of ``mcfg`` under ``tcfg`` (bytes; see accounting)."""
     return training_memory_floor(mcfg, tcfg.batch_size, tcfg.seq_len or mcfg.max_seq_len, tcfg.optimizer,
-                                 tcfg.momentum, bf16=bf16, shards=shards)
+                                 tcfg.momentum, bf16=bf16, shards=shards, loss_chunk=tcfg.loss_chunk)
 
 
 def host_processes(device) -> int:

@@ -98,6 +98,9 @@ class VisionDomain(Domain):
 
     def __init__(self, cfg: TrainConfig, world: World):
         super().__init__(cfg, world)
+        if cfg.loss_chunk:
+            raise ConfigError("loss_chunk", "chunks a language model's loss over its vocabulary; a vision model's "
+                                            "classes are few: drop --loss-chunk")
         self.options, self.augment = parse_options(cfg.domain_options)
         self.data = None
         self.split: dict[str, tuple[np.ndarray, np.ndarray]] = {}

@@ -1,0 +1,79 @@
+"""The chunked linear cross-entropy against torch's cross-entropy of the full logits (float64, then the model)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from difftx import ModelConfig, build_model
+from difftx.nn.loss import linear_cross_entropy
+
+
+def _reference(hidden, weight, targets):
+    return F.cross_entropy(hidden @ weight.t(), targets, ignore_index=-100, reduction="sum")
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 30, 64])
+def test_value_and_gradients_equal_the_full_logits_loss(chunk):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(30, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (30,), generator=g)
+    targets[[3, 11, 12, 29]] = -100  # ignored positions: no loss, no gradient
+    ref = _reference(hidden, weight, targets)
+    gh, gw = torch.autograd.grad(ref * 1.7, (hidden, weight))
+    got = linear_cross_entropy(hidden, weight, targets, chunk)
+    assert got.dtype == torch.float64 and torch.allclose(got, ref, rtol=1e-12, atol=1e-12)
+    ch, cw = torch.autograd.grad(got * 1.7, (hidden, weight))  # the upstream gradient scales both
+    assert torch.allclose(ch, gh, rtol=1e-10, atol=1e-12) and torch.allclose(cw, gw, rtol=1e-10, atol=1e-12)
+    assert ch[[3, 11, 12, 29]].abs().max() == 0
+    only_h = linear_cross_entropy(hidden, weight.detach(), targets, chunk)  # one input needs no gradient
+    assert torch.allclose(torch.autograd.grad(only_h, hidden)[0], gh / 1.7, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        assert torch.allclose(linear_cross_entropy(hidden, weight, targets, chunk), ref, rtol=1e-12)
+    with pytest.raises(ValueError, match="positive"):
+        linear_cross_entropy(hidden, weight, targets, 0)
+
+
+def test_every_target_ignored_is_zero_with_zero_gradients():
+    hidden = torch.randn(5, 4, requires_grad=True)
+    weight = torch.randn(9, 4, requires_grad=True)
+    loss = linear_cross_entropy(hidden, weight, torch.full((5,), -100), 2)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and hidden.grad.abs().max() == 0 and weight.grad.abs().max() == 0
+
+
+@pytest.mark.parametrize("attention, tie", [("softmax", True), ("diff", False), ("diff2", True)])
+def test_model_loss_and_gradients_do_not_change(attention, tie):
+    """forward(loss_chunk=k) is the same loss and the same gradients as the full logits, tied or untied head."""
+    cfg = ModelConfig(attention=attention, d_model=32, n_layers=2, n_heads=2, vocab_size=97, max_seq_len=32,
+                      tie_embeddings=tie)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    x = torch.randint(0, 97, (3, 20))
+    y = torch.randint(0, 97, (3, 20))
+    y[0, :5] = -100
+    grads = []
+    for chunk in (0, 13):
+        model.zero_grad(set_to_none=True)
+        out = model(x, targets=y, loss_chunk=chunk)
+        out.loss.backward()
+        assert (out.logits is None) == (chunk > 0) and int(out.n_targets) == 55
+        grads.append((float(out.loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (l0, g0), (l1, g1) = grads
+    assert abs(l0 - l1) < 1e-5
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], rtol=1e-4, atol=1e-6), n
+
+
+def test_under_bf16_autocast_it_stays_close_to_the_full_logits():
+    cfg = ModelConfig(attention="diff", d_model=32, n_layers=2, n_heads=2, vocab_size=97, max_seq_len=32)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    x, y = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full = model(x, targets=y).loss
+        chunked = model(x, targets=y, loss_chunk=8).loss
+    assert chunked.dtype == torch.float32 and abs(float(full) - float(chunked)) < 2e-2
+    chunked.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all()
+               for p in model.parameters() if p.requires_grad)
