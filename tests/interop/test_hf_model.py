@@ -51,6 +51,23 @@ def test_loss_is_transformers_shifted_cross_entropy(saved):
     assert abs(float(loss) - float(ref)) < 1e-5
 
 
+def test_logits_to_keep_runs_the_head_on_the_kept_positions_only(saved, monkeypatch):
+    """generate's prefill asks for the last position: the head sees one row per sequence, not all of them."""
+    model, path, hf = saved
+    x = tokens(97, n=10)
+    with torch.no_grad():
+        full = model(x).logits
+        seen = []
+        head = hf.model.head
+        monkeypatch.setattr(hf.model, "head", lambda h: seen.append(h.shape[1]) or head(h))
+        last = hf(x, logits_to_keep=1, use_cache=False).logits
+        some = hf(x, logits_to_keep=torch.tensor([2, 5]), use_cache=False).logits
+        with_loss = hf(x, labels=x, logits_to_keep=3, use_cache=False)
+    assert seen == [1, 2, 10]  # the loss needs every position
+    assert max_diff(last, full[:, -1:]) < 1e-5 and max_diff(some, full[:, [2, 5]]) < 1e-5
+    assert max_diff(with_loss.logits, full[:, -3:]) == 0.0  # sliced from the full logits
+
+
 def test_incremental_decoding_through_a_dynamic_cache(saved):
     model, path, hf = saved
     x = tokens(97, n=12)

@@ -143,13 +143,20 @@ class DifftxForCausalLM(DifftxPreTrainedModel, GenerationMixin):
         if position_ids is None:
             position_ids = torch.arange(past, past + n, device=input_ids.device)[None].expand(b, n)
         view = _CacheView(past_key_values, past, full[:, :past]) if past_key_values is not None else None
-        out = self.model(input_ids, attention_mask=step_mask, position_ids=position_ids, cache=view)
-        logits = out.logits
-        if logits_to_keep:
-            logits = logits[:, -logits_to_keep:] if isinstance(logits_to_keep, int) else logits[:, logits_to_keep]
+        hidden = self.model.features(input_ids, attention_mask=step_mask, position_ids=position_ids, cache=view)
+
+        def keep(t):  # transformers' logits_to_keep: the last N positions (0: all), or a 1-D tensor of indices
+            if isinstance(logits_to_keep, int):
+                return t[:, -logits_to_keep:] if logits_to_keep > 0 else t
+            return t[:, logits_to_keep]
+
         loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=out.logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        if labels is None:  # the head runs on the kept positions only (generate's prefill keeps the last one)
+            logits = self.model.head(keep(hidden))
+        else:
+            every = self.model.head(hidden)
+            logits = keep(every)
+            loss = self.loss_function(logits=every, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits,
                                       past_key_values=past_key_values if use_cache else None)
 
