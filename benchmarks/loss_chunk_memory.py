@@ -6,8 +6,9 @@
 For each vocabulary: the preset's DIFF model with that vocabulary, one AdamW training step in fp32 as the
 trainer runs it; peak memory (difftx.benchmarking.memory.measured_training_memory: fp32 weights and
 optimizer state + the step's high-water mark of live tensor bytes) and the median seconds per step over
-``--repeats`` interleaved repeats, in alternating order (one thread, wall clock), with the loss of the first step (the same
-batch for every arm).  Prints a markdown table and writes ``benchmarks/results/loss_chunk_memory.md``.
+``--repeats`` interleaved repeats, in alternating order (one thread, wall clock), with the loss of the
+first step (the same batch for every arm).  Prints a markdown table and writes
+``benchmarks/results/loss_chunk_memory.md``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Run under ``python -m torch.distributed.run --nproc-per-node 2``: DDP and FSDP2 runs of the tiny model.
 
-argv: DATA CACHE OUT.  Writes OUT/{ddp,fsdp,fsdp_chunked,fsdp_resumed}/ run dirs and OUT/grads_{mode}.safetensors (rank 0).
+argv: DATA CACHE OUT.  Writes OUT/{ddp,fsdp,fsdp_chunked,fsdp_resumed}/ run dirs and
+OUT/grads_{mode}.safetensors (rank 0).
 """
 
 import sys

@@ -65,8 +65,8 @@ def logit_chunks(model, ids: torch.Tensor, budget: Optional[int] = None, **kwarg
     """Yield ``(start, logits[:, start:start + k])`` of ``model(ids, **kwargs)``, k positions at a time.
 
     The backbone runs once (:meth:`~difftx.models.DecoderLM.features`); the LM head runs on slices of at
-    most ``budget`` (default :data:`LOGIT_BUDGET`) logits, so peak memory holds one slice, not all B x N x V of them (8.6 GB in fp32 for
-    16K tokens of a 128K vocabulary).  A model without ``features`` (not a difftx DecoderLM) yields its
+    most ``budget`` (default :data:`LOGIT_BUDGET`) logits, so peak memory holds one slice, not all B x N x V
+    of them (8.6 GB in fp32 for 16K tokens of a 128K vocabulary).  A model without ``features`` (not a difftx DecoderLM) yields its
     whole logits once.
     """
     if not (hasattr(model, "features") and hasattr(model, "head")):
