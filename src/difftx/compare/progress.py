@@ -32,7 +32,7 @@ class StudyProgress:
         self.workers = max(1, workers)
         self.stream = sys.stderr if stream is None else stream  # looked up now: sys.stderr can be replaced
         self.enabled = enabled
-        self.tty = stream.isatty() if tty is None else tty
+        self.tty = self.stream.isatty() if tty is None else tty
         self.every_s = every_s
         self.state: dict[str, dict] = {}             # key -> {"phase", "step", "t0", "t_train"}
         self.done: set[str] = set()

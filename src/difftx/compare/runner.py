@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -327,7 +326,7 @@ def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False
         costs = {j.key: step_cost(study, j) for j in sweep + main}
         workers = min(workers, max(1, len(sweep + main)))
         show = world.is_main and (progress if progress is not None else True)
-        prog = StudyProgress(sweep + main, costs, workers, stream=stream or sys.stderr, enabled=show)
+        prog = StudyProgress(sweep + main, costs, workers, stream=stream, enabled=show)
         prog.line(f"difftx compare: {len(study.arm_list())} arms x {study.seeds} seeds x {len(study.tasks())} tasks"
                   f"{f' + {len(sweep)}-run lr sweep' if sweep else ''} on {world.world_size} x {world.device.type}"
                   f" ({workers} parallel job{'s' if workers > 1 else ''}"

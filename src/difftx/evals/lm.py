@@ -96,7 +96,7 @@ def evaluate_lm(model, tokens, seq_len: Optional[int] = None, max_tokens: int = 
         for s, logits in logit_chunks(model, x):  # never all (B, N, V) logits at once
             k = logits.shape[1]
             nll[:, s:s + k] = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y[:, s:s + k].reshape(-1),
-                                              reduction="none").view(-1, k).double().cpu()
+                                              reduction="none").view(-1, k).cpu()  # stored as float64
         pos_sum += nll.sum(0)
         pos_cnt += nll.shape[0]
         hit = ar_hit_mask(win, vocab)
