@@ -81,6 +81,21 @@ def test_incremental_decoding_through_a_dynamic_cache(saved):
     assert max_diff(torch.cat(steps, dim=1), full) < 1e-5
 
 
+def test_cache_under_either_name(saved):
+    """transformers >= 5.24 passes the cache as ``cache`` (older: ``past_key_values``); both are read."""
+    model, path, hf = saved
+    x = tokens(97, n=9)
+    with torch.no_grad():
+        full = model(x).logits
+        for name in ("cache", "past_key_values"):
+            cache = DynamicCache()
+            hf(x[:, :6], use_cache=True, **{name: cache})
+            step = hf(x[:, 6:], use_cache=True, **{name: cache}).logits
+            assert cache.get_seq_length() == 9 and max_diff(step, full[:, 6:]) < 1e-5
+        with pytest.raises(ValueError, match="not both"):
+            hf(x, cache=DynamicCache(), past_key_values=DynamicCache())
+
+
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
 def test_generate_matches_difftx_generate(saved, cache_implementation):
     model, path, hf = saved

@@ -6,6 +6,7 @@ runs whose floor does not fit are refused in one line before anything is written
 """
 
 import pytest
+import torch
 
 from difftx.accounting import training_memory_floor
 from difftx.benchmarking.memory import measured_training_memory
@@ -182,13 +183,16 @@ def compare(capsys):
 
 
 def _study(**fields):
-    """A two-arm study and the floor of its largest job."""
+    """A two-arm study and the floor of its largest job (in the precision its jobs get on this CPU: ``auto`` is
+    bf16 where the CPU has bf16 matrix hardware, whose floor is lower)."""
     from difftx.compare import StudyConfig
     from difftx.compare.jobs import plan, train_config
+    from difftx.train.trainer import autocast_dtype
 
     study = StudyConfig(arms=["transformer:adamw", "diff:adamw"], seeds=1, retrieval="none", **fields)
-    floor = max(memory_check.run_floor(study.model_config(j.arm, j.task), train_config(study, j), False)["total"]
-                for j in plan(study))
+    cfgs = [(study.model_config(j.arm, j.task), train_config(study, j)) for j in plan(study)]
+    floor = max(memory_check.run_floor(m, t, autocast_dtype(t.dtype, torch.device("cpu")) is not None)["total"]
+                for m, t in cfgs)
     return study, floor
 
 

@@ -25,6 +25,7 @@ optimiser state already held (on CUDA: ``torch.cuda.max_memory_allocated``).
 
 from __future__ import annotations
 
+import inspect
 import os
 import platform
 import statistics
@@ -159,13 +160,15 @@ class Arm:
                 logits = self.model(tok, cache=cache).logits
             elapsed = timer() - t0
             return elapsed, cache.bytes() / (b * cache.length)
+        # transformers 5.24 renamed the cache argument and output field past_key_values -> cache
+        name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         out = self.model(input_ids=prompt, use_cache=True)
-        past, logits = out.past_key_values, out.logits
+        past, logits = out[name], out.logits
         t0 = timer()
         for _ in range(n_new):
             tok = logits[:, -1:].argmax(-1)
-            out = self.model(input_ids=tok, past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits
+            out = self.model(input_ids=tok, use_cache=True, **{name: past})
+            past, logits = out[name], out.logits
         elapsed = timer() - t0
         return elapsed, _hf_cache_bytes(past) / (b * (n + n_new))
 

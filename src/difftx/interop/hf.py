@@ -34,6 +34,11 @@ from ..nn.rope import RotaryEmbedding, sinusoidal_table
 from .hf_config import DifftxConfig, register_config
 
 
+# transformers 5.24 renamed ``past_key_values`` to ``cache`` (argument and output field); both are read, and
+# the output uses the installed version's field name.
+_CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+
+
 class _CacheView:
     """A transformers ``Cache`` seen through difftx's ``KVCache`` interface, for one forward call.
 
@@ -114,8 +119,14 @@ class DifftxForCausalLM(DifftxPreTrainedModel, GenerationMixin):
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Optional[Cache] = None,
                 inputs_embeds: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
                 use_cache: Optional[bool] = None, logits_to_keep: int = 0, return_dict: Optional[bool] = None,
-                **kwargs) -> CausalLMOutputWithPast:
-        """transformers semantics: ``labels`` are shifted inside; ``attention_mask`` covers cached + new tokens."""
+                cache: Optional[Cache] = None, **kwargs) -> CausalLMOutputWithPast:
+        """transformers semantics: ``labels`` are shifted inside; ``attention_mask`` covers cached + new tokens.
+
+        The cache comes as ``past_key_values`` or, as transformers >= 5.24 passes it, ``cache``."""
+        if cache is not None:
+            if past_key_values is not None and past_key_values is not cache:
+                raise ValueError("pass the cache once: as `cache` or as `past_key_values`, not both")
+            past_key_values = cache
         if inputs_embeds is not None:
             raise ValueError("DifftxForCausalLM takes input_ids, not inputs_embeds")
         if input_ids is None:
@@ -157,8 +168,7 @@ class DifftxForCausalLM(DifftxPreTrainedModel, GenerationMixin):
             every = self.model.head(hidden)
             logits = keep(every)
             loss = self.loss_function(logits=every, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits,
-                                      past_key_values=past_key_values if use_cache else None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: past_key_values if use_cache else None})
 
 
 def register() -> None:
