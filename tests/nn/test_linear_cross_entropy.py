@@ -73,7 +73,7 @@ def test_under_bf16_autocast_it_stays_close_to_the_full_logits():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         full = model(x, targets=y).loss
         chunked = model(x, targets=y, loss_chunk=8).loss
-    assert chunked.dtype == torch.float32 and abs(float(full) - float(chunked)) < 2e-2
+    assert chunked.dtype == torch.float32 and abs(full.item() - chunked.item()) < 2e-2
     chunked.backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all()
                for p in model.parameters() if p.requires_grad)

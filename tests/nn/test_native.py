@@ -215,18 +215,103 @@ def test_native_float32_attention_is_causal_and_thread_count_invariant(monkeypat
 
 
 def test_native_float32_attention_declines_what_it_cannot_take():
-    """Heads not a multiple of the column block (d = 12), bf16, padded keys and a partial K keep the
-    block-by-block path."""
+    """Heads not a multiple of the column block (d = 12), bf16 without AMX (or with heads not a multiple of 32),
+    padded keys and a partial K keep the block-by-block path."""
     q, k, v = torch.zeros(1, 1, 2, 8, 12), torch.zeros(2, 8, 12), torch.zeros(1, 2, 8, 12)
     assert not native.attention_ok(q, k, v, 8, False)
+    assert not native.attention_ok(q.bfloat16(), k.bfloat16(), v.bfloat16(), 8, False)
     q, k, v = torch.zeros(1, 1, 2, 8, 64), torch.zeros(2, 8, 64), torch.zeros(1, 2, 8, 64)
     assert not native.attention_ok(q, k, v, 8, True)
-    assert not native.attention_ok(q.bfloat16(), k.bfloat16(), v.bfloat16(), 8, False)
+    assert native.attention_ok(q.bfloat16(), k.bfloat16(), v.bfloat16(), 8, False) == native.amx()
+    assert not native.attention_ok(q.bfloat16(), k, v, 8, False)  # mixed dtypes
     assert not native.attention_ok(q, k[:, :5], v[:, :, :5], 8, False)
     assert not native.attention_ok(q, k, torch.zeros(1, 2, 64, 8).transpose(-1, -2), 8, False)  # V rows strided
     if native.library() is not None:
         assert native.attention_ok(q, k, v, 8, False)
         assert native.attention_ok(q, k, torch.zeros(1, 8, 2, 64).transpose(1, 2), 8, False)  # a head view
+
+
+needs_amx = pytest.mark.skipif(not (HAVE_CC and native.amx()), reason="the bf16 attention kernel needs an AMX CPU")
+
+
+@needs_amx
+@pytest.mark.parametrize("m,h,hk,n,q_start,lam_kind,causal,chunk", [
+    (1, 4, 4, 70, 0, None, True, 32),  # a last block of 6 rows; keys not a multiple of 32
+    (2, 4, 2, 70, 0, "scalar", True, 32),  # GQA
+    (2, 2, 2, 45, 9, "rows", True, 32),  # DIFF V2's per-token lambda, queries after a cached prefix
+    (1, 4, 2, 33, 0, None, False, 64),  # no causal mask (vision), one block
+    (2, 2, 1, 129, 0, "scalar", True, 64),  # several blocks, every key visible to the last
+])
+def test_amx_bf16_attention_matches_float64_as_closely_as_the_torch_path(m, h, hk, n, q_start, lam_kind, causal,
+                                                                         chunk, monkeypatch):
+    """The bf16 kernel on AMX tiles (difftx_attn_forward_bf16 / _backward_bf16) is the path taken for bf16, and
+    its output and gradients (q, k, v, lambda) are as close to float64 on the same bf16 inputs as the torch
+    block path's: products bf16 x bf16 -> float32, maps and statistics in float32, one rounding of each map."""
+    inputs, mask = _wide_case(m, h, hk, n, q_start, lam_kind, causal)
+    inputs = tuple(None if x is None else (x.detach().to(torch.bfloat16) if x.dim() > 0 and x.shape[-1] > 1 else x)
+                   for x in inputs)  # q, k, v rounded to bf16 (lambda stays as it is: float64 -> fp32 below)
+    calls = []
+    fwd, bwd = native.attention_forward, native.attention_backward
+    monkeypatch.setattr(native, "attention_forward", lambda *a, **kw: calls.append("f") or fwd(*a, **kw))
+    monkeypatch.setattr(native, "attention_backward", lambda *a, **kw: calls.append("b") or bwd(*a, **kw))
+    lam16 = lambda x, t: x.detach().to(t).requires_grad_()  # noqa: E731
+    as_dtype = lambda t, lt: tuple(None if x is None else lam16(x, t if x.dtype == torch.bfloat16 else lt)  # noqa: E731
+                                   for x in inputs)
+    got = _run(as_dtype(torch.bfloat16, torch.float32), mask, True, monkeypatch, chunk)
+    assert calls == ["f", "b"], calls
+    tor = _run(as_dtype(torch.bfloat16, torch.float32), mask, False, monkeypatch, chunk)
+    exact = _run(as_dtype(torch.float64, torch.float64), mask, False, monkeypatch, chunk)
+    assert len(got) == len(exact) == 4 + (lam_kind is not None)
+    for i, (a, b, r) in enumerate(zip(got, tor, exact)):
+        assert a.dtype == b.dtype and a.shape == r.shape
+        scale = r.abs().max().clamp_min(1.0)
+        err, err_torch = (a.double() - r).abs().max() / scale, (b.double() - r).abs().max() / scale
+        assert err <= 1.5 * err_torch + 2e-3, (i, err, err_torch)
+        if i < 4:
+            assert err <= 2e-2, (i, err)
+
+
+@needs_amx
+def test_amx_bf16_attention_is_causal_thread_count_invariant_and_reads_values_in_place(monkeypatch):
+    """Bitwise the same with 1 and 2 threads; the last query's inputs change no earlier output; V as a strided
+    head view of a projection is read in place and its gradient comes back in that layout."""
+    (q, k, v, lam), mask = _wide_case(2, 4, 2, 100, 0, "scalar", True)
+    b, hk, nk, dv = v.shape
+    proj = v.detach().transpose(1, 2).reshape(b, nk, hk * dv).bfloat16()
+
+    def run():
+        qq, kk, pp = (t.detach().bfloat16().requires_grad_() for t in (q, k, proj))
+        ll = lam.detach().float().requires_grad_()
+        vv = pp.view(b, nk, hk, dv).transpose(1, 2)
+        strides = []
+        vv.register_hook(lambda g: strides.append(g.stride()))
+        out = fused.fused_attention(qq, kk, vv, mask, 0.3, ll, chunk=32)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).bfloat16()
+        return [out.detach()] + list(torch.autograd.grad((out * w).sum(), [qq, kk, pp, ll])), strides, vv.stride()
+
+    calls = []
+    fwd = native.attention_forward
+    monkeypatch.setattr(native, "attention_forward", lambda *a, **kw: calls.append(a[2].stride()) or fwd(*a, **kw))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, strides, v_stride = run()
+        torch.set_num_threads(2)
+        two, _, _ = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert calls[0] == v_stride and strides == [v_stride]
+    for a, c in zip(one, two):
+        assert torch.equal(a, c)
+    q16, k16, v16 = (t.detach().bfloat16() for t in (q, k, v))
+    q2, k2, v2 = q16.clone(), k16.clone(), v16.clone()
+    q2[:, :, :, -1] += 1.0
+    k2[:, :, :, -1] += 1.0
+    v2[:, :, -1] += 1.0
+    with torch.no_grad():
+        o1 = fused.fused_attention(q16, k16, v16, mask, 0.3, lam.detach().float(), chunk=32)
+        o2 = fused.fused_attention(q2, k2, v2, mask, 0.3, lam.detach().float(), chunk=32)
+    assert torch.equal(o1[:, :-1], o2[:, :-1]) and not torch.equal(o1[:, -1], o2[:, -1])
 
 
 @needs_native

@@ -43,11 +43,21 @@ class Block(nn.Module):
     def _maybe(norm, x):
         return x if norm is None else norm(x)
 
+    @staticmethod
+    def _pre(norm, x):
+        """A PreNorm, whose output only feeds projections: under autocast it comes out in the autocast dtype
+        (rounded once, in the norm's pass) rather than in x's, to be cast again by every projection reading it."""
+        if norm is None:
+            return x
+        if torch.is_autocast_enabled(x.device.type):
+            return norm(x, out_dtype=torch.get_autocast_dtype(x.device.type))
+        return norm(x)
+
     def forward(self, x: torch.Tensor, rope, mask, cache=None) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
-        a = self.attn(self._maybe(self.attn_norm, x), rope, mask, cache)
+        a = self.attn(self._pre(self.attn_norm, x), rope, mask, cache)
         x = x + F.dropout(self._maybe(self.attn_mid_norm, a), p)
         x = self._maybe(self.attn_post_norm, x)
-        f = self.ffn(self._maybe(self.ffn_norm, x))
+        f = self.ffn(self._pre(self.ffn_norm, x))
         x = x + F.dropout(self._maybe(self.ffn_mid_norm, f), p)
         return self._maybe(self.ffn_post_norm, x)

@@ -921,3 +921,472 @@ void difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr
         free(S);
     }
 }
+
+/* ---------------------------------------------------------------- bfloat16 attention on AMX tiles
+ * The same blocks, maps and layouts as the float32 kernels above, for bfloat16 q, k, v (and out,
+ * dout, dq, dk, dv), with every matrix product on the AMX unit (bf16 x bf16 -> float32 tiles)
+ * and the maps' softmax, statistics and sums in float32.  A product C (M x N) = A (M x K) B reads A
+ * as bf16 rows (K contiguous) and B as packed tiles: for each strip of 16 columns, K / 32 tiles of
+ * 16 rows x 16 pairs (row r of a tile holds B[2r][c] and B[2r + 1][c] side by side), 1 KiB each.
+ * M, N and K are multiples of 32 (blocks and key ranges are padded with zeros), d and dv multiples
+ * of 32.  Built only where the compiler targets AMX (gcc/clang -march=native on such a CPU);
+ * difftx_amx() says whether it is here and the kernel may use the tiles (Linux asks the kernel
+ * for the tile state once per process). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define DIFFTX_AMX 1
+#endif
+
+#ifdef DIFFTX_AMX
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg;
+
+static void amx_configure(void) {
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+int difftx_amx(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+#define TILE 512 /* bf16 elements in a packed tile: 16 rows x 32 */
+
+/* C (M x N, float32, row stride ldc) (= | +=) A (M x K bf16 rows, stride lda) B (packed: strip j at
+ * Bp + j * kt * TILE, kt tiles per strip, the first K / 32 used).  Causal limits per 32 rows i:
+ * ``kdiag`` >= 0: K < kdiag + i + 32 only (A zero past it); ``ndiag`` >= 0: columns < ndiag + i + 32
+ * only (the rest is left unwritten). */
+static void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda, const uint16_t *Bp, int64_t kt,
+                     float *C, int64_t ldc, int acc, int64_t kdiag, int64_t ndiag) {
+    for (int64_t i = 0; i < M; i += 32) {
+        int64_t kk_end = K / 32, n_end = N;
+        if (kdiag >= 0 && (kdiag + i + 32 + 31) / 32 < kk_end) kk_end = (kdiag + i + 32 + 31) / 32;
+        if (ndiag >= 0 && (ndiag + i + 32 + 31) / 32 * 32 < n_end) n_end = (ndiag + i + 32 + 31) / 32 * 32;
+        const uint16_t *a0 = A + i * lda, *a1 = A + (i + 16) * lda;
+        for (int64_t j = 0; j < n_end; j += 32) {
+            float *c00 = C + i * ldc + j, *c10 = C + (i + 16) * ldc + j;
+            if (acc) {
+                _tile_loadd(0, c00, ldc * 4);
+                _tile_loadd(1, c00 + 16, ldc * 4);
+                _tile_loadd(2, c10, ldc * 4);
+                _tile_loadd(3, c10 + 16, ldc * 4);
+            } else {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+            }
+            const uint16_t *b0 = Bp + (j / 16) * kt * TILE, *b1 = b0 + kt * TILE;
+            for (int64_t kk = 0; kk < kk_end; kk++) {
+                _tile_loadd(4, a0 + kk * 32, lda * 2);
+                _tile_loadd(5, a1 + kk * 32, lda * 2);
+                _tile_loadd(6, b0 + kk * TILE, 64);
+                _tile_loadd(7, b1 + kk * TILE, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, c00, ldc * 4);
+            _tile_stored(1, c00 + 16, ldc * 4);
+            _tile_stored(2, c10, ldc * 4);
+            _tile_stored(3, c10 + 16, ldc * 4);
+        }
+    }
+}
+
+/* B = X^T for a product over X's columns: X (n rows of w bf16, row stride ldx; w a multiple of 32)
+ * packed for K = w, N = npad (a multiple of 32; rows past n are zero): strip j, tile kk holds
+ * the 32-bit pairs X[16 j + c][32 kk + 2 r : + 2] at row r, column c. */
+/* A 16 x 16 matrix of 32-bit values (r[i] its rows) transposed in place: four butterfly stages, each
+ * swapping the off-diagonal blocks of size b between rows i and i + b. */
+static inline void transpose16(vu *r) {
+#define DIFFTX_STAGE(b, lo, hi)                                                   \
+    for (int i = 0; i < 16; i++)                                                  \
+        if (!(i & (b))) {                                                         \
+            const vu x = r[i], y = r[i + (b)];                                    \
+            r[i] = __builtin_shuffle(x, y, (vu)lo);                               \
+            r[i + (b)] = __builtin_shuffle(x, y, (vu)hi);                         \
+        }
+    DIFFTX_STAGE(8, ((vi){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}),
+                 ((vi){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}))
+    DIFFTX_STAGE(4, ((vi){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}),
+                 ((vi){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}))
+    DIFFTX_STAGE(2, ((vi){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}),
+                 ((vi){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}))
+    DIFFTX_STAGE(1, ((vi){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}),
+                 ((vi){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}))
+#undef DIFFTX_STAGE
+}
+
+/* B = X^T for a product over X's columns: X (n rows of w bf16, row stride ldx; w a multiple of 32)
+ * packed for K = w, N = npad (a multiple of 32; rows past n are zero): strip j, tile kk holds
+ * the 32-bit pairs X[16 j + c][32 kk + 2 r : + 2] at row r, column c. */
+static void pack_bt(const uint16_t *x, int64_t ldx, int64_t n, int64_t npad, int64_t w, uint16_t *out) {
+    const int64_t kt = w / 32;
+    for (int64_t j = 0; j < npad / 16; j++)
+        for (int64_t kk = 0; kk < kt; kk++) {
+            vu r[16];
+            for (int64_t c = 0; c < 16; c++) {
+                const int64_t row = j * 16 + c;
+                if (row < n) memcpy(&r[c], x + row * ldx + kk * 32, 64);
+                else r[c] = (vu){0};
+            }
+            transpose16(r);
+            memcpy(out + (j * kt + kk) * TILE, r, sizeof r);
+        }
+}
+
+static inline vu bf16_bits(vf x) { /* float32 -> bf16 bits (round to nearest even) in 32-bit lanes */
+    vu u = (vu)x;
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+static void pack_bn(const void *x, int x_f32, int64_t ldx, int64_t n, int64_t npad, int64_t w, uint16_t *out) {
+    const int64_t kt = npad / 32;
+    const vu zero = {0};
+    for (int64_t kk = 0; kk < kt; kk++)
+        for (int64_t r = 0; r < 16; r++) {
+            const int64_t r0 = kk * 32 + 2 * r, r1 = r0 + 1;
+            for (int64_t j = 0; j < w / 16; j++) {
+                vu lo = zero, hi = zero;
+                if (x_f32) {
+                    const float *xf = (const float *)x + j * 16;
+                    if (r0 < n) lo = bf16_bits(*(const vf *)(xf + r0 * ldx));
+                    if (r1 < n) hi = bf16_bits(*(const vf *)(xf + r1 * ldx));
+                } else {
+                    const uint16_t *xh = (const uint16_t *)x + j * 16;
+                    if (r0 < n) lo = __builtin_convertvector(*(const vh *)(xh + r0 * ldx), vu);
+                    if (r1 < n) hi = __builtin_convertvector(*(const vh *)(xh + r1 * ldx), vu);
+                }
+                *(vu *)(out + (j * kt + kk) * TILE + r * 32) = lo | (hi << 16);
+            }
+        }
+}
+
+/* dst (rows x w bf16, contiguous) = src rows (stride lds), rows past n zero. */
+static void copy_rows_bf16(const uint16_t *src, int64_t lds, int64_t n, int64_t rows, int64_t w, uint16_t *dst) {
+    for (int64_t i = 0; i < rows; i++) {
+        if (i < n) memcpy(dst + i * w, src + i * lds, (size_t)w * 2);
+        else memset(dst + i * w, 0, (size_t)w * 2);
+    }
+}
+
+/* dst (w x rows bf16) = src^T (src: n rows of w, stride lds; columns past n zero). */
+static void transpose_bf16(const uint16_t *src, int64_t lds, int64_t n, int64_t rows, int64_t w, uint16_t *dst) {
+    for (int64_t i = 0; i < rows; i++) {
+        if (i < n) {
+            const uint16_t *sr = src + i * lds;
+            for (int64_t c = 0; c < w; c++) dst[c * rows + i] = sr[c];
+        } else {
+            for (int64_t c = 0; c < w; c++) dst[c * rows + i] = 0;
+        }
+    }
+}
+
+/* dst rows j < n (row stride ldd, bf16) = alpha * src^T (src: w rows of >= n floats, row stride lds). */
+static void transpose_out(const float *src, int64_t lds, int64_t n, int64_t w, float alpha, uint16_t *dst, int64_t ldd) {
+    float tmp[16 * 16];
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t nj = n - j0 < 16 ? n - j0 : 16;
+        for (int64_t x0 = 0; x0 < w; x0 += 16) {
+            for (int64_t x = 0; x < 16; x++) *(vf *)(tmp + x * 16) = *(const vf *)(src + (x0 + x) * lds + j0);
+            for (int64_t j = 0; j < nj; j++) {
+                vf col;
+                for (int64_t x = 0; x < 16; x++) col[x] = tmp[x * 16 + j];
+                vstore(dst + (j0 + j) * ldd, x0, 1, col * alpha, 16);
+            }
+        }
+    }
+}
+
+/* dst[0:n] = bf16(a * src (+ b * src2 when src2)), zeros up to width. */
+static inline void row_to_bf16(const float *src, float a, const float *src2, float b, uint16_t *dst, int64_t n,
+                               int64_t width) {
+    int64_t i = 0;
+    if (src2) {
+        for (; i + LANES <= n; i += LANES)
+            vstore(dst, i, 1, *(const vf *)(src + i) * a + *(const vf *)(src2 + i) * b, LANES);
+        for (; i < n; i++) dst[i] = f32_to_bf16(src[i] * a + src2[i] * b);
+    } else {
+        for (; i + LANES <= n; i += LANES) vstore(dst, i, 1, *(const vf *)(src + i) * a, LANES);
+        for (; i < n; i++) dst[i] = f32_to_bf16(src[i] * a);
+    }
+    if (width > n) memset(dst + n, 0, (size_t)(width - n) * 2);
+}
+
+/* e[0:n] = exp(scale * (e - max)) (unnormalised); returns the sum, sets *mx to scale * max. */
+static inline float exp_row_scaled(float *e, int64_t n, float scale, float *mx_out) {
+    vf vm = (vf){0} - INFINITY;
+    int64_t t = 0;
+    for (; t + LANES <= n; t += LANES) {
+        const vf x = *(const vf *)(e + t);
+        const vi gt = x > vm;
+        vm = (vf)(((vi)x & gt) | ((vi)vm & ~gt));
+    }
+    float mx = -INFINITY;
+    for (int64_t l = 0; l < LANES; l++) mx = vm[l] > mx ? vm[l] : mx;
+    for (; t < n; t++) mx = e[t] > mx ? e[t] : mx;
+    const float ms = mx * scale;
+    vf acc = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const vf x = vexp_nonpos(*(const vf *)(e + i) * scale - ms);
+        *(vf *)(e + i) = x;
+        acc += x;
+    }
+    if (i < n) {
+        vf x = (vf){0} - INFINITY;
+        memcpy(&x, e + i, (size_t)(n - i) * sizeof(float));
+        x = vexp_nonpos(x * scale - ms);
+        memcpy(e + i, &x, (size_t)(n - i) * sizeof(float));
+        acc += x;
+    }
+    *mx_out = ms;
+    return vhsum(acc);
+}
+
+/* e[0:n] = exp(scale * e - lse). */
+static inline void exp_lse_row_scaled(float *e, int64_t n, float scale, float lse) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) *(vf *)(e + i) = vexp_nonpos(*(const vf *)(e + i) * scale - lse);
+    for (; i < n; i++) e[i] = expf(e[i] * scale - lse);
+}
+
+#define PAD32(x) (((x) + 31) / 32 * 32)
+
+int difftx_attn_forward_bf16(const uint16_t *q, const uint16_t *k, int64_t ks, int64_t kr, const uint16_t *v,
+                             int64_t vsb, int64_t vsh, int64_t vr, uint16_t *out, float *lse, int64_t B, int64_t M,
+                             int64_t H, int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start,
+                             int causal, int64_t chunk, float scale, float lam, const float *lam_rows, int nthreads) {
+    if (!difftx_amx() || d % 32 || dv % 32 || chunk % 32) return 0;
+    const int64_t kpad_all = PAD32(nk), rep = H / Hk, cpad = PAD32(chunk);
+    const int64_t nblk = (N + chunk - 1) / chunk, tasks = B * H * nblk;
+    uint16_t *kt = (uint16_t *)malloc((size_t)(B * M * Hk * kpad_all * d) * 2); /* K^T per slice */
+    uint16_t *vn = (uint16_t *)malloc((size_t)(B * Hk * kpad_all * dv) * 2);    /* V per (b, hk) */
+    if (!kt || !vn) {
+        free(kt);
+        free(vn);
+        return 0;
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t s = 0; s < B * M * Hk; s++) pack_bt(k + s * ks, kr, nk, kpad_all, d, kt + s * kpad_all * d);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t s = 0; s < B * Hk; s++)
+        pack_bn(v + (s / Hk) * vsb + (s % Hk) * vsh, 0, vr, nk, kpad_all, dv, vn + s * kpad_all * dv);
+#pragma omp parallel num_threads(nthreads)
+    {
+        amx_configure();
+        float *S = (float *)malloc((size_t)(M * cpad * kpad_all) * sizeof(float));
+        float *O = (float *)malloc((size_t)(cpad * dv) * sizeof(float));
+        uint16_t *Qb = (uint16_t *)malloc((size_t)(cpad * d) * 2), *Pb = (uint16_t *)malloc((size_t)(cpad * kpad_all) * 2);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t blk = nblk - 1 - t / (B * H), bh = t % (B * H), b = bh / H, h = bh % H, hk = h / rep;
+            const int64_t i0 = blk * chunk, i1 = i0 + chunk < N ? i0 + chunk : N, c = i1 - i0, cp = PAD32(c);
+            const int64_t ke = causal ? (q_start + i1 < nk ? q_start + i1 : nk) : nk, kp = PAD32(ke);
+            const int64_t diag = causal ? q_start + i0 : -1;
+            for (int64_t m = 0; m < M; m++) {
+                const int64_t s = (b * M + m) * Hk + hk;
+                copy_rows_bf16(q + (((b * M + m) * H + h) * N + i0) * d, d, c, cp, d, Qb);
+                amx_gemm(cp, kp, d, Qb, d, kt + s * kpad_all * d, d / 32, S + m * cpad * kp, kp, 0, -1, diag);
+            }
+            for (int64_t i = 0; i < cp; i++) {
+                uint16_t *prow = Pb + i * kp;
+                if (i >= c) {
+                    memset(prow, 0, (size_t)kp * 2);
+                    continue;
+                }
+                const int64_t n = attn_visible(causal, q_start, i0 + i, nk);
+                float *e0 = S + i * kp, mx;
+                const float sum0 = exp_row_scaled(e0, n, scale, &mx), inv0 = 1.0f / sum0;
+                const int64_t row = (b * M * H + h) * N + i0 + i;
+                if (lse) lse[row] = mx + logf(sum0);
+                if (M == 1) {
+                    row_to_bf16(e0, inv0, NULL, 0.0f, prow, n, kp);
+                } else {
+                    float *e1 = S + (cpad + i) * kp, mx1;
+                    const float sum1 = exp_row_scaled(e1, n, scale, &mx1), inv1 = 1.0f / sum1;
+                    if (lse) lse[row + H * N] = mx1 + logf(sum1);
+                    const float l = lam_rows ? lam_rows[(b * H + h) * N + i0 + i] : lam, w1 = -l * inv1;
+                    row_to_bf16(e0, inv0, e1, w1, prow, n, kp);
+                }
+            }
+            amx_gemm(cp, dv, kp, Pb, kp, vn + (b * Hk + hk) * kpad_all * dv, kpad_all / 32, O, dv, 0, diag, -1);
+            for (int64_t i = 0; i < c; i++) row_to_bf16(O + i * dv, 1.0f, NULL, 0.0f, out + ((b * N + i0 + i) * H + h) * dv, dv, dv);
+        }
+        free(S);
+        free(O);
+        free(Qb);
+        free(Pb);
+        _tile_release();
+    }
+    free(kt);
+    free(vn);
+    return 1;
+}
+
+int difftx_attn_backward_bf16(const uint16_t *q, const uint16_t *k, int64_t ks, int64_t kr, const uint16_t *v,
+                              int64_t vsb, int64_t vsh, int64_t vr, const uint16_t *dout, const float *lse, uint16_t *dq,
+                              uint16_t *dk, uint16_t *dv_, int64_t dvsb, int64_t dvsh, int64_t dvr, float *rs2,
+                              int64_t B, int64_t M, int64_t H, int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv,
+                              int64_t q_start, int causal, int64_t chunk, float scale, float lam, const float *lam_rows,
+                              int nthreads) {
+    if (!difftx_amx() || d % 32 || dv % 32 || chunk % 32) return 0;
+    const int64_t kpad_all = PAD32(nk), rep = H / Hk, cpad = PAD32(chunk);
+    const int64_t nblk = (N + chunk - 1) / chunk;
+    uint16_t *kt = (uint16_t *)malloc((size_t)(B * M * Hk * kpad_all * d) * 2); /* K^T: S = Q K^T */
+    uint16_t *kn = (uint16_t *)malloc((size_t)(B * M * Hk * kpad_all * d) * 2); /* K: dQ = dS K */
+    uint16_t *vt = (uint16_t *)malloc((size_t)(B * Hk * kpad_all * dv) * 2);    /* V^T: dP = dO V^T */
+    if (!kt || !kn || !vt) {
+        free(kt);
+        free(kn);
+        free(vt);
+        return 0;
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t s = 0; s < B * M * Hk; s++) {
+        pack_bt(k + s * ks, kr, nk, kpad_all, d, kt + s * kpad_all * d);
+        pack_bn(k + s * ks, 0, kr, nk, kpad_all, d, kn + s * kpad_all * d);
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t s = 0; s < B * Hk; s++) pack_bt(v + (s / Hk) * vsb + (s % Hk) * vsh, vr, nk, kpad_all, dv, vt + s * kpad_all * dv);
+#pragma omp parallel num_threads(nthreads)
+    {
+        amx_configure();
+        const int64_t kpa = kpad_all;
+        float *S = (float *)malloc((size_t)(M * cpad * kpa) * sizeof(float));   /* P_m, then dS_m */
+        float *G = (float *)malloc((size_t)(cpad * kpa) * sizeof(float));       /* the combined map, then dP */
+        float *acc = (float *)malloc((size_t)((M * d + dv) * kpa) * sizeof(float)); /* dK_m^T, dV^T */
+        float *O = (float *)malloc((size_t)(cpad * d) * sizeof(float));
+        uint16_t *Qb = (uint16_t *)malloc((size_t)(M * cpad * d) * 2), *QT = (uint16_t *)malloc((size_t)(cpad * d) * 2);
+        uint16_t *dOb = (uint16_t *)malloc((size_t)(cpad * dv) * 2), *dOT = (uint16_t *)malloc((size_t)(cpad * dv) * 2);
+        uint16_t *Ab = (uint16_t *)malloc((size_t)(cpad * kpa) * 2), *Bv = (uint16_t *)malloc((size_t)(cpad * kpa) * 2);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < B * Hk; t++) {
+            const int64_t b = t / Hk, hk = t % Hk;
+            float *dVT = acc + M * d * kpa;
+            memset(acc, 0, (size_t)((M * d + dv) * kpa) * sizeof(float));
+            for (int64_t h = hk * rep; h < (hk + 1) * rep; h++) {
+                for (int64_t blk = 0; blk < nblk; blk++) {
+                    const int64_t i0 = blk * chunk, i1 = i0 + chunk < N ? i0 + chunk : N, c = i1 - i0, cp = PAD32(c);
+                    const int64_t ke = causal ? (q_start + i1 < nk ? q_start + i1 : nk) : nk, kp = PAD32(ke);
+                    const int64_t diag = causal ? q_start + i0 : -1;
+                    for (int64_t m = 0; m < M; m++) { /* the maps again */
+                        const int64_t s = (b * M + m) * Hk + hk;
+                        copy_rows_bf16(q + (((b * M + m) * H + h) * N + i0) * d, d, c, cp, d, Qb + m * cpad * d);
+                        amx_gemm(cp, kp, d, Qb + m * cpad * d, d, kt + s * kpa * d, d / 32, S + m * cpad * kp, kp, 0, -1,
+                                 diag);
+                    }
+                    for (int64_t i = 0; i < cp; i++) { /* P1 (and P2) from the saved log-sum-exp; G */
+                        float *p0 = S + i * kp, *g = G + i * kp, *p1 = S + (cpad + i) * kp;
+                        const int64_t n = i < c ? attn_visible(causal, q_start, i0 + i, nk) : 0;
+                        if (n) {
+                            const int64_t row = (b * M * H + h) * N + i0 + i;
+                            exp_lse_row_scaled(p0, n, scale, lse[row]);
+                            if (M == 1) {
+                                memcpy(g, p0, (size_t)n * sizeof(float));
+                            } else {
+                                const float l = lam_rows ? lam_rows[(b * H + h) * N + i0 + i] : lam;
+                                exp_lse_row_scaled(p1, n, scale, lse[row + H * N]);
+#pragma omp simd
+                                for (int64_t j = 0; j < n; j++) g[j] = p0[j] - l * p1[j];
+                            }
+                        }
+                        memset(p0 + n, 0, (size_t)(kp - n) * sizeof(float));
+                        memset(g + n, 0, (size_t)(kp - n) * sizeof(float));
+                        if (M == 2) memset(p1 + n, 0, (size_t)(kp - n) * sizeof(float));
+                    }
+                    copy_rows_bf16(dout + ((b * N + i0) * H + h) * dv, H * dv, c, cp, dv, dOb);
+                    transpose_bf16(dOb, dv, cp, cp, dv, dOT);
+                    /* dV^T += dO^T G */
+                    pack_bn(G, 1, kp, cp, cp, kp, Bv);
+                    amx_gemm(dv, kp, cp, dOT, cp, Bv, cp / 32, dVT, kpa, 1, -1, -1);
+                    /* dP = dO V^T */
+                    amx_gemm(cp, kp, dv, dOb, dv, vt + t * kpa * dv, dv / 32, G, kp, 0, -1, diag);
+                    for (int64_t i = 0; i < c; i++) { /* dS_m = w_m P_m (dP - rowsum(P_m dP)), w = 1, -lambda */
+                        const int64_t n = attn_visible(causal, q_start, i0 + i, nk);
+                        float *p0 = S + i * kp;
+                        const float *g = G + i * kp;
+                        float r0 = 0.0f;
+#pragma omp simd reduction(+ : r0)
+                        for (int64_t j = 0; j < n; j++) r0 += p0[j] * g[j];
+                        if (M == 2) {
+                            float *p1 = S + (cpad + i) * kp, r1 = 0.0f;
+#pragma omp simd reduction(+ : r1)
+                            for (int64_t j = 0; j < n; j++) r1 += p1[j] * g[j];
+                            rs2[(b * H + h) * N + i0 + i] = r1;
+                            const float w1 = -(lam_rows ? lam_rows[(b * H + h) * N + i0 + i] : lam);
+#pragma omp simd
+                            for (int64_t j = 0; j < n; j++) p1[j] = w1 * p1[j] * (g[j] - r1);
+                        }
+#pragma omp simd
+                        for (int64_t j = 0; j < n; j++) p0[j] = p0[j] * (g[j] - r0);
+                    }
+                    for (int64_t m = 0; m < M; m++) {
+                        const int64_t s = (b * M + m) * Hk + hk;
+                        float *Sm = S + m * cpad * kp;
+                        /* dQ = scale dS K */
+                        for (int64_t i = 0; i < cp; i++) row_to_bf16(Sm + i * kp, 1.0f, NULL, 0.0f, Ab + i * kp, kp, kp);
+                        amx_gemm(cp, d, kp, Ab, kp, kn + s * kpa * d, kpa / 32, O, d, 0, diag, -1);
+                        uint16_t *dqm = dq + (((b * M + m) * H + h) * N + i0) * d;
+                        for (int64_t i = 0; i < c; i++) row_to_bf16(O + i * d, scale, NULL, 0.0f, dqm + i * d, d, d);
+                        /* dK^T += Q^T dS (scale at the end) */
+                        transpose_bf16(Qb + m * cpad * d, d, cp, cp, d, QT);
+                        pack_bn(Sm, 1, kp, cp, cp, kp, Bv);
+                        amx_gemm(d, kp, cp, QT, cp, Bv, cp / 32, acc + m * d * kpa, kpa, 1, -1, -1);
+                    }
+                }
+            }
+            for (int64_t m = 0; m < M; m++)
+                transpose_out(acc + m * d * kpa, kpa, nk, d, scale, dk + ((b * M + m) * Hk + hk) * nk * d, d);
+            transpose_out(dVT, kpa, nk, dv, 1.0f, dv_ + b * dvsb + hk * dvsh, dvr);
+        }
+        free(S);
+        free(G);
+        free(acc);
+        free(O);
+        free(Qb);
+        free(QT);
+        free(dOb);
+        free(dOT);
+        free(Ab);
+        free(Bv);
+        _tile_release();
+    }
+    free(kt);
+    free(kn);
+    free(vt);
+    return 1;
+}
+#else
+int difftx_amx(void) { return 0; }
+int difftx_attn_forward_bf16(const uint16_t *q, const uint16_t *k, int64_t ks, int64_t kr, const uint16_t *v,
+                             int64_t vsb, int64_t vsh, int64_t vr, uint16_t *out, float *lse, int64_t B, int64_t M,
+                             int64_t H, int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start,
+                             int causal, int64_t chunk, float scale, float lam, const float *lam_rows, int nthreads) {
+    return 0;
+}
+int difftx_attn_backward_bf16(const uint16_t *q, const uint16_t *k, int64_t ks, int64_t kr, const uint16_t *v,
+                              int64_t vsb, int64_t vsh, int64_t vr, const uint16_t *dout, const float *lse, uint16_t *dq,
+                              uint16_t *dk, uint16_t *dv_, int64_t dvsb, int64_t dvsh, int64_t dvr, float *rs2,
+                              int64_t B, int64_t M, int64_t H, int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv,
+                              int64_t q_start, int causal, int64_t chunk, float scale, float lam, const float *lam_rows,
+                              int nthreads) {
+    return 0;
+}
+#endif

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import _autocast_input
+
 
 class _NativeSwiGLU(torch.autograd.Function):
     """silu(g) * u in one native pass (difftx.nn.native); saves g and u (torch saves silu(g) too)."""
@@ -45,6 +47,7 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(ffn_dim, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _autocast_input(x)  # one cast for both projections (autocast would cast x for each)
         return self.w_down(swiglu(self.w_gate(x), self.w_up(x)))
 
 

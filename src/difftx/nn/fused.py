@@ -319,9 +319,13 @@ class _FusedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, lam, mask: AttnMask, scale: float, chunk: int, native_chunk: int):
         q = q.contiguous()  # one pass over Q so that every block of it is a strided view
         k3 = _batched(k)  # (B*M*Hk, Nk, d)
-        ctx.native_attn = native.attention_ok(q, k3, v, mask.n_k, mask.key_valid is not None)
-        if ctx.native_attn:  # float32: every block's products and maps in one native call; V read in place
+        # bf16 (on AMX) takes blocks of 32-row tile pairs: the chunk itself (a multiple of MIN_CHUNK unless asked)
+        ctx.native_attn = (native.attention_ok(q, k3, v, mask.n_k, mask.key_valid is not None)
+                           and (q.dtype == torch.float32 or chunk % 32 == 0))
+        if ctx.native_attn:  # every block's products and maps in one native call; V read in place
             want = any(ctx.needs_input_grad[:4])
+            if q.dtype != torch.float32:
+                native_chunk = chunk
             lam_s, lam_rows = _lam_args(lam, q.shape)
             out, lse = native.attention_forward(q, k3, v, mask.causal, mask.q_start, native_chunk, scale, lam_s,
                                                 lam_rows, want)
@@ -363,7 +367,7 @@ def _native_backward(ctx, dout):
     q, k3, v, lam, lse = ctx.saved_tensors
     k_shape, _ = ctx.shapes
     lam_s, lam_rows = _lam_args(lam, q.shape)
-    dout = dout.to(torch.float32).contiguous()
+    dout = dout.to(q.dtype).contiguous()
     dq, dk, dv, rs2 = native.attention_backward(q, k3, v, dout, lse, ctx.mask.causal, ctx.mask.q_start, ctx.chunk,
                                                 ctx.scale, lam_s, lam_rows)
     dlam = None

@@ -126,6 +126,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_attn_backward.argtypes = ([p, p, i64, i64, p, i64, i64, i64, p, p, p, p, p, i64, i64, i64, p, p, p]
                                          + [i64] * 9 + [i, i64, f, f, p, i])
     lib.difftx_attn_backward.restype = None
+    lib.difftx_amx.argtypes = []
+    lib.difftx_amx.restype = i
+    lib.difftx_attn_forward_bf16.argtypes = [p, p, i64, i64, p, i64, i64, i64, p, p] + [i64] * 9 + [i, i64, f, f, p, i]
+    lib.difftx_attn_forward_bf16.restype = i
+    lib.difftx_attn_backward_bf16.argtypes = ([p, p, i64, i64, p, i64, i64, i64, p, p, p, p, p, i64, i64, i64, p]
+                                              + [i64] * 9 + [i, i64, f, f, p, i])
+    lib.difftx_attn_backward_bf16.restype = i
 
 
 def _load() -> None:
@@ -266,14 +273,26 @@ def swiglu_backward(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor):
     return dg, du
 
 
+def amx() -> bool:
+    """Whether the bfloat16 attention kernel runs here: built for a CPU with AMX (bf16 tiles) and allowed to
+    use them (Linux grants the tile state per process; the kernel asks once)."""
+    lib = library()
+    return lib is not None and bool(lib.difftx_amx())
+
+
 def attention_ok(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, nk: int, padded: bool) -> bool:
-    """Whether :func:`attention_forward` takes a fused-attention call: float32 on the CPU, no key padding,
-    head widths multiples of the micro-kernel's column block (16 floats with AVX2, 32 with AVX-512),
-    K rows (k3, (B*M*Hk, nk, d)) and V rows (v, (B, Hk, nk, dv), any strides) with a contiguous last dim
-    and exactly ``nk`` keys."""
-    if not (supports(q.dtype, q.device) and q.dtype == k3.dtype == v.dtype == torch.float32) or padded:
+    """Whether :func:`attention_forward` takes a fused-attention call: on the CPU, no key padding, K rows (k3,
+    (B*M*Hk, nk, d)) and V rows (v, (B, Hk, nk, dv), any strides) with a contiguous last dim and exactly ``nk``
+    keys; float32 with head widths multiples of the micro-kernel's column block (16 floats with AVX2, 32 with
+    AVX-512), or bfloat16 on an AMX CPU (:func:`amx`) with head widths multiples of 32."""
+    if not supports(q.dtype, q.device) or not q.dtype == k3.dtype == v.dtype or padded:
         return False
-    nr = library().difftx_gemm_nr()
+    if q.dtype == torch.float32:
+        nr = library().difftx_gemm_nr()
+    elif q.dtype == torch.bfloat16 and amx():
+        nr = 32
+    else:
+        return False
     return (q.shape[-1] % nr == 0 and v.shape[-1] % nr == 0 and v.dim() == 4 and k3.shape[1] == v.shape[2] == nk >= 1
             and k3.stride(-1) == 1 and v.stride(-1) == 1)
 
@@ -291,7 +310,9 @@ def _panels(nk: int) -> int:
 
 def attention_forward(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, causal: bool, q_start: int, chunk: int,
                       scale: float, lam: float, lam_rows: Optional[torch.Tensor], want_lse: bool):
-    """The float32 fused attention (one or two maps over one value) in native blocks: (out, lse or None).
+    """The fused attention (one or two maps over one value) in native blocks: (out, lse or None).  float32 on
+    the register micro-kernel (``chunk`` a multiple of 6), or bfloat16 on AMX tiles (``chunk`` a multiple of 32;
+    maps, softmax and statistics in float32, products bf16 x bf16 -> float32); see :func:`attention_ok`.
 
     ``q`` (B, M, H, N, d) contiguous; ``k3`` (B*M*Hk, nk, d) with contiguous rows; ``v`` (B, Hk, nk, dv) with
     contiguous rows, read in place (a head view of the value projection); ``lam_rows`` float32 (B, H, N) or
@@ -302,7 +323,16 @@ def attention_forward(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, causal
     assert q.is_contiguous() and (lam_rows is None or (lam_rows.is_contiguous() and lam_rows.dtype == torch.float32))
     assert v.shape[:2] == (b, hk)
     out = q.new_empty(b, n, h, dv)
-    lse = q.new_empty(b, m, h, n) if want_lse else None
+    lse = torch.empty(b, m, h, n, dtype=torch.float32, device=q.device) if want_lse else None
+    if q.dtype == torch.bfloat16:
+        assert chunk % 32 == 0
+        done = library().difftx_attn_forward_bf16(
+            q.data_ptr(), k3.data_ptr(), k3.stride(0), k3.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+            v.stride(2), out.data_ptr(), _ptr(lse), b, m, h, hk, n, nk, d, dv, q_start, int(causal), chunk,
+            float(scale), float(lam), _ptr(lam_rows), torch.get_num_threads())
+        if not done:
+            raise MemoryError("the bf16 attention kernel could not allocate its buffers")
+        return out, lse
     kpack = _pack("kpack", k3.shape[0] * _panels(nk) * d, q.device)
     vpack = _pack("vpack", b * hk * _panels(nk) * dv, q.device)
     library().difftx_attn_forward(q.data_ptr(), k3.data_ptr(), k3.stride(0), k3.stride(1), v.data_ptr(), v.stride(0),
@@ -335,11 +365,20 @@ def attention_backward(q, k3, v, dout, lse, causal: bool, q_start: int, chunk: i
     minus it, summed for a scalar lambda), else None."""
     b, m, h, n, d = q.shape
     hk, nk, dv_w = k3.shape[0] // (b * m), k3.shape[1], v.shape[-1]
-    assert dout.is_contiguous() and dout.shape == (b, n, h, dv_w) and dout.dtype == torch.float32
+    assert dout.is_contiguous() and dout.shape == (b, n, h, dv_w) and dout.dtype == q.dtype
     dq = torch.empty_like(q)
     dk = q.new_empty(k3.shape[0], nk, d)
     dv = empty_in(dense_layout(v), v.shape, v.dtype, v.device)
-    rs2 = q.new_empty(b, h, n) if m == 2 else None
+    rs2 = torch.empty(b, h, n, dtype=torch.float32, device=q.device) if m == 2 else None
+    if q.dtype == torch.bfloat16:
+        done = library().difftx_attn_backward_bf16(
+            q.data_ptr(), k3.data_ptr(), k3.stride(0), k3.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+            v.stride(2), dout.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dv.stride(0),
+            dv.stride(1), dv.stride(2), _ptr(rs2), b, m, h, hk, n, nk, d, dv_w, q_start, int(causal), chunk,
+            float(scale), float(lam), _ptr(lam_rows), torch.get_num_threads())
+        if not done:
+            raise MemoryError("the bf16 attention kernel could not allocate its buffers")
+        return dq, dk, dv, rs2
     kpack = _pack("kpack", k3.shape[0] * _panels(nk) * d, q.device)
     vpack = _pack("vpack", b * hk * _panels(nk) * dv_w, q.device)
     library().difftx_attn_backward(q.data_ptr(), k3.data_ptr(), k3.stride(0), k3.stride(1), v.data_ptr(),

@@ -6,6 +6,8 @@ QK-norm); LayerNorm is there for GPT-2/ViT layouts and the seed Transformer.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,14 +27,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim)) if weight else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """``out_dtype`` (default x's): a caller whose next op is a matmul under autocast asks for the autocast
+        dtype, so the output is rounded once, in this pass, instead of by a cast per consumer."""
+        out_dtype = out_dtype or x.dtype
         if x.device.type == "cpu":  # autograd through F.rms_norm is ~2x the passes (docs/performance.md)
             from .fused import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, out_dtype=x.dtype)
+            return rms_norm(x, self.weight, self.eps, out_dtype=out_dtype)
         xf = upcast(x)
         w = None if self.weight is None else self.weight.to(xf.dtype)
-        return F.rms_norm(xf, (self.dim,), w, self.eps).to(x.dtype)
+        return F.rms_norm(xf, (self.dim,), w, self.eps).to(out_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, weight={self.weight is not None}"
@@ -48,11 +53,11 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if weight else None
         self.bias = nn.Parameter(torch.zeros(dim)) if weight else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         xf = upcast(x)
         w = None if self.weight is None else self.weight.to(xf.dtype)
         b = None if self.bias is None else self.bias.to(xf.dtype)
-        return F.layer_norm(xf, (self.dim,), w, b, self.eps).to(x.dtype)
+        return F.layer_norm(xf, (self.dim,), w, b, self.eps).to(out_dtype or x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, weight={self.weight is not None}"
