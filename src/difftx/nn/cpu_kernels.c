@@ -1086,16 +1086,21 @@ static void copy_rows_bf16(const uint16_t *src, int64_t lds, int64_t n, int64_t 
     }
 }
 
-/* dst (w x rows bf16) = src^T (src: n rows of w, stride lds; columns past n zero). */
+/* dst (w x rows bf16) = src^T (src: n rows of w, stride lds; columns past n zero); rows a multiple of 32,
+ * w of 16: rows 2i and 2i + 1 interleaved into 32-bit pairs, then 16 x 16 blocks of pairs transposed. */
 static void transpose_bf16(const uint16_t *src, int64_t lds, int64_t n, int64_t rows, int64_t w, uint16_t *dst) {
-    for (int64_t i = 0; i < rows; i++) {
-        if (i < n) {
-            const uint16_t *sr = src + i * lds;
-            for (int64_t c = 0; c < w; c++) dst[c * rows + i] = sr[c];
-        } else {
-            for (int64_t c = 0; c < w; c++) dst[c * rows + i] = 0;
+    for (int64_t i0 = 0; i0 < rows; i0 += 32)
+        for (int64_t x0 = 0; x0 < w; x0 += 16) {
+            vu r[16];
+            for (int64_t p = 0; p < 16; p++) {
+                const int64_t a = i0 + 2 * p, b = a + 1;
+                const vu lo = a < n ? __builtin_convertvector(*(const vh *)(src + a * lds + x0), vu) : (vu){0};
+                const vu hi = b < n ? __builtin_convertvector(*(const vh *)(src + b * lds + x0), vu) : (vu){0};
+                r[p] = lo | (hi << 16);
+            }
+            transpose16(r);
+            for (int64_t x = 0; x < 16; x++) memcpy(dst + (x0 + x) * rows + i0, &r[x], 64);
         }
-    }
 }
 
 /* dst rows j < n (row stride ldd, bf16) = alpha * src^T (src: w rows of >= n floats, row stride lds). */
