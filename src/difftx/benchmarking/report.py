@@ -9,6 +9,13 @@ from ..io import atomic_write_text, make_out_dir
 from .speed import PHASES, speed_ratio
 
 
+def _native(status: str) -> str:
+    """``on (path; note)`` -> ``on; note`` (the build's path is in the JSON)."""
+    head, _, rest = status.partition(" (")
+    note = rest.rstrip(")").partition("; ")[2]
+    return f"{head}; {note}" if note else head
+
+
 def markdown(results: dict) -> str:
     bc = results["bench_config"]
     env = results["environment"]
@@ -16,7 +23,7 @@ def markdown(results: dict) -> str:
              "", f"{env['cpu']} ({env['threads']} threads), torch {env['torch']}"
              + (f", transformers {env['transformers']}" if "transformers" in env else "")
              + f"; {bc['repeats']} interleaved repeats, medians, `{bc['timer']}` time."
-             + (f" Native CPU kernels: {env['native_kernels'].split(' (')[0]}." if "native_kernels" in env else ""),
+             + (f" Native CPU kernels: {_native(env['native_kernels'])}." if "native_kernels" in env else ""),
              ""]
     arms = results["arms"]
     for dt in bc["dtypes"]:

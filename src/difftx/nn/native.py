@@ -153,7 +153,8 @@ def _load() -> None:
     except Exception as e:  # noqa: BLE001 -- any failure means the torch path, with the reason kept
         _STATE.update(lib=None, status=f"build failed, pure torch ({type(e).__name__}: {str(e)[:300]})")
         return
-    _STATE.update(lib=lib, status=f"on ({path})")
+    tiles = "bf16 attention on AMX tiles" if lib.difftx_amx() else "no AMX: bf16 attention on torch GEMMs"
+    _STATE.update(lib=lib, status=f"on ({path}; {tiles})")
 
 
 def library() -> Optional[ctypes.CDLL]:
