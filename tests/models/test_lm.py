@@ -242,6 +242,28 @@ def test_bf16_autocast_close_to_fp32(attention):
 
 
 @pytest.mark.parametrize("attention", KINDS)
+@pytest.mark.parametrize("norms", ["S1", "dnt"])
+def test_prenorms_hand_projections_the_autocast_dtype_without_changing_the_forward(attention, norms, monkeypatch):
+    """Under bf16 autocast a PreNorm emits bf16 itself (rounded once in its pass) instead of fp32 that each
+    projection casts again: the forward is bitwise what the casts gave, and DIFF V2's attention, which computes
+    lambda from its input in fp32, still gets fp32."""
+    from difftx.nn.block import Block
+
+    torch.manual_seed(0)
+    model = build_model(tiny(attention, d_model=64, norms=norms))
+    x = torch.randint(0, 61, (2, 16))
+    seen = []
+    hook = model.layers[0].attn.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = model(x).logits
+        monkeypatch.setattr(Block, "_pre", staticmethod(lambda norm, h, ok=True: h if norm is None else norm(h)))
+        plain = model(x).logits
+    hook.remove()
+    assert seen == [torch.float32 if attention == "diff2" else torch.bfloat16, torch.float32]
+    assert torch.equal(fast, plain)
+
+
+@pytest.mark.parametrize("attention", KINDS)
 def test_head_of_features_is_the_forward_pass(attention):
     """``head(features(x))`` is ``forward(x).logits``, padding and cache included (the evaluations rely on it)."""
     model = build_model(tiny(attention)).eval()

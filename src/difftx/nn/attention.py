@@ -38,6 +38,9 @@ class AttentionBase(nn.Module):
     """What every attention kind shares: head bookkeeping, QK-norm, RoPE, cache, backend choice."""
 
     kind = "base"
+    # The input only feeds the Q/K/V projections, so under autocast a PreNorm may hand it over already in the
+    # autocast dtype (Block._pre); DIFF V2 also computes lambda from it in fp32 and wants it as it is.
+    low_precision_input = True
 
     def __init__(self, cfg, layer: int):
         super().__init__()
@@ -310,6 +313,8 @@ class DiffV2Attention(AttentionBase):
     out_i = attn_{2i} - sigmoid(W_lambda x)_i * attn_{2i+1}; heads 2i and 2i+1
     share a GQA group; no per-head norm, no lambda_init.
     """
+
+    low_precision_input = False  # lambda = sigmoid(W_lambda x) is computed from the fp32 x
 
     kind = "diff2"
 

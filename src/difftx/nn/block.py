@@ -18,7 +18,7 @@ from torch import nn
 
 from .attention import make_attention
 from .ffn import make_ffn
-from .norms import make_norm
+from .norms import LayerNorm, RMSNorm, make_norm
 
 
 class Block(nn.Module):
@@ -44,18 +44,20 @@ class Block(nn.Module):
         return x if norm is None else norm(x)
 
     @staticmethod
-    def _pre(norm, x):
-        """A PreNorm, whose output only feeds projections: under autocast it comes out in the autocast dtype
-        (rounded once, in the norm's pass) rather than in x's, to be cast again by every projection reading it."""
+    def _pre(norm, x, low_precision_ok: bool = True):
+        """A PreNorm whose output only feeds projections: under autocast it comes out in the autocast dtype
+        (rounded once, in the norm's pass) rather than in x's, to be cast again by every projection reading it.
+        difftx's own norms only (a norm module swapped in by a user is called as it is)."""
         if norm is None:
             return x
-        if torch.is_autocast_enabled(x.device.type):
+        if low_precision_ok and isinstance(norm, (RMSNorm, LayerNorm)) and torch.is_autocast_enabled(x.device.type):
             return norm(x, out_dtype=torch.get_autocast_dtype(x.device.type))
         return norm(x)
 
     def forward(self, x: torch.Tensor, rope, mask, cache=None) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
-        a = self.attn(self._pre(self.attn_norm, x), rope, mask, cache)
+        a = self.attn(self._pre(self.attn_norm, x, getattr(self.attn, "low_precision_input", False)), rope, mask,
+                      cache)
         x = x + F.dropout(self._maybe(self.attn_mid_norm, a), p)
         x = self._maybe(self.attn_post_norm, x)
         f = self.ffn(self._pre(self.ffn_norm, x))
