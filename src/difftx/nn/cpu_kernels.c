@@ -932,6 +932,19 @@ void difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr
  * of 32.  Built only where the compiler targets AMX (gcc/clang -march=native on such a CPU);
  * difftx_amx() says whether it is here and the kernel may use the tiles (Linux asks the kernel
  * for the tile state once per process). */
+/* The two entry points' parameters (the same with and without AMX: without it they return 0). */
+#define DIFFTX_ATTN_FORWARD_BF16_ARGS                                                                               \
+    const uint16_t *q, const uint16_t *k, int64_t ks, int64_t kr, const uint16_t *v, int64_t vsb, int64_t vsh,      \
+        int64_t vr, uint16_t *out, float *lse, int64_t B, int64_t M, int64_t H, int64_t Hk, int64_t N, int64_t nk, \
+        int64_t d, int64_t dv, int64_t q_start, int causal, int64_t chunk, float scale, float lam,                 \
+        const float *lam_rows, int nthreads
+#define DIFFTX_ATTN_BACKWARD_BF16_ARGS                                                                              \
+    const uint16_t *q, const uint16_t *k, int64_t ks, int64_t kr, const uint16_t *v, int64_t vsb, int64_t vsh,      \
+        int64_t vr, const uint16_t *dout, const float *lse, uint16_t *dq, uint16_t *dk, uint16_t *dv_,             \
+        int64_t dvsb, int64_t dvsh, int64_t dvr, float *rs2, int64_t B, int64_t M, int64_t H, int64_t Hk,          \
+        int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal, int64_t chunk, float scale,     \
+        float lam, const float *lam_rows, int nthreads
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -1174,10 +1187,7 @@ static inline void exp_lse_row_scaled(float *e, int64_t n, float scale, float ls
 
 #define PAD32(x) (((x) + 31) / 32 * 32)
 
-int difftx_attn_forward_bf16(const uint16_t *q, const uint16_t *k, int64_t ks, int64_t kr, const uint16_t *v,
-                             int64_t vsb, int64_t vsh, int64_t vr, uint16_t *out, float *lse, int64_t B, int64_t M,
-                             int64_t H, int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start,
-                             int causal, int64_t chunk, float scale, float lam, const float *lam_rows, int nthreads) {
+int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
     if (!difftx_amx() || d % 32 || dv % 32 || chunk % 32) return 0;
     const int64_t kpad_all = PAD32(nk), rep = H / Hk, cpad = PAD32(chunk);
     const int64_t nblk = (N + chunk - 1) / chunk, tasks = B * H * nblk;
@@ -1245,12 +1255,7 @@ int difftx_attn_forward_bf16(const uint16_t *q, const uint16_t *k, int64_t ks, i
     return 1;
 }
 
-int difftx_attn_backward_bf16(const uint16_t *q, const uint16_t *k, int64_t ks, int64_t kr, const uint16_t *v,
-                              int64_t vsb, int64_t vsh, int64_t vr, const uint16_t *dout, const float *lse, uint16_t *dq,
-                              uint16_t *dk, uint16_t *dv_, int64_t dvsb, int64_t dvsh, int64_t dvr, float *rs2,
-                              int64_t B, int64_t M, int64_t H, int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv,
-                              int64_t q_start, int causal, int64_t chunk, float scale, float lam, const float *lam_rows,
-                              int nthreads) {
+int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
     if (!difftx_amx() || d % 32 || dv % 32 || chunk % 32) return 0;
     const int64_t kpad_all = PAD32(nk), rep = H / Hk, cpad = PAD32(chunk);
     const int64_t nblk = (N + chunk - 1) / chunk;
@@ -1380,18 +1385,10 @@ int difftx_attn_backward_bf16(const uint16_t *q, const uint16_t *k, int64_t ks, 
 }
 #else
 int difftx_amx(void) { return 0; }
-int difftx_attn_forward_bf16(const uint16_t *q, const uint16_t *k, int64_t ks, int64_t kr, const uint16_t *v,
-                             int64_t vsb, int64_t vsh, int64_t vr, uint16_t *out, float *lse, int64_t B, int64_t M,
-                             int64_t H, int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start,
-                             int causal, int64_t chunk, float scale, float lam, const float *lam_rows, int nthreads) {
+int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
     return 0;
 }
-int difftx_attn_backward_bf16(const uint16_t *q, const uint16_t *k, int64_t ks, int64_t kr, const uint16_t *v,
-                              int64_t vsb, int64_t vsh, int64_t vr, const uint16_t *dout, const float *lse, uint16_t *dq,
-                              uint16_t *dk, uint16_t *dv_, int64_t dvsb, int64_t dvsh, int64_t dvr, float *rs2,
-                              int64_t B, int64_t M, int64_t H, int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv,
-                              int64_t q_start, int causal, int64_t chunk, float scale, float lam, const float *lam_rows,
-                              int nthreads) {
+int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
     return 0;
 }
 #endif
