@@ -1193,6 +1193,7 @@ int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
     const int64_t nblk = (N + chunk - 1) / chunk, tasks = B * H * nblk;
     uint16_t *kt = (uint16_t *)malloc((size_t)(B * M * Hk * kpad_all * d) * 2); /* K^T per slice */
     uint16_t *vn = (uint16_t *)malloc((size_t)(B * Hk * kpad_all * dv) * 2);    /* V per (b, hk) */
+    int failed = 0;
     if (!kt || !vn) {
         free(kt);
         free(vn);
@@ -1209,8 +1210,14 @@ int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
         float *S = (float *)malloc((size_t)(M * cpad * kpad_all) * sizeof(float));
         float *O = (float *)malloc((size_t)(cpad * dv) * sizeof(float));
         uint16_t *Qb = (uint16_t *)malloc((size_t)(cpad * d) * 2), *Pb = (uint16_t *)malloc((size_t)(cpad * kpad_all) * 2);
+        const int ok = S && O && Qb && Pb;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
+            if (!ok) continue; /* every thread still reaches the loop's barrier; the caller raises MemoryError */
             const int64_t blk = nblk - 1 - t / (B * H), bh = t % (B * H), b = bh / H, h = bh % H, hk = h / rep;
             const int64_t i0 = blk * chunk, i1 = i0 + chunk < N ? i0 + chunk : N, c = i1 - i0, cp = PAD32(c);
             const int64_t ke = causal ? (q_start + i1 < nk ? q_start + i1 : nk) : nk, kp = PAD32(ke);
@@ -1252,7 +1259,7 @@ int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
     }
     free(kt);
     free(vn);
-    return 1;
+    return !failed;
 }
 
 int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
@@ -1262,6 +1269,7 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
     uint16_t *kt = (uint16_t *)malloc((size_t)(B * M * Hk * kpad_all * d) * 2); /* K^T: S = Q K^T */
     uint16_t *kn = (uint16_t *)malloc((size_t)(B * M * Hk * kpad_all * d) * 2); /* K: dQ = dS K */
     uint16_t *vt = (uint16_t *)malloc((size_t)(B * Hk * kpad_all * dv) * 2);    /* V^T: dP = dO V^T */
+    int failed = 0;
     if (!kt || !kn || !vt) {
         free(kt);
         free(kn);
@@ -1286,8 +1294,14 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
         uint16_t *Qb = (uint16_t *)malloc((size_t)(M * cpad * d) * 2), *QT = (uint16_t *)malloc((size_t)(cpad * d) * 2);
         uint16_t *dOb = (uint16_t *)malloc((size_t)(cpad * dv) * 2), *dOT = (uint16_t *)malloc((size_t)(cpad * dv) * 2);
         uint16_t *Ab = (uint16_t *)malloc((size_t)(cpad * kpa) * 2), *Bv = (uint16_t *)malloc((size_t)(cpad * kpa) * 2);
+        const int ok = S && G && acc && O && Qb && QT && dOb && dOT && Ab && Bv;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < B * Hk; t++) {
+            if (!ok) continue;
             const int64_t b = t / Hk, hk = t % Hk;
             float *dVT = acc + M * d * kpa;
             memset(acc, 0, (size_t)((M * d + dv) * kpa) * sizeof(float));
@@ -1381,7 +1395,7 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
     free(kt);
     free(kn);
     free(vt);
-    return 1;
+    return !failed;
 }
 #else
 int difftx_amx(void) { return 0; }
