@@ -319,13 +319,11 @@ class _FusedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, lam, mask: AttnMask, scale: float, chunk: int, native_chunk: int):
         q = q.contiguous()  # one pass over Q so that every block of it is a strided view
         k3 = _batched(k)  # (B*M*Hk, Nk, d)
-        # bf16 (on AMX) takes blocks of 32-row tile pairs: the chunk itself (a multiple of MIN_CHUNK unless asked)
+        # bf16 (on AMX) takes blocks of 32-row tile pairs (see fused_attention's native_chunk)
         ctx.native_attn = (native.attention_ok(q, k3, v, mask.n_k, mask.key_valid is not None)
-                           and (q.dtype == torch.float32 or chunk % 32 == 0))
+                           and (q.dtype == torch.float32 or native_chunk % 32 == 0))
         if ctx.native_attn:  # every block's products and maps in one native call; V read in place
             want = any(ctx.needs_input_grad[:4])
-            if q.dtype != torch.float32:
-                native_chunk = chunk
             lam_s, lam_rows = _lam_args(lam, q.shape)
             out, lse = native.attention_forward(q, k3, v, mask.causal, mask.q_start, native_chunk, scale, lam_s,
                                                 lam_rows, want)
@@ -485,7 +483,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
         # The float32 kernel's blocks: 3/4 as many rows, a multiple of 48 = 8 tiles of its 6-row
         # micro-kernel (64 rows end in a 4-row tile) whose maps stay further inside L2: 1 ms (2%)
         # less per DIFF layer at the small preset (docs/performance.md).
-        native_chunk = max(NATIVE_CHUNK, chunk // MIN_CHUNK * NATIVE_CHUNK)
+        # bf16 on AMX keeps the chunk itself (a multiple of MIN_CHUNK: whole 32-row tile pairs).
+        native_chunk = max(NATIVE_CHUNK, chunk // MIN_CHUNK * NATIVE_CHUNK) if q.dtype == torch.float32 else chunk
     with _no_autocast(q.device.type):
         if not needs_grad and n <= SMALL_QUERY:
             return _few_queries(q, k, v, lam, mask, scale)

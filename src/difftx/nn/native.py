@@ -153,8 +153,9 @@ def _load() -> None:
     except Exception as e:  # noqa: BLE001 -- any failure means the torch path, with the reason kept
         _STATE.update(lib=None, status=f"build failed, pure torch ({type(e).__name__}: {str(e)[:300]})")
         return
-    tiles = "bf16 attention on AMX tiles" if lib.difftx_amx() else "no AMX: bf16 attention on torch GEMMs"
-    _STATE.update(lib=lib, status=f"on ({path}; {tiles})")
+    amx_ok = bool(lib.difftx_amx())  # asks Linux for the tile state once; attention_ok reads the answer
+    tiles = "bf16 attention on AMX tiles" if amx_ok else "no AMX: bf16 attention on torch GEMMs"
+    _STATE.update(lib=lib, amx=amx_ok, status=f"on ({path}; {tiles})")
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -277,8 +278,7 @@ def swiglu_backward(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor):
 def amx() -> bool:
     """Whether the bfloat16 attention kernel runs here: built for a CPU with AMX (bf16 tiles) and allowed to
     use them (Linux grants the tile state per process; the kernel asks once)."""
-    lib = library()
-    return lib is not None and bool(lib.difftx_amx())
+    return library() is not None and _STATE.get("amx", False)
 
 
 def attention_ok(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, nk: int, padded: bool) -> bool:
