@@ -29,6 +29,7 @@ from torch import nn
 from . import backends
 from .cache import KVCache
 from .fused import rms_norm
+from .linear import Linear, project
 from .mask import AttnMask
 from .norms import RMSNorm, make_norm, upcast
 from .rope import apply_rope
@@ -149,17 +150,17 @@ class SoftmaxAttention(AttentionBase):
     def __init__(self, cfg, layer: int):
         super().__init__(cfg, layer)
         d, h, hk = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-        self.q_proj = nn.Linear(cfg.d_model, h * d, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.d_model, hk * d, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.d_model, hk * d, bias=cfg.bias)
-        self.out_proj = nn.Linear(h * d, cfg.d_model, bias=cfg.bias)
+        self.q_proj = Linear(cfg.d_model, h * d, bias=cfg.bias)
+        self.k_proj = Linear(cfg.d_model, hk * d, bias=cfg.bias)
+        self.v_proj = Linear(cfg.d_model, hk * d, bias=cfg.bias)
+        self.out_proj = Linear(h * d, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
         d = self.head_dim
-        xa = _autocast_input(x)
-        q = self._qk(_heads(self.q_proj(xa), self.n_heads, d), self.q_norm, rope)
-        k = self._qk(_heads(self.k_proj(xa), self.n_kv_heads, d), self.k_norm, rope)
-        v = _heads(self.v_proj(xa), self.n_kv_heads, d)
+        qp, kp, vp = project(_autocast_input(x), (self.q_proj, self.k_proj, self.v_proj))
+        q = self._qk(_heads(qp, self.n_heads, d), self.q_norm, rope)
+        k = self._qk(_heads(kp, self.n_kv_heads, d), self.k_norm, rope)
+        v = _heads(vp, self.n_kv_heads, d)
         if cache is not None:
             k, v = cache.update(self.layer - 1, k, v)
         return self.out_proj(_merge(self._attend(q, k, v, mask)))
@@ -181,10 +182,10 @@ class DifferentialAttention(AttentionBase):
         d, h, hk = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         self.pairing = cfg.pairing
         self.lambda_init = cfg.lambda_init_for(layer)
-        self.q_proj = nn.Linear(cfg.d_model, 2 * h * d, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.d_model, 2 * hk * d, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.d_model, 2 * hk * d, bias=cfg.bias)
-        self.out_proj = nn.Linear(2 * h * d, cfg.d_model, bias=cfg.bias)
+        self.q_proj = Linear(cfg.d_model, 2 * h * d, bias=cfg.bias)
+        self.k_proj = Linear(cfg.d_model, 2 * hk * d, bias=cfg.bias)
+        self.v_proj = Linear(cfg.d_model, 2 * hk * d, bias=cfg.bias)
+        self.out_proj = Linear(2 * h * d, cfg.d_model, bias=cfg.bias)
         std = cfg.lambda_std
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
             self.register_parameter(name, nn.Parameter(torch.zeros(d, dtype=torch.float32).normal_(0, std)))
@@ -255,12 +256,12 @@ class DifferentialAttention(AttentionBase):
         b, t, _ = x.shape
         d, h, hk = self.head_dim, self.n_heads, self.n_kv_heads
         # QK-norm and RoPE act per d-wide component head: one call covers both maps.
-        xa = _autocast_input(x)
+        qp, kp, vp = project(_autocast_input(x), (self.q_proj, self.k_proj, self.v_proj))
         # Stacked maps-first before RoPE, whose output is a new tensor: so it comes out contiguous in
         # (B, 2, h, N, d) order, which the fused kernel reads as one batch without copying Q or K.
-        q = self._qk(self._stack(_heads(self.q_proj(xa), 2 * h, d), h), self.q_norm, rope)  # (B, 2, h, N, d)
-        k = self._qk(self._stack(_heads(self.k_proj(xa), 2 * hk, d), hk), self.k_norm, rope)
-        v = self._value(self.v_proj(xa))  # (B, h_kv, N, 2d)
+        q = self._qk(self._stack(_heads(qp, 2 * h, d), h), self.q_norm, rope)  # (B, 2, h, N, d)
+        k = self._qk(self._stack(_heads(kp, 2 * hk, d), hk), self.k_norm, rope)
+        v = self._value(vp)  # (B, h_kv, N, 2d)
         kv_buffers = None
         decode_gqa = False
         decoding = cache is not None and cache.length > 0
@@ -321,19 +322,19 @@ class DiffV2Attention(AttentionBase):
     def __init__(self, cfg, layer: int):
         super().__init__(cfg, layer)
         d, h, hk = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-        self.q_proj = nn.Linear(cfg.d_model, 2 * h * d, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.d_model, hk * d, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.d_model, hk * d, bias=cfg.bias)
-        self.out_proj = nn.Linear(h * d, cfg.d_model, bias=cfg.bias)
+        self.q_proj = Linear(cfg.d_model, 2 * h * d, bias=cfg.bias)
+        self.k_proj = Linear(cfg.d_model, hk * d, bias=cfg.bias)
+        self.v_proj = Linear(cfg.d_model, hk * d, bias=cfg.bias)
+        self.out_proj = Linear(h * d, cfg.d_model, bias=cfg.bias)
         self.lambda_proj = nn.Linear(cfg.d_model, h, bias=False)
         self.last_lambda: Optional[torch.Tensor] = None
 
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
         d = self.head_dim
-        xa = _autocast_input(x)
-        q = self._qk(_heads(self.q_proj(xa), 2 * self.n_heads, d), self.q_norm, rope)
-        k = self._qk(_heads(self.k_proj(xa), self.n_kv_heads, d), self.k_norm, rope)
-        v = _heads(self.v_proj(xa), self.n_kv_heads, d)
+        qp, kp, vp = project(_autocast_input(x), (self.q_proj, self.k_proj, self.v_proj))
+        q = self._qk(_heads(qp, 2 * self.n_heads, d), self.q_norm, rope)
+        k = self._qk(_heads(kp, self.n_kv_heads, d), self.k_norm, rope)
+        v = _heads(vp, self.n_kv_heads, d)
         if cache is not None:
             k, v = cache.update(self.layer - 1, k, v)
         xf = upcast(x)

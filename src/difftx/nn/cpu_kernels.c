@@ -1101,7 +1101,8 @@ static void copy_rows_bf16(const uint16_t *src, int64_t lds, int64_t n, int64_t 
 
 /* dst (w x rows bf16) = src^T (src: n rows of w, stride lds; columns past n zero); rows a multiple of 32,
  * w of 16: rows 2i and 2i + 1 interleaved into 32-bit pairs, then 16 x 16 blocks of pairs transposed. */
-static void transpose_bf16(const uint16_t *src, int64_t lds, int64_t n, int64_t rows, int64_t w, uint16_t *dst) {
+static void transpose_bf16_ld(const uint16_t *src, int64_t lds, int64_t n, int64_t rows, int64_t w, uint16_t *dst,
+                              int64_t ldd) {
     for (int64_t i0 = 0; i0 < rows; i0 += 32)
         for (int64_t x0 = 0; x0 < w; x0 += 16) {
             vu r[16];
@@ -1112,8 +1113,12 @@ static void transpose_bf16(const uint16_t *src, int64_t lds, int64_t n, int64_t 
                 r[p] = lo | (hi << 16);
             }
             transpose16(r);
-            for (int64_t x = 0; x < 16; x++) memcpy(dst + (x0 + x) * rows + i0, &r[x], 64);
+            for (int64_t x = 0; x < 16; x++) memcpy(dst + (x0 + x) * ldd + i0, &r[x], 64);
         }
+}
+
+static void transpose_bf16(const uint16_t *src, int64_t lds, int64_t n, int64_t rows, int64_t w, uint16_t *dst) {
+    transpose_bf16_ld(src, lds, n, rows, w, dst, rows);
 }
 
 /* dst rows j < n (row stride ldd, bf16) = alpha * src^T (src: w rows of >= n floats, row stride lds). */
@@ -1130,6 +1135,37 @@ static void transpose_out(const float *src, int64_t lds, int64_t n, int64_t w, f
             }
         }
     }
+}
+
+/* dst (cols x rows bf16, contiguous) = src^T, src rows x cols (row stride lds): the weight gradient's
+ * dY^T for a GEMM that reads both operands row-major (torch's bf16 GEMM runs dY^T X at about half speed
+ * when dY^T is a transposed view, and torch's own bf16 transposing copy moves ~3 GB/s).  Needs rows a
+ * multiple of 32 and cols of 16 (returns 0 otherwise); threads take column blocks. */
+int difftx_transpose_bf16(const uint16_t *src, int64_t lds, int64_t rows, int64_t cols, uint16_t *dst, int64_t ldd,
+                          int nthreads) {
+    if (rows % 32 || cols % 16) return 0;
+    const int64_t blocks = rows / 32;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t i = 0; i < blocks; i++) transpose_bf16_ld(src + i * 32 * lds, lds, 32, 32, cols, dst + i * 32, ldd);
+    return 1;
+}
+
+/* dst (cols x rows float32, row stride ldd) = float(src^T), src rows x cols bf16 (row stride lds): a weight
+ * gradient computed transposed (X^T dY), handed back in the weight's layout and dtype in the pass that
+ * casts it.  Needs rows and cols multiples of 16 (returns 0 otherwise); threads take output row blocks. */
+int difftx_transpose_bf16_f32(const uint16_t *src, int64_t lds, int64_t rows, int64_t cols, float *dst, int64_t ldd,
+                              int nthreads) {
+    if (rows % 16 || cols % 16) return 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t x0 = 0; x0 < cols; x0 += 16) /* 16 output rows at a time, written front to back */
+        for (int64_t i0 = 0; i0 < rows; i0 += 16) {
+            vu r[16];
+            for (int64_t p = 0; p < 16; p++)
+                r[p] = __builtin_convertvector(*(const vh *)(src + (i0 + p) * lds + x0), vu) << 16;
+            transpose16(r);
+            for (int64_t x = 0; x < 16; x++) memcpy(dst + (x0 + x) * ldd + i0, &r[x], 64);
+        }
+    return 1;
 }
 
 /* dst[0:n] = bf16(a * src (+ b * src2 when src2)), zeros up to width. */
@@ -1399,6 +1435,14 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
 }
 #else
 int difftx_amx(void) { return 0; }
+int difftx_transpose_bf16(const uint16_t *src, int64_t lds, int64_t rows, int64_t cols, uint16_t *dst, int64_t ldd,
+                          int nthreads) {
+    return 0;
+}
+int difftx_transpose_bf16_f32(const uint16_t *src, int64_t lds, int64_t rows, int64_t cols, float *dst, int64_t ldd,
+                              int nthreads) {
+    return 0;
+}
 int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
     return 0;
 }

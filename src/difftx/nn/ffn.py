@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import _autocast_input
+from .linear import Linear, project
 
 
 class _NativeSwiGLU(torch.autograd.Function):
@@ -42,13 +43,14 @@ class SwiGLU(nn.Module):
 
     def __init__(self, d_model: int, ffn_dim: int, bias: bool = False):
         super().__init__()
-        self.w_gate = nn.Linear(d_model, ffn_dim, bias=bias)
-        self.w_up = nn.Linear(d_model, ffn_dim, bias=bias)
-        self.w_down = nn.Linear(ffn_dim, d_model, bias=bias)
+        self.w_gate = Linear(d_model, ffn_dim, bias=bias)
+        self.w_up = Linear(d_model, ffn_dim, bias=bias)
+        self.w_down = Linear(ffn_dim, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _autocast_input(x)  # one cast for both projections (autocast would cast x for each)
-        return self.w_down(swiglu(self.w_gate(x), self.w_up(x)))
+        # one cast for both projections (autocast would cast x for each), one autograd node (linear.project)
+        g, u = project(_autocast_input(x), (self.w_gate, self.w_up))
+        return self.w_down(swiglu(g, u))
 
 
 class MLP(nn.Module):
@@ -57,8 +59,8 @@ class MLP(nn.Module):
     def __init__(self, d_model: int, ffn_dim: int, activation: str = "gelu", bias: bool = False):
         super().__init__()
         self.activation = activation
-        self.w_up = nn.Linear(d_model, ffn_dim, bias=bias)
-        self.w_down = nn.Linear(ffn_dim, d_model, bias=bias)
+        self.w_up = Linear(d_model, ffn_dim, bias=bias)
+        self.w_down = Linear(ffn_dim, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.w_up(x)

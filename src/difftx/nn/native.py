@@ -133,6 +133,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_attn_backward_bf16.argtypes = ([p, p, i64, i64, p, i64, i64, i64, p, p, p, p, p, i64, i64, i64, p]
                                               + [i64] * 9 + [i, i64, f, f, p, i])
     lib.difftx_attn_backward_bf16.restype = i
+    lib.difftx_transpose_bf16.argtypes = [p, i64, i64, i64, p, i64, i]
+    lib.difftx_transpose_bf16.restype = i
+    lib.difftx_transpose_bf16_f32.argtypes = [p, i64, i64, i64, p, i64, i]
+    lib.difftx_transpose_bf16_f32.restype = i
 
 
 def _load() -> None:
@@ -279,6 +283,28 @@ def amx() -> bool:
     """Whether the bfloat16 attention kernel runs here: built for a CPU with AMX (bf16 tiles) and allowed to
     use them (Linux grants the tile state per process; the kernel asks once)."""
     return library() is not None and _STATE.get("amx", False)
+
+
+def transpose_bf16(x: torch.Tensor, pad: int = 0, dtype: torch.dtype = torch.bfloat16) -> Optional[torch.Tensor]:
+    """x^T as a new tensor of ``dtype`` (bfloat16, or float32: the same values), for a 2-d bfloat16 ``x`` with a
+    unit column stride, on an AMX CPU (:func:`amx`); None where the kernel does not take it.  bfloat16 output:
+    rows a multiple of 32 and columns of 16, each output row ``pad`` elements longer in memory (``pad=32``
+    keeps rows 4 KiB apart from sharing cache sets); float32: rows and columns multiples of 16, contiguous."""
+    if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or not supports(x.dtype, x.device)
+            or not amx()):
+        return None
+    rows, cols = x.shape
+    if dtype == torch.bfloat16 and not rows % 32 and not cols % 16:
+        out = torch.empty(cols, rows + pad, dtype=dtype)[:, :rows]
+        ok = library().difftx_transpose_bf16(x.data_ptr(), x.stride(0), rows, cols, out.data_ptr(), out.stride(0),
+                                             torch.get_num_threads())
+    elif dtype == torch.float32 and not rows % 16 and not cols % 16:
+        out = torch.empty(cols, rows, dtype=dtype)
+        ok = library().difftx_transpose_bf16_f32(x.data_ptr(), x.stride(0), rows, cols, out.data_ptr(), rows,
+                                                 torch.get_num_threads())
+    else:
+        return None
+    return out if ok else None
 
 
 def attention_ok(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, nk: int, padded: bool) -> bool:

@@ -1,0 +1,169 @@
+"""difftx.nn.linear: Linear / project against torch's F.linear autograd (forward, every gradient, dtypes),
+the transposing kernels against torch's transpose, and the fallbacks (hooks, frozen weights, no AMX)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from difftx.nn import linear as L
+from difftx.nn import native
+
+from .test_native import needs_amx, needs_native
+
+
+def _layers(widths, d_in, bias, seed=0):
+    torch.manual_seed(seed)
+    return [L.Linear(d_in, w, bias=bias) for w in widths]
+
+
+def _reference(x, layers, dtype, autocast):
+    """Outputs and gradients by plain F.linear + autograd (torch's own path), with the same loss."""
+    x = x.detach().clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ys = [F.linear(x, m.weight, m.bias) for m in layers]
+    loss = sum((y.float() * torch.linspace(-1, 1, y.shape[-1])).sum() for y in ys)
+    grads = torch.autograd.grad(loss, [x] + [p for m in layers for p in m.parameters()])
+    return ys, grads
+
+
+def _ours(x, layers, autocast):
+    x = x.detach().clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ys = L.project(x, layers) if len(layers) > 1 else [layers[0](x)]
+    loss = sum((y.float() * torch.linspace(-1, 1, y.shape[-1])).sum() for y in ys)
+    grads = torch.autograd.grad(loss, [x] + [p for m in layers for p in m.parameters()])
+    return ys, grads
+
+
+@pytest.mark.parametrize("widths", [[48], [48, 16, 32]])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_training_path_matches_torch(widths, bias):
+    layers = _layers(widths, 24, bias)
+    x = torch.randn(2, 7, 24)
+    assert L._training_dtype(x, layers[0].weight) == torch.float32
+    ys_ref, g_ref = _reference(x, layers, torch.float32, autocast=False)
+    ys, g = _ours(x, layers, autocast=False)
+    for a, b in zip(ys, ys_ref):
+        assert torch.equal(a, b)  # the same F.linear
+    for a, b in zip(g, g_ref):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # dx: addmm_ accumulation vs separate adds
+
+
+def _f64_grads(x, layers):
+    x = x.detach().double().requires_grad_(True)
+    ys = [F.linear(x, m.weight.double(), None if m.bias is None else m.bias.double()) for m in layers]
+    loss = sum((y * torch.linspace(-1, 1, y.shape[-1], dtype=torch.float64)).sum() for y in ys)
+    return torch.autograd.grad(loss, [x] + [p for m in layers for p in m.parameters()])
+
+
+@needs_amx
+@pytest.mark.parametrize("widths,d_in", [([96], 64), ([64], 96), ([64, 64, 128], 64), ([160, 160], 64),
+                                         ([40, 24], 56)])  # the last: shapes the kernels do not take
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_autocast_path_matches_torch(widths, d_in, bias):
+    """Under autocast: the same bf16 outputs as torch's; every gradient in its parameter's dtype and as close
+    to float64 as torch's own (the same bf16 GEMMs with fp32 accumulation, other operand layouts)."""
+    layers = _layers(widths, d_in, bias)
+    x = torch.randn(4, 64, d_in)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert L._training_dtype(x, layers[0].weight) == torch.bfloat16
+    ys_ref, g_ref = _reference(x, layers, torch.bfloat16, autocast=True)
+    ys, g = _ours(x, layers, autocast=True)
+    for a, b in zip(ys, ys_ref):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    exact = _f64_grads(x, layers)
+    for a, b, e in zip(g, g_ref, exact):
+        assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape
+        err = ((a.double() - e).norm() / e.norm()).item()
+        err_ref = ((b.double() - e).norm() / e.norm()).item()
+        assert err <= 1.25 * err_ref + 1e-4, (err, err_ref)
+
+
+@needs_amx
+def test_bf16_weights_without_autocast():
+    """A model cast to bf16 (no autocast) takes the path too; its gradients come back in bf16."""
+    layers = [m.to(torch.bfloat16) for m in _layers([64, 32], 64, False)]
+    x = torch.randn(2, 64, 64).bfloat16()
+    assert L._training_dtype(x, layers[0].weight) == torch.bfloat16
+    _, g_ref = _reference(x, layers, torch.bfloat16, autocast=False)
+    _, g = _ours(x, layers, autocast=False)
+    for a, b in zip(g, g_ref):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_inference_and_other_dtypes_are_plain_f_linear():
+    layer = _layers([8], 4, True)[0]
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        assert L._training_dtype(x, layer.weight) is None
+    assert L._training_dtype(x.double(), layer.weight.double()) is None
+    layer.weight.requires_grad_(False)
+    assert L._training_dtype(x, layer.weight) is None
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert L._training_dtype(x, _layers([8], 4, True)[0].weight) is None
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    state = layer.state_dict()
+    plain = nn.Linear(4, 8)
+    plain.load_state_dict(state)  # the same parameters and state dict as nn.Linear
+    assert torch.equal(plain(x), layer(x))
+
+
+def test_project_calls_hooked_or_wrapped_modules_one_by_one():
+    layers = _layers([8, 8], 4, False)
+    seen = []
+    layers[1].register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    x = torch.randn(2, 4, requires_grad=True)
+    ys = L.project(x, layers)
+    assert seen == [torch.Size([2, 8])]
+    assert all(torch.equal(y, F.linear(x, m.weight)) for y, m in zip(ys, layers))
+
+    class Scaled(L.Linear):  # a subclass overriding forward (a LoRA-style wrapper) is called as itself
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    torch.manual_seed(0)
+    mixed = [L.Linear(4, 8, bias=False), Scaled(4, 8, bias=False)]
+    ys = L.project(x, mixed)
+    assert torch.equal(ys[1], 2 * F.linear(x, mixed[1].weight))
+
+
+def test_project_with_a_frozen_projection():
+    layers = _layers([16, 8], 12, True)
+    layers[0].weight.requires_grad_(False)
+    layers[0].bias.requires_grad_(False)
+    x = torch.randn(5, 12, requires_grad=True)
+    ys = L.project(x, layers)
+    (ys[0].sum() + (ys[1] ** 2).sum()).backward()
+    assert layers[0].weight.grad is None and layers[0].bias.grad is None
+    xr = x.detach().clone().requires_grad_(True)
+    w1, b1 = layers[1].weight.detach().clone().requires_grad_(True), layers[1].bias.detach().clone().requires_grad_(True)
+    (F.linear(xr, layers[0].weight, layers[0].bias).sum() + (F.linear(xr, w1, b1) ** 2).sum()).backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(layers[1].weight.grad, w1.grad)
+    torch.testing.assert_close(layers[1].bias.grad, b1.grad)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows,cols,pad", [(64, 48, 0), (96, 32, 32), (2048, 512, 32)])
+def test_transpose_kernels_are_exact(rows, cols, pad):
+    x = torch.randn(rows, cols + 16).bfloat16()[:, :cols]  # rows strided: the kernel reads x.stride(0)
+    t = native.transpose_bf16(x, pad=pad)
+    assert t.shape == (cols, rows) and t.stride() == (rows + pad, 1) and torch.equal(t, x.t())
+    t32 = native.transpose_bf16(x, dtype=torch.float32)
+    assert t32.is_contiguous() and torch.equal(t32, x.t().float())
+
+
+@needs_native
+def test_transpose_kernels_decline_what_they_do_not_take():
+    x = torch.randn(48, 32).bfloat16()
+    assert native.transpose_bf16(x) is None or native.amx()
+    assert native.transpose_bf16(torch.randn(40, 32).bfloat16()) is None  # rows not a multiple of 32
+    assert native.transpose_bf16(torch.randn(64, 24).bfloat16()) is None  # columns not of 16
+    assert native.transpose_bf16(torch.randn(24, 32).bfloat16(), dtype=torch.float32) is None
+    assert native.transpose_bf16(torch.randn(64, 32)) is None  # float32 input
+    assert native.transpose_bf16(torch.randn(32, 64).bfloat16().t()) is None  # column stride not 1
