@@ -122,6 +122,12 @@ def test_project_calls_hooked_or_wrapped_modules_one_by_one():
     assert seen == [torch.Size([2, 8])]
     assert all(torch.equal(y, F.linear(x, m.weight)) for y, m in zip(ys, layers))
 
+    grads_seen = []
+    hooked = _layers([8, 8], 4, False)
+    hooked[0].register_full_backward_hook(lambda m, gi, go: grads_seen.append(go[0].shape))
+    sum(y.sum() for y in L.project(x, hooked)).backward()
+    assert grads_seen == [torch.Size([2, 8])]
+
     class Scaled(L.Linear):  # a subclass overriding forward (a LoRA-style wrapper) is called as itself
         def forward(self, x):
             return 2 * super().forward(x)

@@ -116,10 +116,15 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
 def _plain(m: nn.Module) -> bool:
-    """A difftx ``Linear`` itself (not a subclass or a wrapper) with no forward hooks that calling it would run."""
-    return (type(m) is Linear and not (m._forward_hooks or m._forward_pre_hooks)
-            and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks))
+    """A difftx ``Linear`` itself (not a subclass or a wrapper) with no hooks that calling it would run."""
+    return (type(m) is Linear
+            and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+            and not any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS))
 
 
 def project(x: torch.Tensor, modules) -> list:
