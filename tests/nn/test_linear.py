@@ -173,3 +173,37 @@ def test_transpose_kernels_decline_what_they_do_not_take():
     assert native.transpose_bf16(torch.randn(24, 32).bfloat16(), dtype=torch.float32) is None
     assert native.transpose_bf16(torch.randn(64, 32)) is None  # float32 input
     assert native.transpose_bf16(torch.randn(32, 64).bfloat16().t()) is None  # column stride not 1
+
+
+def test_torch_func_and_second_derivatives_in_float32():
+    """torch.func transforms see plain F.linear; create_graph=True differentiates through the float32 path."""
+    torch.manual_seed(0)
+    m = L.Linear(4, 3)
+    x = torch.randn(5, 4)
+    params = dict(m.named_parameters())
+    g = torch.func.grad(lambda p: torch.func.functional_call(m, p, (x,)).pow(2).sum())(params)
+    gr = torch.autograd.grad(F.linear(x, m.weight, m.bias).pow(2).sum(), [m.weight, m.bias])
+    torch.testing.assert_close(g["weight"], gr[0])
+    torch.testing.assert_close(g["bias"], gr[1])
+
+    layers = _layers([6, 5], 4, True)
+    xs = torch.randn(3, 4, requires_grad=True)
+    outs = L.project(xs, layers)
+    (gx,) = torch.autograd.grad(sum(o.pow(2).sum() for o in outs), xs, create_graph=True)
+    (ggw,) = torch.autograd.grad(gx.pow(2).sum(), layers[1].weight)
+    xr = xs.detach().clone().requires_grad_(True)
+    (gxr,) = torch.autograd.grad(sum(F.linear(xr, m.weight, m.bias).pow(2).sum() for m in layers), xr,
+                                 create_graph=True)
+    (ggwr,) = torch.autograd.grad(gxr.pow(2).sum(), layers[1].weight)
+    torch.testing.assert_close(gx, gxr)
+    torch.testing.assert_close(ggw, ggwr)
+
+
+@needs_amx
+def test_bf16_second_derivative_refused_in_one_line():
+    layers = _layers([64, 32], 64, False)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = L.project(x, layers)
+    with pytest.raises(RuntimeError, match="DIFFTX_NATIVE=0"):
+        torch.autograd.grad(sum(o.float().sum() for o in outs), x, create_graph=True)

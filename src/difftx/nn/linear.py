@@ -50,6 +50,9 @@ class _Linear(torch.autograd.Function):
         xc, *ws = ctx.saved_tensors
         x_dtype, dtypes = ctx.dtypes
         dtype, n, need = xc.dtype, len(ws), ctx.needs_input_grad
+        if torch.is_grad_enabled() and dtype == _BF16:  # create_graph=True: the kernels' outputs have no graph
+            raise RuntimeError("difftx Linear: a second derivative through its bf16 AMX backward is not "
+                               "supported; run this in float32, or set DIFFTX_NATIVE=0 for torch's own path")
         dy2s = [dy.to(dtype).reshape(-1, dy.shape[-1]) for dy in dys]
         grads: list = [None] * (2 * n)
         dx = None
@@ -82,12 +85,17 @@ def _weight_grad(native, x2: torch.Tensor, xt: Optional[torch.Tensor], dy2: torc
     return (dyt @ x2 if dyt is not None else dy2.t() @ x2).to(dtype)
 
 
+def _functorch_active() -> bool:
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active and active())
+
+
 def _training_dtype(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.dtype]:
     """The dtype of a CPU training call whose weight gradient is wanted, where :class:`_Linear` takes it:
     bfloat16 (autocast, or bfloat16 input and weight) on an AMX CPU, or float32 without autocast; else None."""
     if not (weight.requires_grad and torch.is_grad_enabled()) or x.device.type != "cpu":
         return None
-    if torch.compiler.is_compiling():  # compiled graphs see plain F.linear
+    if torch.compiler.is_compiling() or _functorch_active():  # compiled graphs and torch.func see F.linear
         return None
     if x.dtype not in _TAKEN or weight.dtype not in _TAKEN:  # autocast leaves float64 as it is
         return None
