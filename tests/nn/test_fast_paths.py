@@ -490,3 +490,66 @@ def test_models_trace_under_torch_compile(attention):
     assert torch.allclose(loss_c, loss_e, atol=1e-6)
     for a, p in zip(grads_c, model.parameters()):
         torch.testing.assert_close(a, p.grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(native.library() is None, reason="the native kernels are not built here")
+@pytest.mark.parametrize("a_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("weight", [True, False])
+@pytest.mark.parametrize("uses", ["both", "norm", "sum"])
+def test_add_rms_norm_is_bitwise_the_two_ops(a_dtype, out_dtype, weight, uses):
+    """fused.add_rms_norm against x + a and rms_norm: the same bits in every output and gradient, whichever of
+    its two outputs the loss reads."""
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(3, 300, 96, generator=g) * 2
+    a0 = torch.randn(3, 300, 96, generator=g).to(a_dtype)
+    w0 = torch.rand(96, generator=g) + 0.5 if weight else None
+    gs = (torch.randn(x0.shape, generator=g), torch.randn(x0.shape, generator=g).to(out_dtype))
+    results = []
+    for fuse in (True, False):
+        x, a = x0.clone().requires_grad_(), a0.clone().requires_grad_()
+        w = None if w0 is None else w0.clone().requires_grad_()
+        if fuse:
+            x1, h = fused.add_rms_norm(x, a, w, 1e-5, out_dtype)
+        else:
+            x1 = x + a
+            h = fused.rms_norm(x1, w, 1e-5, out_dtype=out_dtype)
+        assert h.dtype == out_dtype
+        outs = {"both": [x1, h], "norm": [h], "sum": [x1]}[uses]
+        grads = {"both": list(gs), "norm": [gs[1]], "sum": [gs[0]]}[uses]
+        torch.autograd.backward(outs, grads)
+        results.append([x1, h, x.grad, a.grad] + ([w.grad] if w is not None and uses != "sum" else []))
+    for p, q in zip(*results):
+        assert p.dtype == q.dtype and torch.equal(p, q)
+
+
+@pytest.mark.skipif(native.library() is None, reason="the native kernels are not built here")
+@pytest.mark.parametrize("attention", ["softmax", "diff"])
+def test_blocks_fused_residual_norm_changes_no_bit(attention, monkeypatch):
+    """A training step's loss and every gradient with the fused residual addition + PreNorm equal the unfused
+    ones bit for bit; a hooked FFN PreNorm is called as a module (its hook runs)."""
+    from difftx.nn.block import Block
+
+    cfg = ModelConfig(attention=attention, d_model=128, n_heads=2, n_layers=2, vocab_size=40, max_seq_len=300)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    ids = torch.randint(0, 40, (2, 300))  # 2 x 300 x 128 values: over fused.SMALL_NORM, so the kernel runs
+    calls = []
+    apply = fused._AddRMSNorm.apply
+    monkeypatch.setattr(fused._AddRMSNorm, "apply", lambda *a: calls.append(1) or apply(*a))
+    out = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(Block, "_fuse_residual_norm",
+                            (lambda self, x, p: False) if not fuse else Block.__dict__["_fuse_residual_norm"])
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, targets=ids).loss
+        loss.backward()
+        out[fuse] = [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+        assert len(calls) == 2  # one per block in the fused step (first), none in the unfused one
+    monkeypatch.undo()
+    assert all(torch.equal(p, q) for p, q in zip(out[True], out[False]))
+    seen = []
+    model.layers[0].ffn_norm.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    model(ids)
+    assert seen == [torch.float32]

@@ -18,6 +18,8 @@ from torch import nn
 
 from .attention import make_attention
 from .ffn import make_ffn
+from .fused import add_rms_norm
+from .linear import no_hooks
 from .norms import LayerNorm, RMSNorm, make_norm
 
 
@@ -54,12 +56,26 @@ class Block(nn.Module):
             return norm(x, out_dtype=torch.get_autocast_dtype(x.device.type))
         return norm(x)
 
+    def _fuse_residual_norm(self, x: torch.Tensor, p: float) -> bool:
+        """Whether x + attention and the FFN's PreNorm run as one op (fused.add_rms_norm): on the CPU, with no
+        MidNorm, PostNorm or dropout between them and the PreNorm difftx's own RMSNorm, unhooked."""
+        return (x.device.type == "cpu" and p == 0.0 and self.attn_mid_norm is None and self.attn_post_norm is None
+                and type(self.ffn_norm) is RMSNorm and no_hooks(self.ffn_norm)
+                and not torch.compiler.is_compiling())  # a compiled graph fuses the two ops itself
+
     def forward(self, x: torch.Tensor, rope, mask, cache=None) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         a = self.attn(self._pre(self.attn_norm, x, getattr(self.attn, "low_precision_input", False)), rope, mask,
                       cache)
-        x = x + F.dropout(self._maybe(self.attn_mid_norm, a), p)
-        x = self._maybe(self.attn_post_norm, x)
-        f = self.ffn(self._pre(self.ffn_norm, x))
+        if self._fuse_residual_norm(x, p):
+            # the residual addition and the FFN's PreNorm in one pass each way (bitwise the two ops)
+            autocast = torch.is_autocast_enabled(x.device.type)
+            out_dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+            x, h = add_rms_norm(x, a, self.ffn_norm.weight, self.ffn_norm.eps, out_dtype)
+        else:
+            x = x + F.dropout(self._maybe(self.attn_mid_norm, a), p)
+            x = self._maybe(self.attn_post_norm, x)
+            h = self._pre(self.ffn_norm, x)
+        f = self.ffn(h)
         x = x + F.dropout(self._maybe(self.ffn_mid_norm, f), p)
         return self._maybe(self.ffn_post_norm, x)

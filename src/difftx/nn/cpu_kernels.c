@@ -413,9 +413,54 @@ void difftx_diff_decode(const void *q, const void *k, const void *v, const uint8
 /* RMSNorm backward (see difftx_rms_norm), per row with xhat = x * rstd and g = dy * wg:
  *   dx = rstd * (g - xhat * mean(g * xhat)),   dw += xhat * dy  (summed over rows, float32)
  * dy is float32 or bfloat16 (dy_bf16); dx has x's dtype.  dw_out (dim floats) may be NULL. */
+/* x1 = x + a (float32; a float32 or bfloat16, widened) and y = rms_norm(x1) in one pass per row: a residual
+ * addition and the PreNorm after it (difftx.nn.fused.add_rms_norm).  x1 is bitwise torch's x + a. */
+void difftx_add_rms_norm(const float *x, const void *a, int a_bf16, float *x1, void *y, int y_bf16, float *rstd_out,
+                         const float *wg, float gain, float eps, int64_t rows, int64_t dim, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *e = (float *)malloc((size_t)dim * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < rows; row++) {
+            const float *xr = x + row * dim;
+            float *x1r = x1 + row * dim;
+            if (a_bf16) {
+                load_row(a, row * dim, 1, e, dim);
+                for (int64_t i = 0; i < dim; i++) x1r[i] = xr[i] + e[i];
+            } else {
+                const float *ar = (const float *)a + row * dim;
+                for (int64_t i = 0; i < dim; i++) x1r[i] = xr[i] + ar[i];
+            }
+            float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < dim; i++) ss += x1r[i] * x1r[i];
+            const float r = 1.0f / sqrtf(ss / (float)dim + eps), rg = r * gain;
+            if (rstd_out) rstd_out[row] = r;
+            float *yr = y_bf16 ? e : (float *)y + row * dim;
+            if (wg) {
+#pragma omp simd
+                for (int64_t i = 0; i < dim; i++) yr[i] = (x1r[i] * wg[i]) * r;
+            } else {
+#pragma omp simd
+                for (int64_t i = 0; i < dim; i++) yr[i] = x1r[i] * rg;
+            }
+            if (y_bf16) store_row(y, row * dim, 1, e, 1.0f, NULL, 0.0f, dim, dim);
+        }
+        free(e);
+    }
+}
+
+/* d[i] += s[i], kept out of line so the compiler cannot contract it with the product that made d: the
+ * sum is the one autograd's separate addition gives. */
+static void __attribute__((noinline)) add_row(float *d, const float *s, int64_t n) {
+    for (int64_t i = 0; i < n; i++) d[i] = d[i] + s[i];
+}
+
+/* acc (float32 rows, or NULL; x float32): a gradient reaching x by another path, added to dx (after dx is
+ * complete, as autograd adds it); dx2 (or NULL): a second copy of dx, bfloat16 when dx2_bf16. */
 void difftx_rms_norm_backward(const void *x, int x_bf16, const void *dy, int dy_bf16, const float *rstd,
                               const float *wg, float gain, void *dx, float *dw_out, int64_t rows, int64_t dim,
-                              int nthreads) {
+                              const float *acc, void *dx2, int dx2_bf16, int nthreads) {
     /* dw: one partial sum per thread (static schedule), added in thread order: deterministic. */
     float *partial = dw_out ? (float *)calloc((size_t)(nthreads * dim), sizeof(float)) : NULL;
     int used = 1;
@@ -445,7 +490,9 @@ void difftx_rms_norm_backward(const void *x, int x_bf16, const void *dy, int dy_
             float *dxr = x_bf16 ? gb : (float *)dx + row * dim; /* dx has x's dtype */
 #pragma omp simd
             for (int64_t i = 0; i < dim; i++) dxr[i] = (dyr[i] * (wg ? wg[i] : gain) + (xr[i] * r) * c) * r;
+            if (acc) add_row(dxr, acc + row * dim, dim);
             if (x_bf16) store_row(dx, row * dim, 1, gb, 1.0f, NULL, 0.0f, dim, dim);
+            if (dx2) store_row(dx2, row * dim, dx2_bf16, dxr, 1.0f, NULL, 0.0f, dim, dim);
         }
         free(buf);
     }

@@ -584,7 +584,7 @@ class _RMSNorm(torch.autograd.Function):
             if ctx.native and dy.dtype in (torch.float32, torch.bfloat16):
                 want_dw = w is not None and ctx.needs_input_grad[1]
                 wg = None if w is None else (w.to(torch.float32) * gain).contiguous()
-                dx, dw = native.rms_norm_backward(x, dy.contiguous(), rstd, wg, gain, want_dw)
+                dx, dw, _ = native.rms_norm_backward(x, dy.contiguous(), rstd, wg, gain, want_dw)
                 return dx, (dw.mul_(gain).to(w.dtype) if want_dw else None), None, None, None
             cd = rstd.dtype
             dim = x.shape[-1]
@@ -621,6 +621,52 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gain: 
 
 
 SMALL_NORM = 1 << 16
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    """(x1, y) = (x + a, RMSNorm(x + a)): a residual addition and the PreNorm that reads its sum, one native
+    pass each way.  Backward adds the gradient reaching x1 by the residual path to the norm's dx in the same
+    pass and hands ``a`` its copy already in a's dtype (autograd: a norm pass, an addition, a cast copy).
+    Every output and gradient is bitwise what autograd gives through ``x + a`` and :func:`rms_norm`."""
+
+    @staticmethod
+    def forward(ctx, x, a, w, eps: float, gain: float, out_dtype):
+        x, a = x.contiguous(), a.contiguous()
+        wg = None if w is None else (w.to(torch.float32) * gain).contiguous()
+        rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
+        x1, y = native.add_rms_norm(x, a, wg, gain, eps, out_dtype, rstd)
+        ctx.save_for_backward(x1, w, rstd)
+        ctx.gain, ctx.a_dtype = gain, a.dtype
+        return x1, y
+
+    @staticmethod
+    def backward(ctx, dx1, dy):
+        x1, w, rstd = ctx.saved_tensors
+        gain, need = ctx.gain, ctx.needs_input_grad
+        if dy is None:  # only the sum was used
+            return dx1, (None if dx1 is None else dx1.to(ctx.a_dtype)), None, None, None, None
+        with _no_autocast(dy.device.type), torch.no_grad():
+            want_dw = w is not None and need[2]
+            wg = None if w is None else (w.to(torch.float32) * gain).contiguous()
+            acc = None if dx1 is None else dx1.to(torch.float32).contiguous()
+            dx, dw, da = native.rms_norm_backward(x1, dy.contiguous(), rstd, wg, gain, want_dw, acc=acc,
+                                                  dx2_dtype=ctx.a_dtype if need[1] else None)
+        return dx, da, (dw.mul_(gain).to(w.dtype) if want_dw else None), None, None, None
+
+
+def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+                 out_dtype: torch.dtype):
+    """``(x + a, rms_norm(x + a, weight, eps, out_dtype=out_dtype))`` in one native pass each way where the
+    kernels take it (CPU, ``x`` float32, ``a`` float32/bfloat16 of x's shape, above the decoding size), else
+    those two calls."""
+    if (x.dtype == torch.float32 and a.dtype in (torch.float32, torch.bfloat16) and a.shape == x.shape
+            and out_dtype in (torch.float32, torch.bfloat16) and x.numel() > SMALL_NORM
+            and (weight is None or weight.dtype in (torch.float32, torch.bfloat16))
+            and native.supports(x.dtype, x.device)):
+        with _no_autocast(x.device.type):
+            return _AddRMSNorm.apply(x, a, weight, eps, 1.0, out_dtype)
+    x1 = x + a
+    return x1, rms_norm(x1, weight, eps, out_dtype=out_dtype)
 
 
 def _native_norm(x: torch.Tensor, w: Optional[torch.Tensor], out_dtype: torch.dtype) -> bool:

@@ -128,11 +128,16 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
                  "_global_backward_pre_hooks")
 
 
+def no_hooks(m: nn.Module) -> bool:
+    """Whether calling ``m`` would run no hooks (its own or global ones): a caller may then compute what its
+    forward computes without calling it."""
+    return (not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+            and not any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS))
+
+
 def _plain(m: nn.Module) -> bool:
     """A difftx ``Linear`` itself (not a subclass or a wrapper) with no hooks that calling it would run."""
-    return (type(m) is Linear
-            and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
-            and not any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS))
+    return type(m) is Linear and no_hooks(m)
 
 
 def project(x: torch.Tensor, modules) -> list:

@@ -111,7 +111,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_rms_norm.restype = None
     lib.difftx_diff_decode.argtypes = [p, p, p, p, p, i, i] + [i64] * 12 + [f, f, i, p, f, f, i]
     lib.difftx_diff_decode.restype = None
-    lib.difftx_rms_norm_backward.argtypes = [p, i, p, i, p, p, f, p, p, i64, i64, i]
+    lib.difftx_rms_norm_backward.argtypes = [p, i, p, i, p, p, f, p, p, i64, i64, p, p, i, i]
+    lib.difftx_add_rms_norm.argtypes = [p, p, i, p, p, i, p, p, f, f, i64, i64, i]
+    lib.difftx_add_rms_norm.restype = None
     lib.difftx_rms_norm_backward.restype = None
     lib.difftx_swiglu.argtypes = [p, p, p, i, i64, i]
     lib.difftx_swiglu.restype = None
@@ -246,19 +248,43 @@ def rms_norm(x: torch.Tensor, wg: Optional[torch.Tensor], gain: float, eps: floa
 
 
 def rms_norm_backward(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor, wg: Optional[torch.Tensor], gain: float,
-                      want_dw: bool):
+                      want_dw: bool, acc: Optional[torch.Tensor] = None, dx2_dtype: Optional[torch.dtype] = None):
     """Gradients of :func:`rms_norm`: dx (x's dtype) and, when ``want_dw``, sum over rows of xhat * dy
-    (float32; the weight's gradient before the gain).  ``dy`` float32 or bfloat16; all contiguous."""
+    (float32; the weight's gradient before the gain).  ``dy`` float32 or bfloat16; all contiguous.
+
+    ``acc`` (float32 x only): a float32 gradient reaching x by another path, added to dx as autograd would add
+    it.  ``dx2_dtype``: also return a copy of dx in that dtype (float32/bfloat16), else None.
+    """
     dim = x.shape[-1]
     rows = x.numel() // dim
     assert x.is_contiguous() and dy.is_contiguous() and rstd.is_contiguous() and dy.shape == x.shape
     assert dy.dtype in (torch.float32, torch.bfloat16) and rstd.dtype == torch.float32
+    assert acc is None or (x.dtype == acc.dtype == torch.float32 and acc.is_contiguous() and acc.shape == x.shape)
     dx = torch.empty_like(x)
     dw = torch.empty(dim, dtype=torch.float32, device=x.device) if want_dw else None
+    dx2 = torch.empty(x.shape, dtype=dx2_dtype, device=x.device) if dx2_dtype is not None else None
+    assert dx2 is None or (x.dtype == torch.float32 and dx2.dtype in (torch.float32, torch.bfloat16))
     library().difftx_rms_norm_backward(x.data_ptr(), int(x.dtype == torch.bfloat16), dy.data_ptr(),
                                        int(dy.dtype == torch.bfloat16), rstd.data_ptr(), _ptr(wg), float(gain),
-                                       dx.data_ptr(), _ptr(dw), rows, dim, torch.get_num_threads())
-    return dx, dw
+                                       dx.data_ptr(), _ptr(dw), rows, dim, _ptr(acc), _ptr(dx2),
+                                       int(dx2_dtype == torch.bfloat16), torch.get_num_threads())
+    return dx, dw, dx2
+
+
+def add_rms_norm(x: torch.Tensor, a: torch.Tensor, wg: Optional[torch.Tensor], gain: float, eps: float,
+                 out_dtype: torch.dtype, rstd: torch.Tensor):
+    """x1 = x + a and y = :func:`rms_norm` (x1) in one pass per row; returns (x1, y).  ``x`` float32, ``a``
+    float32/bfloat16, both contiguous and of one shape; ``rstd`` receives 1 / rms per row."""
+    dim = x.shape[-1]
+    rows = x.numel() // dim
+    assert x.dtype == torch.float32 and a.dtype in (torch.float32, torch.bfloat16) and a.shape == x.shape
+    assert x.is_contiguous() and a.is_contiguous() and rstd.is_contiguous() and rstd.numel() == rows
+    x1 = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    library().difftx_add_rms_norm(x.data_ptr(), a.data_ptr(), int(a.dtype == torch.bfloat16), x1.data_ptr(),
+                                  y.data_ptr(), int(out_dtype == torch.bfloat16), rstd.data_ptr(), _ptr(wg),
+                                  float(gain), float(eps), rows, dim, torch.get_num_threads())
+    return x1, y
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
