@@ -525,9 +525,11 @@ def test_add_rms_norm_is_bitwise_the_two_ops(a_dtype, out_dtype, weight, uses):
 
 @pytest.mark.skipif(native.library() is None, reason="the native kernels are not built here")
 @pytest.mark.parametrize("attention", ["softmax", "diff"])
-def test_blocks_fused_residual_norm_changes_no_bit(attention, monkeypatch):
-    """A training step's loss and every gradient with the fused residual addition + PreNorm equal the unfused
-    ones bit for bit; a hooked FFN PreNorm is called as a module (its hook runs)."""
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_blocks_fused_residual_norms_change_no_bit(attention, dtype, monkeypatch):
+    """A training step's loss and every gradient with the residual additions fused into the next norms (within a
+    block, between blocks, into the final norm) equal block-by-block autograd's bit for bit; hooks on a block
+    or a norm put the model back on the block-by-block path (the hook runs)."""
     from difftx.nn.block import Block
 
     cfg = ModelConfig(attention=attention, d_model=128, n_heads=2, n_layers=2, vocab_size=40, max_seq_len=300)
@@ -537,19 +539,28 @@ def test_blocks_fused_residual_norm_changes_no_bit(attention, monkeypatch):
     calls = []
     apply = fused._AddRMSNorm.apply
     monkeypatch.setattr(fused._AddRMSNorm, "apply", lambda *a: calls.append(1) or apply(*a))
-    out = {}
-    for fuse in (True, False):
-        monkeypatch.setattr(Block, "_fuse_residual_norm",
-                            (lambda self, x, p: False) if not fuse else Block.__dict__["_fuse_residual_norm"])
+
+    def step():
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
             loss = model(ids, targets=ids).loss
         loss.backward()
-        out[fuse] = [loss.detach()] + [p.grad.clone() for p in model.parameters()]
-        assert len(calls) == 2  # one per block in the fused step (first), none in the unfused one
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    fused_step = step()
+    assert len(calls) == 4  # block 1's FFN PreNorm, block 2's two PreNorms, the final norm
+    monkeypatch.setattr(Block, "chains", lambda self, x, first: False)
+    monkeypatch.setattr(Block, "_fuse_residual_norm", lambda self, x, p: False)
+    plain_step = step()
+    assert len(calls) == 4
+    assert all(torch.equal(p, q) for p, q in zip(fused_step, plain_step))
     monkeypatch.undo()
-    assert all(torch.equal(p, q) for p, q in zip(out[True], out[False]))
+
     seen = []
+    model.layers[1].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     model.layers[0].ffn_norm.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-    model(ids)
-    assert seen == [torch.float32]
+    calls.clear()
+    monkeypatch.setattr(fused._AddRMSNorm, "apply", lambda *a: calls.append(1) or apply(*a))
+    assert all(torch.equal(p, q) for p, q in zip(step(), plain_step))
+    norm_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32  # a PreNorm emits autocast's dtype
+    assert seen == [norm_dtype, torch.float32] and len(calls) == 1  # only block 2's FFN PreNorm fused

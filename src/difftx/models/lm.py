@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import DifftxError
-from ..nn.block import Block
+from ..nn.block import Block, run_blocks
 from ..nn.cache import KVCache
 from ..nn.loss import linear_cross_entropy
 from ..nn.mask import AttnMask
@@ -145,12 +145,9 @@ class DecoderLM(ModelMixin, nn.Module):
 
         rope = self.rope.cos_sin(position_ids, x.dtype) if self.rope is not None else None
         mask = AttnMask(causal=True, n_q=n, n_k=q_start + n, q_start=q_start, key_valid=key_valid)
-        for block in self.layers:
-            x = block(x, rope, mask, cache)
+        x = run_blocks(self.layers, x, rope, mask, cache, self.final_norm)
         if cache is not None:
             cache.advance(n, step_valid)
-        if self.final_norm is not None:
-            x = self.final_norm(x)
         return x
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -56,26 +56,76 @@ class Block(nn.Module):
             return norm(x, out_dtype=torch.get_autocast_dtype(x.device.type))
         return norm(x)
 
+    @staticmethod
+    def _fusable_norm(norm, x: torch.Tensor) -> bool:
+        """Whether a residual addition and ``norm`` after it may run as one op (fused.add_rms_norm): on the CPU,
+        the norm difftx's own RMSNorm, unhooked (a compiled graph fuses the two ops itself)."""
+        return (x.device.type == "cpu" and type(norm) is RMSNorm and no_hooks(norm)
+                and not torch.compiler.is_compiling())
+
     def _fuse_residual_norm(self, x: torch.Tensor, p: float) -> bool:
-        """Whether x + attention and the FFN's PreNorm run as one op (fused.add_rms_norm): on the CPU, with no
-        MidNorm, PostNorm or dropout between them and the PreNorm difftx's own RMSNorm, unhooked."""
-        return (x.device.type == "cpu" and p == 0.0 and self.attn_mid_norm is None and self.attn_post_norm is None
-                and type(self.ffn_norm) is RMSNorm and no_hooks(self.ffn_norm)
-                and not torch.compiler.is_compiling())  # a compiled graph fuses the two ops itself
+        """Whether x + attention and the FFN's PreNorm run as one op: nothing between them (no MidNorm, PostNorm
+        or dropout) and the PreNorm fusable."""
+        return (p == 0.0 and self.attn_mid_norm is None and self.attn_post_norm is None
+                and self._fusable_norm(self.ffn_norm, x))
+
+    def chains(self, x: torch.Tensor, first: bool) -> bool:
+        """Whether :meth:`forward_parts` can stand in for this block in a chain (``LM``'s loop): unhooked, no
+        dropout, the output x1 + f (no FFN MidNorm or PostNorm), and unless ``first`` an attention PreNorm that
+        can take the previous block's pending addition."""
+        return (no_hooks(self) and getattr(self, "_compiled_call_impl", None) is None  # Module.compile()'d: call it
+                and not torch.compiler.is_compiling() and (self.dropout == 0.0 or not self.training)
+                and self.ffn_mid_norm is None and self.ffn_post_norm is None
+                and (first or self._fusable_norm(self.attn_norm, x)))
 
     def forward(self, x: torch.Tensor, rope, mask, cache=None) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
-        a = self.attn(self._pre(self.attn_norm, x, getattr(self.attn, "low_precision_input", False)), rope, mask,
-                      cache)
-        if self._fuse_residual_norm(x, p):
-            # the residual addition and the FFN's PreNorm in one pass each way (bitwise the two ops)
-            autocast = torch.is_autocast_enabled(x.device.type)
-            out_dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
-            x, h = add_rms_norm(x, a, self.ffn_norm.weight, self.ffn_norm.eps, out_dtype)
+        x, f = self.forward_parts(x, None, rope, mask, cache)
+        x = x + F.dropout(self._maybe(self.ffn_mid_norm, f), p)
+        return self._maybe(self.ffn_post_norm, x)
+
+    def forward_parts(self, x: torch.Tensor, pending, rope, mask, cache=None):
+        """The block up to its last residual addition: (x1, f), with :meth:`forward` = x1 + f through the FFN's
+        MidNorm and dropout, then its PostNorm.  ``pending`` (or None): the previous block's f, still to be
+        added to x; it is added in the attention PreNorm's pass (fused.add_rms_norm), which needs
+        :meth:`chains`."""
+        p = self.dropout if self.training else 0.0
+        low = getattr(self.attn, "low_precision_input", False)
+        if pending is not None:  # x + pending and the attention's PreNorm in one op
+            out_dtype = _autocast_dtype(x) if low else x.dtype
+            x, h = add_rms_norm(x, pending, self.attn_norm.weight, self.attn_norm.eps, out_dtype)
+        else:
+            h = self._pre(self.attn_norm, x, low)
+        a = self.attn(h, rope, mask, cache)
+        if self._fuse_residual_norm(x, p):  # the residual addition and the FFN's PreNorm in one op
+            x, h = add_rms_norm(x, a, self.ffn_norm.weight, self.ffn_norm.eps, _autocast_dtype(x))
         else:
             x = x + F.dropout(self._maybe(self.attn_mid_norm, a), p)
             x = self._maybe(self.attn_post_norm, x)
             h = self._pre(self.ffn_norm, x)
-        f = self.ffn(h)
-        x = x + F.dropout(self._maybe(self.ffn_mid_norm, f), p)
-        return self._maybe(self.ffn_post_norm, x)
+        return x, self.ffn(h)
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a PreNorm feeding projections emits: autocast's under autocast, else x's (Block._pre)."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
+def run_blocks(blocks, x: torch.Tensor, rope, mask, cache=None, final_norm=None) -> torch.Tensor:
+    """``final_norm(block_n(...block_1(x)))`` (``final_norm`` may be None), with each residual addition between
+    two blocks done in the next attention PreNorm's pass, and the last in the final norm's, where every block
+    :meth:`Block.chains` (training-sized CPU inputs); otherwise block by block."""
+    from .fused import SMALL_NORM
+
+    if (x.numel() > SMALL_NORM and len(blocks) > 0
+            and all(isinstance(b, Block) and b.chains(x, i == 0) for i, b in enumerate(blocks))):
+        pending = None
+        for block in blocks:
+            x, pending = block.forward_parts(x, pending, rope, mask, cache)
+        if final_norm is not None and Block._fusable_norm(final_norm, x):
+            return add_rms_norm(x, pending, final_norm.weight, final_norm.eps, x.dtype)[1]
+        x = x + pending
+    else:
+        for block in blocks:
+            x = block(x, rope, mask, cache)
+    return x if final_norm is None else final_norm(x)
