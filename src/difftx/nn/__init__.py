@@ -4,6 +4,7 @@ from .attention import AttentionBase, DifferentialAttention, DiffV2Attention, So
 from .block import Block
 from .cache import KVCache
 from .ffn import MLP, SwiGLU, make_ffn
+from .linear import Linear, project
 from .mask import AttnMask
 from .norms import LayerNorm, RMSNorm, make_norm
 from .probe import AttentionProbe, attach_probe
@@ -12,5 +13,5 @@ from .rope import RotaryEmbedding, apply_rope
 __all__ = [
     "AttentionBase", "DifferentialAttention", "DiffV2Attention", "SoftmaxAttention", "make_attention",
     "Block", "KVCache", "MLP", "SwiGLU", "make_ffn", "AttnMask", "LayerNorm", "RMSNorm", "make_norm",
-    "AttentionProbe", "attach_probe", "RotaryEmbedding", "apply_rope",
+    "AttentionProbe", "attach_probe", "RotaryEmbedding", "apply_rope", "Linear", "project",
 ]
