@@ -276,6 +276,25 @@ void difftx_softmax_backward(const void *p, const void *dp, void *ds, int is_bf1
 
 /* RMSNorm over rows of `dim`: y = x * rstd * wg, rstd = 1 / sqrt(mean(x^2) + eps) (float32, also
  * written to rstd_out when given), wg the float32 weight times the gain (NULL: the scalar gain). */
+/* y row = xr / sqrt(mean(xr^2) + eps) * (wg or gain); e: dim floats of scratch for a bfloat16 y (may be xr). */
+static inline void rms_norm_row(const float *xr, void *y, int y_bf16, int64_t row, float *rstd_out, const float *wg,
+                                float gain, float eps, int64_t dim, float *e) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
+    const float r = 1.0f / sqrtf(ss / (float)dim + eps), rg = r * gain;
+    if (rstd_out) rstd_out[row] = r;
+    float *yr = y_bf16 ? e : (float *)y + row * dim;
+    if (wg) {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) yr[i] = (xr[i] * wg[i]) * r;
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) yr[i] = xr[i] * rg;
+    }
+    if (y_bf16) store_row(y, row * dim, 1, e, 1.0f, NULL, 0.0f, dim, dim);
+}
+
 void difftx_rms_norm(const void *x, int x_bf16, void *y, int y_bf16, float *rstd_out, const float *wg,
                      float gain, float eps, int64_t rows, int64_t dim, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
@@ -286,20 +305,7 @@ void difftx_rms_norm(const void *x, int x_bf16, void *y, int y_bf16, float *rstd
             /* float32 rows are read and written in place; bfloat16 ones go through e */
             const float *xr = x_bf16 ? e : (const float *)x + row * dim;
             if (x_bf16) load_row(x, row * dim, 1, e, dim);
-            float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
-            const float r = 1.0f / sqrtf(ss / (float)dim + eps), rg = r * gain;
-            if (rstd_out) rstd_out[row] = r;
-            float *yr = y_bf16 ? e : (float *)y + row * dim;
-            if (wg) {
-#pragma omp simd
-                for (int64_t i = 0; i < dim; i++) yr[i] = (xr[i] * wg[i]) * r;
-            } else {
-#pragma omp simd
-                for (int64_t i = 0; i < dim; i++) yr[i] = xr[i] * rg;
-            }
-            if (y_bf16) store_row(y, row * dim, 1, e, 1.0f, NULL, 0.0f, dim, dim);
+            rms_norm_row(xr, y, y_bf16, row, rstd_out, wg, gain, eps, dim, e);
         }
         free(e);
     }
@@ -410,9 +416,6 @@ void difftx_diff_decode(const void *q, const void *k, const void *v, const uint8
     }
 }
 
-/* RMSNorm backward (see difftx_rms_norm), per row with xhat = x * rstd and g = dy * wg:
- *   dx = rstd * (g - xhat * mean(g * xhat)),   dw += xhat * dy  (summed over rows, float32)
- * dy is float32 or bfloat16 (dy_bf16); dx has x's dtype.  dw_out (dim floats) may be NULL. */
 /* x1 = x + a (float32; a float32 or bfloat16, widened) and y = rms_norm(x1) in one pass per row: a residual
  * addition and the PreNorm after it (difftx.nn.fused.add_rms_norm).  x1 is bitwise torch's x + a. */
 void difftx_add_rms_norm(const float *x, const void *a, int a_bf16, float *x1, void *y, int y_bf16, float *rstd_out,
@@ -431,20 +434,7 @@ void difftx_add_rms_norm(const float *x, const void *a, int a_bf16, float *x1, v
                 const float *ar = (const float *)a + row * dim;
                 for (int64_t i = 0; i < dim; i++) x1r[i] = xr[i] + ar[i];
             }
-            float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < dim; i++) ss += x1r[i] * x1r[i];
-            const float r = 1.0f / sqrtf(ss / (float)dim + eps), rg = r * gain;
-            if (rstd_out) rstd_out[row] = r;
-            float *yr = y_bf16 ? e : (float *)y + row * dim;
-            if (wg) {
-#pragma omp simd
-                for (int64_t i = 0; i < dim; i++) yr[i] = (x1r[i] * wg[i]) * r;
-            } else {
-#pragma omp simd
-                for (int64_t i = 0; i < dim; i++) yr[i] = x1r[i] * rg;
-            }
-            if (y_bf16) store_row(y, row * dim, 1, e, 1.0f, NULL, 0.0f, dim, dim);
+            rms_norm_row(x1r, y, y_bf16, row, rstd_out, wg, gain, eps, dim, e);
         }
         free(e);
     }
@@ -456,7 +446,10 @@ static void __attribute__((noinline)) add_row(float *d, const float *s, int64_t 
     for (int64_t i = 0; i < n; i++) d[i] = d[i] + s[i];
 }
 
-/* acc (float32 rows, or NULL; x float32): a gradient reaching x by another path, added to dx (after dx is
+/* RMSNorm backward (see difftx_rms_norm), per row with xhat = x * rstd and g = dy * wg:
+ *   dx = rstd * (g - xhat * mean(g * xhat)),   dw += xhat * dy  (summed over rows, float32)
+ * dy is float32 or bfloat16 (dy_bf16); dx has x's dtype.  dw_out (dim floats) may be NULL.
+ * acc (float32 rows, or NULL; x float32): a gradient reaching x by another path, added to dx (after dx is
  * complete, as autograd adds it); dx2 (or NULL): a second copy of dx, bfloat16 when dx2_bf16. */
 void difftx_rms_norm_backward(const void *x, int x_bf16, const void *dy, int dy_bf16, const float *rstd,
                               const float *wg, float gain, void *dx, float *dw_out, int64_t rows, int64_t dim,
