@@ -274,8 +274,6 @@ void difftx_softmax_backward(const void *p, const void *dp, void *ds, int is_bf1
     }
 }
 
-/* RMSNorm over rows of `dim`: y = x * rstd * wg, rstd = 1 / sqrt(mean(x^2) + eps) (float32, also
- * written to rstd_out when given), wg the float32 weight times the gain (NULL: the scalar gain). */
 /* y row = xr / sqrt(mean(xr^2) + eps) * (wg or gain); e: dim floats of scratch for a bfloat16 y (may be xr). */
 static inline void rms_norm_row(const float *xr, void *y, int y_bf16, int64_t row, float *rstd_out, const float *wg,
                                 float gain, float eps, int64_t dim, float *e) {
@@ -295,6 +293,8 @@ static inline void rms_norm_row(const float *xr, void *y, int y_bf16, int64_t ro
     if (y_bf16) store_row(y, row * dim, 1, e, 1.0f, NULL, 0.0f, dim, dim);
 }
 
+/* RMSNorm over rows of `dim`: y = x * rstd * wg, rstd = 1 / sqrt(mean(x^2) + eps) (float32, also
+ * written to rstd_out when given), wg the float32 weight times the gain (NULL: the scalar gain). */
 void difftx_rms_norm(const void *x, int x_bf16, void *y, int y_bf16, float *rstd_out, const float *wg,
                      float gain, float eps, int64_t rows, int64_t dim, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
@@ -1177,10 +1177,12 @@ static void transpose_out(const float *src, int64_t lds, int64_t n, int64_t w, f
     }
 }
 
-/* dst (cols x rows bf16, contiguous) = src^T, src rows x cols (row stride lds): the weight gradient's
- * dY^T for a GEMM that reads both operands row-major (torch's bf16 GEMM runs dY^T X at about half speed
+/* dst (cols x rows bf16, row stride ldd) = src^T, src rows x cols (row stride lds): a weight gradient's
+ * operand for a GEMM that reads both operands row-major (torch's bf16 GEMM runs dY^T X at about half speed
  * when dY^T is a transposed view, and torch's own bf16 transposing copy moves ~3 GB/s).  Needs rows a
- * multiple of 32 and cols of 16 (returns 0 otherwise); threads take column blocks. */
+ * multiple of 32 and cols of 16 (returns 0 otherwise); threads take blocks of 32 source rows, each read
+ * front to back (an ldd that is not a multiple of 2 KiB keeps the 16 output rows written together from
+ * sharing cache sets). */
 int difftx_transpose_bf16(const uint16_t *src, int64_t lds, int64_t rows, int64_t cols, uint16_t *dst, int64_t ldd,
                           int nthreads) {
     if (rows % 32 || cols % 16) return 0;
