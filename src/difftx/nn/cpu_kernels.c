@@ -1181,8 +1181,8 @@ static void transpose_out(const float *src, int64_t lds, int64_t n, int64_t w, f
  * operand for a GEMM that reads both operands row-major (torch's bf16 GEMM runs dY^T X at about half speed
  * when dY^T is a transposed view, and torch's own bf16 transposing copy moves ~3 GB/s).  Needs rows a
  * multiple of 32 and cols of 16 (returns 0 otherwise); threads take blocks of 32 source rows, each read
- * front to back (an ldd that is not a multiple of 2 KiB keeps the 16 output rows written together from
- * sharing cache sets). */
+ * front to back (an ldd padded past a power of two keeps the 16 output rows written together out of one
+ * L1 cache set). */
 int difftx_transpose_bf16(const uint16_t *src, int64_t lds, int64_t rows, int64_t cols, uint16_t *dst, int64_t ldd,
                           int nthreads) {
     if (rows % 32 || cols % 16) return 0;
