@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import make_attention
+from .attention import _out_dtype, make_attention
 from .ffn import make_ffn
-from .fused import add_rms_norm
+from .fused import SMALL_NORM, add_rms_norm
 from .linear import no_hooks
 from .norms import LayerNorm, RMSNorm, make_norm
 
@@ -92,13 +92,13 @@ class Block(nn.Module):
         p = self.dropout if self.training else 0.0
         low = getattr(self.attn, "low_precision_input", False)
         if pending is not None:  # x + pending and the attention's PreNorm in one op
-            out_dtype = _autocast_dtype(x) if low else x.dtype
+            out_dtype = _out_dtype(x) if low else x.dtype
             x, h = add_rms_norm(x, pending, self.attn_norm.weight, self.attn_norm.eps, out_dtype)
         else:
             h = self._pre(self.attn_norm, x, low)
         a = self.attn(h, rope, mask, cache)
         if self._fuse_residual_norm(x, p):  # the residual addition and the FFN's PreNorm in one op
-            x, h = add_rms_norm(x, a, self.ffn_norm.weight, self.ffn_norm.eps, _autocast_dtype(x))
+            x, h = add_rms_norm(x, a, self.ffn_norm.weight, self.ffn_norm.eps, _out_dtype(x))
         else:
             x = x + F.dropout(self._maybe(self.attn_mid_norm, a), p)
             x = self._maybe(self.attn_post_norm, x)
@@ -106,17 +106,10 @@ class Block(nn.Module):
         return x, self.ffn(h)
 
 
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a PreNorm feeding projections emits: autocast's under autocast, else x's (Block._pre)."""
-    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-
-
 def run_blocks(blocks, x: torch.Tensor, rope, mask, cache=None, final_norm=None) -> torch.Tensor:
     """``final_norm(block_n(...block_1(x)))`` (``final_norm`` may be None), with each residual addition between
     two blocks done in the next attention PreNorm's pass, and the last in the final norm's, where every block
     :meth:`Block.chains` (training-sized CPU inputs); otherwise block by block."""
-    from .fused import SMALL_NORM
-
     if (x.numel() > SMALL_NORM and len(blocks) > 0
             and all(isinstance(b, Block) and b.chains(x, i == 0) for i, b in enumerate(blocks))):
         pending = None

@@ -545,6 +545,11 @@ def _few_queries(q, k, v, lam, mask: AttnMask, scale: float) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- RMSNorm
+def _gained(w: Optional[torch.Tensor], gain: float) -> Optional[torch.Tensor]:
+    """The native norm kernels' weight: float32 ``w * gain``, contiguous (None without a weight)."""
+    return None if w is None else (w.to(torch.float32) * gain).contiguous()
+
+
 class _RMSNorm(torch.autograd.Function):
     """y = x / sqrt(mean(x^2) + eps) * (w * gain) over the last dim, statistics in the compute dtype.
 
@@ -560,7 +565,7 @@ class _RMSNorm(torch.autograd.Function):
         ctx.native = _native_norm(x, w, out_dtype)
         if ctx.native:  # one pass per row instead of five over the tensor (forward and backward)
             x = x.contiguous()
-            wg = None if w is None else (w.to(torch.float32) * gain).contiguous()
+            wg = _gained(w, gain)
             rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
             y = native.rms_norm(x, wg, gain, eps, out_dtype, rstd)
             ctx.save_for_backward(x, w, rstd)
@@ -583,7 +588,7 @@ class _RMSNorm(torch.autograd.Function):
         with _no_autocast(dy.device.type), torch.no_grad():
             if ctx.native and dy.dtype in (torch.float32, torch.bfloat16):
                 want_dw = w is not None and ctx.needs_input_grad[1]
-                wg = None if w is None else (w.to(torch.float32) * gain).contiguous()
+                wg = _gained(w, gain)
                 dx, dw, _ = native.rms_norm_backward(x, dy.contiguous(), rstd, wg, gain, want_dw)
                 return dx, (dw.mul_(gain).to(w.dtype) if want_dw else None), None, None, None
             cd = rstd.dtype
@@ -632,22 +637,21 @@ class _AddRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, a, w, eps: float, gain: float, out_dtype):
         x, a = x.contiguous(), a.contiguous()
-        wg = None if w is None else (w.to(torch.float32) * gain).contiguous()
+        wg = _gained(w, gain)
         rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
         x1, y = native.add_rms_norm(x, a, wg, gain, eps, out_dtype, rstd)
-        ctx.save_for_backward(x1, w, rstd)
+        ctx.save_for_backward(x1, w, rstd, wg)
         ctx.gain, ctx.a_dtype = gain, a.dtype
         return x1, y
 
     @staticmethod
     def backward(ctx, dx1, dy):
-        x1, w, rstd = ctx.saved_tensors
+        x1, w, rstd, wg = ctx.saved_tensors
         gain, need = ctx.gain, ctx.needs_input_grad
         if dy is None:  # only the sum was used
             return dx1, (None if dx1 is None else dx1.to(ctx.a_dtype)), None, None, None, None
         with _no_autocast(dy.device.type), torch.no_grad():
             want_dw = w is not None and need[2]
-            wg = None if w is None else (w.to(torch.float32) * gain).contiguous()
             acc = None if dx1 is None else dx1.to(torch.float32).contiguous()
             dx, dw, da = native.rms_norm_backward(x1, dy.contiguous(), rstd, wg, gain, want_dw, acc=acc,
                                                   dx2_dtype=ctx.a_dtype if need[1] else None)

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
+
 _BF16 = torch.bfloat16
 _TAKEN = (torch.float32, torch.bfloat16)
 
@@ -45,8 +47,6 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *dys):
-        from . import native
-
         xc, *ws = ctx.saved_tensors
         x_dtype, dtypes = ctx.dtypes
         dtype, n, need = xc.dtype, len(ws), ctx.needs_input_grad
@@ -67,14 +67,14 @@ class _Linear(torch.autograd.Function):
             if dtype == _BF16 and x2.shape[1] < sum(dy2s[i].shape[1] for i in wanted):
                 xt = native.transpose_bf16(x2, pad=32)
             for i in wanted:
-                grads[2 * i] = _weight_grad(native, x2, xt, dy2s[i], dtypes[2 * i])
+                grads[2 * i] = _weight_grad(x2, xt, dy2s[i], dtypes[2 * i])
         for i in range(n):
             if dtypes[2 * i + 1] is not None and need[4 + 2 * i]:
                 grads[2 * i + 1] = dy2s[i].sum(0).to(dtypes[2 * i + 1])
         return (dx, None, None, *grads)
 
 
-def _weight_grad(native, x2: torch.Tensor, xt: Optional[torch.Tensor], dy2: torch.Tensor,
+def _weight_grad(x2: torch.Tensor, xt: Optional[torch.Tensor], dy2: torch.Tensor,
                  dtype: torch.dtype) -> torch.Tensor:
     """dy2^T x2 in ``dtype``: from x's transpose ``xt`` when given; else, in bfloat16, from dy2's."""
     if xt is not None:
@@ -109,8 +109,6 @@ def _training_dtype(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.dty
         return dtype
     if dtype != _BF16:
         return None
-    from . import native
-
     return dtype if native.supports(_BF16, x.device) and native.amx() else None
 
 

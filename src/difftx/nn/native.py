@@ -112,9 +112,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_diff_decode.argtypes = [p, p, p, p, p, i, i] + [i64] * 12 + [f, f, i, p, f, f, i]
     lib.difftx_diff_decode.restype = None
     lib.difftx_rms_norm_backward.argtypes = [p, i, p, i, p, p, f, p, p, i64, i64, p, p, i, i]
+    lib.difftx_rms_norm_backward.restype = None
     lib.difftx_add_rms_norm.argtypes = [p, p, i, p, p, i, p, p, f, f, i64, i64, i]
     lib.difftx_add_rms_norm.restype = None
-    lib.difftx_rms_norm_backward.restype = None
     lib.difftx_swiglu.argtypes = [p, p, p, i, i64, i]
     lib.difftx_swiglu.restype = None
     lib.difftx_swiglu_backward.argtypes = [p, p, p, p, p, i, i64, i]
