@@ -87,13 +87,15 @@ def _weight_grad(x2: torch.Tensor, xt: Optional[torch.Tensor], dy2: torch.Tensor
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b for a bfloat16 weight gradient (row-major operands, a long inner dimension).  On two or more
-    threads a product of at most 512 x 512 runs as two row halves: torch's bfloat16 GEMM (oneDNN) keeps
-    512 x 2048 x 512 on one thread (a 2-core Xeon with AMX, torch 2.13: 0.94 ms on 1 thread and on 2),
-    and each 256-row half on both (0.59-0.67 ms the pair); a training step of ``small`` on 2 threads is
-    3% faster.  The halves' float32 sums may round differently from the whole's (oneDNN blocks them
-    differently); both are the bfloat16 GEMM torch runs."""
+    threads a product whose output is at most 512 x 512 and at least 384 x 512 runs as two row halves:
+    torch's bfloat16 GEMM (oneDNN) keeps those on one thread (a 2-core Xeon with AMX, torch 2.13, 2048
+    tokens: 512 x 512 0.87 ms whole against 0.58 in halves, 512 x 384 0.66 against 0.45, 384 x 512 0.72
+    against 0.48), while smaller outputs use both threads whole and lose to the split (384 x 384 0.32
+    against 0.37, 512 x 256 0.27 against 0.32).  A training step of ``small`` on 2 threads is 3% faster.
+    The halves' float32 sums may round differently from the whole's (oneDNN blocks them differently);
+    both are the bfloat16 GEMM torch runs."""
     m, n = a.shape[0], b.shape[1]
-    if torch.get_num_threads() < 2 or m > 512 or n > 512 or m % 32:
+    if torch.get_num_threads() < 2 or m > 512 or n > 512 or m * n < 384 * 512 or m % 32:
         return a @ b
     out = torch.empty(m, n, dtype=a.dtype)
     h = m // 2
