@@ -635,27 +635,27 @@ class _AddRMSNorm(torch.autograd.Function):
     Every output and gradient is bitwise what autograd gives through ``x + a`` and :func:`rms_norm`."""
 
     @staticmethod
-    def forward(ctx, x, a, w, eps: float, gain: float, out_dtype):
+    def forward(ctx, x, a, w, eps: float, out_dtype):
         x, a = x.contiguous(), a.contiguous()
-        wg = _gained(w, gain)
+        wg = _gained(w, 1.0)
         rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
-        x1, y = native.add_rms_norm(x, a, wg, gain, eps, out_dtype, rstd)
+        x1, y = native.add_rms_norm(x, a, wg, 1.0, eps, out_dtype, rstd)
         ctx.save_for_backward(x1, w, rstd, wg)
-        ctx.gain, ctx.a_dtype = gain, a.dtype
+        ctx.a_dtype = a.dtype
         return x1, y
 
     @staticmethod
     def backward(ctx, dx1, dy):
         x1, w, rstd, wg = ctx.saved_tensors
-        gain, need = ctx.gain, ctx.needs_input_grad
+        need = ctx.needs_input_grad
         if dy is None:  # only the sum was used
-            return dx1, (None if dx1 is None else dx1.to(ctx.a_dtype)), None, None, None, None
+            return dx1, (None if dx1 is None else dx1.to(ctx.a_dtype)), None, None, None
         with _no_autocast(dy.device.type), torch.no_grad():
             want_dw = w is not None and need[2]
             acc = None if dx1 is None else dx1.to(torch.float32).contiguous()
-            dx, dw, da = native.rms_norm_backward(x1, dy.contiguous(), rstd, wg, gain, want_dw, acc=acc,
+            dx, dw, da = native.rms_norm_backward(x1, dy.contiguous(), rstd, wg, 1.0, want_dw, acc=acc,
                                                   dx2_dtype=ctx.a_dtype if need[1] else None)
-        return dx, da, (dw.mul_(gain).to(w.dtype) if want_dw else None), None, None, None
+        return dx, da, (dw.to(w.dtype) if want_dw else None), None, None
 
 
 def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
@@ -668,7 +668,7 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: Optional[torch.Tensor
             and (weight is None or weight.dtype in (torch.float32, torch.bfloat16))
             and native.supports(x.dtype, x.device)):
         with _no_autocast(x.device.type):
-            return _AddRMSNorm.apply(x, a, weight, eps, 1.0, out_dtype)
+            return _AddRMSNorm.apply(x, a, weight, eps, out_dtype)
     x1 = x + a
     return x1, rms_norm(x1, weight, eps, out_dtype=out_dtype)
 
