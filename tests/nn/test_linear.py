@@ -194,6 +194,84 @@ def test_weight_grad_product_by_row_halves_on_two_threads(m, n, split, monkeypat
         torch.set_num_threads(before)
 
 
+def _count_mm(monkeypatch, calls):
+    mm, addmm = torch.mm, torch.addmm
+
+    def counted_mm(x, y, **kw):
+        calls.append(tuple(kw["out"].shape) if "out" in kw else None)
+        return mm(x, y, **kw)
+
+    def counted_addmm(b, x, y, **kw):
+        calls.append(tuple(kw["out"].shape) if "out" in kw else None)
+        return addmm(b, x, y, **kw)
+
+    monkeypatch.setattr(torch, "mm", counted_mm)
+    monkeypatch.setattr(torch, "addmm", counted_addmm)
+
+
+@pytest.mark.parametrize("m,k,n,split", [(512, 2048, 1408, True), (512, 1024, 1408, False),
+                                         (512, 2048, 1536, False)])
+def test_weight_grad_product_by_column_halves_on_two_threads(m, k, n, split, monkeypatch):
+    """_mm: a product listed in _WGRAD_COLUMN_HALVES (and only those) runs on two threads as two column halves,
+    each exactly torch's product of its half of b; on one thread it is torch's whole product."""
+    assert ((m, k, n) in L._WGRAD_COLUMN_HALVES) == split
+    torch.manual_seed(0)
+    a = torch.randn(m, k + 32).bfloat16()[:, :k]  # the transposing kernel's padded rows, as in the step
+    b = torch.randn(k, n).bfloat16()
+    calls = []
+    _count_mm(monkeypatch, calls)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(L._mm(a, b), a @ b) and not calls
+        torch.set_num_threads(2)
+        out = L._mm(a, b)
+        h = n // 2
+        assert calls == ([(m, h), (m, n - h)] if split else [])
+        assert torch.equal(out, torch.cat([a @ b[:, :h], a @ b[:, h:]], 1) if split else a @ b)
+        exact = a.double() @ b.double()
+        assert ((out.double() - exact).norm() / exact.norm()).item() < 1e-2
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_amx
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tokens,split", [(2048, True), (1024, False)])
+def test_forward_product_by_column_halves_on_two_threads(tokens, split, bias, monkeypatch):
+    """The training forward of a 512 -> 1408 Linear under autocast: at 2048 tokens on two threads (a product in
+    _FORWARD_COLUMN_HALVES) it runs as two halves of the weight's rows, each exactly F.linear of that half, and
+    its gradients match torch's; at other token counts, and on one thread, it is F.linear itself."""
+    assert ((tokens, 512, 1408) in L._FORWARD_COLUMN_HALVES) == split
+    layer = _layers([1408], 512, bias)[0]
+    x = torch.randn(4, tokens // 4, 512)
+    w, b = layer.weight.bfloat16(), None if layer.bias is None else layer.bias.bfloat16()
+    h = 704
+    halves = torch.cat([F.linear(x.bfloat16(), w[:h], None if b is None else b[:h]),
+                        F.linear(x.bfloat16(), w[h:], None if b is None else b[h:])], -1)
+    calls = []
+    _count_mm(monkeypatch, calls)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        torch.set_num_threads(2)
+        (y,), g = _ours(x, [layer], autocast=True)
+        fwd_calls = [c for c in calls if c is not None and c[-1] in (h, 1408 - h) and c[0] == tokens]
+        assert len(fwd_calls) == (2 if split else 0)
+        assert y.dtype == torch.bfloat16 and y.shape == (4, tokens // 4, 1408)
+        assert torch.equal(y, halves if split else F.linear(x.bfloat16(), w, b))
+        _, g_ref = _reference(x, [layer], torch.bfloat16, autocast=True)
+        exact = _f64_grads(x, [layer])
+        for a, r, e in zip(g, g_ref, exact):
+            err = ((a.double() - e).norm() / e.norm()).item()
+            err_ref = ((r.double() - e).norm() / e.norm()).item()
+            assert err <= 1.25 * err_ref + 1e-4, (err, err_ref)
+    finally:
+        torch.set_num_threads(before)
+
+
 @needs_native
 def test_transpose_kernels_decline_what_they_do_not_take():
     assert native.transpose_bf16(torch.randn(48, 32).bfloat16()) is None  # rows not a multiple of 32

@@ -1,7 +1,7 @@
-"""``Linear`` and ``project``: ``torch.nn.Linear`` (same parameters, state dict and outputs) with a faster
-training backward on the CPU.
+"""``Linear`` and ``project``: ``torch.nn.Linear`` (same parameters, state dict and outputs, up to the
+summation order of the split products below) with a faster training path on the CPU.
 
-Two things torch's own backward leaves on the table there:
+Three things torch leaves on the table there:
 
 * Projections of one input (Q, K and V; SwiGLU's gate and up) each hand back their own dx, which autograd
   then sums with separate adds.  :func:`project` runs them as one autograd node that accumulates dx inside
@@ -12,6 +12,9 @@ Two things torch's own backward leaves on the table there:
   torch's own transposing copy of a bfloat16 matrix moves ~3 GB/s.  Here the native kernels transpose the
   smaller side (:func:`difftx.nn.native.transpose_bf16`): X once for all of its projections
   (dW^T = X^T dY, transposed back in the pass that casts it to the weight's dtype), or dY.
+* bfloat16 on two or more threads: oneDNN keeps some products on one thread, or splits them badly.  Those
+  measured to gain run as two halves of their output (:func:`_forward`, :func:`_mm`); each half is torch's
+  product of that half, and the whole's float32 sums can round differently from the halves'.
 
 Every product is the same GEMM in the same dtype as torch's (bfloat16 with float32 accumulation under
 autocast, float32 otherwise); weight gradients come back in the weight's dtype, as autocast's cast would
@@ -43,7 +46,7 @@ class _Linear(torch.autograd.Function):
         bs = [None if params[2 * i + 1] is None else params[2 * i + 1].to(dtype) for i in range(n)]
         ctx.save_for_backward(xc, *ws)
         ctx.dtypes = (x.dtype, [None if p is None else p.dtype for p in params])
-        return tuple(F.linear(xc, w, b) for w, b in zip(ws, bs))
+        return tuple(_forward(xc, w, b) for w, b in zip(ws, bs))
 
     @staticmethod
     def backward(ctx, *dys):
@@ -85,20 +88,56 @@ def _weight_grad(x2: torch.Tensor, xt: Optional[torch.Tensor], dy2: torch.Tensor
     return (_mm(dyt, x2) if dyt is not None else dy2.t() @ x2).to(dtype)
 
 
+# Products that torch's bfloat16 GEMM (oneDNN, torch 2.13) runs on one of two threads, or splits badly, and
+# that run faster as two column halves written into one output: (m, k, n) of a (m, k) @ (k, n).  Measured on a
+# 2-core Xeon with AMX (benchmarks/performance/gemm_split.py, whole against halves, interleaved).  oneDNN's
+# choice is not monotone in the shape (neighbouring shapes gain nothing or lose), so this is a table of
+# measured shapes, not a range: the ``small`` preset's SwiGLU products at 2048 tokens.
+_FORWARD_COLUMN_HALVES = {(2048, 512, 1408)}  # x @ W^T (W row-major): gate and up, 1.57 -> 1.30 ms
+_WGRAD_COLUMN_HALVES = {(512, 2048, 1408)}  # a row-major weight gradient: gate/up's dW^T, down's dW, 1.75 -> 1.34
+
+
+def _forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    """F.linear(x, w, b); on two or more threads a bfloat16 product listed in ``_FORWARD_COLUMN_HALVES`` runs
+    as two halves of w's rows, each writing its columns of one output."""
+    n, k = w.shape
+    m = x.numel() // k if k else 0
+    if (x.dtype != _BF16 or torch.get_num_threads() < 2 or (m, k, n) not in _FORWARD_COLUMN_HALVES
+            or not (x.is_contiguous() and w.is_contiguous())):
+        return F.linear(x, w, b)
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    x2, o2, h = x.view(m, k), out.view(m, n), n // 2
+    for lo, hi in ((0, h), (h, n)):
+        if b is None:
+            torch.mm(x2, w[lo:hi].t(), out=o2[:, lo:hi])
+        else:
+            torch.addmm(b[lo:hi], x2, w[lo:hi].t(), out=o2[:, lo:hi])
+    return out
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b for a bfloat16 weight gradient (row-major operands, a long inner dimension).  On two or more
-    threads a product whose output is at most 512 x 512 and at least 384 x 512 runs as two row halves:
-    torch's bfloat16 GEMM (oneDNN) keeps those on one thread (a 2-core Xeon with AMX, torch 2.13, 2048
-    tokens: 512 x 512 0.87 ms whole against 0.58 in halves, 512 x 384 0.66 against 0.45, 384 x 512 0.72
-    against 0.48), while smaller outputs use both threads whole and lose to the split (384 x 384 0.32
-    against 0.37, 512 x 256 0.27 against 0.32).  A training step of ``small`` on 2 threads is 3% faster.
-    The halves' float32 sums may round differently from the whole's (oneDNN blocks them differently);
-    both are the bfloat16 GEMM torch runs."""
-    m, n = a.shape[0], b.shape[1]
-    if torch.get_num_threads() < 2 or m > 512 or n > 512 or m * n < 384 * 512 or m % 32:
+    threads, where torch's bfloat16 GEMM (oneDNN) keeps the product on one thread:
+
+    * an output of at most 512 x 512 and at least 384 x 512 runs as two row halves (a 2-core Xeon with AMX,
+      torch 2.13, 2048 tokens: 512 x 512 0.87 ms whole against 0.58 in halves, 512 x 384 0.66 against 0.45,
+      384 x 512 0.72 against 0.48), while smaller outputs use both threads whole and lose to the split
+      (384 x 384 0.32 against 0.37, 512 x 256 0.27 against 0.32);
+    * a product listed in ``_WGRAD_COLUMN_HALVES`` runs as two column halves.
+
+    Each half is torch's product of that half; the whole's float32 sums may round differently (oneDNN blocks
+    them differently); both are the bfloat16 GEMM torch runs."""
+    (m, k), n = a.shape, b.shape[1]
+    if torch.get_num_threads() < 2:
         return a @ b
-    out = torch.empty(m, n, dtype=a.dtype)
-    h = m // 2
+    if (m, k, n) in _WGRAD_COLUMN_HALVES:
+        out, h = torch.empty(m, n, dtype=a.dtype), n // 2
+        torch.mm(a, b[:, :h], out=out[:, :h])
+        torch.mm(a, b[:, h:], out=out[:, h:])
+        return out
+    if m > 512 or n > 512 or m * n < 384 * 512 or m % 32:
+        return a @ b
+    out, h = torch.empty(m, n, dtype=a.dtype), m // 2
     torch.mm(a[:h], b, out=out[:h])
     torch.mm(a[h:], b, out=out[h:])
     return out
