@@ -164,37 +164,8 @@ def test_transpose_kernels_are_exact(rows, cols, pad):
     assert t32.is_contiguous() and torch.equal(t32, x.t().float())
 
 
-@pytest.mark.parametrize("m,n,split", [(512, 512, True), (384, 512, True), (512, 384, True), (384, 384, False),
-                                       (512, 256, False), (544, 512, False), (512, 544, False), (400, 512, False)])
-def test_weight_grad_product_by_row_halves_on_two_threads(m, n, split, monkeypatch):
-    """_mm (a weight gradient's GEMM): on two threads, outputs from 384 x 512 to 512 x 512 (rows a multiple of
-    32) run as two row halves, each exactly torch's product of that half; everything else, and everything on
-    one thread, is torch's whole product."""
-    torch.manual_seed(0)
-    a, b = torch.randn(m, 256).bfloat16(), torch.randn(256, n).bfloat16()
-    calls, mm = [], torch.mm
-
-    def counted(x, y, **kw):
-        calls.append(x.shape[0])
-        return mm(x, y, **kw)
-
-    monkeypatch.setattr(torch, "mm", counted)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(L._mm(a, b), a @ b) and not calls
-        torch.set_num_threads(2)
-        out = L._mm(a, b)
-        h = m // 2
-        assert calls == ([h, m - h] if split else [])
-        assert torch.equal(out, torch.cat([a[:h] @ b, a[h:] @ b]) if split else a @ b)
-        exact = a.double() @ b.double()
-        assert ((out.double() - exact).norm() / exact.norm()).item() < 1e-2
-    finally:
-        torch.set_num_threads(before)
-
-
 def _count_mm(monkeypatch, calls):
+    """Record the output shape of every torch.mm / torch.addmm called with ``out=`` (None without)."""
     mm, addmm = torch.mm, torch.addmm
 
     def counted_mm(x, y, **kw):
@@ -209,12 +180,15 @@ def _count_mm(monkeypatch, calls):
     monkeypatch.setattr(torch, "addmm", counted_addmm)
 
 
-@pytest.mark.parametrize("m,k,n,split", [(512, 2048, 1408, True), (512, 1024, 1408, False),
-                                         (512, 2048, 1536, False)])
-def test_weight_grad_product_by_column_halves_on_two_threads(m, k, n, split, monkeypatch):
-    """_mm: a product listed in _WGRAD_COLUMN_HALVES (and only those) runs on two threads as two column halves,
-    each exactly torch's product of its half of b; on one thread it is torch's whole product."""
-    assert ((m, k, n) in L._WGRAD_COLUMN_HALVES) == split
+@pytest.mark.parametrize("m,k,n,split", [
+    (512, 256, 512, "rows"), (384, 256, 512, "rows"), (512, 256, 384, "rows"), (384, 256, 384, None),
+    (512, 256, 256, None), (544, 256, 512, None), (512, 256, 544, None), (400, 256, 512, None),
+    (512, 2048, 1408, "cols"), (512, 1024, 1408, None), (512, 2048, 1536, None)])
+def test_weight_grad_product_by_halves_on_two_threads(m, k, n, split, monkeypatch):
+    """_mm (a weight gradient's GEMM) on two threads: outputs from 384 x 512 to 512 x 512 (rows a multiple of
+    32) run as two row halves, the products in _WGRAD_COLUMN_HALVES as two column halves, each half exactly
+    torch's product of that half; everything else, and everything on one thread, is torch's whole product."""
+    assert ((m, k, n) in L._WGRAD_COLUMN_HALVES) == (split == "cols")
     torch.manual_seed(0)
     a = torch.randn(m, k + 32).bfloat16()[:, :k]  # the transposing kernel's padded rows, as in the step
     b = torch.randn(k, n).bfloat16()
@@ -226,9 +200,16 @@ def test_weight_grad_product_by_column_halves_on_two_threads(m, k, n, split, mon
         assert torch.equal(L._mm(a, b), a @ b) and not calls
         torch.set_num_threads(2)
         out = L._mm(a, b)
-        h = n // 2
-        assert calls == ([(m, h), (m, n - h)] if split else [])
-        assert torch.equal(out, torch.cat([a @ b[:, :h], a @ b[:, h:]], 1) if split else a @ b)
+        if split == "rows":
+            h = m // 2
+            assert calls == [(h, n), (m - h, n)]
+            assert torch.equal(out, torch.cat([a[:h] @ b, a[h:] @ b]))
+        elif split == "cols":
+            h = n // 2
+            assert calls == [(m, h), (m, n - h)]
+            assert torch.equal(out, torch.cat([a @ b[:, :h], a @ b[:, h:]], 1))
+        else:
+            assert not calls and torch.equal(out, a @ b)
         exact = a.double() @ b.double()
         assert ((out.double() - exact).norm() / exact.norm()).item() < 1e-2
     finally:

@@ -105,7 +105,7 @@ def _forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> tor
     if (x.dtype != _BF16 or torch.get_num_threads() < 2 or (m, k, n) not in _FORWARD_COLUMN_HALVES
             or not (x.is_contiguous() and w.is_contiguous())):
         return F.linear(x, w, b)
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     x2, o2, h = x.view(m, k), out.view(m, n), n // 2
     for lo, hi in ((0, h), (h, n)):
         if b is None:
@@ -117,7 +117,7 @@ def _forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> tor
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b for a bfloat16 weight gradient (row-major operands, a long inner dimension).  On two or more
-    threads, where torch's bfloat16 GEMM (oneDNN) keeps the product on one thread:
+    threads, where torch's bfloat16 GEMM (oneDNN) keeps the product on one thread or splits it badly:
 
     * an output of at most 512 x 512 and at least 384 x 512 runs as two row halves (a 2-core Xeon with AMX,
       torch 2.13, 2048 tokens: 512 x 512 0.87 ms whole against 0.58 in halves, 512 x 384 0.66 against 0.45,
@@ -131,13 +131,13 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if torch.get_num_threads() < 2:
         return a @ b
     if (m, k, n) in _WGRAD_COLUMN_HALVES:
-        out, h = torch.empty(m, n, dtype=a.dtype), n // 2
+        out, h = torch.empty(m, n, dtype=a.dtype, device=a.device), n // 2
         torch.mm(a, b[:, :h], out=out[:, :h])
         torch.mm(a, b[:, h:], out=out[:, h:])
         return out
     if m > 512 or n > 512 or m * n < 384 * 512 or m % 32:
         return a @ b
-    out, h = torch.empty(m, n, dtype=a.dtype), m // 2
+    out, h = torch.empty(m, n, dtype=a.dtype, device=a.device), m // 2
     torch.mm(a[:h], b, out=out[:h])
     torch.mm(a[h:], b, out=out[h:])
     return out
