@@ -546,8 +546,12 @@ def _few_queries(q, k, v, lam, mask: AttnMask, scale: float) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- RMSNorm
 def _gained(w: Optional[torch.Tensor], gain: float) -> Optional[torch.Tensor]:
-    """The native norm kernels' weight: float32 ``w * gain``, contiguous (None without a weight)."""
-    return None if w is None else (w.to(torch.float32) * gain).contiguous()
+    """The native norm kernels' weight: float32 ``w * gain``, contiguous (None without a weight; a float32
+    contiguous ``w`` itself when the gain is 1, as the residual-adding norm's always is)."""
+    if w is None:
+        return None
+    w32 = w.to(torch.float32)
+    return (w32 if gain == 1.0 else w32 * gain).contiguous()
 
 
 class _RMSNorm(torch.autograd.Function):
