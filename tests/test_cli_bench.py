@@ -216,3 +216,24 @@ def test_matmul_peak_size_stops_growing_when_a_matmul_gets_slow():
     fast = 1e-4  # fits: it grows to n
     assert matmul_peak(torch.float32, torch.device("cpu"), n=1024, repeats=2, timer=clock(fast)) \
         == pytest.approx(2 * 1024 ** 3 / fast)
+
+
+def test_matmul_peak_is_the_fastest_size_not_the_largest():
+    """Every size is timed and the best rate counts: a (fake) clock on which 512^3 is the fastest size."""
+    import torch
+
+    from difftx.benchmarking.speed import matmul_peak
+
+    seconds = {256: [2e-3, 1e-3], 512: [3e-3, 1e-3], 1024: [1e-2, 2e-2]}  # per size, its two timed matmuls
+    spans = [s for size in (256, 512, 1024) for s in seconds[size]]
+    t, calls = [0.0], [0]
+
+    def clock():  # readings come in (start, end) pairs, one pair per timed matmul
+        if calls[0] % 2:
+            t[0] += spans[calls[0] // 2]
+        calls[0] += 1
+        return t[0]
+
+    peak = matmul_peak(torch.float32, torch.device("cpu"), n=1024, repeats=2, timer=clock)
+    assert calls[0] == 2 * len(spans)  # every size timed, repeats times each
+    assert peak == pytest.approx(2 * 512 ** 3 / 1e-3)  # 512's best; 1024's best is 2 * 1024^3 / 1e-2, lower
