@@ -260,7 +260,7 @@ def matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048, repeats
     Every size is timed (its best of ``repeats``, after one untimed call) and the fastest size counts: which
     size that is depends on the machine and the thread count.  Measured on a 2-core Xeon with AMX in bf16: on
     one thread 1024^3 ran at 1.38-1.46 TFLOP/s against 1.22-1.27 for 2048^3, on two threads 2048^3 at
-    2.25-2.47 against 1.50 for 1024^3 (oneDNN ran that one on one thread).  A peak read at one size only
+    2.25-2.47 against 1.50 for 1024^3 (about its one-thread rate).  A peak read at one size only
     would flatter the share of a step run on one thread by 10-15%.
 
     The size doubles only while one matmul of the next size is expected to take under PEAK_BUDGET_S: on
