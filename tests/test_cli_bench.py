@@ -211,10 +211,10 @@ def test_matmul_peak_size_stops_growing_when_a_matmul_gets_slow():
 
     slow = 1.0  # every matmul "takes" 1 s: 8 s > the budget, so the 256 matmul is the measure
     assert 8 * slow > PEAK_BUDGET_S
-    assert matmul_peak(torch.float32, torch.device("cpu"), n=1024, repeats=2, timer=clock(slow)) \
+    assert matmul_peak(torch.float32, torch.device("cpu"), n=1024, repeats=2, timer=clock(slow), workers=1) \
         == pytest.approx(2 * 256 ** 3 / slow)
     fast = 1e-4  # fits: it grows to n
-    assert matmul_peak(torch.float32, torch.device("cpu"), n=1024, repeats=2, timer=clock(fast)) \
+    assert matmul_peak(torch.float32, torch.device("cpu"), n=1024, repeats=2, timer=clock(fast), workers=1) \
         == pytest.approx(2 * 1024 ** 3 / fast)
 
 
@@ -234,6 +234,74 @@ def test_matmul_peak_is_the_fastest_size_not_the_largest():
         calls[0] += 1
         return t[0]
 
-    peak = matmul_peak(torch.float32, torch.device("cpu"), n=1024, repeats=2, timer=clock)
+    peak = matmul_peak(torch.float32, torch.device("cpu"), n=1024, repeats=2, timer=clock, workers=1)
     assert calls[0] == 2 * len(spans)  # every size timed, repeats times each
     assert peak == pytest.approx(2 * 512 ** 3 / 1e-3)  # 512's best; 1024's best is 2 * 1024^3 / 1e-2, lower
+
+
+def test_matmul_peak_counts_one_thread_matmuls_run_at_once(monkeypatch):
+    """With workers > 1 every size reached is also timed as that many one-thread matmuls at once, and the
+    better rate counts (the concurrent timing faked here; the single matmuls on a fake clock)."""
+    import torch
+
+    from difftx.benchmarking import speed
+
+    sizes = []
+
+    def concurrent(dtype, size, workers, repeats, timer):
+        sizes.append(size)
+        return 1e-3 if size == 512 else 1.0  # per matmul: 512 at once is the best rate
+
+    monkeypatch.setattr(speed, "_concurrent_matmul_time", concurrent)
+    step = 1e-2  # every single matmul "takes" 10 ms: it grows to n (8 x 10 ms fits the budget)
+    t = [0.0]
+
+    def clock():  # step seconds between two readings
+        t[0] += step
+        return t[0]
+
+    peak = speed.matmul_peak(torch.float32, torch.device("cpu"), n=1024, repeats=2, timer=clock, workers=3)
+    assert sizes == [256, 512, 1024]
+    assert peak == pytest.approx(3 * 2 * 512 ** 3 / 1e-3)
+    sizes.clear()
+    slow = speed.matmul_peak(torch.float32, torch.device("cpu"), n=1024, repeats=2, timer=clock, workers=1)
+    assert sizes == [] and slow == pytest.approx(2 * 1024 ** 3 / step)  # one worker: single matmuls only
+
+
+def test_concurrent_matmul_time_rounds_and_threads():
+    """Each timed round spans releasing the workers to the last one done, over its matmuls per round; torch's
+    thread count is 1 inside the workers and restored after (a fake clock: 1 s between readings)."""
+    import threading
+
+    import torch
+
+    from difftx.benchmarking.speed import _concurrent_matmul_time
+
+    seen, lock = set(), threading.Lock()
+    real_mm = torch.Tensor.__matmul__
+
+    def spy(a, b):
+        with lock:
+            seen.add((threading.get_ident(), torch.get_num_threads()))
+        return real_mm(a, b)
+
+    t, calls = [0.0], [0]
+
+    def clock():
+        calls[0] += 1
+        t[0] += 1.0
+        return t[0]
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.Tensor, "__matmul__", spy)
+            best = _concurrent_matmul_time(torch.float32, 1024, 2, 3, clock)
+        assert torch.get_num_threads() == 2  # restored
+    finally:
+        torch.set_num_threads(before)
+    assert calls[0] == 2 * 3  # one untimed round, then 3 timed ones, two readings each
+    assert best == pytest.approx(1.0 / 2)  # 1 s a round, 2 matmuls of 1024^3 per round (2^31 / 1024^3)
+    main = threading.get_ident()
+    assert len(seen) == 2 and all(tid != main and n == 1 for tid, n in seen)  # two workers, one thread each
