@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 
 import pytest
 
@@ -248,7 +249,7 @@ def test_matmul_peak_counts_one_thread_matmuls_run_at_once(monkeypatch):
 
     sizes = []
 
-    def concurrent(dtype, size, workers, repeats, timer):
+    def concurrent(dtype, size, workers, repeats, timer, per_round):
         sizes.append(size)
         return 1e-3 if size == 512 else 1.0  # per matmul: 512 at once is the best rate
 
@@ -297,11 +298,28 @@ def test_concurrent_matmul_time_rounds_and_threads():
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(torch.Tensor, "__matmul__", spy)
-            best = _concurrent_matmul_time(torch.float32, 1024, 2, 3, clock)
+            best = _concurrent_matmul_time(torch.float32, 1024, 2, 3, clock, per_round=2)
         assert torch.get_num_threads() == 2  # restored
     finally:
         torch.set_num_threads(before)
     assert calls[0] == 2 * 3  # one untimed round, then 3 timed ones, two readings each
-    assert best == pytest.approx(1.0 / 2)  # 1 s a round, 2 matmuls of 1024^3 per round (2^31 / 1024^3)
+    assert best == pytest.approx(1.0 / 2)  # 1 s a round, 2 matmuls per round
     main = threading.get_ident()
     assert len(seen) == 2 and all(tid != main and n == 1 for tid, n in seen)  # two workers, one thread each
+
+
+def test_concurrent_matmul_time_hands_a_workers_error_back(monkeypatch):
+    """A matmul that fails in a worker breaks the barriers: the error comes back to the caller (no hang) and
+    torch's thread count is restored."""
+    import torch
+
+    from difftx.benchmarking.speed import _concurrent_matmul_time
+
+    def fail(a, b):
+        raise RuntimeError("no matmul here")
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(torch.Tensor, "__matmul__", fail)
+    with pytest.raises(RuntimeError, match="no matmul here"):
+        _concurrent_matmul_time(torch.float32, 256, 2, 2, time.perf_counter)
+    assert torch.get_num_threads() == before

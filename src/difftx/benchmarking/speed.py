@@ -266,7 +266,7 @@ def matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048, repeats
     On a CPU with ``workers`` > 1 (default: torch's thread count), every size is also timed as ``workers``
     one-thread matmuls at once (:func:`_concurrent_matmul_time`), and the better rate counts: on that Xeon
     two one-thread 1024^3 products at once ran at 2.87 TFLOP/s, where torch's one two-thread product
-    reached 2.1-2.5.  The cores' peak is what a step is compared with, not one GEMM's threading.
+    reached 2.1-2.7.  The cores' peak is what a step is compared with, not one GEMM's threading.
 
     The size doubles only while one matmul of the next size is expected to take under PEAK_BUDGET_S: on
     hardware without bf16 matmul units (:func:`difftx.runtime.native_bf16_matmul`) a bf16 2048^3 matmul
@@ -275,7 +275,7 @@ def matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048, repeats
     timer = timer or _timer("wall", device)
     if workers is None:
         workers = torch.get_num_threads() if device.type == "cpu" else 1
-    size, rate = 256, 0.0
+    size, rate, seconds = 256, 0.0, {}
     while True:
         a = torch.randn(size, size, device=device).to(dtype)
         b = torch.randn(size, size, device=device).to(dtype)
@@ -285,40 +285,51 @@ def matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048, repeats
             t0 = timer()
             a @ b
             best = min(best, timer() - t0)
-        rate = max(rate, 2 * size ** 3 / max(best, 1e-9))
+        rate, seconds[size] = max(rate, 2 * size ** 3 / max(best, 1e-9)), best
         if size >= n or 8 * best > PEAK_BUDGET_S:  # one matmul of the next size: 8x the work
             break
         size *= 2
     if workers > 1:
-        for s in range(8, size.bit_length()):  # 256 .. the size reached above
-            each = _concurrent_matmul_time(dtype, 1 << s, workers, repeats, timer)
-            rate = max(rate, workers * 2 * (1 << s) ** 3 / max(each, 1e-9))
+        for size, best in seconds.items():
+            if 8 * best > PEAK_BUDGET_S:  # a slow size (the last one reached): k one-thread ones take ~k x as long
+                continue
+            per_round = max(1, min(1000, int(0.005 / max(best, 1e-9))))  # rounds of >= ~5 ms
+            each = _concurrent_matmul_time(dtype, size, workers, repeats, timer, per_round)
+            rate = max(rate, workers * 2 * size ** 3 / max(each, 1e-9))
     return rate
 
 
 def _concurrent_matmul_time(dtype: torch.dtype, size: int, workers: int, repeats: int,
-                            timer: Callable[[], float]) -> float:
+                            timer: Callable[[], float], per_round: int = 1) -> float:
     """Best time per matmul of ``workers`` size^3 CPU matmuls run at once, each on its own Python thread with
     torch on one intra-op thread (torch's thread count is set to 1 for the measurement and restored after).
 
     A timed round starts before the workers are released and ends when the last one is done, so waking the
-    threads counts against the rate; each round runs enough matmuls (2^31 / size^3, at least one) for that
-    to be small."""
+    threads counts against the rate; each worker runs ``per_round`` matmuls a round, for that to be small.
+    An error in a worker breaks the barriers and is raised here."""
     import threading
 
     threads_before = torch.get_num_threads()
-    go, done = threading.Barrier(workers + 1), threading.Barrier(workers + 1)
+    # a round takes well under a second (sizes whose one matmul fits the budget): 60 s means a stuck thread
+    go, done = threading.Barrier(workers + 1, timeout=60), threading.Barrier(workers + 1, timeout=60)
     rounds = max(1, repeats) + 1  # the first round is untimed
-    per_round = max(1, (1 << 31) // size ** 3)
+    errors: list = []
 
     def work() -> None:
-        a = torch.randn(size, size).to(dtype)
-        b = torch.randn(size, size).to(dtype)
-        for _ in range(rounds):
-            go.wait()
-            for _ in range(per_round):
-                a @ b
-            done.wait()
+        try:
+            a = torch.randn(size, size).to(dtype)
+            b = torch.randn(size, size).to(dtype)
+            for _ in range(rounds):
+                go.wait()
+                for _ in range(per_round):
+                    a @ b
+                done.wait()
+        except threading.BrokenBarrierError:
+            pass
+        except BaseException as e:  # handed to the caller
+            errors.append(e)
+            go.abort()
+            done.abort()
 
     torch.set_num_threads(1)
     pool = [threading.Thread(target=work, daemon=True) for _ in range(workers)]
@@ -332,7 +343,13 @@ def _concurrent_matmul_time(dtype: torch.dtype, size: int, workers: int, repeats
             done.wait()
             if r:
                 best = min(best, (timer() - t0) / per_round)
+    except threading.BrokenBarrierError:
+        if errors:
+            raise errors[0] from None
+        raise
     finally:
+        go.abort()  # releases the workers if the caller stopped early (an interrupt)
+        done.abort()
         for t in pool:
             t.join()
         torch.set_num_threads(threads_before)
