@@ -323,3 +323,25 @@ def test_concurrent_matmul_time_hands_a_workers_error_back(monkeypatch):
     with pytest.raises(RuntimeError, match="no matmul here"):
         _concurrent_matmul_time(torch.float32, 256, 2, 2, time.perf_counter)
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("timer, threads, workers", [("wall", 2, 2), ("cpu", 2, 1), ("wall", 1, 1)])
+def test_bench_counts_concurrent_matmuls_only_on_a_wall_clock(tmp_path, monkeypatch, timer, threads, workers):
+    """The bench asks for the cores' peak (one-thread matmuls at once) only where it can time it: a wall
+    clock on a CPU with more than one thread (a process CPU clock reads multi-thread spans short)."""
+    from difftx.benchmarking import speed
+    from difftx.cli import main
+
+    import torch
+
+    asked = []
+    monkeypatch.setattr(speed, "matmul_peak", lambda *a, **k: asked.append(k.get("workers", 1)) or 1e9)
+    before = torch.get_num_threads()
+    try:
+        assert main(["bench", "--out", str(tmp_path), "--quick", "--arms", "transformer", "--no-peers", "--phases",
+                     "train", "--no-memory", "--dtypes", "fp32", "--timer", timer, "--threads", str(threads)]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert asked and set(asked) == {workers}
+    header = (tmp_path / "bench.md").read_text()
+    assert ("one-thread ones at once" in header) == (workers > 1)

@@ -32,7 +32,8 @@ def markdown(results: dict) -> str:
         lines += [f"## {dt}" + (" (autocast)" if dt == "bf16" else ""),
                   "", f"Matmul peak measured in this run: {peak / 1e9:.1f} GFLOP/s (best; square sizes up to 2048"
                   + (f", one {env['threads']}-thread matmul or {env['threads']} one-thread ones at once"
-                     if env.get("threads", 1) > 1 and str(env.get("device", "cpu")).startswith("cpu") else "") + ")"
+                     if env.get("threads", 1) > 1 and str(env.get("device", "cpu")).startswith("cpu")
+                     and bc.get("timer") == "wall" else "") + ")"
                   + _repeat_peaks(results, dt) + "."
                   + (" This device has no bf16 matmul hardware: torch's fallback kernels differ by op, so the "
                      "share of this peak means little." if slow else ""), "",

@@ -253,7 +253,7 @@ PEAK_BUDGET_S = 0.5  # the peak's matmul size grows (x2) only while one matmul o
 
 
 def matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048, repeats: int = 5,
-                timer: Optional[Callable[[], float]] = None, workers: Optional[int] = None) -> float:
+                timer: Optional[Callable[[], float]] = None, workers: int = 1) -> float:
     """Best FLOP/s over square matmuls of 256, 512, ... up to n x n x n in ``dtype`` (the machine's practical
     matmul peak).
 
@@ -263,18 +263,20 @@ def matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048, repeats
     2.25-2.47 against 1.50 for 1024^3 (about its one-thread rate).  A peak read at one size only
     would flatter the share of a step run on one thread by 10-15%.
 
-    On a CPU with ``workers`` > 1 (default: torch's thread count), every size is also timed as ``workers``
-    one-thread matmuls at once (:func:`_concurrent_matmul_time`), and the better rate counts: on that Xeon
-    two one-thread 1024^3 products at once ran at 2.87 TFLOP/s, where torch's one two-thread product
-    reached 2.1-2.7.  The cores' peak is what a step is compared with, not one GEMM's threading.
+    With ``workers`` > 1 (a CPU; ``difftx bench`` passes its thread count when it times wall clock), every
+    size is also timed as ``workers`` one-thread matmuls at once (:func:`_concurrent_matmul_time`), and the
+    better rate counts: on that Xeon two one-thread 1024^3 products at once ran at 2.87 TFLOP/s, where
+    torch's one two-thread product reached 2.1-2.7.  The cores' peak is what a step is compared with, not
+    one GEMM's threading.  Only with a wall clock: Linux's process CPU clock counts another running
+    thread's time only at its scheduler ticks, so CPU-time readings of millisecond spans on several
+    threads come out short (two one-thread 1024^3 products read 1.85 TFLOP/s per CPU-second, more than
+    one core does).
 
     The size doubles only while one matmul of the next size is expected to take under PEAK_BUDGET_S: on
     hardware without bf16 matmul units (:func:`difftx.runtime.native_bf16_matmul`) a bf16 2048^3 matmul
     takes ~15 s instead of ~0.03, and the peak is then read at 512 and below.
     """
     timer = timer or _timer("wall", device)
-    if workers is None:
-        workers = torch.get_num_threads() if device.type == "cpu" else 1
     size, rate, seconds = 256, 0.0, {}
     while True:
         a = torch.randn(size, size, device=device).to(dtype)
@@ -420,7 +422,9 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
     log(f"difftx bench: {len(arms)} arms ({', '.join(a.name for a in arms)}), preset {bc.preset}, "
         f"batch {b} x {n} tokens, {bc.repeats} interleaved repeats, {torch.get_num_threads()} threads")
 
-    peaks = {dt: matmul_peak(DTYPES[dt], device, timer=timer) for dt in bc.dtypes}
+    # the cores' peak: k one-thread matmuls at once count too, where they can be timed (wall clock, a CPU)
+    workers = torch.get_num_threads() if device.type == "cpu" and bc.timer == "wall" else 1
+    peaks = {dt: matmul_peak(DTYPES[dt], device, timer=timer, workers=workers) for dt in bc.dtypes}
 
     results: dict = {"arms": {}, "matmul_peak_flops": peaks}
     for arm in arms:
@@ -434,7 +438,8 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
             log(f"  [{dt}] train ...")
             round_peaks: list = []  # the matmul peak again before every repeat: the share is paired with it
             times = _interleaved(arms, bc.repeats, bc.warmup, lambda a: _train_step(a, x, y, dt, device), timer,
-                                 lambda: round_peaks.append(matmul_peak(DTYPES[dt], device, repeats=2, timer=timer)))
+                                 lambda: round_peaks.append(matmul_peak(DTYPES[dt], device, repeats=2, timer=timer,
+                                                                       workers=workers)))
             results.setdefault("matmul_peak_by_repeat", {})[dt] = round_peaks
             for arm in arms:
                 fpt = flops_per_token(arm.cfg, n, causal=True, training=True)
@@ -468,7 +473,7 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
                 rows[arm.name]["decode"]["kv_bytes_per_token_accounting"] = kv_cache_bytes_per_token(
                     arm.cfg, 2 if dt == "bf16" else 4)
     for dt in bc.dtypes:  # the peak again at the end (the best of all): load on a shared machine drifts
-        peaks[dt] = max([peaks[dt], matmul_peak(DTYPES[dt], device, timer=timer)]
+        peaks[dt] = max([peaks[dt], matmul_peak(DTYPES[dt], device, timer=timer, workers=workers)]
                         + results.get("matmul_peak_by_repeat", {}).get(dt, []))
         log(f"  matmul peak {dt}: {peaks[dt] / 1e9:.1f} GFLOP/s")
         for arm in arms:
