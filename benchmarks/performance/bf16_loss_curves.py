@@ -2,7 +2,13 @@
 
     python benchmarks/performance/bf16_loss_curves.py --data input.txt [--preset tiny] [--attention diff]
         [--steps 500] [--seeds 0,1,2] [--batch-size 8] [--seq-len 256] [--lr 1e-3] [--out FILE.json]
+        [--dtypes fp32,bf16] [--native off]
     python benchmarks/performance/bf16_loss_curves.py --merge A.json B.json   # the runs of several --out files together
+    python benchmarks/performance/bf16_loss_curves.py --merge A.json:fp32 B.json:bf16   # A's fp32 runs, B's bf16 runs
+
+``--native off`` trains on the pure-torch path (no difftx native kernels): with ``--dtypes bf16`` and a
+merge against an earlier run's fp32 runs it tells whether a bf16 - fp32 gap is torch's bf16 autocast
+itself or difftx's kernels.
 
 A short, self-contained loop (byte tokens, AdamW, cosine schedule with warmup, the same data
 order for both dtypes at a seed) so the claim can be checked before the full trainer exists.
@@ -70,16 +76,32 @@ def main():
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int)
+    p.add_argument("--dtypes", default="fp32,bf16", help="which of fp32, bf16 to train (default both)")
+    p.add_argument("--native", default="on", choices=["on", "off"],
+                   help="off: difftx's native CPU kernels disabled (the pure-torch path)")
     p.add_argument("--out")
     p.add_argument("--merge", nargs="+", metavar="JSON",
-                   help="train nothing: report the runs of these --out files together (same settings, other seeds)")
+                   help="train nothing: report the runs of these --out files together (same settings, other "
+                        "seeds); FILE:fp32 or FILE:bf16 takes only that dtype's runs of FILE")
     args = p.parse_args()
     if args.merge:
-        docs = [json.loads(Path(f).read_text()) for f in args.merge]
+        runs, docs = [], []
+        for spec in args.merge:
+            name, _, only = spec.rpartition(":") if spec.endswith((":fp32", ":bf16")) else (spec, "", "")
+            docs.append(json.loads(Path(name).read_text()))
+            runs += [dict(r, native=docs[-1]["args"].get("native", "on")) for r in docs[-1]["runs"]
+                     if not only or r["dtype"] == only]
         a = docs[0]["args"]
+        paths = sorted({f"{r['dtype']} {'native kernels' if r['native'] == 'on' else 'pure torch'}" for r in runs})
         report(f"{a['preset']} {a['attention']}, {a['steps']} steps, batch {a['batch_size']} x {a['seq_len']} "
-               f"({len(docs)} files merged)", [r for d in docs for r in d["runs"]])
+               f"({len(docs)} file{'s' * (len(docs) > 1)} merged; {', '.join(paths)})", runs)
         return
+    dtypes = args.dtypes.split(",")
+    if not dtypes or any(d not in ("fp32", "bf16") for d in dtypes):
+        sys.exit(f"bf16_loss_curves.py: error: --dtypes {args.dtypes}: choose from fp32, bf16 (comma-separated)")
+    if args.native == "off":
+        from difftx.nn import native
+        native.ENABLED = False
     if args.threads:
         torch.set_num_threads(args.threads)
     path = Path(args.data)
@@ -88,13 +110,13 @@ def main():
     data = torch.tensor(list(path.read_bytes()), dtype=torch.long)
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:
-        for dtype in ("fp32", "bf16"):  # interleaved so drifting machine load hits both alike
+        for dtype in [d for d in ("fp32", "bf16") if d in dtypes]:  # interleaved: drifting load hits both alike
             runs.append(train(args, data, seed, dtype))
             r = runs[-1]
             print(f"seed {seed} {dtype}: final loss {r['final_loss']:.4f}, {r['tokens_per_s']:.0f} tok/s",
                   file=sys.stderr)
     title = (f"{args.preset} {args.attention}, {args.steps} steps, batch {args.batch_size} x {args.seq_len}")
-    summary = report(title, runs)
+    summary = report(title, runs) if len(dtypes) == 2 else None
     if args.out:
         Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "args": vars(args),
                                               "summary": summary, "runs": runs}, indent=2))
@@ -110,8 +132,10 @@ def report(title: str, runs: list) -> dict:
     spread = statistics.stdev([r["final_loss"] for r in fp32]) if len(fp32) > 1 else float("nan")
     se = spread / math.sqrt(len(fp32)) if len(fp32) > 1 else float("nan")
     speedup = statistics.median(b["tokens_per_s"] / f["tokens_per_s"] for f, b in zip(fp32, bf16))
+    paired_se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
     summary = {"mean_final_loss_diff_bf16_minus_fp32": statistics.mean(diffs), "fp32_seed_std": spread,
                "within_seed_noise": abs(statistics.mean(diffs)) < 2 * se if len(fp32) > 1 else None,
+               "paired_diff_se": paired_se, "seeds_bf16_higher": sum(d > 0 for d in diffs),
                "bf16_speedup_tokens_per_s": speedup}
     print(f"# bf16 autocast vs fp32: {title}\n")
     print("| seed | fp32 final loss | bf16 final loss | bf16 - fp32 | speed-up |\n|---:|---:|---:|---:|---:|")
@@ -121,6 +145,8 @@ def report(title: str, runs: list) -> dict:
     print(f"\nfp32 seed std {spread:.4f}; mean difference {summary['mean_final_loss_diff_bf16_minus_fp32']:+.4f}; "
           f"within seed noise (|mean diff| < 2 s.e.): {summary['within_seed_noise']}; "
           f"median bf16 speed-up {speedup:.2f}x")
+    print(f"Paired by seed (the same init and batches): bf16 higher in {summary['seeds_bf16_higher']} of {len(diffs)} "
+          f"seeds, s.e. of the mean difference {paired_se:.4f}.")
     return summary
 
 if __name__ == "__main__":
