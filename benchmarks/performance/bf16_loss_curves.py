@@ -117,6 +117,8 @@ def main():
                   file=sys.stderr)
     title = (f"{args.preset} {args.attention}, {args.steps} steps, batch {args.batch_size} x {args.seq_len}")
     summary = report(title, runs) if len(dtypes) == 2 else None
+    if summary is None:
+        print("one dtype trained: compare it with --merge A.json:fp32 B.json:bf16", file=sys.stderr)
     if args.out:
         Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "args": vars(args),
                                               "summary": summary, "runs": runs}, indent=2))
