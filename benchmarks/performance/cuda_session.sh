@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One GPU session's checks and measurements, in order of value, each step under its own time limit so that
+# one failure or stall leaves the rest: the CUDA tests, `difftx bench` at the issue's shapes (small preset,
+# 4 x 512) and at GPU-sized ones (16 x 2048), and the DIFF attention formulations (pinned SDPA kernels, flex).
+#
+#   benchmarks/performance/cuda_session.sh OUT_DIR [STEPS]
+#
+# STEPS: a comma list of tests,bench,variants,bench-large,variants-flex (default: all).  Needs torch with CUDA;
+# imports difftx from this checkout's src/ (nothing installed).  Logs and results go to OUT_DIR.
+set -uo pipefail
+out=${1:?usage: cuda_session.sh OUT_DIR [STEPS]}
+steps=${2:-tests,bench,variants,bench-large,variants-flex}
+cd "$(dirname "$0")/../.."
+mkdir -p "$out"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+want() { [[ ",$steps," == *",$1,"* ]]; }
+step() {  # step NAME SECONDS CMD...: run, log to OUT/NAME.log, report rc and time
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc=$rc in $((SECONDS - t0)) s (limit $limit)"
+    tail -n "${TAIL:-25}" "$out/$name.log"
+}
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+    $py -c "import torch, sys; print(sys.version.split()[0], 'torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+    $py -c "import transformers; print('transformers', transformers.__version__)"
+} >"$out/env.log" 2>&1
+cat "$out/env.log"
+want tests && TAIL=40 step tests 120 $py -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="" \
+    --timeout 120 -rfE
+want bench && step bench 90 $py -m difftx bench --device cuda --out "$out/bench-small" --repeats 5
+want variants && step variants 80 $py benchmarks/performance/attention_variants.py --device cuda --preset small \
+    --batch 8 --seq-len 2048 --repeats 5 --inner 5 --out "$out/variants-8x2048.json"
+want bench-large && step bench-large 80 $py -m difftx bench --device cuda --out "$out/bench-16x2048" --repeats 3 \
+    --batch-size 16 --seq-len 2048 --decode-tokens 32
+want variants-flex && step variants-flex 60 $py benchmarks/performance/attention_variants.py --device cuda \
+    --preset small --batch 8 --seq-len 2048 --repeats 5 --inner 5 --flex --rows flex,2call,4call \
+    --out "$out/variants-flex-8x2048.json"
+for f in "$out"/bench-*/bench.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
+exit 0

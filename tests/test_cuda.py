@@ -1,0 +1,248 @@
+"""The CUDA paths against the float64 CPU reference: every attention backend and DIFF formulation,
+forward and backward; bf16 autocast; cached decoding; the fused kernel's pure-torch path; training
+with exact resume, evaluation and the bench on the GPU.
+
+Skipped without a CUDA GPU (CI has none); run on a GPU machine with
+``python -m pytest tests/test_cuda.py`` (what ``benchmarks/performance/cuda_session.sh`` does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import difftx
+from difftx.nn import backends, fused
+from difftx.nn.mask import AttnMask
+
+# DIFFTX_TEST_DEVICE=cpu runs the same checks on the CPU (to check the tests themselves without a GPU)
+DEV = torch.device(os.environ.get("DIFFTX_TEST_DEVICE", "cuda"))
+pytestmark = pytest.mark.skipif(DEV.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (backend, diff_variant): every way a layer reaches its kernel on the GPU
+PATHS = [("eager", None), ("sdpa", "auto"), ("sdpa", "2call"), ("sdpa", "4call"), ("sdpa", "fused"), ("flex", None)]
+KINDS = [("softmax", {}), ("diff", {}), ("diff", {"n_kv_heads": 1, "pairing": "halves"}), ("diff2", {}),
+         ("diff", {"norms": "dnt"})]
+
+
+def _cfg(attention: str, **kw) -> difftx.ModelConfig:
+    return difftx.ModelConfig(attention=attention, d_model=128, n_layers=2, n_heads=2, vocab_size=97,
+                              max_seq_len=64, **kw)
+
+
+def _ids(b: int, n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 97, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _reference(cfg, ids, targets):
+    """float64 CPU eager model: the model, its logits, its parameter gradients."""
+    torch.manual_seed(0)
+    ref = difftx.build_model(cfg).double()
+    ref.set_attention_backend("eager")
+    out = ref(ids, targets=targets)
+    out.loss.backward()
+    return ref, out.logits.detach(), {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
+    got, ref = got.detach().double().cpu(), ref.detach().double()
+    err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+    assert torch.isfinite(got).all() and err <= tol, f"{what}: relative max error {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("attention,extra", KINDS, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
+@pytest.mark.parametrize("backend,variant", PATHS, ids=lambda v: str(v))
+def test_fp32_paths_match_float64_reference(attention, extra, backend, variant):
+    cfg = _cfg(attention, **extra)
+    ids, targets = _ids(2, 48), _ids(2, 48, seed=1)
+    ref, ref_logits, ref_grads = _reference(cfg, ids, targets)
+    model = difftx.build_model(cfg).to(DEV)
+    model.load_state_dict(ref.state_dict())
+    model.set_attention_backend(backend, variant)
+    out = model(ids.to(DEV), targets=targets.to(DEV))
+    out.loss.backward()
+    tol = 2e-3 if backend == "flex" else 2e-4  # fp32 everywhere (TF32 off); flex's Triton dots may use TF32
+    _close(out.logits, ref_logits, tol, "logits")
+    for name, p in model.named_parameters():
+        _close(p.grad, ref_grads[name], 5 * tol, f"grad of {name}")
+
+
+@pytest.mark.parametrize("attention,extra", KINDS[:4], ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
+@pytest.mark.parametrize("variant", ["auto", "2call", "4call", "fused"])
+def test_bf16_autocast_paths_track_float64(attention, extra, variant):
+    cfg = _cfg(attention, **extra)
+    ids, targets = _ids(2, 48), _ids(2, 48, seed=1)
+    ref, ref_logits, ref_grads = _reference(cfg, ids, targets)
+    model = difftx.build_model(cfg).to(DEV)
+    model.load_state_dict(ref.state_dict())
+    model.set_attention_backend("sdpa", variant)
+    with torch.autocast(DEV.type, dtype=torch.bfloat16):
+        out = model(ids.to(DEV), targets=targets.to(DEV))
+    out.loss.backward()
+    _close(out.logits, ref_logits, 5e-2, "logits")
+    for name, p in model.named_parameters():
+        g, r = p.grad.double().cpu().flatten(), ref_grads[name].flatten()
+        if r.norm() > 1e-8:
+            cos = float(g @ r / (g.norm() * r.norm()))
+            assert cos > 0.99, f"grad of {name}: cosine {cos:.4f} to the float64 gradient"
+
+
+@pytest.mark.parametrize("attention,extra", KINDS[:4], ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "bf16-weights"])
+def test_cached_decoding_matches_full_forward(attention, extra, dtype):
+    """Prefill a prompt into the KV cache, decode token by token: each step's logits equal a full,
+    uncached forward of the whole prefix (and both equal the float64 CPU model)."""
+    cfg = _cfg(attention, **extra)
+    torch.manual_seed(0)
+    ref = difftx.build_model(cfg).double().eval()
+    model = difftx.build_model(cfg).to(DEV).eval()
+    model.load_state_dict(ref.state_dict())
+    if dtype == "bf16-weights":
+        model = model.to(torch.bfloat16)
+    ids = _ids(3, 20).to(DEV)
+    tol = 2e-4 if dtype == "fp32" else 6e-2
+    with torch.no_grad(), torch.autocast(DEV.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        cache = model.new_cache(3, 20)
+        steps = [model(ids[:, :14], cache=cache).logits[:, -1]]
+        for t in range(14, 19):
+            steps.append(model(ids[:, t:t + 1], cache=cache).logits[:, -1])
+        fulls = [model(ids[:, : t + 1]).logits[:, -1] for t in range(13, 19)]
+    with torch.no_grad():
+        for j, t in enumerate(range(13, 19)):
+            _close(steps[j], fulls[j].float(), tol, f"cached step {t} vs the uncached forward")
+            _close(steps[j], ref(ids[:, : t + 1].cpu()).logits[:, -1], tol, f"cached step {t} vs float64")
+
+
+def test_padded_generation_matches_cpu():
+    """Left-padded batched greedy decoding on the GPU gives the CPU's tokens (fp32, DIFF)."""
+    cfg = _cfg("diff")
+    torch.manual_seed(0)
+    cpu = difftx.build_model(cfg).double()
+    gpu = difftx.build_model(cfg).to(DEV)
+    gpu.load_state_dict(cpu.state_dict())
+    ids = _ids(2, 10)
+    mask = torch.ones_like(ids)
+    ids[0, :4], mask[0, :4] = 0, 0
+    a = cpu.generate(ids, max_new_tokens=8, do_sample=False, attention_mask=mask)
+    b = gpu.generate(ids.to(DEV), max_new_tokens=8, do_sample=False, attention_mask=mask.to(DEV))
+    assert torch.equal(a, b.cpu())
+
+
+def _leaf(t: torch.Tensor, device, dtype) -> torch.Tensor:
+    return t.detach().to(device=device, dtype=dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5), (torch.bfloat16, 6e-2)])
+@pytest.mark.parametrize("lam_kind,hk,padded,q_start", [(None, 2, True, 5), ("scalar", 4, False, 0),
+                                                        ("scalar", 1, True, 5), ("rows", 2, False, 0)])
+def test_fused_kernel_on_cuda(dtype, tol, lam_kind, hk, padded, q_start):
+    """difftx.nn.fused's pure-torch blocks on the GPU against explicit float64 maps on the CPU."""
+    g = torch.Generator().manual_seed(0)
+    b, m, h, n, d, dv = 2, 1 if lam_kind is None else 2, 4, 45, 16, 32
+    nk = n + q_start
+    q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64) for s in
+               ((b, m, h, n, d), (b, m, hk, nk, d), (b, hk, nk, dv)))
+    lam = None if lam_kind is None else (torch.tensor(0.37, dtype=torch.float64) if lam_kind == "scalar"
+                                         else torch.rand(b, h, n, 1, generator=g, dtype=torch.float64))
+    valid = None
+    if padded:
+        valid = torch.ones(b, nk, dtype=torch.bool)
+        valid[0, :5], valid[1, -3:] = False, False
+    mask = AttnMask(causal=True, n_q=n, n_k=nk, q_start=q_start, key_valid=valid)
+    w = torch.randn(b, n, h, dv, generator=g, dtype=torch.float64)
+    # reference: explicit maps in float64 (keys/values repeated to the query heads)
+    ins = [_leaf(t, "cpu", torch.float64) for t in (q, k, v)] + ([] if lam is None else [_leaf(lam, "cpu", torch.float64)])
+    rep = h // hk
+    s = ins[0] @ ins[1].repeat_interleave(rep, 2).transpose(-1, -2) * 0.3
+    s = s.masked_fill(~mask.dense("cpu")[:, None], float("-inf"))
+    p = torch.softmax(s, -1)
+    p = p[:, 0] if m == 1 else p[:, 0] - ins[3] * p[:, 1]
+    ref = (p @ ins[2].repeat_interleave(rep, 1)).transpose(1, 2)
+    ref_grads = torch.autograd.grad((ref * w).sum(), ins)
+    lam_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    gins = [_leaf(t, DEV, dtype) for t in (q, k, v)] + ([] if lam is None else [_leaf(lam, DEV, lam_dtype)])
+    for chunk in (16, 64):
+        out = fused.fused_attention(*gins[:3], mask, 0.3, gins[3] if lam is not None else None, chunk=chunk)
+        assert out.device.type == DEV.type and out.dtype == dtype
+        _close(out, ref, tol, f"fused output (chunk {chunk})")
+        grads = torch.autograd.grad((out.double() * w.to(DEV)).sum(), gins)
+        for name, a, r in zip("q k v lambda".split(), grads, ref_grads):
+            _close(a, r, tol, f"d{name} (chunk {chunk})")
+
+
+def test_diff_variants_agree_at_long_context():
+    """2call / 4call / fused on the GPU agree at 4K tokens in bf16 (the shapes the variants are timed at)."""
+    torch.manual_seed(0)
+    b, h, n, d = 1, 4, 4096, 64
+    q1, q2, k1, k2 = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16) for _ in range(4))
+    v = torch.randn(b, h, n, 2 * d, device=DEV, dtype=torch.bfloat16)
+    mask, lam = AttnMask(causal=True, n_q=n, n_k=n), torch.tensor(0.3, device=DEV)
+    outs = {}
+    for variant in ("2call", "4call"):
+        o1, o2 = backends.diff_sdpa(q1, q2, k1, k2, v, mask, d ** -0.5, variant=variant)
+        outs[variant] = (o1.float() - lam * o2.float()).transpose(1, 2)
+    outs["fused"] = fused.fused_attention(torch.stack((q1, q2), 1), torch.stack((k1, k2), 1), v, mask, d ** -0.5, lam)
+    ref = outs["2call"].double().cpu()
+    for k, o in outs.items():
+        _close(o, ref, 3e-2, k)
+
+
+def test_train_resume_eval_and_bench_on_cuda(tmp_path):
+    """`difftx train --device cuda`: a resumed run continues the uninterrupted one (losses to float
+    rounding: SDPA's backward kernels need not be bitwise deterministic); `difftx eval` and
+    `difftx bench --quick` run on the GPU.  In process (a subprocess would pay CUDA's start each time)."""
+    from difftx.cli import main
+    from tests.train._helpers import losses, write_corpus
+
+    data = write_corpus(tmp_path / "corpus.txt")
+    common = ["train", "--data", data, "--cache-dir", tmp_path / "cache", "--tokenizer", "char", "--d-model", 64,
+              "--n-layers", 2, "--n-heads", 2, "--seq-len", 32, "--batch-size", 4, "--warmup", 1, "--steps", 8,
+              "--eval-every", 4, "--eval-batches", 2, "--no-progress", "--seed", 7, "--attention", "diff",
+              "--device", str(DEV)]
+
+    def cli(*args) -> int:
+        return main([str(a) for a in args])
+
+    for dtype in ("fp32", "bf16"):
+        full, half = tmp_path / f"full-{dtype}", tmp_path / f"half-{dtype}"
+        assert cli(*common, "--dtype", dtype, "--out", full) == 0
+        assert cli(*common, "--dtype", dtype, "--out", half, "--stop-at", 4) == 0
+        assert cli(*common, "--dtype", dtype, "--out", half, "--resume", "auto") == 0
+        a, b = losses(full), losses(half)
+        assert len(a) == len(b) == 8 and a[:4] == b[:4]
+        assert max(abs(x - y) / abs(y) for x, y in zip(a, b)) < 1e-4, (a, b)
+    run = tmp_path / "full-fp32"
+    for name, args in (("lm", ["--max-tokens", 512, "--seq-len", 32]), ("quant", ["--bits", "16,4", "--max-tokens", 128])):
+        assert cli("eval", name, "--checkpoint", run, "--out", tmp_path / f"eval-{name}", "--device", str(DEV),
+                   "--quiet", "--no-plot", "--data", data, *args) == 0
+        env = json.loads((tmp_path / f"eval-{name}" / f"{name}.json").read_text())
+        assert env["eval"] == name and env["results"]
+    assert cli("bench", "--quick", "--device", str(DEV), "--out", tmp_path / "bench", "--no-peers") == 0
+    res = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert res["environment"]["device"].startswith(DEV.type) and res["ratios"]["diff_over_transformer_train"] > 0
+
+
+def test_compiled_flex_matches_sdpa(monkeypatch):
+    """Compiled FlexAttention (Triton) for DIFF and softmax, forward and backward, against SDPA.  Last in the
+    file: it compiles (tens of seconds)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(backends, "_FLEX", torch.compile(flex_attention, dynamic=False))
+    for attention in ("softmax", "diff"):
+        cfg = _cfg(attention)
+        torch.manual_seed(0)
+        a = difftx.build_model(cfg).to(DEV)
+        b = difftx.build_model(cfg).to(DEV)
+        b.load_state_dict(a.state_dict())
+        a.set_attention_backend("flex")
+        b.set_attention_backend("sdpa", "2call")
+        ids, targets = _ids(2, 64).to(DEV), _ids(2, 64, seed=1).to(DEV)
+        la, lb = a(ids, targets=targets), b(ids, targets=targets)
+        la.loss.backward()
+        lb.loss.backward()
+        _close(la.logits, lb.logits.detach().cpu(), 2e-3, f"{attention} logits")
+        for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+            _close(pa.grad, pb.grad.cpu(), 1e-2, f"{attention} grad of {name}")
