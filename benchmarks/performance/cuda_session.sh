@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in order of value, each step under its own time limit so that
 # one failure or stall leaves the rest: the CUDA tests, `difftx bench` at the issue's shapes (small preset,
-# 4 x 512) and at GPU-sized ones (16 x 2048), and the DIFF attention formulations (pinned SDPA kernels, flex).
+# 4 x 512) and at GPU-sized ones (16 x 2048), a profile of the training step (cuda_ops.py), and the DIFF
+# attention formulations (pinned SDPA kernels, compiled flex).
 #
 #   benchmarks/performance/cuda_session.sh OUT_DIR [STEPS]
 #
-# STEPS: a comma list of tests,bench,variants,bench-large,variants-flex (default: all).  Needs torch with CUDA;
+# STEPS: a comma list of tests,ops,bench,bench-large,variants,variants-flex (default: all).  Needs torch with CUDA;
 # imports difftx from this checkout's src/ (nothing installed).  Logs and results go to OUT_DIR.
 set -uo pipefail
 out=${1:?usage: cuda_session.sh OUT_DIR [STEPS]}
-steps=${2:-tests,bench,variants,bench-large,variants-flex}
+steps=${2:-tests,ops,bench,bench-large,variants,variants-flex}
 cd "$(dirname "$0")/../.."
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -29,15 +30,16 @@ step() {  # step NAME SECONDS CMD...: run, log to OUT/NAME.log, report rc and ti
     $py -c "import transformers; print('transformers', transformers.__version__)"
 } >"$out/env.log" 2>&1
 cat "$out/env.log"
-want tests && TAIL=40 step tests 120 $py -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="" \
-    --timeout 120 -rfE
-want bench && step bench 90 $py -m difftx bench --device cuda --out "$out/bench-small" --repeats 5
-want variants && step variants 80 $py benchmarks/performance/attention_variants.py --device cuda --preset small \
-    --batch 8 --seq-len 2048 --repeats 5 --inner 5 --out "$out/variants-8x2048.json"
+want tests && TAIL=40 step tests 100 $py -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="" \
+    --timeout 90 -rfE
+want ops && step ops 60 $py benchmarks/performance/cuda_ops.py --out "$out/cuda-ops.json"
+want bench && step bench 80 $py -m difftx bench --device cuda --out "$out/bench-small" --repeats 5
 want bench-large && step bench-large 80 $py -m difftx bench --device cuda --out "$out/bench-16x2048" --repeats 3 \
     --batch-size 16 --seq-len 2048 --decode-tokens 32
-want variants-flex && step variants-flex 60 $py benchmarks/performance/attention_variants.py --device cuda \
-    --preset small --batch 8 --seq-len 2048 --repeats 5 --inner 5 --flex --rows flex,2call,4call \
+want variants && step variants 80 $py benchmarks/performance/attention_variants.py --device cuda --preset small \
+    --batch 8 --seq-len 2048 --repeats 5 --inner 5 --out "$out/variants-8x2048.json"
+want variants-flex && step variants-flex 130 $py benchmarks/performance/attention_variants.py --device cuda \
+    --preset small --batch 8 --seq-len 2048 --repeats 5 --inner 5 --dtypes bf16 --flex --rows flex,2call \
     --out "$out/variants-flex-8x2048.json"
 for f in "$out"/bench-*/bench.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
 exit 0

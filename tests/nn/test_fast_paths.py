@@ -564,3 +564,23 @@ def test_blocks_fused_residual_norms_change_no_bit(attention, dtype, monkeypatch
     assert all(torch.equal(p, q) for p, q in zip(step(), plain_step))
     norm_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32  # a PreNorm emits autocast's dtype
     assert seen == [norm_dtype, torch.float32] and len(calls) == 1  # only block 2's FFN PreNorm fused
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_combine_matches_autograd_of_the_expression(dtype):
+    """backends.combine (the SDPA / flex paths' o1 - lambda o2, saving only o2) gives autograd's output and
+    gradients of ``upcast(o1) - lam * upcast(o2)``; float64 also by gradcheck."""
+    g = torch.Generator().manual_seed(0)
+    o1, o2 = (torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_() for _ in range(2))
+    lam = torch.tensor(0.37, dtype=torch.float64 if dtype == torch.float64 else torch.float32, requires_grad=True)
+    w = torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64)
+    got = backends.combine(o1, o2, lam)
+    ref = o1.to(lam.dtype) - lam * o2.to(lam.dtype)
+    assert got.dtype == ref.dtype and torch.equal(got, ref)
+    ga = torch.autograd.grad((got * w.to(got.dtype)).sum(), (o1, o2, lam))
+    gb = torch.autograd.grad((ref * w.to(ref.dtype)).sum(), (o1, o2, lam))
+    for a, b in zip(ga, gb):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-6 if dtype != torch.bfloat16 else 1e-2, atol=1e-6)
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(backends.combine, (o1, o2, lam))

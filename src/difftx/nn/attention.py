@@ -301,7 +301,7 @@ class DifferentialAttention(AttentionBase):
                     o1, o2 = backends.flex(q1, k1, v, mask, self.scale), backends.flex(q2, k2, v, mask, self.scale)
                 else:
                     o1, o2 = backends.diff_sdpa(q1, q2, k1, k2, v, mask, self.scale, p, variant)
-                o = upcast(o1) - lam * upcast(o2)
+                o = backends.combine(o1, o2, lam)
             o = o.transpose(1, 2)
         if self.head_norm is not None:  # fp32 statistics; (1 - lambda_init) folded into the gain
             o = rms_norm(o, self.head_norm.weight, self.head_norm.eps, 1.0 - self.lambda_init, out_dtype)

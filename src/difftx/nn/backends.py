@@ -100,9 +100,17 @@ def eager_v2_attention(q, k, v, lam: torch.Tensor, mask: AttnMask, scale: float,
 
 # ----------------------------------------------------------------------------- sdpa
 def sdpa(q, k, v, mask: AttnMask, scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """SDPA with grouped-query heads.  On CUDA in float32 (no flash kernel) K and V are repeated to the
+    query heads instead of ``enable_gqa``, which only flash and the math kernel take: the math kernel
+    materialises every N x N map (DIFF V2 at 16 x 2048 tokens on an H200: 5.4x the Transformer's
+    training memory and 0.43x its speed, docs/performance.md)."""
     kw = {"scale": scale, "dropout_p": dropout_p}
     if q.shape[1] != k.shape[1]:
-        kw["enable_gqa"] = True
+        if q.device.type == "cuda" and q.dtype == torch.float32:
+            rep = q.shape[1] // k.shape[1]
+            k, v = repeat_kv(k, rep), repeat_kv(v, rep)
+        else:
+            kw["enable_gqa"] = True
     if mask.is_plain_causal:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(q.device), **kw)
@@ -226,6 +234,33 @@ def native_diff_decode(q, k, v, mask: AttnMask, scale: float, lam: torch.Tensor,
         valid[:, mask.q_start] = True  # a query always sees itself
     wg = None if weight is None else weight.to(torch.float32) * gain
     return native.diff_decode(q, k, v, valid, float(lam), scale, norm, wg, gain, eps, out_dtype)
+
+
+class _Combine(torch.autograd.Function):
+    """o1 - lam o2 in float32 (at least) from the two maps' outputs, saving nothing but ``o2`` as it came
+    (the SDPA kernels keep their outputs for their own backward anyway): autograd through
+    ``o1.float() - lam * o2.float()`` would save a float32 copy of o2 (under bf16, 2x its bytes)."""
+
+    @staticmethod
+    def forward(ctx, o1, o2, lam):
+        ctx.save_for_backward(o2, lam)
+        ctx.dtypes = (o1.dtype, o2.dtype)
+        with torch.no_grad():
+            return upcast(o1) - lam * upcast(o2)
+
+    @staticmethod
+    def backward(ctx, dout):
+        o2, lam = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        d1 = dout.to(ctx.dtypes[0]) if need[0] else None
+        d2 = (dout * -lam).to(ctx.dtypes[1]) if need[1] else None
+        dlam = -(dout * upcast(o2)).sum().to(lam.dtype) if need[2] else None
+        return d1, d2, dlam
+
+
+def combine(o1: torch.Tensor, o2: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """``upcast(o1) - lam * upcast(o2)`` (DIFF's two maps' outputs, SPEC eq. 1), lam a 0-dim tensor."""
+    return _Combine.apply(o1, o2, lam)
 
 
 def diff_sdpa(q1, q2, k1, k2, v, mask: AttnMask, scale: float, dropout_p: float = 0.0,
