@@ -30,7 +30,8 @@ def markdown(results: dict) -> str:
         peak = results["matmul_peak_flops"][dt]
         slow = dt == "bf16" and env.get("native_bf16_matmul") is False
         lines += [f"## {dt}" + (" (autocast)" if dt == "bf16" else ""),
-                  "", f"Matmul peak measured in this run: {peak / 1e9:.1f} GFLOP/s (best; square sizes up to 2048"
+                  "", f"Matmul peak measured in this run: {peak / 1e9:.1f} GFLOP/s (best; square sizes up to "
+                  + ("2048" if str(env.get("device", "cpu")).startswith("cpu") else "8192")
                   + (f", one {env['threads']}-thread matmul or {env['threads']} one-thread ones at once"
                      if env.get("threads", 1) > 1 and str(env.get("device", "cpu")).startswith("cpu")
                      and bc.get("timer") == "wall" else "") + ")"
