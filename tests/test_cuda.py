@@ -48,7 +48,7 @@ def _reference(cfg, ids, targets):
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
-    got, ref = got.detach().double().cpu(), ref.detach().double()
+    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
     err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
     assert torch.isfinite(got).all() and err <= tol, f"{what}: relative max error {err:.2e} > {tol:.0e}"
 
@@ -197,7 +197,7 @@ def test_diff_variants_agree_at_long_context():
         grads = torch.autograd.grad((out.float() * w).sum(), (q1, q2, k1, k2, v, lam))
         return [out] + list(grads)
 
-    ref = [t.double().cpu() for t in run("eager", torch.float32)]
+    ref = [t.detach().double().cpu() for t in run("eager", torch.float32)]
     for variant in ("2call", "4call", "fused"):
         for name, got, r in zip("out dq1 dq2 dk1 dk2 dv dlam".split(), run(variant, torch.bfloat16), ref):
             err = float((got.detach().double().cpu() - r).norm() / r.norm())

@@ -127,40 +127,6 @@ def ops(b: int, n: int, h: int, d: int) -> list[dict]:
     return rows
 
 
-def cudnn_grad_probe(b: int = 2, h: int = 8, n: int = 1024, d: int = 64) -> list[dict]:
-    """cuDNN SDPA's gradients (bf16) against the math kernel's (float32) for grad_out laid out three ways:
-    contiguous, transposed (B, N, H, d) as a model's merge gives it, and a slice of a wider last dim (what
-    a ``cat`` of two calls' outputs gives each call).  ``attention_variants.py``'s ``stacked`` row got wrong
-    cuDNN gradients on an H200 (torch 2.11); this says which layout does it."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    g = torch.Generator(device=DEV).manual_seed(0)
-    q, k, v = (torch.randn(b, h, n, d, device=DEV, generator=g) for _ in range(3))
-    wide = torch.randn(b, h, n, 2 * d, device=DEV, generator=g)
-    layouts = {"contiguous": lambda w: w[..., :d].contiguous(),
-               "transposed": lambda w: w[..., :d].transpose(1, 2).contiguous().transpose(1, 2),
-               "last-dim slice": lambda w: w[..., :d]}
-    rows = []
-    for name, layout in layouts.items():
-        grads = {}
-        for kname, backend, dt in (("cudnn", SDPBackend.CUDNN_ATTENTION, torch.bfloat16),
-                                   ("math", SDPBackend.MATH, torch.float32)):
-            ins = [t.to(dt).requires_grad_() for t in (q, k, v)]
-            try:
-                with sdpa_kernel([backend]):
-                    out = F.scaled_dot_product_attention(*ins, is_causal=True)
-                out.backward(layout(wide.to(dt)))
-                grads[kname] = [t.grad.float() for t in ins]
-            except Exception as e:  # noqa: BLE001 - reported
-                grads[kname] = str(e).splitlines()[0][:100]
-        if isinstance(grads["cudnn"], str):
-            rows.append({"grad_out": name, "error": grads["cudnn"]})
-            continue
-        errs = [float((a - r).norm() / r.norm()) for a, r in zip(grads["cudnn"], grads["math"])]
-        rows.append({"grad_out": name, "dq": errs[0], "dk": errs[1], "dv": errs[2]})
-    return rows
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="small")
@@ -191,12 +157,6 @@ def main() -> None:
     for r in result["ops"]:
         print(f"| {r['op']} | {r['batch']}x{r['seq_len']} | {r['old_ms']:.3f} | {r['new_ms']:.3f} | "
               f"{r.get('old_saved_MB', float('nan')):.0f} | {r.get('new_saved_MB', float('nan')):.0f} |")
-    if DEV.type == "cuda":
-        result["cudnn_grad_probe"] = cudnn_grad_probe()
-        print("\n| grad_out layout | cuDNN dQ | dK | dV | (relative error vs the fp32 math kernel)\n|---|---:|---:|---:|")
-        for r in result["cudnn_grad_probe"]:
-            print(f"| {r['grad_out']} | " + (r["error"] if "error" in r else
-                                           f"{r['dq']:.1e} | {r['dk']:.1e} | {r['dv']:.1e} |"))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
 

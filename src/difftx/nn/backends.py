@@ -259,8 +259,12 @@ class _Combine(torch.autograd.Function):
 
 
 def combine(o1: torch.Tensor, o2: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
-    """``upcast(o1) - lam * upcast(o2)`` (DIFF's two maps' outputs, SPEC eq. 1), lam a 0-dim tensor."""
-    return _Combine.apply(o1, o2, lam)
+    """``upcast(o1) - lam * upcast(o2)`` (DIFF's two maps' outputs, SPEC eq. 1), lam a 0-dim tensor.  Without
+    autograd (prefill, decoding) the expression itself: an autograd Function costs a decoding step its
+    Python overhead for nothing."""
+    if torch.is_grad_enabled() and (o1.requires_grad or o2.requires_grad or lam.requires_grad):
+        return _Combine.apply(o1, o2, lam)
+    return upcast(o1) - lam * upcast(o2)
 
 
 def diff_sdpa(q1, q2, k1, k2, v, mask: AttnMask, scale: float, dropout_p: float = 0.0,
