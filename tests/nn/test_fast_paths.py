@@ -584,3 +584,15 @@ def test_combine_matches_autograd_of_the_expression(dtype):
         torch.testing.assert_close(a, b, rtol=1e-6 if dtype != torch.bfloat16 else 1e-2, atol=1e-6)
     if dtype == torch.float64:
         assert torch.autograd.gradcheck(backends.combine, (o1, o2, lam))
+
+
+def test_combine_under_torch_func_and_double_backward():
+    """combine under torch.func.grad (the plain expression) and with create_graph=True (through _Combine)."""
+    o1, o2 = torch.randn(2, 3, 4, 8, dtype=torch.float64), torch.randn(2, 3, 4, 8, dtype=torch.float64)
+    lam = torch.tensor(0.4, dtype=torch.float64)
+    g = torch.func.grad(lambda l: backends.combine(o1, o2, l).pow(2).sum())(lam)
+    assert torch.allclose(g, (-2 * (o1 - lam * o2) * o2).sum())
+    lam = lam.clone().requires_grad_()
+    (dl,) = torch.autograd.grad(backends.combine(o1, o2, lam).pow(2).sum(), lam, create_graph=True)
+    (d2,) = torch.autograd.grad(dl, lam)
+    assert torch.allclose(d2, 2 * (o2 * o2).sum())

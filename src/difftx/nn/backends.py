@@ -123,9 +123,12 @@ def resolve_diff_variant(variant: str, device: torch.device, dropout_p: float = 
     * ``fused``: :func:`difftx.nn.fused.fused_attention`, (A1 - lambda A2) V in query blocks, one
       value product; the Transformer's attention FLOPs, memory linear in N.  Wins on the CPU in
       every dtype (no CPU SDPA kernel takes a 2d-wide value, and 4 calls cost 2x).
-    * ``2call``: two SDPA calls with the 2d-wide value (1.5x the FLOPs); on CUDA the flash /
-      memory-efficient kernels take it.  Also the only formulation with attention dropout, one
-      dropout mask per map as in the reference.
+    * ``2call``: two SDPA calls with the 2d-wide value (1.5x the FLOPs).  The winner on CUDA: on an
+      H200 (torch 2.11) cuDNN takes it in bf16 and the memory-efficient kernel in fp32 (flash needs equal
+      widths); 1.4-1.8x the Transformer twin's attention time (forward + backward, 8 x 2048 tokens), where
+      4call takes 2.3-2.4x, compiled FlexAttention 1.9x and ``fused`` (no GPU kernel of its own: a
+      Python loop of torch ops) 2-3x in fp32, 17-33x in bf16.  Also the only formulation
+      with attention dropout, one dropout mask per map as in the reference.
     * ``4call``: four SDPA calls of width d (2x), for kernels that need equal widths.
     """
     if variant == "sdpa":
@@ -261,8 +264,11 @@ class _Combine(torch.autograd.Function):
 def combine(o1: torch.Tensor, o2: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
     """``upcast(o1) - lam * upcast(o2)`` (DIFF's two maps' outputs, SPEC eq. 1), lam a 0-dim tensor.  Without
     autograd (prefill, decoding) the expression itself: an autograd Function costs a decoding step its
-    Python overhead for nothing."""
-    if torch.is_grad_enabled() and (o1.requires_grad or o2.requires_grad or lam.requires_grad):
+    Python overhead for nothing; so do compiled graphs (which fuse it) and torch.func transforms."""
+    from .linear import _functorch_active
+
+    if (torch.is_grad_enabled() and (o1.requires_grad or o2.requires_grad or lam.requires_grad)
+            and not torch.compiler.is_compiling() and not _functorch_active()):
         return _Combine.apply(o1, o2, lam)
     return upcast(o1) - lam * upcast(o2)
 
