@@ -1,6 +1,6 @@
 """The CUDA paths against the float64 CPU reference: every attention backend and DIFF formulation,
 forward and backward; bf16 autocast; cached decoding; the fused kernel's pure-torch path; training
-with exact resume, evaluation and the bench on the GPU.
+resumed mid-run (to float rounding), evaluation and the bench on the GPU.
 
 Skipped without a CUDA GPU (CI has none); run on a GPU machine with
 ``python -m pytest tests/test_cuda.py`` (what ``benchmarks/performance/cuda_session.sh`` does).
