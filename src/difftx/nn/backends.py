@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .linear import _functorch_active
 from .mask import AttnMask
 from .norms import upcast
 
@@ -265,8 +266,6 @@ def combine(o1: torch.Tensor, o2: torch.Tensor, lam: torch.Tensor) -> torch.Tens
     """``upcast(o1) - lam * upcast(o2)`` (DIFF's two maps' outputs, SPEC eq. 1), lam a 0-dim tensor.  Without
     autograd (prefill, decoding) the expression itself: an autograd Function costs a decoding step its
     Python overhead for nothing; so do compiled graphs (which fuse it) and torch.func transforms."""
-    from .linear import _functorch_active
-
     if (torch.is_grad_enabled() and (o1.requires_grad or o2.requires_grad or lam.requires_grad)
             and not torch.compiler.is_compiling() and not _functorch_active()):
         return _Combine.apply(o1, o2, lam)

@@ -618,19 +618,14 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gain: 
     cd = _compute_dtype(x.dtype)
     out_dtype = out_dtype or cd
     with _no_autocast(x.device.type):
-        if x.device.type != "cpu":  # torch's fused RMSNorm kernels (CUDA): one launch each way, not ~8 and ~10
+        # Off the CPU, torch's fused RMSNorm kernels (CUDA: one launch each way, not ~8 and ~10); on the CPU for
+        # decoding-sized calls without autograd, where the fewest ops win.
+        if x.device.type != "cpu" or (x.numel() <= SMALL_NORM and not (torch.is_grad_enabled() and (
+                x.requires_grad or (weight is not None and weight.requires_grad)))):
             w = None if weight is None else weight.to(cd)
             w = w * gain if (w is not None and gain != 1.0) else w
             y = torch.nn.functional.rms_norm(x.to(cd), (x.shape[-1],), w, eps)
             return (y * gain if (w is None and gain != 1.0) else y).to(out_dtype)
-        if x.numel() <= SMALL_NORM and not (torch.is_grad_enabled() and (x.requires_grad or (
-                weight is not None and weight.requires_grad))):  # decoding: fewest ops wins
-            w = None if weight is None else weight.to(cd)
-            w = w * gain if (w is not None and gain != 1.0) else w
-            y = torch.nn.functional.rms_norm(x.to(cd), (x.shape[-1],), w, eps)
-            if w is None and gain != 1.0:
-                y = y.mul_(gain)
-            return y.to(out_dtype)
         return _RMSNorm.apply(x, weight, eps, gain, out_dtype)
 
 

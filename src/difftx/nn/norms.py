@@ -30,14 +30,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """``out_dtype`` (default x's): a caller whose next op is a matmul under autocast asks for the autocast
         dtype, so the output is rounded once, in this pass, instead of by a cast per consumer."""
-        out_dtype = out_dtype or x.dtype
-        if x.device.type == "cpu":  # autograd through F.rms_norm is ~2x the passes (docs/performance.md)
-            from .fused import rms_norm
+        from .fused import rms_norm  # CPU: its own passes (autograd through F.rms_norm is ~2x); else F.rms_norm
 
-            return rms_norm(x, self.weight, self.eps, out_dtype=out_dtype)
-        xf = upcast(x)
-        w = None if self.weight is None else self.weight.to(xf.dtype)
-        return F.rms_norm(xf, (self.dim,), w, self.eps).to(out_dtype)
+        return rms_norm(x, self.weight, self.eps, out_dtype=out_dtype or x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, weight={self.weight is not None}"
