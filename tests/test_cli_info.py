@@ -66,3 +66,32 @@ def test_info_bad_config_file_and_preset_override(capsys, tmp_path):
     assert "preset" in one_line("nano", "--set", "preset=5")
     (tmp_path / "c.json").write_text(json.dumps({"model": {"preset": 5}}))
     assert "preset" in one_line(tmp_path / "c.json")
+
+
+def test_cli_start_does_not_import_dynamo():
+    """`import difftx`, a parameter count on the meta device, an eager forward and backward through the fused
+    kernel, and `difftx info` leave torch._dynamo unimported: importing it took 2.4 of the 6.1 s `difftx info`
+    needed (torch.compile, which does import it, still finds the fused kernel an eager island:
+    tests/nn/test_fast_paths.py::test_models_trace_under_torch_compile)."""
+    import subprocess
+    import sys
+
+    from .conftest import cli_env
+
+    code = """
+import contextlib, io, sys, torch
+import difftx
+from difftx.cli import main
+from difftx.models import build_model
+cfg = difftx.ModelConfig(attention="diff", d_model=32, n_heads=2, n_layers=1, vocab_size=40, max_seq_len=16)
+assert build_model(cfg, device="meta").num_parameters() == build_model(cfg).num_parameters()
+model = build_model(cfg)
+ids = torch.randint(0, 40, (2, 16))
+model(ids, targets=ids).loss.backward()
+with contextlib.redirect_stdout(io.StringIO()):
+    assert main(["info", "small"]) == 0
+print("torch._dynamo" in sys.modules)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"

@@ -43,6 +43,7 @@ Layouts (views; only a block of Q is copied at a time):
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Optional
 
@@ -465,7 +466,25 @@ def _acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fresh: bool) -> No
         acc += torch.bmm(a, b)
 
 
-@torch.compiler.disable  # the kernel's per-thread scratch and Python block loop stay eager under torch.compile
+def _eager_under_compile(fn):
+    """``fn`` as an eager island under torch.compile: ``torch.compiler.disable(fn)``, made when a trace first
+    reaches it.  Applying ``torch.compiler.disable`` at import would import torch._dynamo, which took 2.4 of the
+    6.1 s that ``difftx info`` needed to print one line (2026-11-26, AMD EPYC); eagerly, the wrapper costs one
+    flag read."""
+    disabled = []
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            if not disabled:  # the first trace: one more graph break, at this call
+                disabled.append(torch.compiler.disable(fn))
+            return disabled[0](*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_eager_under_compile  # the kernel's per-thread scratch and Python block loop stay eager under torch.compile
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, scale: float,
                     lam: Optional[torch.Tensor] = None, chunk: Optional[int] = None) -> torch.Tensor:
     """(softmax(Q1 K1^T s) [- lam softmax(Q2 K2^T s)]) V in query blocks; layouts in the module docstring."""
