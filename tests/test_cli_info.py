@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 
 def test_info_list(cli):
@@ -42,13 +43,24 @@ def _one_line_error(r):
     return lines[0]
 
 
-def test_info_bad_input(cli):
+def test_info_bad_input(cli, capsys):
+    """Through the real command line twice (exit code 2, one line, no traceback), the rest in-process."""
+    from difftx.cli import main
+
+    def run(*argv):
+        try:
+            rc = main(list(argv))
+        except SystemExit as e:  # argparse's own errors
+            rc = e.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(argv, rc, out, err)
+
     assert "unknown preset" in _one_line_error(cli("info", "diff-999b"))
-    assert "d_model" in _one_line_error(cli("info", "small", "--set", "d_model=-3"))
-    assert "n_kv_heads" in _one_line_error(cli("info", "small", "--set", "n_kv_heads=3"))
-    assert "--attention" in _one_line_error(cli("info", "small", "--attention", "linear"))
-    assert "unrecognized" in _one_line_error(cli("info", "small", "--bogus"))
     assert "invalid choice" in _one_line_error(cli("frobnicate"))
+    assert "d_model" in _one_line_error(run("info", "small", "--set", "d_model=-3"))
+    assert "n_kv_heads" in _one_line_error(run("info", "small", "--set", "n_kv_heads=3"))
+    assert "--attention" in _one_line_error(run("info", "small", "--attention", "linear"))
+    assert "unrecognized" in _one_line_error(run("info", "small", "--bogus"))
 
 
 def test_info_bad_config_file_and_preset_override(capsys, tmp_path):
@@ -73,7 +85,6 @@ def test_cli_start_does_not_import_dynamo():
     kernel, and `difftx info` leave torch._dynamo unimported: importing it took 2.4 of the 6.1 s `difftx info`
     needed (torch.compile, which does import it, still finds the fused kernel an eager island:
     tests/nn/test_fast_paths.py::test_models_trace_under_torch_compile)."""
-    import subprocess
     import sys
 
     from .conftest import cli_env
