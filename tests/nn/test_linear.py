@@ -294,3 +294,35 @@ def test_bf16_second_derivative_refused_in_one_line():
         outs = L.project(x, layers)
     with pytest.raises(RuntimeError, match="DIFFTX_NATIVE=0"):
         torch.autograd.grad(sum(o.float().sum() for o in outs), x, create_graph=True)
+
+
+@needs_native
+def test_few_rows_inference_takes_the_native_product_only_where_it_applies(monkeypatch):
+    """``linear`` (Linear's and the LM head's inference product): float32 with at most FEW_ROWS rows and no
+    gradient wanted runs native.few_rows_linear (F.linear's values to float32 rounding); with a gradient
+    wanted, more rows, bfloat16, autocast or the native kernels off it is F.linear itself (the same bits)."""
+    calls = []
+    real = native.few_rows_linear
+    monkeypatch.setattr(native, "few_rows_linear", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    layer = L.Linear(96, 40)
+    x = torch.randn(2, 4, 96, generator=g)  # 8 rows
+    with torch.no_grad():
+        y = layer(x)
+        assert calls == [1]
+        torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    # a gradient wanted (the weight's, then x's only)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    frozen = L.Linear(96, 40).requires_grad_(False)
+    xg = x.clone().requires_grad_(True)
+    assert torch.equal(frozen(xg), F.linear(xg, frozen.weight, frozen.bias))
+    with torch.no_grad():
+        x9 = torch.randn(9, 96, generator=g)
+        assert torch.equal(layer(x9), F.linear(x9, layer.weight, layer.bias))
+        xb, lb = x.bfloat16(), L.Linear(96, 40).bfloat16()
+        assert torch.equal(lb(xb), F.linear(xb, lb.weight, lb.bias))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        monkeypatch.setattr(native, "ENABLED", False)
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert calls == [1]

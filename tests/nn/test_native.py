@@ -656,6 +656,34 @@ def test_rope_native_rotates_in_place(dtype, interleaved):
     assert torch.equal(proj[..., h * d:], untouched)  # only x's own elements were written
 
 
+@needs_native
+@pytest.mark.parametrize("k,n", [(64, 48), (37, 5), (512, 130), (100, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_rows_linear_against_float64_and_row_by_row(k, n, bias):
+    """native.few_rows_linear is x W^T + b (float64 reference, float32 rounding) for 1-13 rows, K and N that
+    are not multiples of the vector width or of the tile; each row's bits are the same whatever the other rows
+    (the row computed alone) and whatever the thread count."""
+    g = torch.Generator().manual_seed(k * 1000 + n)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(13, k, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        for rows in (1, 2, 3, 4, 5, 8, 13):
+            xs = x[:rows].contiguous()
+            y = native.few_rows_linear(xs, w, b)
+            ref = xs.double() @ w.double().t() + (0 if b is None else b.double())
+            torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
+            assert torch.equal(y, native.few_rows_linear(x, w, b)[:rows])  # the same bits with 13 rows
+            torch.set_num_threads(1 if threads > 1 else 2)
+            assert torch.equal(y, native.few_rows_linear(xs, w, b))
+            torch.set_num_threads(threads)
+        x3 = x[:6].view(2, 3, k)  # leading dims are rows
+        assert torch.equal(native.few_rows_linear(x3, w, b), native.few_rows_linear(x[:6], w, b).view(2, 3, n))
+    finally:
+        torch.set_num_threads(threads)
+
+
 WIDTH_FLAGS = {"8 lanes (AVX2 without AVX-512)": "-mno-avx512f", "4 lanes (SSE)": "-mno-avx"}
 
 
@@ -675,7 +703,7 @@ def test_every_vector_width_computes_the_same(flags, tmp_path):
     status = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert status.stdout.startswith("on (") and str(tmp_path) in status.stdout, status.stdout + status.stderr
     tests = ("softmax_combine_and_backward or rms_norm_native or native_equals_torch_path_fp32 "
-             "or swiglu or rope or decode or native_float32_attention")
+             "or swiglu or rope or decode or native_float32_attention or few_rows")
     r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-p", "no:cacheprovider", __file__, "-k", tests],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]

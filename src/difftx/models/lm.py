@@ -17,6 +17,7 @@ from torch import nn
 from ..errors import DifftxError
 from ..nn.block import Block, run_blocks
 from ..nn.cache import KVCache
+from ..nn.linear import linear, no_hooks
 from ..nn.loss import linear_cross_entropy
 from ..nn.mask import AttnMask
 from ..nn.norms import make_norm, upcast
@@ -152,7 +153,11 @@ class DecoderLM(ModelMixin, nn.Module):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of final hidden states (any leading shape): the LM head, tied to the embedding or not."""
-        return self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.embed.weight)
+        if self.lm_head is None:
+            return linear(hidden, self.embed.weight)
+        if no_hooks(self.lm_head):  # decoding's few rows: the native product (linear.linear)
+            return linear(hidden, self.lm_head.weight, self.lm_head.bias)
+        return self.lm_head(hidden)
 
     # ------------------------------------------------------------------ decoding
     def new_cache(self, batch_size: int, max_len: int, dtype: Optional[torch.dtype] = None) -> KVCache:

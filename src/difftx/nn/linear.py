@@ -170,14 +170,38 @@ def _training_dtype(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.dty
     return dtype if native.supports(_BF16, x.device) and native.amx() else None
 
 
+# Float32 inputs of at most this many rows (decoding: one token per sequence) take native.few_rows_linear
+# when no gradient is wanted.  On a 2-core AMD EPYC (AVX2, torch 2.13) F.linear read the weight at 3-4 GB/s
+# for 2-8 rows and the kernel at 6-12 on two threads (benchmarks/performance/few_rows.py); from 16 rows on
+# the two were even.
+FEW_ROWS = 8
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; float32 on the CPU with at most :data:`FEW_ROWS` rows and no gradient
+    wanted (decoding) runs :func:`difftx.nn.native.few_rows_linear` (same values up to summation order)."""
+    k = weight.shape[-1]
+    if (0 < x.numel() <= FEW_ROWS * k and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and (bias is None or bias.dtype == torch.float32) and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad)))
+            and weight.dim() == 2 and x.shape[-1] == k and x.is_contiguous() and weight.is_contiguous()
+            and (bias is None or bias.is_contiguous()) and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling() and not _functorch_active()
+            and native.supports(torch.float32, x.device)):
+        return native.few_rows_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
-    """``torch.nn.Linear`` with the faster CPU training backward of this module (see its docstring)."""
+    """``torch.nn.Linear`` with the faster CPU training backward of this module (see its docstring) and the
+    few-rows inference product of :func:`linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = _training_dtype(x, self.weight)
         if dtype is not None:
             return _Linear.apply(x, dtype, 1, self.weight, self.bias)[0]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",

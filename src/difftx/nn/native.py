@@ -121,6 +121,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_swiglu_backward.restype = None
     lib.difftx_rope.argtypes = [p, p, p, p, i, p, p, i64, i64, i64, i64, i64, i64, i, f, i]
     lib.difftx_rope.restype = None
+    lib.difftx_few_rows_linear.argtypes = [p, i64, i64, p, i64, p, p, i]
+    lib.difftx_few_rows_linear.restype = None
     lib.difftx_gemm_nr.argtypes = []
     lib.difftx_gemm_nr.restype = i
     lib.difftx_attn_forward.argtypes = [p, p, i64, i64, p, i64, i64, i64, p, p, p, p] + [i64] * 9 + [i, i64, f, f, p, i]
@@ -285,6 +287,19 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, wg: Optional[torch.Tensor], g
                                   y.data_ptr(), int(out_dtype == torch.bfloat16), rstd.data_ptr(), _ptr(wg),
                                   float(gain), float(eps), rows, dim, torch.get_num_threads())
     return x1, y
+
+
+def few_rows_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, w, b) for float32 x with few rows (decoding): each thread streams its share of w's rows
+    once.  x (..., K) and w (N, K) contiguous float32, b (N,) or None; a row's values do not depend on the
+    other rows or on the thread count."""
+    assert x.dtype == w.dtype == torch.float32 and x.is_contiguous() and w.is_contiguous()
+    assert b is None or (b.dtype == torch.float32 and b.is_contiguous() and b.shape == (w.shape[0],))
+    n, k = w.shape
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32, device=x.device)
+    library().difftx_few_rows_linear(x.data_ptr(), x.numel() // k if k else 0, k, w.data_ptr(), n, _ptr(b),
+                                     y.data_ptr(), torch.get_num_threads())
+    return y
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
