@@ -3,14 +3,15 @@ cached decoding, side by side in one process.
 
 With one token per sequence, each projection of a decoding step is a few rows times a whole weight, so its time
 is reading the weight.  ``difftx.nn.linear.linear`` sends float32 inference products of at most ``FEW_ROWS``
-rows to ``native.few_rows_linear``.  This script prints two tables:
+rows to ``native.few_rows_linear`` (``FEW_ROWS`` is 8 on AMD CPUs, where this was measured, and 0 elsewhere).
+This script prints two tables:
 
 1. Products at the ``small`` preset's shapes (and a 32000-word head): the weight read in GB/s by F.linear,
    by the same product as W @ x^T (torch, the other operand order) and by the native kernel, per row count.
    Each weight is one of a set of ~100 MB, so it comes from memory, as in a model.
 2. Greedy cached decoding (``--decode-tokens`` after a ``--seq-len`` prompt, batch ``--batch-size``) of the
    Transformer and DIFF twins, tokens/s with the few-row kernel off (``FEW_ROWS = 0``: F.linear, the code
-   before it) and on, interleaved over ``--rounds`` rounds; medians and on/off ratios.
+   before it) and on (``--rows``, default 8), interleaved over ``--rounds`` rounds; medians and on/off ratios.
 
     python benchmarks/performance/few_rows.py --threads 2
 """
@@ -71,10 +72,10 @@ def _decode_seconds(model, prompt, n_new: int) -> float:
         return time.perf_counter() - t
 
 
-def decode_table(preset: str, batch: int, seq_len: int, n_new: int, rounds: int) -> list[str]:
-    lines = ["| arm | F.linear (FEW_ROWS = 0) tok/s | native (FEW_ROWS = %d) tok/s | native / F.linear |" % L.FEW_ROWS,
+def decode_table(preset: str, batch: int, seq_len: int, n_new: int, rounds: int, on: int) -> list[str]:
+    lines = ["| arm | F.linear (FEW_ROWS = 0) tok/s | native (FEW_ROWS = %d) tok/s | native / F.linear |" % on,
              "|---|---:|---:|---:|"]
-    on = L.FEW_ROWS
+    default = L.FEW_ROWS
     for attention in ("softmax", "diff"):
         cfg = ModelConfig.from_preset(preset, attention=attention)
         torch.manual_seed(0)
@@ -89,7 +90,7 @@ def decode_table(preset: str, batch: int, seq_len: int, n_new: int, rounds: int)
                     if r:
                         times[rows].append(s)
         finally:
-            L.FEW_ROWS = on
+            L.FEW_ROWS = default
         off_tps, on_tps = (batch * n_new / statistics.median(times[k]) for k in (0, on))
         name = "Transformer" if attention == "softmax" else "DIFF"
         lines.append(f"| {name} | {off_tps:.1f} | {on_tps:.1f} | {on_tps / off_tps:.2f} |")
@@ -104,15 +105,18 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rows", type=int, default=8, help="FEW_ROWS of the 'native' decoding arm (default 8)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if native.library() is None:
         raise SystemExit(f"few_rows.py: the native kernels are not built here ({native.status()})")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, native: {native.status()}\n")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU vendor {native.cpu_vendor() or '?'}, "
+          f"FEW_ROWS default {L.FEW_ROWS}, native: {native.status()}\n")
     print("\n".join(products_table()))
     print()
-    print("\n".join(decode_table(args.preset, args.batch_size, args.seq_len, args.decode_tokens, args.rounds)))
+    print("\n".join(decode_table(args.preset, args.batch_size, args.seq_len, args.decode_tokens, args.rounds,
+                                 args.rows)))
 
 
 if __name__ == "__main__":

@@ -170,16 +170,24 @@ def _training_dtype(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.dty
     return dtype if native.supports(_BF16, x.device) and native.amx() else None
 
 
+def _default_few_rows() -> int:
+    """8 on AMD CPUs, else 0 (off).  On a 2-core AMD EPYC (AVX2, torch 2.13) F.linear (MKL) read the weight at
+    3-6 GB/s for 2-8 rows and native.few_rows_linear at 6-16 on two threads; at 16 rows the two were even
+    (benchmarks/performance/few_rows.py).  On Intel CPUs, where MKL takes its own tuned paths, the kernel is
+    not measured yet: the Intel VM decoded the same model in float32 at 296 tokens/s with F.linear, against
+    76 here.  The script measures both on any CPU; set FEW_ROWS to use the kernel there."""
+    return 8 if native.cpu_vendor() == "AuthenticAMD" else 0
+
+
 # Float32 inputs of at most this many rows (decoding: one token per sequence) take native.few_rows_linear
-# when no gradient is wanted.  On a 2-core AMD EPYC (AVX2, torch 2.13) F.linear read the weight at 3-4 GB/s
-# for 2-8 rows and the kernel at 6-12 on two threads (benchmarks/performance/few_rows.py); from 16 rows on
-# the two were even.
-FEW_ROWS = 8
+# when no gradient is wanted; 0 turns that off.
+FEW_ROWS = _default_few_rows()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; float32 on the CPU with at most :data:`FEW_ROWS` rows and no gradient
-    wanted (decoding) runs :func:`difftx.nn.native.few_rows_linear` (same values up to summation order)."""
+    """``F.linear(x, weight, bias)``; float32 on the CPU with at most :data:`FEW_ROWS` rows (8 on AMD CPUs, else
+    off) and no gradient wanted (decoding) runs :func:`difftx.nn.native.few_rows_linear` (same values up to
+    summation order)."""
     k = weight.shape[-1]
     if (0 < x.numel() <= FEW_ROWS * k and x.dtype == torch.float32 and weight.dtype == torch.float32
             and (bias is None or bias.dtype == torch.float32) and x.device.type == "cpu"

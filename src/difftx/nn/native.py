@@ -63,6 +63,22 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``AuthenticAMD``, ``GenuineIntel``, ...) from /proc/cpuinfo; "" elsewhere."""
+    if "vendor" not in _STATE:
+        vendor = ""
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("vendor_id"):
+                        vendor = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+        _STATE["vendor"] = vendor
+    return _STATE["vendor"]
+
+
 def _compiler() -> Optional[str]:
     for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if cand and shutil.which(cand):
