@@ -571,15 +571,9 @@ def _worst(by_dtype: dict) -> dict:
 
 
 def environment(device: torch.device) -> dict:
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    from ..nn import native
+
+    cpu = native.cpuinfo_value("model name") or platform.processor() or ""
     env = {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "device": str(device),
            "native_bf16_matmul": native_bf16_matmul(device),
@@ -587,8 +581,6 @@ def environment(device: torch.device) -> dict:
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     else:
-        from ..nn import native
-
         env["native_kernels"] = native.status()
     try:
         import transformers

@@ -52,30 +52,33 @@ def _cache_dir() -> Path:
     return Path(base) / "difftx"
 
 
-def _cpu_features() -> str:
+def cpuinfo_line(*keys: str) -> str:
+    """The first line of /proc/cpuinfo that starts with one of ``keys`` (e.g. "flags"), or "" (no such line, or
+    no /proc/cpuinfo)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
+                if line.startswith(keys):
                     return line
     except OSError:
         pass
-    return platform.processor()
+    return ""
+
+
+def cpuinfo_value(*keys: str) -> str:
+    """The value (after the colon) of the first /proc/cpuinfo line that starts with one of ``keys``, or ""."""
+    line = cpuinfo_line(*keys)
+    return line.split(":", 1)[1].strip() if ":" in line else ""
+
+
+def _cpu_features() -> str:
+    return cpuinfo_line("flags", "Features") or platform.processor()
 
 
 def cpu_vendor() -> str:
     """The CPU's vendor string (``AuthenticAMD``, ``GenuineIntel``, ...) from /proc/cpuinfo; "" elsewhere."""
     if "vendor" not in _STATE:
-        vendor = ""
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("vendor_id"):
-                        vendor = line.split(":", 1)[1].strip()
-                        break
-        except OSError:
-            pass
-        _STATE["vendor"] = vendor
+        _STATE["vendor"] = cpuinfo_value("vendor_id")
     return _STATE["vendor"]
 
 
