@@ -338,3 +338,39 @@ def test_few_rows_default_is_on_for_amd_cpus_only(monkeypatch):
     x, layer = torch.randn(4, 96), L.Linear(96, 40)
     with torch.no_grad():
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@needs_native
+@pytest.mark.parametrize("attention", ["softmax", "diff"])
+def test_cached_decoding_with_the_few_row_kernel_matches_f_linear(monkeypatch, attention):
+    """A model's cached decoding steps (4 sequences: 4-row projections and LM head) through the few-row kernel
+    give F.linear's logits to float32 rounding.  (Whole decoding is not batch-invariant: the prefill's GEMMs
+    and the attention round by batch size; only the few-row products themselves are, test_native.py.)"""
+    from difftx import ModelConfig
+    from difftx.models import build_model
+
+    calls = []
+    real = native.few_rows_linear
+    monkeypatch.setattr(native, "few_rows_linear", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    cfg = ModelConfig(attention=attention, d_model=64, n_heads=2, n_layers=2, vocab_size=50, max_seq_len=32,
+                      tie_embeddings=False)
+    model = build_model(cfg).eval()
+    prompt = torch.randint(0, 50, (4, 9))
+
+    def decode(rows, ids):
+        monkeypatch.setattr(L, "FEW_ROWS", rows)
+        with torch.no_grad():
+            cache = model.new_cache(ids.shape[0], 16)
+            logits = model(ids, cache=cache).logits[:, -1:]
+            out = []
+            for t in range(4):
+                logits = model(torch.full((ids.shape[0], 1), t + 3), cache=cache).logits
+                out.append(logits)
+        return torch.cat(out, 1)
+
+    ref = decode(0, prompt)
+    assert not calls
+    got = decode(8, prompt)
+    assert len(calls) == 4 * (2 * 7 + 1)  # each step: q, k, v, o, gate, up, down in 2 layers, and the head
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
