@@ -374,3 +374,31 @@ def test_cached_decoding_with_the_few_row_kernel_matches_f_linear(monkeypatch, a
     got = decode(8, prompt)
     assert len(calls) == 4 * (2 * 7 + 1)  # each step: q, k, v, o, gate, up, down in 2 layers, and the head
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_wrapped_or_hooked_lm_head_still_runs_its_own_forward(monkeypatch):
+    """The LM head takes ``linear`` only as a plain nn.Linear without hooks; a subclass (a LoRA-style wrapper)
+    or a hooked head runs its own forward, decoding's few rows included."""
+    from difftx import ModelConfig
+    from difftx.models import build_model
+
+    monkeypatch.setattr(L, "FEW_ROWS", 8)
+
+    class Doubled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(d_model=32, n_heads=2, n_layers=1, vocab_size=40, max_seq_len=16,
+                                    tie_embeddings=False)).eval()
+    h = torch.randn(2, 1, 32)
+    plain = model.lm_head
+    with torch.no_grad():
+        torch.testing.assert_close(model.head(h), F.linear(h, plain.weight), rtol=1e-5, atol=1e-6)
+        model.lm_head = Doubled(32, 40, bias=False)
+        model.lm_head.weight.copy_(plain.weight)
+        torch.testing.assert_close(model.head(h), 2 * F.linear(h, plain.weight), rtol=1e-5, atol=1e-6)
+        model.lm_head = plain
+        handle = plain.register_forward_hook(lambda m, args, out: out + 1)
+        torch.testing.assert_close(model.head(h), F.linear(h, plain.weight) + 1, rtol=1e-5, atol=1e-6)
+        handle.remove()

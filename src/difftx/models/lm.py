@@ -155,7 +155,8 @@ class DecoderLM(ModelMixin, nn.Module):
         """Logits of final hidden states (any leading shape): the LM head, tied to the embedding or not."""
         if self.lm_head is None:
             return linear(hidden, self.embed.weight)
-        if no_hooks(self.lm_head):  # decoding's few rows: the native product (linear.linear)
+        if type(self.lm_head) is nn.Linear and no_hooks(self.lm_head):
+            # not a wrapper or a hooked layer: linear.linear (decoding's few rows on the native product)
             return linear(hidden, self.lm_head.weight, self.lm_head.bias)
         return self.lm_head(hidden)
 
