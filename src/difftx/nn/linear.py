@@ -172,8 +172,8 @@ def _training_dtype(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.dty
 
 def _default_few_rows() -> int:
     """8 on AMD CPUs, else 0 (off).  On a 2-core AMD EPYC (AVX2, torch 2.13) F.linear (MKL) read the weight at
-    3-6 GB/s for 2-8 rows and native.few_rows_linear at 6-16 on two threads; at 16 rows the two were even
-    (benchmarks/performance/few_rows.py).  On Intel CPUs, where MKL takes its own tuned paths, the kernel is
+    3-6 GB/s for 2-8 rows and native.few_rows_linear at 5-16 on two threads (1.3-3.9x); at 16 rows on one
+    thread F.linear was about as fast (benchmarks/performance/few_rows.py).  On Intel CPUs, where MKL takes its own tuned paths, the kernel is
     not measured yet: the Intel VM decoded the same model in float32 at 296 tokens/s with F.linear, against
     76 here.  The script measures both on any CPU; set FEW_ROWS to use the kernel there."""
     return 8 if native.cpu_vendor() == "AuthenticAMD" else 0
