@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 
 def test_info_list(cli):
     r = cli("info", "--list")
@@ -91,6 +93,7 @@ def test_cli_start_does_not_import_dynamo():
 
     code = """
 import contextlib, io, sys, torch
+print("torch._dynamo" in sys.modules)
 import difftx
 from difftx.cli import main
 from difftx.models import build_model
@@ -105,4 +108,7 @@ print("torch._dynamo" in sys.modules)
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=300)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "False"
+    after_torch, after_difftx = r.stdout.split()
+    if after_torch == "True":
+        pytest.skip("this torch imports torch._dynamo itself")
+    assert after_difftx == "False"
