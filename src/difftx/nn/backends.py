@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .linear import _functorch_active
+from .linear import traced
 from .mask import AttnMask
 from .norms import upcast
 
@@ -267,7 +267,7 @@ def combine(o1: torch.Tensor, o2: torch.Tensor, lam: torch.Tensor) -> torch.Tens
     autograd (prefill, decoding) the expression itself: an autograd Function costs a decoding step its
     Python overhead for nothing; so do compiled graphs (which fuse it) and torch.func transforms."""
     if (torch.is_grad_enabled() and (o1.requires_grad or o2.requires_grad or lam.requires_grad)
-            and not torch.compiler.is_compiling() and not _functorch_active()):
+            and not traced()):
         return _Combine.apply(o1, o2, lam)
     return upcast(o1) - lam * upcast(o2)
 

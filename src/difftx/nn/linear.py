@@ -148,12 +148,17 @@ def _functorch_active() -> bool:
     return bool(active and active())
 
 
+def traced() -> bool:
+    """Under torch.compile or a torch.func transform: the eager-only fast paths step aside for plain torch ops."""
+    return torch.compiler.is_compiling() or _functorch_active()
+
+
 def _training_dtype(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.dtype]:
     """The dtype of a CPU training call whose weight gradient is wanted, where :class:`_Linear` takes it:
     bfloat16 (autocast, or bfloat16 input and weight) on an AMX CPU, or float32 without autocast; else None."""
     if not (weight.requires_grad and torch.is_grad_enabled()) or x.device.type != "cpu":
         return None
-    if torch.compiler.is_compiling() or _functorch_active():  # compiled graphs and torch.func see F.linear
+    if traced():  # compiled graphs and torch.func see F.linear
         return None
     if x.dtype not in _TAKEN or weight.dtype not in _TAKEN:  # autocast leaves float64 as it is
         return None
@@ -189,13 +194,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     off) and no gradient wanted (decoding) runs :func:`difftx.nn.native.few_rows_linear` (same values up to
     summation order)."""
     k = weight.shape[-1]
-    if (0 < x.numel() <= FEW_ROWS * k and x.dtype == torch.float32 and weight.dtype == torch.float32
+    if (FEW_ROWS and not traced()  # first: a compiled graph gets no guard on x's size from here
+            and 0 < x.numel() <= FEW_ROWS * k and x.dtype == torch.float32 and weight.dtype == torch.float32
             and (bias is None or bias.dtype == torch.float32) and x.device.type == "cpu"
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))
             and weight.dim() == 2 and x.shape[-1] == k and x.is_contiguous() and weight.is_contiguous()
             and (bias is None or bias.is_contiguous()) and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling() and not _functorch_active()
             and native.supports(torch.float32, x.device)):
         return native.few_rows_linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -77,9 +77,7 @@ def _cpu_features() -> str:
 
 def cpu_vendor() -> str:
     """The CPU's vendor string (``AuthenticAMD``, ``GenuineIntel``, ...) from /proc/cpuinfo; "" elsewhere."""
-    if "vendor" not in _STATE:
-        _STATE["vendor"] = cpuinfo_value("vendor_id")
-    return _STATE["vendor"]
+    return cpuinfo_value("vendor_id")
 
 
 def _compiler() -> Optional[str]:
