@@ -524,6 +524,47 @@ def test_add_rms_norm_is_bitwise_the_two_ops(a_dtype, out_dtype, weight, uses):
 
 
 @pytest.mark.skipif(native.library() is None, reason="the native kernels are not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inference_calls_run_the_kernels_without_autograd_nodes(dtype, monkeypatch):
+    """Decoding-sized calls with no gradient wanted (RMSNorm, the residual-adding norm, RoPE, SwiGLU) call the
+    native kernel directly, with no autograd.Function, and give the bits the autograd path gives."""
+    from difftx.nn import ffn, rope
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 1, 96, generator=g)
+    a = torch.randn(4, 1, 96, generator=g).to(dtype)
+    w = torch.rand(96, generator=g) + 0.5
+    qp = torch.randn(4, 1, 2 * 3 * 32, generator=g).to(dtype)  # a projection's output; (B, 2, 3, 1, 32) heads
+    heads = qp.view(4, 1, 2, 3, 32).permute(0, 2, 3, 1, 4)
+    cos, sin = RotaryEmbedding(32).cos_sin(torch.tensor([7]))
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    gu = torch.randn(2, 4, 1, 80, generator=g).to(dtype)
+
+    def calls():
+        return [fused.rms_norm(x.to(dtype), w, 1e-5, 0.8), *fused.add_rms_norm(x, a, w, 1e-5, dtype),
+                rope.apply_rope(heads, cos, sin, "half"), rope.apply_rope(heads, cos, sin, "interleaved"),
+                ffn.swiglu(gu[0], gu[1])]
+
+    with torch.enable_grad():  # the autograd path: inputs that want gradients
+        for t in (x, a, w, qp, gu):
+            t.requires_grad_()
+        heads = qp.view(4, 1, 2, 3, 32).permute(0, 2, 3, 1, 4)
+        reference = [t.detach() for t in calls()]
+    nodes = []
+    for fn in (fused._RMSNorm, fused._AddRMSNorm, rope._NativeRope, ffn._NativeSwiGLU):
+        monkeypatch.setattr(fn, "apply", lambda *args, fn=fn: nodes.append(fn))
+    kernels = []
+    for name in ("rms_norm", "add_rms_norm", "rope", "swiglu"):
+        run = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *args, run=run, name=name, **kw: kernels.append(name) or run(*args, **kw))
+    with torch.no_grad():
+        out = calls()
+    assert nodes == [] and kernels == ["rms_norm", "add_rms_norm", "rope", "rope", "swiglu"]
+    for p, q in zip(out, reference):
+        assert p.dtype == q.dtype and p.shape == q.shape and torch.equal(p, q)
+
+
+@pytest.mark.skipif(native.library() is None, reason="the native kernels are not built here")
 @pytest.mark.parametrize("attention", ["softmax", "diff"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_blocks_fused_residual_norms_change_no_bit(attention, dtype, monkeypatch):
@@ -564,6 +605,39 @@ def test_blocks_fused_residual_norms_change_no_bit(attention, dtype, monkeypatch
     assert all(torch.equal(p, q) for p, q in zip(step(), plain_step))
     norm_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32  # a PreNorm emits autocast's dtype
     assert seen == [norm_dtype, torch.float32] and len(calls) == 1  # only block 2's FFN PreNorm fused
+
+
+@pytest.mark.skipif(native.library() is None, reason="the native kernels are not built here")
+@pytest.mark.parametrize("attention", ["softmax", "diff"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_cached_decoding_chains_the_residual_norms_without_changing_a_bit(attention, dtype, monkeypatch):
+    """Without autograd, decoding-sized steps also chain the blocks (each residual addition in the next norm's
+    native pass): every step's logits are block-by-block's bit for bit."""
+    from difftx.nn.block import Block
+
+    cfg = ModelConfig(attention=attention, d_model=64, n_heads=2, n_layers=3, vocab_size=40, max_seq_len=64)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    ids = torch.randint(0, 40, (2, 9))
+    calls = []
+    run = native.add_rms_norm
+    monkeypatch.setattr(native, "add_rms_norm", lambda *a: calls.append(1) or run(*a))
+
+    def decode():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            cache = model.new_cache(2, 16)
+            out = [model(ids, cache=cache).logits]
+            for _ in range(4):
+                out.append(model(out[-1][:, -1:].argmax(-1), cache=cache).logits)
+        return out
+
+    chained = decode()
+    assert len(calls) == 5 * 6  # per forward: 3 FFN PreNorms, 2 attention PreNorms, the final norm
+    monkeypatch.setattr(Block, "chains", lambda self, x, first: False)
+    calls.clear()
+    plain = decode()
+    assert len(calls) == 5 * 3  # the FFN PreNorms only
+    assert all(torch.equal(p, q) for p, q in zip(chained, plain))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

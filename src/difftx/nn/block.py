@@ -109,8 +109,9 @@ class Block(nn.Module):
 def run_blocks(blocks, x: torch.Tensor, rope, mask, cache=None, final_norm=None) -> torch.Tensor:
     """``final_norm(block_n(...block_1(x)))`` (``final_norm`` may be None), with each residual addition between
     two blocks done in the next attention PreNorm's pass, and the last in the final norm's, where every block
-    :meth:`Block.chains` (training-sized CPU inputs); otherwise block by block."""
-    if (x.numel() > SMALL_NORM and len(blocks) > 0
+    :meth:`Block.chains` (training-sized CPU inputs, or any size without autograd: decoding); otherwise block by
+    block."""
+    if ((x.numel() > SMALL_NORM or not torch.is_grad_enabled()) and len(blocks) > 0
             and all(isinstance(b, Block) and b.chains(x, i == 0) for i, b in enumerate(blocks))):
         pending = None
         for block in blocks:

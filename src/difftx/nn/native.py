@@ -208,6 +208,15 @@ def supports(dtype: torch.dtype, device: torch.device) -> bool:
     return ENABLED and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and library() is not None
 
 
+# Elementwise and row kernels over fewer values than this run on the calling thread: waking the other threads
+# costs more than the work (decoding's norms, RoPE and SwiGLU: a few thousand values).
+SERIAL_BELOW = 1 << 15
+
+
+def _threads(work: int) -> int:
+    return 1 if work < SERIAL_BELOW else torch.get_num_threads()
+
+
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
@@ -262,7 +271,7 @@ def rms_norm(x: torch.Tensor, wg: Optional[torch.Tensor], gain: float, eps: floa
     assert rstd is None or (rstd.is_contiguous() and rstd.dtype == torch.float32 and rstd.numel() == rows)
     library().difftx_rms_norm(x.data_ptr(), int(x.dtype == torch.bfloat16), y.data_ptr(),
                               int(out_dtype == torch.bfloat16), _ptr(rstd), _ptr(wg), float(gain), float(eps),
-                              rows, dim, torch.get_num_threads())
+                              rows, dim, _threads(rows * dim))
     return y
 
 
@@ -302,7 +311,7 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, wg: Optional[torch.Tensor], g
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     library().difftx_add_rms_norm(x.data_ptr(), a.data_ptr(), int(a.dtype == torch.bfloat16), x1.data_ptr(),
                                   y.data_ptr(), int(out_dtype == torch.bfloat16), rstd.data_ptr(), _ptr(wg),
-                                  float(gain), float(eps), rows, dim, torch.get_num_threads())
+                                  float(gain), float(eps), rows, dim, _threads(rows * dim))
     return x1, y
 
 
@@ -324,7 +333,7 @@ def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     assert g.is_contiguous() and u.is_contiguous() and g.shape == u.shape and g.dtype == u.dtype
     h = torch.empty_like(g)
     library().difftx_swiglu(g.data_ptr(), u.data_ptr(), h.data_ptr(), int(g.dtype == torch.bfloat16), g.numel(),
-                            torch.get_num_threads())
+                            _threads(g.numel()))
     return h
 
 
@@ -510,7 +519,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     arr = ctypes.c_int64 * 4
     library().difftx_rope(x.data_ptr(), arr(*xs), out.data_ptr(), arr(*os_), int(x.dtype == torch.bfloat16),
                           cos.data_ptr(), sin.data_ptr(), b, a1, a2, n, x.shape[-1], cos.shape[0], int(interleaved),
-                          -1.0 if inverse else 1.0, torch.get_num_threads())
+                          -1.0 if inverse else 1.0, _threads(x.numel()))
     return out
 
 

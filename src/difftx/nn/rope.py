@@ -32,10 +32,23 @@ class RotaryEmbedding(nn.Module):
         if positions.dim() == 1:
             positions = positions[None]
         compute = torch.float64 if dtype == torch.float64 else torch.float32
-        idx = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=positions.device).to(compute)
-        inv_freq = 1.0 / (self.theta ** (idx / self.head_dim))
-        freqs = positions.to(compute)[..., None] * inv_freq
+        freqs = positions.to(compute)[..., None] * self._inv_freq(compute, positions.device)
         return freqs.cos()[:, None], freqs.sin()[:, None]
+
+    def _inv_freq(self, compute: torch.dtype, device: torch.device) -> torch.Tensor:
+        """theta^(-2i/d) in ``compute``, kept per (dtype, device, theta, d) between calls (a decoding step's
+        forward would otherwise spend five ops on it); the same values each time."""
+        if torch.compiler.is_compiling():  # a graph computes it once anyway
+            return self._compute_inv_freq(compute, device)
+        key = (compute, device, self.theta, self.head_dim)
+        memo = self.__dict__.setdefault("_inv_freq_memo", {})
+        if key not in memo:
+            memo[key] = self._compute_inv_freq(compute, device)
+        return memo[key]
+
+    def _compute_inv_freq(self, compute: torch.dtype, device: torch.device) -> torch.Tensor:
+        idx = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).to(compute)
+        return 1.0 / (self.theta ** (idx / self.head_dim))
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}, style={self.style}"
@@ -79,6 +92,8 @@ def _native_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: s
             or any(s != 1 for s in cos.shape[1:-2]):
         return None
     cos3, sin3 = cos.reshape(bc, n, half).contiguous(), sin.reshape(bc, n, half).contiguous()
+    if not (torch.is_grad_enabled() and x.requires_grad):  # inference: the kernel alone, no autograd node
+        return native.rope(x, cos3, sin3, style == "interleaved")
     return _NativeRope.apply(x, cos3, sin3, style == "interleaved")
 
 
