@@ -523,6 +523,20 @@ def test_add_rms_norm_is_bitwise_the_two_ops(a_dtype, out_dtype, weight, uses):
         assert p.dtype == q.dtype and torch.equal(p, q)
 
 
+def test_rope_frequencies_kept_per_dtype_are_the_fresh_ones():
+    """The inverse frequencies RotaryEmbedding keeps between calls: float64 angles for float64 models, float32
+    otherwise, each exactly the values computed afresh (in float64, theta^(-2i/d) to the last bit)."""
+    r = RotaryEmbedding(16, theta=500.0)
+    pos = torch.tensor([[0, 3, 1000]])
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.float32):
+        cos, sin = r.cos_sin(pos, dtype)
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        inv = 1.0 / (500.0 ** (torch.arange(0, 16, 2).to(compute) / 16))
+        angles = pos.to(compute)[..., None] * inv
+        assert cos.dtype == compute and torch.equal(cos[:, 0], angles.cos()) and torch.equal(sin[:, 0], angles.sin())
+    assert len(r._inv_freq_memo) == 2 and "_inv_freq_memo" not in dict(r.state_dict())
+
+
 @pytest.mark.skipif(native.library() is None, reason="the native kernels are not built here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inference_calls_run_the_kernels_without_autograd_nodes(dtype, monkeypatch):

@@ -15,9 +15,9 @@ from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
-    """Angles position * theta^(-2i/d).  No buffers: the frequencies are recomputed per call (a
-    few hundred numbers) so casting the model never degrades them.  Computed in float32 (exactly
-    as transformers' LLaMA does) or in float64 for float64 models."""
+    """Angles position * theta^(-2i/d).  No buffers: the frequencies are computed in their own
+    dtype and kept per dtype and device outside the state dict, so casting the model never degrades
+    them.  Computed in float32 (exactly as transformers' LLaMA does) or in float64 for float64 models."""
 
     def __init__(self, head_dim: int, theta: float = 10000.0, style: str = "half"):
         super().__init__()
