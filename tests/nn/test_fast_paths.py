@@ -330,6 +330,37 @@ def test_bf16_diff_cache_is_paired_and_decodes_like_fp32(n_kv_heads):
             assert (got - ref).abs().max() <= tol * ref.abs().max(), (dtype, (got - ref).abs().max())
 
 
+@pytest.mark.skipif(native.library() is None, reason="the native kernels are not built here")
+@pytest.mark.parametrize("n_kv_heads,head_dim", [(None, 16), (1, 16), (2, 12)])  # 12: the kernel's scalar path
+def test_diff2_decoding_kernel_matches_the_full_forward(n_kv_heads, head_dim, monkeypatch):
+    """DIFF V2's cached decoding steps go through the native decoding kernel (both maps over the one set of
+    cached keys, lambda per sequence and head) and land on the full forward's logits, left padding, GQA and
+    bf16 autocast included."""
+    cfg = ModelConfig(attention="diff2", d_model=64, n_heads=4, head_dim=head_dim, n_layers=2, vocab_size=50,
+                      max_seq_len=64, n_kv_heads=n_kv_heads)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    ids = torch.randint(0, 50, (2, 12))
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[0, :3] = False
+    calls = []
+    run = native.diff_decode
+    monkeypatch.setattr(native, "diff_decode", lambda *a: calls.append(a[4]) or run(*a))
+    with torch.no_grad():
+        ref = model(ids, attention_mask=valid).logits[:, 7:11].float()  # prefill predicts at 7, steps at 8..10
+        for dtype in (torch.float32, torch.bfloat16):
+            calls.clear()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                cache = model.new_cache(2, 16)
+                out = [model(ids[:, :8], cache=cache, attention_mask=valid[:, :8]).logits[:, -1:]]
+                for i in range(8, 11):
+                    out.append(model(ids[:, i:i + 1], cache=cache, attention_mask=valid[:, i:i + 1]).logits)
+            got = torch.cat(out, 1).float()
+            assert len(calls) == 3 * 2 and all(tuple(lam.shape) == (2, 4) for lam in calls)  # steps x layers
+            tol = 0.03 if dtype == torch.bfloat16 else 1e-5
+            assert (got - ref).abs().max() <= tol * ref.abs().max(), (dtype, (got - ref).abs().max())
+
+
 def test_lambda_is_fresh_outside_a_generation():
     cfg = ModelConfig(attention="diff", d_model=32, n_heads=2, n_layers=1, vocab_size=20)
     attn = build_model(cfg).layers[0].attn

@@ -342,12 +342,19 @@ class DiffV2Attention(AttentionBase):
         self.last_lambda = lam.detach().mean()
         lam = lam.transpose(1, 2)[..., None]  # (B, h, N, 1)
         backend, p = self._backend(q.device), self._dropout_p()
+        b, _, n, d = q.shape
+        qs = q.view(b, self.n_heads, 2, n, d).transpose(1, 2)  # heads 2i, 2i+1 -> maps 1, 2
+        ks = k[:, None].expand(b, 2, *k.shape[1:])  # both maps over the one set of keys (a view)
+        if (backend == "sdpa" and self.diff_variant in ("auto", "fused", "2call", "4call") and n == 1
+                and cache is not None and cache.length > 0 and not torch.is_grad_enabled()
+                and backends.native_diff_decode_ok(qs, ks, v, mask, _out_dtype(x))):
+            # a decoding step: both maps over the cache's keys and the combine in one native pass
+            o = backends.native_diff_decode(qs, ks, v, mask, self.scale, lam.reshape(b, self.n_heads), False,
+                                            None, 1.0, 0.0, _out_dtype(x))
+            return self.out_proj(o.reshape(b, n, -1))
         if backend == "eager":
             o = backends.eager_v2_attention(q, k, v, lam, mask, self.scale, p, self.probe, self.layer)
         elif backend == "sdpa" and backends.resolve_v2_variant(self.diff_variant, q, p) == "fused":
-            b, _, n, d = q.shape
-            qs = q.view(b, self.n_heads, 2, n, d).transpose(1, 2)  # heads 2i, 2i+1 -> maps 1, 2
-            ks = k[:, None].expand(b, 2, *k.shape[1:])
             o = backends.fused_attention(qs, ks, v, mask, self.scale, lam)  # (B, N, h, d)
             return self.out_proj(o.reshape(b, n, -1).to(_out_dtype(x)))
         else:

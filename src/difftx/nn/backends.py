@@ -226,7 +226,8 @@ def native_diff_decode(q, k, v, mask: AttnMask, scale: float, lam: torch.Tensor,
                        weight: Optional[torch.Tensor], gain: float, eps: float, out_dtype: torch.dtype):
     """One decoding step of DIFF V1 and its per-head RMSNorm (weight x gain) in one native call over the
     cache's keys (B, 2, h_kv, T, d) and values (B, h_kv, T, 2d), strided views of either key layout
-    (:func:`difftx.nn.attention._cache_keys`): (B, 1, h, 2d).
+    (:func:`difftx.nn.attention._cache_keys`): (B, 1, h, 2d).  DIFF V2: keys (B, h_kv, T, d) expanded to both
+    maps, values (B, h_kv, T, d), ``lam`` (B, h) per sequence and head, no norm: (B, 1, h, d).
 
     Replaces the logits and value GEMMs (or the paired SDPA call), the two softmaxes, the combine
     and the norm's casts (about a dozen small ops per layer and step) with one pass over K and V."""
@@ -237,7 +238,8 @@ def native_diff_decode(q, k, v, mask: AttnMask, scale: float, lam: torch.Tensor,
         valid = mask.key_valid[:, : mask.n_k].clone()
         valid[:, mask.q_start] = True  # a query always sees itself
     wg = None if weight is None else weight.to(torch.float32) * gain
-    return native.diff_decode(q, k, v, valid, float(lam), scale, norm, wg, gain, eps, out_dtype)
+    lam = lam if lam.numel() > 1 else float(lam)
+    return native.diff_decode(q, k, v, valid, lam, scale, norm, wg, gain, eps, out_dtype)
 
 
 class _Combine(torch.autograd.Function):

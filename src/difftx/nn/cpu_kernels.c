@@ -311,24 +311,27 @@ void difftx_rms_norm(const void *x, int x_bf16, void *y, int y_bf16, float *rstd
     }
 }
 
-/* One decoding query of DIFF V1 per head over a cache, with the per-head RMSNorm:
+/* One decoding query of differential attention per head over a cache: DIFF V1 with its per-head RMSNorm,
+ * or DIFF V2 (both maps over the same keys, a value of d, lambda per head and sequence, no norm):
  *   q       (B, 2, H, d) contiguous: q1 and q2 of every head
  *   k       K1 of (batch b, head kh, token t) at b * k_batch + kh * k_head + t * k_tok, d contiguous
  *           elements; K2 k2_off further.  The paired bf16 cache ([K1 | K2] per token):
- *           k_tok = 2d, k2_off = d; the fp32 cache (B, 2 Hk, T, d): k_tok = d, k2_off = Hk heads.
- *   v       2d contiguous elements at b * v_batch + kh * v_head + t * v_tok
+ *           k_tok = 2d, k2_off = d; the fp32 cache (B, 2 Hk, T, d): k_tok = d, k2_off = Hk heads;
+ *           DIFF V2's one set of keys: k2_off = 0.
+ *   v       vw contiguous elements (2d for V1, d for V2) at b * v_batch + kh * v_head + t * v_tok
  *   valid   (B, T) uint8 (1 = a key this query may see) or NULL (all T keys)
- *   out     (B, H, 2d): (softmax(q1 K1^T s) - lam softmax(q2 K2^T s)) V, then (when norm) the
- *           RMSNorm over 2d with weight*gain wg (float32, or NULL for the gain alone)
+ *   lam_bh  (B, H) float32 lambda per sequence and head, or NULL for the scalar lam
+ *   out     (B, H, vw): (softmax(q1 K1^T s) - lam softmax(q2 K2^T s)) V, then (when norm) the
+ *           RMSNorm over vw with weight*gain wg (float32, or NULL for the gain alone)
  * Query head i uses K/V head i / (H / Hk).  Logits, softmax, sums: float32. */
 #define MAX_DV (128 / LANES) /* vectors per head dim d in the decoding kernel's vector path (d <= 128) */
 void difftx_diff_decode(const void *q, const void *k, const void *v, const uint8_t *valid, void *out,
                         int is_bf16, int out_bf16, int64_t B, int64_t H, int64_t Hk, int64_t T, int64_t d,
-                        int64_t k_batch, int64_t k_head, int64_t k_tok, int64_t k2_off, int64_t v_batch,
-                        int64_t v_head, int64_t v_tok, float scale, float lam, int norm, const float *wg,
-                        float gain, float eps, int nthreads) {
-    const int64_t group = H / Hk, w = 2 * d, nv = d / LANES;
-    const int vec = d % LANES == 0 && nv <= MAX_DV;
+                        int64_t vw, int64_t k_batch, int64_t k_head, int64_t k_tok, int64_t k2_off, int64_t v_batch,
+                        int64_t v_head, int64_t v_tok, float scale, float lam_scalar, const float *lam_bh, int norm,
+                        const float *wg, float gain, float eps, int nthreads) {
+    const int64_t group = H / Hk, w = 2 * d, nv = d / LANES, nvv = vw / LANES;
+    const int vec = d % LANES == 0 && nv <= MAX_DV && vw % LANES == 0 && vw <= w;
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = (float *)malloc((size_t)(2 * T + 4 * w) * sizeof(float));
@@ -337,6 +340,7 @@ void difftx_diff_decode(const void *q, const void *k, const void *v, const uint8
         for (int64_t bh = 0; bh < B * H; bh++) {
             const int64_t b = bh / H, hi = bh % H, kh = hi / group;
             const int64_t k_off = b * k_batch + kh * k_head, v_off = b * v_batch + kh * v_head;
+            const float lam = lam_bh ? lam_bh[bh] : lam_scalar;
             if (vec) { /* d a multiple of LANES up to 128: whole vectors, q and the sums in registers */
                 vf q1v[MAX_DV], q2v[MAX_DV], av[2 * MAX_DV];
                 for (int64_t j = 0; j < nv; j++) {
@@ -359,14 +363,14 @@ void difftx_diff_decode(const void *q, const void *k, const void *v, const uint8
                     l2[t] = vhsum(a2);
                 }
                 const float inv1 = softmax_inplace(l1, T), inv2 = softmax_inplace(l2, T);
-                for (int64_t j = 0; j < 2 * nv; j++) av[j] = (vf){0};
+                for (int64_t j = 0; j < nvv; j++) av[j] = (vf){0};
                 for (int64_t t = 0; t < T; t++) {
                     const float pt = l1[t] * inv1 - lam * inv2 * l2[t];
                     if (pt == 0.0f) continue; /* masked keys */
                     const int64_t o = v_off + t * v_tok;
-                    for (int64_t j = 0; j < 2 * nv; j++) av[j] += pt * vload(v, o + j * LANES, is_bf16, LANES, 0.0f);
+                    for (int64_t j = 0; j < nvv; j++) av[j] += pt * vload(v, o + j * LANES, is_bf16, LANES, 0.0f);
                 }
-                for (int64_t j = 0; j < 2 * nv; j++) memcpy(acc + j * LANES, &av[j], sizeof(vf));
+                for (int64_t j = 0; j < nvv; j++) memcpy(acc + j * LANES, &av[j], sizeof(vf));
             } else {
             load_row(q, (b * 2 * H + hi) * d, is_bf16, qf, d);            /* q1 */
             load_row(q, (b * 2 * H + H + hi) * d, is_bf16, qf + d, d);    /* q2 */
@@ -389,28 +393,28 @@ void difftx_diff_decode(const void *q, const void *k, const void *v, const uint8
             }
             const float inv1 = softmax_inplace(l1, T), inv2 = softmax_inplace(l2, T);
             for (int64_t t = 0; t < T; t++) l1[t] = l1[t] * inv1 - lam * inv2 * l2[t];
-            for (int64_t i = 0; i < w; i++) acc[i] = 0.0f;
+            for (int64_t i = 0; i < vw; i++) acc[i] = 0.0f;
             for (int64_t t = 0; t < T; t++) {
                 const float pt = l1[t];
                 if (pt == 0.0f) continue; /* masked keys */
-                load_row(v, v_off + t * v_tok, is_bf16, row, w);
+                load_row(v, v_off + t * v_tok, is_bf16, row, vw);
 #pragma omp simd
-                for (int64_t i = 0; i < w; i++) acc[i] += pt * row[i];
+                for (int64_t i = 0; i < vw; i++) acc[i] += pt * row[i];
             }
             }
             float r = 1.0f;
             if (norm) {
                 float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
-                for (int64_t i = 0; i < w; i++) ss += acc[i] * acc[i];
-                r = 1.0f / sqrtf(ss / (float)w + eps);
+                for (int64_t i = 0; i < vw; i++) ss += acc[i] * acc[i];
+                r = 1.0f / sqrtf(ss / (float)vw + eps);
                 if (wg) {
-                    for (int64_t i = 0; i < w; i++) acc[i] *= wg[i];
+                    for (int64_t i = 0; i < vw; i++) acc[i] *= wg[i];
                 } else {
                     r *= gain;
                 }
             }
-            store_row(out, bh * w, out_bf16, acc, r, NULL, 0.0f, w, w);
+            store_row(out, bh * vw, out_bf16, acc, r, NULL, 0.0f, vw, vw);
         }
         free(buf);
     }
