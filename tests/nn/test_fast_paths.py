@@ -303,6 +303,17 @@ def test_paired_decode_matches_reference(dtype, h, hk, padded):
     assert (out.double() - ref).abs().max() <= tol * ref.abs().max().clamp_min(1.0)
 
 
+def _padded_decoding(model, ids, valid, dtype):
+    """Prefill ids[:, :8] into a fresh cache, then decode ids 8..10 one step at a time (``valid``: left padding),
+    under bf16 autocast for ``dtype`` bf16: the logits at positions 7..10 as float32, and the cache."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        cache = model.new_cache(ids.shape[0], 16)
+        out = [model(ids[:, :8], cache=cache, attention_mask=valid[:, :8]).logits[:, -1:]]
+        for i in range(8, 11):
+            out.append(model(ids[:, i:i + 1], cache=cache, attention_mask=valid[:, i:i + 1]).logits)
+    return torch.cat(out, 1).float(), cache
+
+
 @pytest.mark.parametrize("n_kv_heads", [None, 1])
 def test_bf16_diff_cache_is_paired_and_decodes_like_fp32(n_kv_heads):
     """A bf16 KVCache holds DIFF keys paired (h_kv heads of 2d: the Transformer twin's bytes) and
@@ -318,12 +329,7 @@ def test_bf16_diff_cache_is_paired_and_decodes_like_fp32(n_kv_heads):
     with torch.no_grad():
         ref = model(ids, attention_mask=valid).logits[:, 7:11].float()  # prefill predicts at 7, steps at 8..10
         for dtype in (torch.bfloat16, torch.float32):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                cache = model.new_cache(2, 16)
-                out = [model(ids[:, :8], cache=cache, attention_mask=valid[:, :8]).logits[:, -1:]]
-                for i in range(8, 11):
-                    out.append(model(ids[:, i:i + 1], cache=cache, attention_mask=valid[:, i:i + 1]).logits)
-            got = torch.cat(out, 1).float()
+            got, cache = _padded_decoding(model, ids, valid, dtype)
             paired = (2, hk, 16, 2 * cfg.head_dim)
             assert tuple(cache.k[0].shape) == (paired if dtype == torch.bfloat16 else (2, 2 * hk, 16, cfg.head_dim))
             tol = 0.03 if dtype == torch.bfloat16 else 1e-5
@@ -350,12 +356,7 @@ def test_diff2_decoding_kernel_matches_the_full_forward(n_kv_heads, head_dim, mo
         ref = model(ids, attention_mask=valid).logits[:, 7:11].float()  # prefill predicts at 7, steps at 8..10
         for dtype in (torch.float32, torch.bfloat16):
             calls.clear()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                cache = model.new_cache(2, 16)
-                out = [model(ids[:, :8], cache=cache, attention_mask=valid[:, :8]).logits[:, -1:]]
-                for i in range(8, 11):
-                    out.append(model(ids[:, i:i + 1], cache=cache, attention_mask=valid[:, i:i + 1]).logits)
-            got = torch.cat(out, 1).float()
+            got, _ = _padded_decoding(model, ids, valid, dtype)
             assert len(calls) == 3 * 2 and all(tuple(lam.shape) == (2, 4) for lam in calls)  # steps x layers
             tol = 0.03 if dtype == torch.bfloat16 else 1e-5
             assert (got - ref).abs().max() <= tol * ref.abs().max(), (dtype, (got - ref).abs().max())
