@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .linear import traced
+from .linear import grad_wanted, traced
 from .mask import AttnMask
 from .norms import upcast
 
@@ -238,7 +238,6 @@ def native_diff_decode(q, k, v, mask: AttnMask, scale: float, lam: torch.Tensor,
         valid = mask.key_valid[:, : mask.n_k].clone()
         valid[:, mask.q_start] = True  # a query always sees itself
     wg = None if weight is None else weight.to(torch.float32) * gain
-    lam = lam if lam.numel() > 1 else float(lam)
     return native.diff_decode(q, k, v, valid, lam, scale, norm, wg, gain, eps, out_dtype)
 
 
@@ -268,8 +267,7 @@ def combine(o1: torch.Tensor, o2: torch.Tensor, lam: torch.Tensor) -> torch.Tens
     """``upcast(o1) - lam * upcast(o2)`` (DIFF's two maps' outputs, SPEC eq. 1), lam a 0-dim tensor.  Without
     autograd (prefill, decoding) the expression itself: an autograd Function costs a decoding step its
     Python overhead for nothing; so do compiled graphs (which fuse it) and torch.func transforms."""
-    if (torch.is_grad_enabled() and (o1.requires_grad or o2.requires_grad or lam.requires_grad)
-            and not traced()):
+    if grad_wanted(o1, o2, lam) and not traced():
         return _Combine.apply(o1, o2, lam)
     return upcast(o1) - lam * upcast(o2)
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import _autocast_input
-from .linear import Linear, project
+from .linear import Linear, grad_wanted, project
 
 
 class _NativeSwiGLU(torch.autograd.Function):
@@ -34,7 +34,7 @@ def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
     if (g.dtype == u.dtype and g.dtype in (torch.float32, torch.bfloat16) and g.shape == u.shape
             and g.is_contiguous() and u.is_contiguous() and native.supports(g.dtype, g.device)):
-        if not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad)):  # inference: no autograd node
+        if not grad_wanted(g, u):  # inference: no autograd node
             return native.swiglu(g, u)
         return _NativeSwiGLU.apply(g, u)
     return F.silu(g) * u

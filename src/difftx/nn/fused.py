@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 
 from . import native
-from .linear import traced
+from .linear import grad_wanted, traced
 from .mask import AttnMask
 
 # Rows per block: one head's block of one map (rows x keys) holds about SLICE_BYTES, so it stays
@@ -492,7 +492,7 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
     b, m, h, n, _ = q.shape
     if m not in (1, 2) or (m == 2) != (lam is not None):
         raise ValueError("fused_attention takes one map without lambda or two maps with lambda")
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, lam))
+    needs_grad = grad_wanted(q, k, v, lam)
     native_chunk = chunk
     if chunk is None:
         # Reduced-precision inference takes blocks as large as BLOCK_BYTES allows (at the small
@@ -642,8 +642,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gain: 
     with _no_autocast(x.device.type):
         # Off the CPU, torch's fused RMSNorm kernels (CUDA: one launch each way, not ~8 and ~10); on the CPU for
         # decoding-sized calls without autograd, where the fewest ops win.
-        if x.device.type != "cpu" or (x.numel() <= SMALL_NORM and not (torch.is_grad_enabled() and (
-                x.requires_grad or (weight is not None and weight.requires_grad)))):
+        if x.device.type != "cpu" or (x.numel() <= SMALL_NORM and not grad_wanted(x, weight)):
             w = None if weight is None else weight.to(cd)
             w = w * gain if (w is not None and gain != 1.0) else w
             y = torch.nn.functional.rms_norm(x.to(cd), (x.shape[-1],), w, eps)
@@ -659,8 +658,7 @@ def _inference_norm(x: torch.Tensor, weight: Optional[torch.Tensor], out_dtype: 
     no autograd node: CPU, no gradient wanted, eager, dtypes the kernel takes.  One ctypes call costs a third of
     ``F.rms_norm``'s composite ops at these sizes (11-14 against 20-29 us for 4 x 512 floats, AMD EPYC)."""
     return (x.numel() <= SMALL_NORM and x.device.type == "cpu"
-            and not (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)))
-            and not traced() and _native_norm(x, weight, out_dtype))
+            and not grad_wanted(x, weight) and not traced() and _native_norm(x, weight, out_dtype))
 
 
 class _AddRMSNorm(torch.autograd.Function):
@@ -705,7 +703,7 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: Optional[torch.Tensor
         with _no_autocast(x.device.type):
             return _AddRMSNorm.apply(x, a, weight, eps, out_dtype)
     if (x.dtype == torch.float32 and a.dtype in (torch.float32, torch.bfloat16) and a.shape == x.shape
-            and not (torch.is_grad_enabled() and a.requires_grad) and _inference_norm(x, weight, out_dtype)):
+            and not grad_wanted(a) and _inference_norm(x, weight, out_dtype)):
         rstd = torch.empty(x.shape[:-1].numel(), dtype=torch.float32, device=x.device)
         return native.add_rms_norm(x.contiguous(), a.contiguous(), _gained(weight, 1.0), 1.0, eps, out_dtype, rstd)
     x1 = x + a

@@ -148,6 +148,13 @@ def _functorch_active() -> bool:
     return bool(active and active())
 
 
+def grad_wanted(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether autograd would record a call on ``tensors`` (None entries skipped): grad mode on and one of them
+    requires a gradient.  Where it does not (no_grad, inference mode, frozen inputs), the fast paths skip their
+    autograd Functions."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def traced() -> bool:
     """Under torch.compile or a torch.func transform: the eager-only fast paths step aside for plain torch ops."""
     return torch.compiler.is_compiling() or _functorch_active()
@@ -197,8 +204,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if (FEW_ROWS and not traced()  # first: a compiled graph gets no guard on x's size from here
             and 0 < x.numel() <= FEW_ROWS * k and x.dtype == torch.float32 and weight.dtype == torch.float32
             and (bias is None or bias.dtype == torch.float32) and x.device.type == "cpu"
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                  or (bias is not None and bias.requires_grad)))
+            and not grad_wanted(x, weight, bias)
             and weight.dim() == 2 and x.shape[-1] == k and x.is_contiguous() and weight.is_contiguous()
             and (bias is None or bias.is_contiguous()) and not torch.is_autocast_enabled("cpu")
             and native.supports(torch.float32, x.device)):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .linear import grad_wanted
 from .norms import upcast
 
 IGNORE_INDEX = -100
@@ -67,6 +68,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     """
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+    if grad_wanted(hidden, weight):
         return _LinearCrossEntropy.apply(hidden, weight, targets, int(chunk))
     return _chunked(hidden, weight, targets, int(chunk), False, False)[0]

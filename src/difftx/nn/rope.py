@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .linear import grad_wanted
+
 
 class RotaryEmbedding(nn.Module):
     """Angles position * theta^(-2i/d).  No buffers: the frequencies are computed in their own
@@ -92,7 +94,7 @@ def _native_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: s
             or any(s != 1 for s in cos.shape[1:-2]):
         return None
     cos3, sin3 = cos.reshape(bc, n, half).contiguous(), sin.reshape(bc, n, half).contiguous()
-    if not (torch.is_grad_enabled() and x.requires_grad):  # inference: the kernel alone, no autograd node
+    if not grad_wanted(x):  # inference: the kernel alone, no autograd node
         return native.rope(x, cos3, sin3, style == "interleaved")
     return _NativeRope.apply(x, cos3, sin3, style == "interleaved")
 
