@@ -231,6 +231,41 @@ def test_native_float32_attention_declines_what_it_cannot_take():
         assert native.attention_ok(q, k, torch.zeros(1, 8, 2, 64).transpose(1, 2), 8, False)  # a head view
 
 
+def test_native_float32_blocks_grow_with_the_keys_within_their_scratch_bound():
+    """The float32 kernel's query blocks: 48 rows at the small preset (4 x 512, as tuned) and up to 1K-2K keys,
+    NATIVE_LONG_ROWS from NATIVE_LONG_KEYS keys on, never taller than the C block buffer bound allows or the
+    queries need, and never under the rows of before."""
+    rows = fused.native_rows
+    assert rows(fused.chunk_size(4, 2, 4, 512, 512, 4), 512, 512, 2) == 48
+    assert rows(fused.chunk_size(4, 1, 8, 512, 512, 4), 512, 512, 1) == 48
+    assert rows(fused.chunk_size(1, 2, 4, 256, 256, 4), 256, 256, 2) == 96  # short keys: the block path's 128 x 3/4
+    got = {nk: rows(fused.chunk_size(1, 2, 4, nk, nk, 4), nk, nk, 2) for nk in (1024, 2047, 2048, 16384, 32768, 1 << 17)}
+    assert got[1024] == got[2047] == fused.NATIVE_CHUNK
+    assert got[2048] == got[16384] == fused.NATIVE_LONG_ROWS > fused.NATIVE_CHUNK
+    for nk, r in got.items():
+        assert r % fused.NATIVE_CHUNK == 0 and fused.NATIVE_CHUNK <= r <= fused.NATIVE_LONG_ROWS
+        assert r == fused.NATIVE_CHUNK or 3 * r * nk * 4 <= fused.NATIVE_SCRATCH, (nk, r)
+    assert fused.NATIVE_CHUNK < got[32768] < fused.NATIVE_LONG_ROWS and got[1 << 17] == fused.NATIVE_CHUNK
+    assert rows(64, 20, 4096, 2) == 48  # few queries after a long prefix: the rows as before
+    assert rows(64, 100, 4096, 2) == 102  # no taller than the queries (in whole 6-row tiles)
+
+
+@needs_native
+def test_native_float32_attention_with_tall_blocks_at_long_keys_matches_float64(monkeypatch):
+    """At 2.1K keys fused_attention gives the kernel taller blocks (NATIVE_LONG_KEYS), which it runs exactly:
+    output and every gradient (DIFF V2's per-row lambda included) within fp32 ulps of float64."""
+    inputs, mask = _wide_case(2, 2, 1, 2100, 0, "rows", True)
+    chunks = []
+    fwd = native.attention_forward
+    monkeypatch.setattr(native, "attention_forward", lambda *a, **kw: chunks.append(a[5]) or fwd(*a, **kw))
+    got = _wide_run(inputs, mask, torch.float32, True, monkeypatch, None)
+    assert chunks == [fused.NATIVE_LONG_ROWS]  # where the rule before gave 48
+    exact = _wide_run(inputs, mask, torch.float64, False, monkeypatch, None)
+    for i, (a, r) in enumerate(zip(got, exact)):
+        scale = r.abs().max().clamp_min(1.0)
+        assert (a.double() - r).abs().max() <= 2e-6 * scale, (i, (a.double() - r).abs().max() / scale)
+
+
 needs_amx = pytest.mark.skipif(not (HAVE_CC and native.amx()), reason="the bf16 attention kernel needs an AMX CPU")
 
 

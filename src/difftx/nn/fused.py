@@ -64,6 +64,27 @@ SLICE_BYTES = 128 << 10
 BLOCK_BYTES = 32 << 20
 MIN_CHUNK = 64  # rows per block at least (GEMM efficiency at long N); memory stays linear in N
 NATIVE_CHUNK = 48  # the float32 kernel's blocks: multiples of this (see fused_attention)
+# Long keys: from NATIVE_LONG_KEYS keys on, the float32 kernel's blocks are NATIVE_LONG_ROWS tall, while its
+# per-thread block buffer ((maps + 1) x rows x keys floats, allocated in C) stays under NATIVE_SCRATCH.  Past
+# ~1K keys a block's maps, its K / V panels and its dK / dV rows no longer stay in L2 and every block streams
+# them again: taller blocks stream them fewer times.  Forward + backward of one DIFF layer (4 heads of 64,
+# AVX2 EPYC, medians of alternating runs) over 48-row blocks: 1 thread 1.17x at 2K keys, 1.09x at 4K, 1.27x
+# at 8K, 1.28x at 16K; 2 threads 1.12x at 2K, 1.15x at 4K, 1.22x at 16K; at 1K-1.5K keys no change
+# (docs/performance.md, "Long context").
+NATIVE_LONG_KEYS = 2048
+NATIVE_LONG_ROWS = 4 * NATIVE_CHUNK
+NATIVE_SCRATCH = 64 << 20
+
+
+def native_rows(chunk: int, n_q: int, n_k: int, maps: int) -> int:
+    """Query rows per block of the float32 native kernel for block-path blocks of ``chunk`` rows: 3/4 of
+    them in whole multiples of NATIVE_CHUNK (8 tiles of the 6-row micro-kernel), NATIVE_LONG_ROWS at long
+    ``n_k`` (see NATIVE_LONG_KEYS) where the block buffer bound allows, never taller than the queries need."""
+    rows = max(NATIVE_CHUNK, chunk // MIN_CHUNK * NATIVE_CHUNK)
+    if n_k < NATIVE_LONG_KEYS:
+        return rows
+    fits = NATIVE_SCRATCH // ((maps + 1) * n_k * 4) // NATIVE_CHUNK * NATIVE_CHUNK
+    return max(rows, min(NATIVE_LONG_ROWS, fits, -(-n_q // 6) * 6))
 # Under bf16 the maps' elementwise math runs on bf16 tensors (the softmax and row sums still
 # accumulate in fp32 inside their kernels): ~15% faster than fp32 maps, and about as accurate,
 # since the bf16 logits out of the GEMM dominate the error either way (docs/performance.md).
@@ -499,12 +520,13 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
         # preset's prefill, 4 x 512 tokens: one block): fewer K/V prefix copies and Python steps,
         # which do not parallelise (docs/performance.md, "Inference blocks").
         es = _map_dtype(q.dtype).itemsize
-        chunk = chunk_size(b, m, h, n, min(k.shape[3], mask.n_k), es, slices=needs_grad or es >= 4)
+        nk = min(k.shape[3], mask.n_k)
+        chunk = chunk_size(b, m, h, n, nk, es, slices=needs_grad or es >= 4)
         # The float32 kernel's blocks: 3/4 as many rows, a multiple of 48 = 8 tiles of its 6-row
         # micro-kernel (64 rows end in a 4-row tile) whose maps stay further inside L2: 1 ms (2%)
-        # less per DIFF layer at the small preset (docs/performance.md).
+        # less per DIFF layer at the small preset (docs/performance.md); taller at long keys.
         # bf16 on AMX keeps the chunk itself (a multiple of MIN_CHUNK: whole 32-row tile pairs).
-        native_chunk = max(NATIVE_CHUNK, chunk // MIN_CHUNK * NATIVE_CHUNK) if q.dtype == torch.float32 else chunk
+        native_chunk = native_rows(chunk, n, nk, m) if q.dtype == torch.float32 else chunk
     with _no_autocast(q.device.type):
         if not needs_grad and n <= SMALL_QUERY:
             return _few_queries(q, k, v, lam, mask, scale)
