@@ -235,7 +235,9 @@ def test_native_float32_blocks_grow_with_the_keys_within_their_scratch_bound():
     """The float32 kernel's query blocks: 48 rows at the small preset (4 x 512, as tuned) and up to 1K-2K keys,
     NATIVE_LONG_ROWS from NATIVE_LONG_KEYS keys on, never taller than the C block buffer bound allows or the
     queries need, and never under the rows of before."""
-    rows = fused.native_rows
+    def rows(chunk, n_q, n_k, maps, threads=2):
+        return fused.native_rows(chunk, n_q, n_k, maps, threads)
+
     assert rows(fused.chunk_size(4, 2, 4, 512, 512, 4), 512, 512, 2) == 48
     assert rows(fused.chunk_size(4, 1, 8, 512, 512, 4), 512, 512, 1) == 48
     assert rows(fused.chunk_size(1, 2, 4, 256, 256, 4), 256, 256, 2) == 96  # short keys: the block path's 128 x 3/4
@@ -244,8 +246,9 @@ def test_native_float32_blocks_grow_with_the_keys_within_their_scratch_bound():
     assert got[2048] == got[16384] == fused.NATIVE_LONG_ROWS > fused.NATIVE_CHUNK
     for nk, r in got.items():
         assert r % fused.NATIVE_CHUNK == 0 and fused.NATIVE_CHUNK <= r <= fused.NATIVE_LONG_ROWS
-        assert r == fused.NATIVE_CHUNK or 3 * r * nk * 4 <= fused.NATIVE_SCRATCH, (nk, r)
+        assert r == fused.NATIVE_CHUNK or 2 * 3 * r * nk * 4 <= fused.NATIVE_SCRATCH, (nk, r)  # both threads' buffers
     assert fused.NATIVE_CHUNK < got[32768] < fused.NATIVE_LONG_ROWS and got[1 << 17] == fused.NATIVE_CHUNK
+    assert rows(64, 4096, 4096, 2, threads=16) == 144 and rows(64, 16384, 16384, 2, threads=16) == 48  # many threads
     assert rows(64, 20, 4096, 2) == 48  # few queries after a long prefix: the rows as before
     assert rows(64, 100, 4096, 2) == 102  # no taller than the queries (in whole 6-row tiles)
 
@@ -258,7 +261,12 @@ def test_native_float32_attention_with_tall_blocks_at_long_keys_matches_float64(
     chunks = []
     fwd = native.attention_forward
     monkeypatch.setattr(native, "attention_forward", lambda *a, **kw: chunks.append(a[5]) or fwd(*a, **kw))
-    got = _wide_run(inputs, mask, torch.float32, True, monkeypatch, None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # the block buffer bound is for all threads together
+        got = _wide_run(inputs, mask, torch.float32, True, monkeypatch, None)
+    finally:
+        torch.set_num_threads(threads)
     assert chunks == [fused.NATIVE_LONG_ROWS]  # where the rule before gave 48
     exact = _wide_run(inputs, mask, torch.float64, False, monkeypatch, None)
     for i, (a, r) in enumerate(zip(got, exact)):

@@ -65,7 +65,8 @@ BLOCK_BYTES = 32 << 20
 MIN_CHUNK = 64  # rows per block at least (GEMM efficiency at long N); memory stays linear in N
 NATIVE_CHUNK = 48  # the float32 kernel's blocks: multiples of this (see fused_attention)
 # Long keys: from NATIVE_LONG_KEYS keys on, the float32 kernel's blocks are NATIVE_LONG_ROWS tall, while its
-# per-thread block buffer ((maps + 1) x rows x keys floats, allocated in C) stays under NATIVE_SCRATCH.  Past
+# block buffers ((maps + 1) x rows x keys floats per thread, allocated in C) stay under NATIVE_SCRATCH for all
+# threads together (64 MiB a thread on 2; many threads keep shorter blocks at the longest keys).  Past
 # ~1K keys a block's maps, its K / V panels and its dK / dV rows no longer stay in L2 and every block streams
 # them again: taller blocks stream them fewer times.  Forward + backward of one DIFF layer (4 heads of 64,
 # AVX2 EPYC, medians of alternating runs) over 48-row blocks: 1 thread 1.17x at 2K keys, 1.09x at 4K, 1.27x
@@ -73,17 +74,19 @@ NATIVE_CHUNK = 48  # the float32 kernel's blocks: multiples of this (see fused_a
 # (docs/performance.md, "Long context").
 NATIVE_LONG_KEYS = 2048
 NATIVE_LONG_ROWS = 4 * NATIVE_CHUNK
-NATIVE_SCRATCH = 64 << 20
+NATIVE_SCRATCH = 128 << 20
 
 
-def native_rows(chunk: int, n_q: int, n_k: int, maps: int) -> int:
+def native_rows(chunk: int, n_q: int, n_k: int, maps: int, threads: int = 0) -> int:
     """Query rows per block of the float32 native kernel for block-path blocks of ``chunk`` rows: 3/4 of
     them in whole multiples of NATIVE_CHUNK (8 tiles of the 6-row micro-kernel), NATIVE_LONG_ROWS at long
-    ``n_k`` (see NATIVE_LONG_KEYS) where the block buffer bound allows, never taller than the queries need."""
+    ``n_k`` (see NATIVE_LONG_KEYS) where the block buffers of ``threads`` threads (0: torch's count) fit
+    NATIVE_SCRATCH, never taller than the queries need."""
     rows = max(NATIVE_CHUNK, chunk // MIN_CHUNK * NATIVE_CHUNK)
     if n_k < NATIVE_LONG_KEYS:
         return rows
-    fits = NATIVE_SCRATCH // ((maps + 1) * n_k * 4) // NATIVE_CHUNK * NATIVE_CHUNK
+    per_thread = NATIVE_SCRATCH // max(1, threads or torch.get_num_threads())
+    fits = per_thread // ((maps + 1) * n_k * 4) // NATIVE_CHUNK * NATIVE_CHUNK
     return max(rows, min(NATIVE_LONG_ROWS, fits, -(-n_q // 6) * 6))
 # Under bf16 the maps' elementwise math runs on bf16 tensors (the softmax and row sums still
 # accumulate in fp32 inside their kernels): ~15% faster than fp32 maps, and about as accurate,
