@@ -241,7 +241,8 @@ def test_native_float32_blocks_grow_with_the_keys_within_their_scratch_bound():
     assert rows(fused.chunk_size(4, 2, 4, 512, 512, 4), 512, 512, 2) == 48
     assert rows(fused.chunk_size(4, 1, 8, 512, 512, 4), 512, 512, 1) == 48
     assert rows(fused.chunk_size(1, 2, 4, 256, 256, 4), 256, 256, 2) == 96  # short keys: the block path's 128 x 3/4
-    got = {nk: rows(fused.chunk_size(1, 2, 4, nk, nk, 4), nk, nk, 2) for nk in (1024, 2047, 2048, 16384, 32768, 1 << 17)}
+    lengths = (1024, 2047, 2048, 16384, 32768, 1 << 17)
+    got = {nk: rows(fused.chunk_size(1, 2, 4, nk, nk, 4), nk, nk, 2) for nk in lengths}
     assert got[1024] == got[2047] == fused.NATIVE_CHUNK
     assert got[2048] == got[16384] == fused.NATIVE_LONG_ROWS > fused.NATIVE_CHUNK
     for nk, r in got.items():

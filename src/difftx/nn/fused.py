@@ -70,8 +70,8 @@ NATIVE_CHUNK = 48  # the float32 kernel's blocks: multiples of this (see fused_a
 # ~1K keys a block's maps, its K / V panels and its dK / dV rows no longer stay in L2 and every block streams
 # them again: taller blocks stream them fewer times.  Forward + backward of one DIFF layer (4 heads of 64,
 # AVX2 EPYC, medians of alternating runs) over 48-row blocks: 1 thread 1.17x at 2K keys, 1.09x at 4K, 1.27x
-# at 8K, 1.28x at 16K; 2 threads 1.12x at 2K, 1.15x at 4K, 1.22x at 16K; at 1K-1.5K keys no change
-# (docs/performance.md, "Long context").
+# at 8K, 1.28x at 16K; 2 threads 1.02x, 1.13x, 1.08x, 1.32x; at 1K-1.5K keys no change (docs/performance.md,
+# "Long context").
 NATIVE_LONG_KEYS = 2048
 NATIVE_LONG_ROWS = 4 * NATIVE_CHUNK
 NATIVE_SCRATCH = 128 << 20
@@ -88,6 +88,8 @@ def native_rows(chunk: int, n_q: int, n_k: int, maps: int, threads: int = 0) -> 
     per_thread = NATIVE_SCRATCH // max(1, threads or torch.get_num_threads())
     fits = per_thread // ((maps + 1) * n_k * 4) // NATIVE_CHUNK * NATIVE_CHUNK
     return max(rows, min(NATIVE_LONG_ROWS, fits, -(-n_q // 6) * 6))
+
+
 # Under bf16 the maps' elementwise math runs on bf16 tensors (the softmax and row sums still
 # accumulate in fp32 inside their kernels): ~15% faster than fp32 maps, and about as accurate,
 # since the bf16 logits out of the GEMM dominate the error either way (docs/performance.md).
