@@ -5,6 +5,8 @@ buffers, the fused RMSNorm, and the lambda cache used while decoding."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -684,6 +686,81 @@ def test_cached_decoding_chains_the_residual_norms_without_changing_a_bit(attent
     plain = decode()
     assert len(calls) == 5 * 3  # the FFN PreNorms only
     assert all(torch.equal(p, q) for p, q in zip(chained, plain))
+
+
+@pytest.mark.skipif(native.library() is None, reason="the native kernels are not built here")
+@pytest.mark.parametrize("attention", ["softmax", "diff"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_dnt_blocks_chain_through_their_mid_norms_without_changing_a_bit(attention, dtype, monkeypatch):
+    """DNT blocks (InputNorm, PreNorm, QK-norm, MidNorms, no FFN PreNorm) chain too: x + MidNorm(FFN) is added
+    in the next attention PreNorm's pass and the last one in the final norm's.  A training step's loss and
+    gradients, and cached decoding's logits, equal block-by-block's bit for bit."""
+    from difftx.nn.block import Block
+
+    cfg = ModelConfig(attention=attention, norms="dnt", d_model=128, n_heads=2, n_layers=3, vocab_size=40,
+                      max_seq_len=300)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    ids = torch.randint(0, 40, (2, 300))  # over fused.SMALL_NORM: the training kernels run
+    calls = []
+    run = native.add_rms_norm  # the fused kernel, with autograd (training) or without (decoding)
+    monkeypatch.setattr(native, "add_rms_norm", lambda *a: calls.append(1) or run(*a))
+    autocast = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+    def step():
+        model.train()
+        model.zero_grad(set_to_none=True)
+        with autocast():
+            loss = model(ids, targets=ids).loss
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    def decode():
+        model.eval()
+        with torch.no_grad(), autocast():
+            cache = model.new_cache(2, 16)
+            out = [model(ids[:, :9], cache=cache).logits]
+            for _ in range(3):
+                out.append(model(out[-1][:, -1:].argmax(-1), cache=cache).logits)
+        return out
+
+    chained = step(), decode()
+    assert len(calls) == 3 + 4 * 3  # blocks 2 and 3's attention PreNorms and the final norm, per forward
+    monkeypatch.setattr(Block, "chains", lambda self, x, first: False)
+    calls.clear()
+    plain = step(), decode()
+    assert calls == []  # no FFN PreNorm in DNT: nothing else fuses
+    for got, want in zip(chained, plain):
+        assert all(torch.equal(p, q) for p, q in zip(got, want))
+
+
+def test_qk_norm_on_the_projection_rows_is_the_head_views_norm():
+    """QK-norm runs on a projection's output (B, N, n*d) as rows of d, not on its head view (B, n, N, d) (which
+    costs the norm a copy each way): the same output and input gradient bit for bit, fp32 and bf16; the
+    weight's gradient sums the rows in another order, as close to float64 either way."""
+    from difftx.nn.attention import AttentionBase, _heads
+    from difftx.nn.norms import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 300, 4 * 16).to(dtype)  # over fused.SMALL_NORM: the training kernel runs
+        w = torch.randn(2, 4, 300, 16).to(dtype)
+        outs = []
+        for rows in (True, False):
+            p = x.clone().requires_grad_()
+            y = _heads(AttentionBase._qk_norm(p, norm, 16), 4, 16) if rows else norm(_heads(p, 4, 16))
+            grads = torch.autograd.grad((y.float() * w.float()).sum(), (p, norm.weight))
+            outs.append([y.detach(), *grads])
+        (y1, dx1, dw1), (y2, dx2, dw2) = outs
+        assert y1.dtype == y2.dtype == dtype and torch.equal(y1, y2) and torch.equal(dx1, dx2)
+        xd = x.double().view(2, 300, 4, 16)
+        xn = xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + norm.eps)
+        dw_ref = (xn * w.double().transpose(1, 2)).sum((0, 1, 2))
+        for dw in (dw1, dw2):
+            assert (dw.double() - dw_ref).abs().max() <= 1e-5 * dw_ref.abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

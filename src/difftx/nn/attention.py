@@ -63,10 +63,17 @@ class AttentionBase(nn.Module):
             self.q_norm = self.k_norm = None
 
     # helpers ----------------------------------------------------------------
-    def _qk(self, t: torch.Tensor, norm: Optional[nn.Module], rope) -> torch.Tensor:
-        """QK-norm then RoPE on (B, H, N, d), or DIFF's (B, 2, H, N, d) (maps first)."""
-        if norm is not None:
-            t = norm(t)
+    @staticmethod
+    def _qk_norm(p: torch.Tensor, norm: Optional[nn.Module], d: int) -> torch.Tensor:
+        """QK-norm of each d-wide head of a projection's output (B, N, n*d), in that layout: the norm reads and
+        writes whole rows, where the head view (B, n, N, d) would cost it a copy each way."""
+        if norm is None:
+            return p
+        b, t, w = p.shape
+        return norm(p.view(b, t, w // d, d)).view(b, t, w)
+
+    def _qk(self, t: torch.Tensor, rope) -> torch.Tensor:
+        """RoPE on (B, H, N, d), or DIFF's (B, 2, H, N, d) (maps first), after :meth:`_qk_norm`."""
         if rope is not None and self.rope_style is not None:
             cos, sin = rope
             if t.dim() == 5:  # one more head axis
@@ -158,8 +165,8 @@ class SoftmaxAttention(AttentionBase):
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
         d = self.head_dim
         qp, kp, vp = project(_autocast_input(x), (self.q_proj, self.k_proj, self.v_proj))
-        q = self._qk(_heads(qp, self.n_heads, d), self.q_norm, rope)
-        k = self._qk(_heads(kp, self.n_kv_heads, d), self.k_norm, rope)
+        q = self._qk(_heads(self._qk_norm(qp, self.q_norm, d), self.n_heads, d), rope)
+        k = self._qk(_heads(self._qk_norm(kp, self.k_norm, d), self.n_kv_heads, d), rope)
         v = _heads(vp, self.n_kv_heads, d)
         if cache is not None:
             k, v = cache.update(self.layer - 1, k, v)
@@ -259,8 +266,8 @@ class DifferentialAttention(AttentionBase):
         qp, kp, vp = project(_autocast_input(x), (self.q_proj, self.k_proj, self.v_proj))
         # Stacked maps-first before RoPE, whose output is a new tensor: so it comes out contiguous in
         # (B, 2, h, N, d) order, which the fused kernel reads as one batch without copying Q or K.
-        q = self._qk(self._stack(_heads(qp, 2 * h, d), h), self.q_norm, rope)  # (B, 2, h, N, d)
-        k = self._qk(self._stack(_heads(kp, 2 * hk, d), hk), self.k_norm, rope)
+        q = self._qk(self._stack(_heads(self._qk_norm(qp, self.q_norm, d), 2 * h, d), h), rope)  # (B, 2, h, N, d)
+        k = self._qk(self._stack(_heads(self._qk_norm(kp, self.k_norm, d), 2 * hk, d), hk), rope)
         v = self._value(vp)  # (B, h_kv, N, 2d)
         kv_buffers = None
         decode_gqa = False
@@ -332,8 +339,8 @@ class DiffV2Attention(AttentionBase):
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
         d = self.head_dim
         qp, kp, vp = project(_autocast_input(x), (self.q_proj, self.k_proj, self.v_proj))
-        q = self._qk(_heads(qp, 2 * self.n_heads, d), self.q_norm, rope)
-        k = self._qk(_heads(kp, self.n_kv_heads, d), self.k_norm, rope)
+        q = self._qk(_heads(self._qk_norm(qp, self.q_norm, d), 2 * self.n_heads, d), rope)
+        k = self._qk(_heads(self._qk_norm(kp, self.k_norm, d), self.n_kv_heads, d), rope)
         v = _heads(vp, self.n_kv_heads, d)
         if cache is not None:
             k, v = cache.update(self.layer - 1, k, v)

@@ -71,12 +71,15 @@ class Block(nn.Module):
 
     def chains(self, x: torch.Tensor, first: bool) -> bool:
         """Whether :meth:`forward_parts` can stand in for this block in a chain (``LM``'s loop): unhooked, no
-        dropout, the output x1 + f (no FFN MidNorm or PostNorm), and unless ``first`` an attention PreNorm that
-        can take the previous block's pending addition."""
+        dropout, the output x1 + MidNorm(f) (no FFN PostNorm; :meth:`pending` is the addend), and unless
+        ``first`` an attention PreNorm that can take the previous block's pending addition."""
         return (no_hooks(self) and getattr(self, "_compiled_call_impl", None) is None  # Module.compile()'d: call it
                 and not torch.compiler.is_compiling() and (self.dropout == 0.0 or not self.training)
-                and self.ffn_mid_norm is None and self.ffn_post_norm is None
-                and (first or self._fusable_norm(self.attn_norm, x)))
+                and self.ffn_post_norm is None and (first or self._fusable_norm(self.attn_norm, x)))
+
+    def pending(self, f: torch.Tensor) -> torch.Tensor:
+        """What a chained block adds to its x1: the FFN output f through the FFN's MidNorm (DNT), if any."""
+        return self._maybe(self.ffn_mid_norm, f)
 
     def forward(self, x: torch.Tensor, rope, mask, cache=None) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
@@ -115,7 +118,8 @@ def run_blocks(blocks, x: torch.Tensor, rope, mask, cache=None, final_norm=None)
             and all(isinstance(b, Block) and b.chains(x, i == 0) for i, b in enumerate(blocks))):
         pending = None
         for block in blocks:
-            x, pending = block.forward_parts(x, pending, rope, mask, cache)
+            x, f = block.forward_parts(x, pending, rope, mask, cache)
+            pending = block.pending(f)
         if final_norm is not None and Block._fusable_norm(final_norm, x):
             return add_rms_norm(x, pending, final_norm.weight, final_norm.eps, x.dtype)[1]
         x = x + pending
