@@ -217,6 +217,12 @@ def _threads(work: int) -> int:
     return 1 if work < SERIAL_BELOW else torch.get_num_threads()
 
 
+def _empty_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous tensor of x's shape and device in ``dtype``: ``empty_like`` takes ~1.5 us here where
+    ``torch.empty(x.shape, dtype=, device=)`` takes ~5-7 (AMD EPYC, torch 2.13); decoding calls them per layer."""
+    return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+
+
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
@@ -266,7 +272,7 @@ def rms_norm(x: torch.Tensor, wg: Optional[torch.Tensor], gain: float, eps: floa
     """
     dim = x.shape[-1]
     rows = x.numel() // dim if dim else 0
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    y = _empty_as(x, out_dtype)
     assert x.is_contiguous() and (wg is None or (wg.is_contiguous() and wg.dtype == torch.float32))
     assert rstd is None or (rstd.is_contiguous() and rstd.dtype == torch.float32 and rstd.numel() == rows)
     library().difftx_rms_norm(x.data_ptr(), int(x.dtype == torch.bfloat16), y.data_ptr(),
@@ -308,7 +314,7 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, wg: Optional[torch.Tensor], g
     assert x.dtype == torch.float32 and a.dtype in (torch.float32, torch.bfloat16) and a.shape == x.shape
     assert x.is_contiguous() and a.is_contiguous() and rstd.is_contiguous() and rstd.numel() == rows
     x1 = torch.empty_like(x)
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    y = _empty_as(x, out_dtype)
     library().difftx_add_rms_norm(x.data_ptr(), a.data_ptr(), int(a.dtype == torch.bfloat16), x1.data_ptr(),
                                   y.data_ptr(), int(out_dtype == torch.bfloat16), rstd.data_ptr(), _ptr(wg),
                                   float(gain), float(eps), rows, dim, _threads(rows * dim))
@@ -511,7 +517,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
             return rope(x, cos, sin, interleaved, inverse, None if out is None else out.view(x.shape)).view(shape)
         rows = _rows4(x)
     if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out = _empty_as(x, x.dtype)
     out_rows = _rows4(out)
     assert out.shape == x.shape and out.dtype == x.dtype and out_rows is not None
     (b, a1, a2, n), xs = rows
