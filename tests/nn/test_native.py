@@ -522,24 +522,35 @@ def test_model_decoding_takes_the_native_step_and_matches_the_torch_step(padded,
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_swiglu_float32_blocks_and_tails_match_float64(threads, monkeypatch):
-    """Several of the kernel's 4096-element blocks with a partial vector at the end: the float32 vector
-    loop and the tail path agree with float64, whatever the thread count."""
+def test_swiglu_blocks_and_tails_match_float64(threads, dtype, monkeypatch):
+    """Several of the kernel's 4096-element blocks with a partial vector at the end: the whole-vector loop
+    of each dtype and the tail path agree with float64, whatever the thread count, and compute bitwise
+    the same values (every element again through the tail path, 3 at a time)."""
     monkeypatch.setattr(native, "ENABLED", True)
     gen = torch.Generator().manual_seed(1)
-    g = torch.randn(3, 4099, generator=gen, dtype=torch.float64) * 4
-    u, dh = torch.randn(3, 4099, generator=gen, dtype=torch.float64), torch.randn(3, 4099, generator=gen, dtype=torch.float64)
+    g = (torch.randn(3, 4099, generator=gen, dtype=torch.float64) * 4).to(dtype)
+    u, dh = (torch.randn(3, 4099, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        h = native.swiglu(g.float(), u.float())
-        dg, du = native.swiglu_backward(g.float(), u.float(), dh.float())
+        h = native.swiglu(g, u)
+        dg, du = native.swiglu_backward(g, u, dh)
     finally:
         torch.set_num_threads(before)
-    s = torch.sigmoid(g)
-    for a, b in ((h, g * s * u), (dg, dh * u * s * (1 + g * (1 - s))), (du, dh * g * s)):
-        assert (a.double() - b).abs().max() <= 1e-6 * b.abs().max()
+    gd, ud, hd = g.double(), u.double(), dh.double()
+    s = torch.sigmoid(gd)
+    tol = 1e-6 if dtype == torch.float32 else 4e-3  # bfloat16: the output's rounding, 2^-8 relative
+    for a, b in ((h, gd * s * ud), (dg, hd * ud * s * (1 + gd * (1 - s))), (du, hd * gd * s)):
+        assert a.dtype == dtype
+        assert ((a.double() - b).abs() <= tol * b.abs() + 1e-6 * b.abs().max()).all()
+    fg, fu, fh = g.flatten(), u.flatten(), dh.flatten()
+    tails = [(native.swiglu(fg[i:i + 3].clone(), fu[i:i + 3].clone()),
+              *native.swiglu_backward(fg[i:i + 3].clone(), fu[i:i + 3].clone(), fh[i:i + 3].clone()))
+             for i in range(0, 600, 3)]
+    for whole, tail in zip((h, dg, du), zip(*tails)):
+        assert torch.equal(whole.flatten()[:600], torch.cat(tail))
 
 
 @needs_native
