@@ -80,6 +80,11 @@ def test_info_bad_config_file_and_preset_override(capsys, tmp_path):
     assert "preset" in one_line("nano", "--set", "preset=5")
     (tmp_path / "c.json").write_text(json.dumps({"model": {"preset": 5}}))
     assert "preset" in one_line(tmp_path / "c.json")
+    assert "config file not found" in one_line(tmp_path / "missing.json")
+    assert "tie_embeddings: must be true or false" in one_line("nano", "--set", "tie_embeddings=no")
+    assert "norms: unknown placement preset" in one_line("nano", "--set", 'norms=["S1"]')
+    (tmp_path / "c.json").write_text(json.dumps({"norms": ["S1"]}))
+    assert "norms: unknown placement preset" in one_line(tmp_path / "c.json")
 
 
 def test_cli_start_does_not_import_dynamo():

@@ -29,6 +29,17 @@ from difftx.presets import PRESETS
     (dict(attention="diff2", pairing="halves"), "pairing"),
     (dict(domain="vision", image_size=30, patch_size=4), "patch_size"),
     (dict(head_dim=5), "head_dim"),  # odd head dim cannot rotate
+    (dict(tie_embeddings="no"), "tie_embeddings"),  # a string is not a flag (and "no" is truthy)
+    (dict(bias=1), "bias"),
+    (dict(head_norm="false"), "head_norm"),
+    (dict(head_norm_weight=None), "head_norm_weight"),
+    (dict(lambda_std=float("nan")), "lambda_std"),
+    (dict(lambda_std=float("inf")), "lambda_std"),
+    (dict(lambda_init="nan"), "lambda_init"),
+    (dict(lambda_init=float("-inf")), "lambda_init"),
+    (dict(norms=["S1"]), "norms"),  # unhashable: still one ConfigError naming the field
+    (dict(attention=["diff"]), "attention"),
+    (dict(preset=5), "preset"),
 ])
 def test_invalid_configs_name_the_field(kwargs, field):
     with pytest.raises(ConfigError) as info:

@@ -177,9 +177,9 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ validation
     def _validate_and_resolve(self) -> None:
-        def choice(name: str, options: tuple) -> None:
+        def choice(name: str, options) -> None:
             value = getattr(self, name)
-            if value not in options:
+            if not isinstance(value, str) or value not in options:
                 raise ConfigError(name, f"must be one of {', '.join(options)}; got {value!r}")
 
         def positive(name: str, allow_none: bool = False) -> None:
@@ -207,8 +207,15 @@ class ModelConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or not math.isfinite(v):
                 raise ConfigError(name, f"must be a positive number; got {v!r}")
-        if not isinstance(self.lambda_std, (int, float)) or self.lambda_std < 0:
-            raise ConfigError("lambda_std", f"must be >= 0; got {self.lambda_std!r}")
+        for name in ("head_norm", "head_norm_weight", "tie_embeddings", "bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"must be true or false; got {getattr(self, name)!r}")
+        if self.preset is not None and not isinstance(self.preset, str):
+            raise ConfigError("preset", f"is the name of the preset a config came from (a string); got "
+                                        f"{self.preset!r}: pick a preset by name (--preset NAME), not with --set")
+        if isinstance(self.lambda_std, bool) or not isinstance(self.lambda_std, (int, float)) \
+                or not (self.lambda_std >= 0 and math.isfinite(self.lambda_std)):
+            raise ConfigError("lambda_std", f"must be a finite number >= 0; got {self.lambda_std!r}")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             raise ConfigError("dropout", f"must be in [0, 1); got {self.dropout!r}")
         if isinstance(self.lambda_init, str):
@@ -221,6 +228,8 @@ class ModelConfig:
                     ) from None
         elif isinstance(self.lambda_init, bool) or not isinstance(self.lambda_init, (int, float)):
             raise ConfigError("lambda_init", f"must be 'schedule' or a number; got {self.lambda_init!r}")
+        if not isinstance(self.lambda_init, str) and not math.isfinite(self.lambda_init):
+            raise ConfigError("lambda_init", f"must be 'schedule' or a finite number; got {self.lambda_init!r}")
 
         # heads
         a = self.attention
@@ -254,7 +263,7 @@ class ModelConfig:
             self.ffn_dim = _round_up(raw, self.ffn_multiple_of)
 
         # norms: preset, then explicit flags override
-        if self.norms not in NORM_PRESETS:
+        if not isinstance(self.norms, str) or self.norms not in NORM_PRESETS:
             raise ConfigError("norms", f"unknown placement preset {self.norms!r}; one of {', '.join(NORM_PRESETS)}")
         preset = NORM_PRESETS[self.norms]
         for flag in NORM_FLAGS:

@@ -167,6 +167,12 @@ def read_model_config(path) -> ModelConfig:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e}); the file is corrupt") from None
     if not isinstance(data, dict) or FORMAT_KEY not in data or "model" not in data:
         raise CheckpointError(f"{cfg_path}: not a difftx model config (no '{FORMAT_KEY}' / 'model' keys)")
+    if data[FORMAT_KEY] != FORMAT_VERSION:
+        raise CheckpointError(f"{cfg_path}: {FORMAT_KEY} {data[FORMAT_KEY]!r}, but this difftx reads format "
+                              f"{FORMAT_VERSION}; use the difftx version that wrote it")
+    if not isinstance(data["model"], dict):
+        raise CheckpointError(f"{cfg_path}: 'model' must be an object of config fields; got "
+                              f"{type(data['model']).__name__}: the file is corrupt")
     try:
         return ModelConfig.from_dict(data["model"])
     except ConfigError as e:

@@ -56,6 +56,9 @@ def test_grads_on_checkpoints(tmp_path, capsys, keep_threads):
     assert "ratio" in flow and not flow["paired"]
     tails = json.loads((out / "tails.json").read_text())
     assert [(r["setting"], r["optimizer"]) for r in tails["rows"]] == [("diff", "none"), ("transformer", "none")]
+    capsys.readouterr()
+    err = _grads_error(capsys, tmp_path / "out2", "--checkpoint", tmp_path / "diff")  # TINY's --set: not applied
+    assert "--set" in err and "as saved" in err and not (tmp_path / "out2" / "flow.json").exists()
     assert not list(out.glob("*.png"))
 
 

@@ -46,6 +46,9 @@ def test_jsonl(tmp_path):
     path.write_text('{"text": "ok"}\n{broken\n')
     with pytest.raises(DataError, match=r"docs.jsonl:2: not a JSON object"):
         list(resolve_corpus(str(path)).pieces())
+    path.write_text('{"text": "ok \\ud83d\\ude00"}\n{"text": "lone \\ud800 half"}\n')  # a pair is fine, a half not
+    with pytest.raises(DataError, match=r"docs.jsonl:2: field 'text' holds an unpaired surrogate"):
+        list(resolve_corpus(str(path)).pieces())
 
 
 def test_big_files_come_in_pieces_cut_at_newlines(tmp_path):
@@ -68,8 +71,8 @@ def test_builtin_corpus_is_the_standard_library():
     (lambda p: None, "no such file or directory"),
     (lambda p: p.write_text(""), "empty"),
     (lambda p: p.write_text("  \n\n"), "only whitespace"),
-    (lambda p: p.write_bytes(b"\x00\x01\x02" * 100), "binary"),
-    (lambda p: p.write_bytes(b"\xff\xfe" * 100), "binary"),
+    (lambda p: p.write_bytes(b"\x00\x01\x02" * 100), r"binary file \(a NUL byte at offset 0\)"),
+    (lambda p: p.write_bytes(b"ok" + b"\xff\xfe" * 100), r"binary file \(not UTF-8: bad byte at offset 2\)"),
 ])
 def test_bad_paths(tmp_path, setup, message):
     path = tmp_path / "data.txt"

@@ -63,6 +63,10 @@ BAD = [
     (["niah", "--grid", "N2R3"], "1 <= R <= N"),
     (["niah", "--lengths", "40"], "no N x R cell fits"),
     (["lm", "--quant-bits", "1"], "--quant-bits"),
+    (["lm", "--data", "{tmp}"], "a directory, not a text file"),
+    (["lm", "--checkpoint", ""], "--checkpoint is empty"),
+    (["niah", "--template", "{city} {number} {oops}"], "only '{city}' and '{number}'"),
+    (["niah", "--template", "{city} is {number} {"], "only '{city}' and '{number}'"),
     pytest.param(["lm-eval", "--tasks", "hellaswag"], "lm-eval",  # the message when the `eval` extra is missing
                  marks=pytest.mark.skipif(importlib.util.find_spec("lm_eval") is not None,
                                           reason="lm-eval is installed (it would fetch hellaswag)")),
@@ -200,4 +204,23 @@ def test_non_utf8_data_is_refused(checkpoint, tmp_path, capsys):
     rc, err = _eval(["lm", "--checkpoint", checkpoint, "--out", tmp_path / "out", "--data", latin,
                      "--max-tokens", "64", "--seq-len", "32", "--quiet"], capsys)
     assert rc == 2 and len(err) == 1 and "not UTF-8" in err[0]
+    assert not (tmp_path / "out" / "lm.json").exists()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(difftx_format=99), "difftx_format 99"),
+    (lambda d: d.update(model=[]), "'model' must be an object"),
+])
+def test_checkpoint_config_of_another_format_or_shape_is_one_line(edit, message, checkpoint, tmp_path, capsys):
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(checkpoint, ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    edit(cfg)
+    (ck / "config.json").write_text(json.dumps(cfg))
+    rc = main(["eval", "lm", "--checkpoint", str(ck), "--out", str(tmp_path / "out"), "--quiet",
+               "--data", str(ck / "haystack.txt"), "--max-tokens", "256", "--seq-len", "64"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and message in err[0], err
     assert not (tmp_path / "out" / "lm.json").exists()

@@ -210,6 +210,38 @@ def test_force_refuses_to_overwrite_what_convert_did_not_write(capsys, llama_dir
     assert rc == 0, err
 
 
+def test_force_replaces_the_model_only_once_the_conversion_succeeded(capsys, llama_dir, tmp_path):
+    """A failing --force conversion leaves DST byte for byte as it was (a sharded model's index included); a
+    successful one leaves exactly the new model (no stale index shadowing its weights), and nothing beside it."""
+    from safetensors.torch import load_file, save_file
+
+    model, src = llama_dir
+    dst = tmp_path / "sharded"
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    state = load_file(src / "model.safetensors")
+    names = sorted(state)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        shard = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: state[k] for k in part}, dst / shard)
+        weight_map.update(dict.fromkeys(part, shard))
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    rc, _, err = run_main(capsys, src, dst, "--from", "difftx", "--force")  # the source is a Llama: refused
+    _one_error_line(rc, err, "--from difftx")
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "sharded"]  # no staging directory left
+
+    rc, _, err = run_main(capsys, src, dst, "--force")
+    assert rc == 0, err
+    assert "model.safetensors.index.json" not in {p.name for p in dst.iterdir()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "sharded"]
+    x = tokens(model.config.vocab_size)
+    with torch.no_grad():
+        assert max_diff(difftx.load_model(dst)(x).logits, model(x).logits) < 1e-5
+
+
 def test_difftx_source_weights_are_checked_against_its_config(capsys, tmp_path):
     """A config saying d_model 32 over 64-wide weights is refused before anything is written."""
     model = difftx_model(attention="softmax", n_heads=4, d_model=64)

@@ -54,6 +54,21 @@ def test_incremental_decoding_equals_full_forward(attention, positions):
 
 
 @pytest.mark.parametrize("attention", KINDS)
+def test_a_cache_in_another_dtype_than_the_model_computes_is_refused(attention):
+    """The attention paths read the cache's buffers as K and V: a cache made for another dtype is refused at its
+    first write (one ValueError naming both dtypes), and one made for the model's dtype decodes."""
+    model = build_model(tiny(attention)).eval()
+    x = torch.randint(0, 61, (1, 6))
+    with torch.no_grad():
+        for dtype in (torch.bfloat16, torch.float64):
+            with pytest.raises(ValueError, match=f"cache made for {dtype}.*computes K/V in torch.float32"):
+                model(x, cache=model.new_cache(1, 8, dtype=dtype))
+        cache = model.new_cache(1, 8, dtype=torch.float32)
+        model(x[:, :5], cache=cache)
+        assert (model(x[:, 5:], cache=cache).logits - model(x).logits[:, 5:]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("attention", KINDS)
 def test_left_padding_matches_unpadded(attention):
     """A left-padded row gives the logits of the same row without padding (positions skip the pads)."""
     torch.manual_seed(0)

@@ -43,6 +43,10 @@ def _bad_inputs(tmp_path, corpus):
         "tokenizer": (["--tokenizer", "sentencepiece"], "not byte, char, bpe"),
         "lr": (["--lr", "-1"], "lr: must be"),
         "task and data": (["--task", "nothing"], "either --task or --data"),
+        "unhashable field": (["--set", 'norms=["S1"]'], "norms: unknown placement preset ['S1']"),
+        "flag as a string": (["--set", "tie_embeddings=no"], "tie_embeddings: must be true or false"),
+        "nan lambda": (["--set", "lambda_init=nan"], "lambda_init: must be 'schedule' or a finite number"),
+        "preset by --set": (["--set", "preset=5"], "preset: is the name of the preset"),
     }
 
 
@@ -59,6 +63,16 @@ def test_bad_input_one_line_exit_2_nothing_overwritten(tmp_path, corpus, existin
             assert resume or message in err, (name, err)  # resuming may refuse the changed flag first
             assert not (tmp_path / f"new-{name}").exists(), name
     assert _snapshot(existing_run) == before
+
+
+def test_empty_out_is_refused_not_the_current_directory(tmp_path, corpus, train_cli, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(SystemExit) as e:
+        train_cli("--out", "")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == "difftx train: error: --out is empty; give a path (see --help)\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_unknown_flag(capsys):

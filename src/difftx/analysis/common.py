@@ -52,11 +52,13 @@ def load_text(path: Optional[str] = None, max_bytes: int = STDLIB_BYTES) -> str:
         return stdlib_text(max_bytes)
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"{p}: data file not found; give a text file or leave out --data to use the stdlib source")
-    from ..data.corpus import Source, looks_binary
+        raise DataError(f"{p}: {'a directory, not a text file' if p.is_dir() else 'data file not found'}; give a "
+                        "text file or leave out --data to use the stdlib source")
+    from ..data.corpus import Source, binary_reason
 
-    if looks_binary(p):  # the checks of `difftx train --data`: NUL bytes or not UTF-8 is an error
-        raise DataError(f"{p}: looks like a binary file (NUL bytes or not UTF-8); --data needs UTF-8 text")
+    why = binary_reason(p)  # the checks of `difftx train --data`: NUL bytes or not UTF-8 is an error
+    if why:
+        raise DataError(f"{p}: looks like a binary file ({why}); --data needs UTF-8 text")
     pieces, n = [], 0
     for piece, _ in Source(p).pieces():
         pieces.append(piece)

@@ -111,7 +111,8 @@ def run_tail_study(candidates: list[tuple[str, Callable[[], torch.nn.Module]]], 
                                max_entries=max_noise_entries, seed=seed))
             rows.append(row)
             if progress is not None:
-                progress(f"tails: {name} / {opt_name}: final loss {row.get('loss_last', float('nan')):.3f}")
+                done = f"final loss {row['loss_last']:.3f}" if "loss_last" in row else "measured as saved (no steps)"
+                progress(f"tails: {name} / {opt_name}: {done}")
     return {"steps": steps, "optimizers": opts, "clip": clip, "noise_batches": noise_batches,
             "max_noise_entries": max_noise_entries, "rows": rows}
 

@@ -27,6 +27,10 @@ SUBCOMMANDS = {
 }
 
 
+# the path arguments of the subcommands
+PATH_ARGS = ("out", "data", "checkpoint", "resume", "src", "dst", "cache_dir", "tokenizer")
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad argument in one line (exit 2) instead of usage + error."""
 
@@ -62,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None) or not hasattr(args, "func"):
         parser.print_help()
         return 0 if not argv else 2
+    for name in PATH_ARGS:  # Path("") is the current directory: an empty path is a mistake, not "here"
+        if getattr(args, name, None) == "":
+            flag = name.upper() if name in ("src", "dst") else "--" + name.replace("_", "-")
+            parser.exit(2, f"difftx {args.command}: error: {flag} is empty; give a path (see --help)\n")
     if args.command not in ("info", "convert"):  # the commands that train, evaluate or benchmark
         from ..runtime import keep_freed_memory
 

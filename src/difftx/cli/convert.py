@@ -8,6 +8,9 @@ logit difference on a fixed random batch (and the KL divergence for ``--diff-ini
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from ..errors import DifftxError
@@ -144,17 +147,27 @@ def run(args) -> int:
     _check_dst_path(dst)
     if dst.is_dir() and any(dst.iterdir()) and not args.force:
         raise DifftxError(f"{dst}: directory is not empty; pick a new one or pass --force to overwrite")
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise DifftxError(f"{dst}: the destination is the source; pick another directory")
+    # --force over a model: convert into a new directory beside it, and replace DST only once that succeeded
+    target = dst
     if args.force and dst.is_dir() and any(dst.iterdir()):
         _check_overwritable(dst)
+        target = Path(tempfile.mkdtemp(prefix=f".{dst.name}.converting-", dir=dst.parent))
     detected = detect_format(src)
-    if args.force and dst.is_dir() and dst.resolve() != src.resolve():
-        from ..interop.hf_io import BIN_FILE, BIN_INDEX, SAFE_INDEX
-
-        for stale in (SAFE_INDEX, BIN_FILE, BIN_INDEX):  # would shadow the new model.safetensors when read
-            (dst / stale).unlink(missing_ok=True)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    convert(src, dst, args.src_format, args.dst_format, pairing=args.pairing, rope_style=args.rope_style,
-            diff_init=args.diff_init, dtype=dtype, depth=args.depth, variant=args.unilm_variant)
+    try:
+        convert(src, target, args.src_format, args.dst_format, pairing=args.pairing, rope_style=args.rope_style,
+                diff_init=args.diff_init, dtype=dtype, depth=args.depth, variant=args.unilm_variant)
+    except BaseException:
+        if target != dst:
+            shutil.rmtree(target, ignore_errors=True)
+        raise
+    if target != dst:
+        old = dst.with_name(f".{dst.name}.replaced-{os.getpid()}")
+        os.rename(dst, old)
+        os.rename(target, dst)
+        shutil.rmtree(old, ignore_errors=True)
     to = args.dst_format or "difftx"
     print(f"converted {src} ({detected}) -> {dst} ({to if detected != 'unilm' else 'difftx attention modules'})")
     if args.verify:

@@ -170,6 +170,9 @@ class _Study:
         self.loaded, self.base, self.settings = [], None, []
         if args.checkpoint:
             self.loaded = _load_checkpoints(args.checkpoint, args.device)
+            if args.set:
+                raise ConfigError("--set", "overrides the config of a fresh model; a --checkpoint is analysed as "
+                                           "saved, so drop --set (or drop --checkpoint to study a new model)")
             tokenizer = self.loaded[0][3]  # a checkpoint's own tokenizer.json, if it has one
             vocab = min(m.config.vocab_size for _, _, m, _ in self.loaded)
             for _, _, m, _ in self.loaded:

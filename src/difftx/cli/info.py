@@ -45,7 +45,10 @@ def resolve_config(name: str, overrides: dict):
     from ..io import read_model_config
 
     path = Path(name)
-    if path.suffix == ".json" and path.is_file():
+    if path.suffix == ".json" and not path.is_file():
+        raise DifftxError(f"{path}: config file not found; give an existing .json, a model directory or a preset "
+                          "name (difftx info --list)")
+    if path.suffix == ".json":
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -132,9 +135,6 @@ def run(args) -> int:
         cfg = resolve_config(args.preset, overrides)
     except TypeError as e:
         raise DifftxError(str(e)) from None
-    if cfg.preset is not None and not isinstance(cfg.preset, str):
-        raise ConfigError("preset", f"is the name of a preset (a string), got {cfg.preset!r}; pick the preset with "
-                                    "the first argument (difftx info PRESET), not --set preset=...")
     info = describe(cfg, args.seq_len)
     if args.json:
         print(json.dumps(info, indent=2))

@@ -36,17 +36,24 @@ PIECE_BYTES = 8 << 20  # read text files in pieces of about this many bytes, cut
 SNIFF_BYTES = 8192
 
 
-def looks_binary(path: Path) -> bool:
-    """A NUL byte in the first 8 KiB, or bytes that are not UTF-8 there."""
+def binary_reason(path: Path) -> Optional[str]:
+    """Why ``path`` is not text, judged on its first 8 KiB (a NUL byte, or bytes that are not UTF-8, with the
+    offset), or None."""
     with open(path, "rb") as f:
         head = f.read(SNIFF_BYTES)
     if b"\x00" in head:
-        return True
+        return f"a NUL byte at offset {head.index(0)}"
     try:
         head.decode("utf-8")
     except UnicodeDecodeError as e:
-        return e.start < len(head) - 4  # a multi-byte character cut at the sniff boundary is fine
-    return False
+        if e.start < len(head) - 4:  # a multi-byte character cut at the sniff boundary is fine
+            return f"not UTF-8: bad byte at offset {e.start}"
+    return None
+
+
+def looks_binary(path: Path) -> bool:
+    """A NUL byte in the first 8 KiB, or bytes that are not UTF-8 there."""
+    return binary_reason(path) is not None
 
 
 def _sha256_file(path: Path) -> str:
@@ -137,6 +144,11 @@ class Source:
                 if not isinstance(text, str):
                     raise DataError(f"{self.path}:{lineno}: no string field {self.text_field!r}; "
                                     "pick the field with --text-field")
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:  # a lone surrogate escape ("\ud800"): no text a tokenizer can take
+                    raise DataError(f"{self.path}:{lineno}: field {self.text_field!r} holds an unpaired surrogate "
+                                    "escape (\\ud800-\\udfff), not text; fix or drop that line") from None
                 yield text, True
 
     def _hf_pieces(self) -> Iterator[tuple[str, bool]]:
@@ -256,6 +268,7 @@ def resolve_corpus(data: Optional[str], text_field: str = "text") -> Corpus:
         return _collect(visible, str(path), text_field)
     src = _file_source(path, text_field)
     _check_not_empty(src)
-    if src.kind == "text" and looks_binary(path):
-        raise DataError(f"{path}: looks like a binary file (NUL bytes or not UTF-8); --data needs UTF-8 text")
+    why = binary_reason(path) if src.kind == "text" else None
+    if why:
+        raise DataError(f"{path}: looks like a binary file ({why}); --data needs UTF-8 text")
     return Corpus([src], str(path))

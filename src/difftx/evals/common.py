@@ -167,7 +167,8 @@ def corpus_text(path=None, min_chars: int = 200_000, split: str = "val") -> str:
 def read_text_file(path) -> str:
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"{p}: data file not found; pass a UTF-8 text file with --data")
+        raise DataError(f"{p}: {'a directory, not a text file' if p.is_dir() else 'data file not found'}; pass a "
+                        "UTF-8 text file with --data")
     raw = p.read_bytes()
     if not raw.strip():
         raise DataError(f"{p}: data file is empty")

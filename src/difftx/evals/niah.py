@@ -33,6 +33,7 @@ token), as a pure function of (seed, step, rank, row).
 from __future__ import annotations
 
 import re
+import string
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -86,9 +87,16 @@ def parse_grid(spec) -> list[tuple[int, int]]:
 
 def _template(name_or_text: str) -> str:
     t = TEMPLATES.get(name_or_text, name_or_text)
-    if "{city}" not in t or "{number}" not in t or t.index("{city}") > t.index("{number}"):
+    if not isinstance(t, str) or "{city}" not in t or "{number}" not in t or t.index("{city}") > t.index("{number}"):
         raise ConfigError("template", f"needle template {t!r} needs '{{city}}' before '{{number}}' "
                                       f"(or a name: {', '.join(TEMPLATES)})")
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(t) if f is not None]
+    except ValueError as e:  # a lone '{' or '}'
+        fields = [f"({e})"]
+    if sorted(fields) != ["city", "number"]:
+        raise ConfigError("template", f"needle template {t!r} may hold only '{{city}}' and '{{number}}', once each; "
+                                      "write a literal brace as '{{' or '}}'")
     return t
 
 

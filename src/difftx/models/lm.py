@@ -162,6 +162,9 @@ class DecoderLM(ModelMixin, nn.Module):
 
     # ------------------------------------------------------------------ decoding
     def new_cache(self, batch_size: int, max_len: int, dtype: Optional[torch.dtype] = None) -> KVCache:
+        """An empty KV cache for ``batch_size`` rows of up to ``max_len`` positions.  Its buffers take the dtype
+        the model computes K/V in (under autocast: the autocast dtype); ``dtype``, when given, must be that one
+        (a cache in another dtype is refused at its first write)."""
         device = self.embed.weight.device
         return KVCache(self.config.n_layers, batch_size, max_len, device=device, dtype=dtype)
 

@@ -39,7 +39,11 @@ class KVCache:
         if end > self.max_len:
             raise ValueError(f"KV cache full: {end} positions needed, room for {self.max_len}")
         if self.k[layer] is None:
-            dtype = self.dtype or k.dtype
+            if self.dtype is not None and self.dtype != k.dtype:
+                # the attention paths read the cache's own buffers as K and V: they must be what the model computes
+                raise ValueError(f"KV cache made for {self.dtype}, but the model computes K/V in {k.dtype}; make the "
+                                 "cache with dtype=None (the model's), or run the model in that dtype")
+            dtype = k.dtype
             self.k[layer] = torch.zeros(k.shape[0], k.shape[1], self.max_len, k.shape[3], dtype=dtype, device=k.device)
             self.v[layer] = torch.zeros(v.shape[0], v.shape[1], self.max_len, v.shape[3], dtype=dtype, device=v.device)
         self.k[layer][:, :, self.length:end] = k

@@ -93,8 +93,10 @@ def run_exists(path: Path) -> bool:
 def _merge_resumed(saved: dict, source: Path, tcfg: TrainConfig, mcfg: ModelConfig, explicit_train: Iterable[str],
                    explicit_model: Iterable[str]) -> tuple[TrainConfig, ModelConfig]:
     """The saved configs, with the explicitly given fields that a resumed run may change."""
-    if "train" not in saved or "model" not in saved:
-        raise ConfigError(None, f"{source / CONFIG_FILE}: not a difftx training run config (no 'train'/'model')")
+    if not isinstance(saved, dict) or not isinstance(saved.get("train"), dict) \
+            or not isinstance(saved.get("model"), dict):
+        raise ConfigError(None, f"{source / CONFIG_FILE}: not a difftx training run config (no 'train'/'model' "
+                                "objects); the file is corrupt")
     old_t, old_m = TrainConfig.from_dict(saved["train"]), ModelConfig.from_dict(saved["model"])
     changes = {"stop_at": None}  # a stop step is for one invocation only
     for f in explicit_train:
