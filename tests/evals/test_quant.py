@@ -13,18 +13,50 @@ from evals_helpers import tiny_model
 
 @pytest.mark.parametrize("bits", [4, 6, 8, 16])
 @pytest.mark.parametrize("granularity", ["head", "row", "tensor"])
-def test_absmax_grid(bits, granularity):
+@pytest.mark.parametrize("causal", [False, True])
+def test_absmax_grid(bits, granularity, causal):
     x = torch.randn(2, 3, 5, 7) * 4
-    q = absmax_quantize(x, bits, granularity)
+    q = absmax_quantize(x, bits, granularity, causal=causal)
     qmax = 2 ** (bits - 1) - 1
-    dims = {"row": (-1,), "head": (-1, -2), "tensor": (0, 1, 2, 3)}[granularity]
-    amax = x.abs().amax(dim=dims, keepdim=True)
+
+    def scales_of(t):  # the absmax each entry's row is scaled by, (B|1, H|1, 5, 1)
+        rows = t.abs().amax(dim=-1, keepdim=True)
+        if granularity == "row":
+            return rows
+        if granularity == "tensor":
+            rows = rows.amax(dim=(0, 1), keepdim=True)
+        if not causal:
+            return rows.amax(dim=-2, keepdim=True).expand_as(rows)
+        return torch.stack([rows[..., : i + 1, :].amax(dim=-2) for i in range(rows.shape[-2])], dim=-2)
+
+    amax = scales_of(x)
     scale = amax / qmax
     levels = q / scale
     assert torch.allclose(levels, levels.round(), atol=1e-3)  # on the integer grid
     assert (levels.abs() <= qmax + 1e-3).all()
     assert ((q - x).abs() <= scale / 2 + 1e-6).all()  # round to nearest
-    assert torch.allclose(q.abs().amax(dim=dims, keepdim=True), amax)  # the absmax survives exactly
+    assert torch.allclose(scales_of(q), amax)  # the absmax survives exactly
+
+
+@pytest.mark.parametrize("granularity", ["head", "row", "tensor"])
+def test_quantized_logits_stay_causal_and_ignore_left_padding(granularity):
+    """No prediction depends on a later token, and left padding (whatever its ids) changes no real position's
+    logits: before, a map's scale covered later rows and padded keys."""
+    model = tiny_model("diff")
+    with torch.no_grad():
+        for m in model.attention_modules():
+            m.q_proj.weight.mul_(30.0)  # logits of size ~10: 4 bits is coarse
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(1, 256, (1, 30), generator=gen)
+    with quantized_logits(model, 4, granularity), torch.no_grad():
+        full = model(x).logits
+        assert (model(x[:, :20]).logits - full[:, :20]).abs().max() < 1e-4
+        for pad_id in (0, 7):
+            padded = torch.cat((torch.full((1, 10), pad_id), x), dim=1)
+            mask = torch.cat((torch.zeros(1, 10), torch.ones(1, 30)), dim=1)
+            assert (model(padded, attention_mask=mask).logits[:, 10:] - full).abs().max() < 1e-4
+    with torch.no_grad():
+        assert (model(x).logits - full).abs().max() > 1e-2  # 4 bits did change the logits
 
 
 def test_masked_entries_do_not_set_the_scale():
@@ -70,11 +102,12 @@ def test_probes_inside_see_quantized_logits():
     model = tiny_model("diff")
     rec = Record()
     with quantized_logits(model, 4, "head"), attach(model, rec), torch.no_grad():
-        model(torch.randint(0, 256, (2, 16)))
+        model(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0)))
     assert len(rec.logits) == 2 * 2  # 2 layers x 2 maps
     for lg in rec.logits:
-        n = len(torch.unique(lg.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), 0)[0, 0]))
-        assert n <= 2 ** 4 - 1  # at most 15 levels per map
+        rows = lg.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), 0)[0, 0]
+        assert max(len(torch.unique(r)) for r in rows) <= 2 ** 4 - 1  # at most 15 levels in a row
+        assert len(torch.unique(rows[-1])) > 3  # and quantized, not flattened
 
 
 def test_quantizer_rejects_bad_settings():

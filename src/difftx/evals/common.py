@@ -197,8 +197,8 @@ class ChainProbe(AttentionProbe):
     def __init__(self, first: AttentionProbe, second: AttentionProbe):
         self.first, self.second = first, second
 
-    def transform_logits(self, layer, index, logits):
-        return self.second.transform_logits(layer, index, self.first.transform_logits(layer, index, logits))
+    def transform_logits(self, layer, index, logits, mask=None):
+        return self.second.transform_logits(layer, index, self.first.transform_logits(layer, index, logits, mask), mask)
 
     def observe(self, layer, logits, effective, mask):
         self.first.observe(layer, logits, effective, mask)

@@ -7,13 +7,22 @@ integer grid and scaled back (fake quantization) before the softmax:
     s = max|x| / (2**(bits-1) - 1),   x_q = round(x / s) * s
 
 The absmax is taken over the logits a query may attend to (the causal
-triangle), so masked future positions never set the scale.  ``granularity``
-picks what shares one scale:
+triangle, real tokens only), so neither future positions nor left padding ever
+set a scale.  ``granularity`` picks what shares one scale:
 
-* ``head`` (default): one scale per (sequence, head) attention map -- a single
-  outlier logit coarsens that whole map, which is what Fig. 8 probes;
+* ``head`` (default): one scale per (sequence, head) attention map, causal: a
+  query row's scale is the maximum over its own visible logits and those of the
+  rows before it in the same forward call -- a single outlier logit coarsens the
+  rest of that map, which is what Fig. 8 probes, and no prediction depends on a
+  later token;
 * ``row``: one scale per query row (milder);
-* ``tensor``: one scale per layer call (all sequences and heads).
+* ``tensor``: one scale per layer call, causal as ``head``, over all sequences
+  and heads of the batch (so it depends on what else is in the batch).
+
+With a KV cache, ``head`` and ``tensor`` rows of a later call do not see the
+maxima of earlier calls' rows (the cache keeps keys and values, not scales):
+cached generation under them can differ slightly from one uncached forward.
+``row`` is exact either way (a row's scale depends on its visible keys only).
 
 ``bits=16`` is a real 16-bit grid, not a no-op: the worst-case error of a logit
 is max|x| / 65534 (for logits of size 10: 1.5e-4), so 16 bits matches the
@@ -41,18 +50,28 @@ GRANULARITIES = ("head", "row", "tensor")
 DEFAULT_BITS = (16, 8, 6, 4)
 
 
-def _causal_valid(n_q: int, n_k: int, device) -> torch.Tensor:
-    """(Nq, Nk) True where query i (the last Nq of Nk positions) may see key j."""
-    q = torch.arange(n_k - n_q, n_k, device=device)[:, None]
-    return torch.arange(n_k, device=device)[None, :] <= q
+def scale_entries(mask, n_q: int, n_k: int, device) -> Optional[torch.Tensor]:
+    """(B|1, 1, Nq, Nk) True where a logit may set a scale: the query may see the key (causally, if ``mask``
+    is causal; the queries are the last Nq of Nk positions without a mask) and the key is a real token."""
+    causal = mask is None or mask.causal
+    q_start = n_k - n_q if mask is None else mask.q_start
+    valid = None
+    if causal:
+        q = torch.arange(q_start, q_start + n_q, device=device)[:, None]
+        valid = (torch.arange(n_k, device=device)[None, :] <= q)[None, None]
+    if mask is not None and mask.key_valid is not None:
+        keys = mask.key_valid.to(device)[:, None, None, :]
+        valid = keys if valid is None else valid & keys
+    return valid
 
 
 def absmax_quantize(x: torch.Tensor, bits: int, granularity: str = "head",
-                    valid: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Fake-quantize ``x`` (..., Nq, Nk) to ``bits`` with dynamic absmax scales.
+                    valid: Optional[torch.Tensor] = None, causal: bool = True) -> torch.Tensor:
+    """Fake-quantize ``x`` (B, H, Nq, Nk) to ``bits`` with dynamic absmax scales.
 
     ``valid`` (broadcastable bool) marks the entries that set the scale (others
-    are still quantized, with the same scale, but cannot inflate it).
+    are still quantized, with the same scale, but cannot inflate it).  ``causal``:
+    ``head`` and ``tensor`` scales grow row by row (row i's covers rows <= i).
     """
     if bits < 2:
         raise ConfigError("bits", f"need at least 2 bits, got {bits}")
@@ -61,12 +80,11 @@ def absmax_quantize(x: torch.Tensor, bits: int, granularity: str = "head",
     a = x.abs()
     if valid is not None:
         a = a.masked_fill(~valid, 0.0)
-    if granularity == "row":
-        amax = a.amax(dim=-1, keepdim=True)
-    elif granularity == "head":
-        amax = a.amax(dim=(-1, -2), keepdim=True)
-    else:
-        amax = a.amax()
+    amax = a.amax(dim=-1, keepdim=True)  # (B, H, Nq, 1): each row's
+    if granularity != "row":
+        if granularity == "tensor":
+            amax = amax.amax(dim=(0, 1), keepdim=True)
+        amax = amax.cummax(dim=-2).values if causal else amax.amax(dim=-2, keepdim=True)
     qmax = 2 ** (bits - 1) - 1
     scale = (amax / qmax).clamp_min(torch.finfo(x.dtype).tiny)
     return torch.clamp(torch.round(x / scale), -qmax, qmax) * scale
@@ -82,9 +100,9 @@ class LogitQuantizer(AttentionProbe):
             raise ConfigError("quant_bits", f"must be between 2 and 32, got {bits}")
         self.bits, self.granularity = int(bits), granularity
 
-    def transform_logits(self, layer, index, logits):
-        valid = _causal_valid(logits.shape[-2], logits.shape[-1], logits.device)
-        return absmax_quantize(logits, self.bits, self.granularity, valid)
+    def transform_logits(self, layer, index, logits, mask=None):
+        valid = scale_entries(mask, logits.shape[-2], logits.shape[-1], logits.device)
+        return absmax_quantize(logits, self.bits, self.granularity, valid, causal=mask is None or mask.causal)
 
     def describe(self) -> dict:
         return {"bits": self.bits, "granularity": self.granularity, "method": "dynamic absmax (fake quantization)"}

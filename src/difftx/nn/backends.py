@@ -59,7 +59,7 @@ def eager_attention(q, k, v, mask: AttnMask, scale: float, dropout_p: float = 0.
                     probe=None, layer: int = 0) -> torch.Tensor:
     logits = eager_logits(q, k, scale)
     if probe is not None:
-        logits = probe.transform_logits(layer, 0, logits)
+        logits = probe.transform_logits(layer, 0, logits, mask)
     probs = masked_softmax(logits, mask)
     if probe is not None:
         probe.observe(layer, [logits], probs, mask.dense(logits.device))
@@ -74,7 +74,7 @@ def eager_diff_attention(q1, q2, k1, k2, v, lam: torch.Tensor, mask: AttnMask, s
     """(softmax(Q1 K1^T s) - lam softmax(Q2 K2^T s)) V in float32 (SPEC eq. 1)."""
     l1, l2 = eager_logits(q1, k1, scale), eager_logits(q2, k2, scale)
     if probe is not None:
-        l1, l2 = probe.transform_logits(layer, 0, l1), probe.transform_logits(layer, 1, l2)
+        l1, l2 = probe.transform_logits(layer, 0, l1, mask), probe.transform_logits(layer, 1, l2, mask)
     a1, a2 = masked_softmax(l1, mask), masked_softmax(l2, mask)
     if probe is not None:
         probe.observe(layer, [l1, l2], a1 - lam * a2, mask.dense(l1.device))
@@ -89,7 +89,7 @@ def eager_v2_attention(q, k, v, lam: torch.Tensor, mask: AttnMask, scale: float,
     """DIFF V2 reference: (A_{2i} - lam_i A_{2i+1}) V over 2h query heads, float32; lam (B, h, N, 1)."""
     logits = eager_logits(q, k, scale)
     if probe is not None:
-        logits = probe.transform_logits(layer, 0, logits)
+        logits = probe.transform_logits(layer, 0, logits, mask)
     probs = masked_softmax(logits, mask)
     if probe is not None:
         probe.observe(layer, [logits], probs[:, 0::2] - lam * probs[:, 1::2], mask.dense(logits.device))

@@ -3,8 +3,9 @@
 Attach a probe to a model (``with attach_probe(model, probe): model(x)``) and
 every attention layer runs the eager backend and calls
 
-* ``transform_logits(layer, index, logits)``: may return modified logits (e.g.
-  quantized), ``index`` 0 for softmax / A1 maps, 1 for DIFF's A2 maps;
+* ``transform_logits(layer, index, logits, mask)``: may return modified logits (e.g.
+  quantized), ``index`` 0 for softmax / A1 maps, 1 for DIFF's A2 maps; ``mask`` is the
+  layer's :class:`~difftx.nn.mask.AttnMask` (causality, key padding);
 * ``observe(layer, logits, effective_map, mask)``: the float32 logits (list, one
   per softmax map, before masking) and the effective attention map: A for
   softmax, A1 - lambda A2 for DIFF, A_2i - lambda_i A_2i+1 for DIFF V2.
@@ -22,7 +23,7 @@ import torch
 
 
 class AttentionProbe:
-    def transform_logits(self, layer: int, index: int, logits: torch.Tensor) -> torch.Tensor:
+    def transform_logits(self, layer: int, index: int, logits: torch.Tensor, mask=None) -> torch.Tensor:
         return logits
 
     def observe(self, layer: int, logits: list, effective: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
