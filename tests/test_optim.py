@@ -125,6 +125,10 @@ def test_muon_for_matrices_adamw_for_the_rest():
     state = opt.state_dict()
     opt.load_state_dict(state)
     assert len(opt.param_groups) == len(muon.param_groups) + len(adamw.param_groups)
+    set_lr(opt, 0.5)  # after a load (a resume) the schedule must still reach the optimisers' own groups
+    assert all(g["lr"] == 0.5 for o in opt.optimizers for g in o.param_groups)
+    rest = build_optimizer(model, "muon", weight_decay=0.01, decay_all=True).optimizers[1]
+    assert [g["weight_decay"] for g in rest.param_groups] == [0.01]  # --decay-all reaches AdamW's side too
 
 
 @pytest.mark.parametrize("nesterov, rule", [(True, "match_rms_adamw"), (False, "original")])

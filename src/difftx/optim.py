@@ -7,7 +7,7 @@
 * :func:`param_groups`: no weight decay on norms, biases, lambda vectors and
   embeddings unless asked.
 * :func:`build_optimizer`: ``adamw`` (fused where available), ``msgdw``,
-  ``sgd``, ``muon`` (:class:`Muon` on 2-D hidden matrices + AdamW on the rest).
+  ``sgd``, ``muon`` (:class:`Muon`, momentum 0.95, on 2-D hidden matrices + AdamW on the rest).
 * :class:`Muon`: torch.optim.Muon with its Newton-Schulz iteration in bf16 only where the
   device multiplies bf16 in hardware, else in fp32 (torch always uses bf16, which a CPU without
   AMX / AVX512-BF16 runs about 100x slower than fp32).
@@ -132,20 +132,24 @@ def build_optimizer(model: nn.Module, name: str = "adamw", lr: float = 1e-3, wei
         return MSGDW(groups, lr=lr, momentum=momentum, nesterov=nesterov)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov)
-    return _build_muon(model, groups, lr, weight_decay, betas, momentum, eps)
+    return _build_muon(model, lr, weight_decay, betas, eps, decay_all)
 
 
 class CombinedOptimizer(torch.optim.Optimizer):
     """Several optimisers stepped together (e.g. Muon for matrices + AdamW for the rest).
 
-    ``param_groups`` is the concatenation, so schedulers and clipping see every group.
+    ``param_groups`` is the concatenation, so schedulers and clipping see every group: read from the
+    optimisers at each access, as ``load_state_dict`` replaces their group dicts.
     """
 
     def __init__(self, optimizers: list):
         self.optimizers = optimizers
         self.defaults = {}
         self.state = {}
-        self.param_groups = [g for o in optimizers for g in o.param_groups]
+
+    @property
+    def param_groups(self) -> list:
+        return [g for o in self.optimizers for g in o.param_groups]
 
     def step(self, closure=None):
         loss = closure() if closure is not None else None
@@ -228,7 +232,7 @@ def _muon_lr_ratio(rule: Optional[str], shape) -> float:
     return 1.0
 
 
-def _build_muon(model, groups, lr, weight_decay, betas, momentum, eps):
+def _build_muon(model, lr, weight_decay, betas, eps, decay_all):
     if not hasattr(torch.optim, "Muon"):
         raise ConfigError("optimizer", "muon needs torch >= 2.9 (torch.optim.Muon)")
     hidden, rest = [], []
@@ -244,8 +248,8 @@ def _build_muon(model, groups, lr, weight_decay, betas, momentum, eps):
     muon = Muon([p for _, p in hidden], lr=lr, weight_decay=weight_decay, momentum=0.95,
                 adjust_lr_fn="match_rms_adamw", ns_dtype=torch.bfloat16 if fast_bf16 else torch.float32)
     rest_groups = [
-        {"params": [p for n, p in rest if not is_no_decay(n, p)], "weight_decay": weight_decay},
-        {"params": [p for n, p in rest if is_no_decay(n, p)], "weight_decay": 0.0},
+        {"params": [p for n, p in rest if decay_all or not is_no_decay(n, p)], "weight_decay": weight_decay},
+        {"params": [p for n, p in rest if not decay_all and is_no_decay(n, p)], "weight_decay": 0.0},
     ]
     rest_groups = [g for g in rest_groups if g["params"]]
     adamw = torch.optim.AdamW(rest_groups, lr=lr, betas=betas, eps=eps, **_adamw_kernel(rest_groups, None))

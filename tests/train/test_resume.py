@@ -63,3 +63,37 @@ def test_resume_keeps_config_and_rejects_changes(tmp_path, train_cli, capsys):
     assert train_cli("--steps", 4, "--out", out) == 2
     assert "already holds a training run" in capsys.readouterr().err
     assert (out / "config.json").read_text() == before
+
+
+def _steps(out):
+    return [p.name for p in sorted((out / "checkpoints").iterdir())]
+
+
+def test_resuming_an_earlier_step_of_the_run_drops_the_abandoned_checkpoints(tmp_path, train_cli):
+    """Resumed from step 4 of its own directory, a run's later checkpoints (8, 12) are another history: its first
+    save removes them, so --keep-last never prunes the checkpoint just written and --resume auto never picks them."""
+    out, common = tmp_path / "fork", ["--steps", 12, "--eval-every", 0, "--checkpoint-every", 4]
+    assert train_cli(*common, "--out", out) == 0
+    assert _steps(out) == ["step_00000004", "step_00000008", "step_00000012"]
+    assert train_cli(*common, "--out", out, "--resume", out / "checkpoints" / "step_00000004", "--stop-at", 6,
+                     "--keep-last", 1) == 0
+    assert _steps(out) == ["step_00000006"]
+    assert train_cli(*common, "--out", out, "--resume", "auto") == 0
+    assert _steps(out)[-1] == "step_00000012"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 13))  # one history, no gap at 7-12
+
+
+def test_a_resave_killed_between_its_two_renames_keeps_the_old_copy(tmp_path, train_cli, capsys):
+    """Re-saving step 4 moves the old copy aside before the new one takes its name; a process killed between the
+    two leaves only ``.step_00000004.old`` (and maybe a partial ``.tmp``): the next start puts it back."""
+    out = tmp_path / "run"
+    assert train_cli("--steps", 4, "--eval-every", 0, "--out", out) == 0
+    ckpts = out / "checkpoints"
+    (ckpts / "step_00000004").rename(ckpts / ".step_00000004.old")
+    (ckpts / ".step_00000004.tmp").mkdir()
+    metrics = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert train_cli("--steps", 4, "--eval-every", 0, "--out", out, "--resume", "auto") == 0
+    assert "resum" in capsys.readouterr().out  # from step 4, not a fresh start over the old run
+    assert _steps(out) == ["step_00000004"] and (out / "metrics.jsonl").read_text() == metrics

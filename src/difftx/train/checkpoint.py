@@ -52,11 +52,27 @@ def step_dir_name(step: int) -> str:
 
 
 def remove_partial(run_dir: Path) -> list[Path]:
-    """Delete checkpoints that were being written when a process died (``.step_*.tmp``)."""
+    """Delete checkpoints that were being written when a process died (``.step_*.tmp``), and settle a re-saved
+    step's old copy (:func:`restore_resaved`)."""
     root = Path(run_dir) / CHECKPOINTS_DIR
     gone = [p for p in root.glob(".step_*.tmp")] if root.is_dir() else []
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
+    return gone + restore_resaved(run_dir)
+
+
+def restore_resaved(run_dir: Path) -> list[Path]:
+    """A step being re-saved when the process died (``.step_*.old``, moved aside before its new copy took the
+    name) comes back if the new copy never arrived, else goes; returns the ones that went."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    gone = []
+    for old in sorted(root.glob(".step_*.old")) if root.is_dir() else []:
+        final = root / old.name[1:-len(".old")]
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            gone.append(old)
+        else:
+            os.replace(old, final)
     return gone
 
 
@@ -197,7 +213,12 @@ def save_checkpoint(trainer, step: int) -> Path:
         _fsync_dir(root)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        for stale in list_checkpoints(trainer.run_dir)[:-trainer.cfg.keep_last]:
+        ckpts = list_checkpoints(trainer.run_dir)
+        # steps after this one belong to a history this run abandoned (resumed from an earlier step of its own
+        # directory; metrics.jsonl already dropped their rows): they go, so that --resume auto never picks them
+        # and pruning never takes the checkpoint just written
+        history = [p for p in ckpts if p.name <= final.name]
+        for stale in [p for p in ckpts if p.name > final.name] + history[:-trainer.cfg.keep_last]:
             shutil.rmtree(stale, ignore_errors=True)
     world.barrier()
     return final
@@ -323,6 +344,7 @@ def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
     if resume is None:
         return None
     if resume == "auto":
+        restore_resaved(run_dir)
         ckpts = list_checkpoints(run_dir)
         return ckpts[-1] if ckpts else None
     path = Path(resume)
