@@ -20,14 +20,14 @@ dist.init_process_group("gloo")
 for mode in ("ddp", "fsdp", "fsdp_chunked"):  # fsdp_chunked: FSDP2 with the chunked loss (--loss-chunk 5)
     rec = GradRecorder()
     tcfg, mcfg = tiny(data, cache, parallel=mode.removesuffix("_chunked"), batch_size=4, grad_accum=1,
-                      loss_chunk=5 if mode.endswith("_chunked") else 0)
+                      loss_chunk=5 if mode.endswith("_chunked") else 0, eval_batches=3)
     train(tcfg, mcfg, out / mode, callbacks=[rec], announce=None)
     if dist.get_rank() == 0:
         save_file({f"{i}/{k}": v.contiguous() for i, g in enumerate(rec.grads) for k, v in g.items()},
                   str(out / f"grads_{mode}.safetensors"))
 # FSDP2 resume through the sharded (torch.distributed.checkpoint) path
-tcfg, mcfg = tiny(data, cache, parallel="fsdp", stop_at=2)
+tcfg, mcfg = tiny(data, cache, parallel="fsdp", stop_at=2, eval_batches=3)
 train(tcfg, mcfg, out / "fsdp_resumed", announce=None)
-tcfg, mcfg = tiny(data, cache, parallel="fsdp")
+tcfg, mcfg = tiny(data, cache, parallel="fsdp", eval_batches=3)
 train(tcfg, mcfg, out / "fsdp_resumed", resume="auto", announce=None)
 dist.destroy_process_group()

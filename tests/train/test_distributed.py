@@ -22,9 +22,10 @@ def dist_runs(tmp_path_factory):
     data, cache = write_corpus(tmp / "corpus.txt"), tmp / "cache"
     from difftx.train import train
 
-    # the reference: one process, global batch 8 = 2 micro-batches of 4
+    # the reference: one process, global batch 8 = 2 micro-batches of 4; 3 validation batches (not a multiple of
+    # the 2 processes: the loss must still be over the same 3)
     rec = GradRecorder()
-    tcfg, mcfg = tiny(data, cache, batch_size=4, grad_accum=2)
+    tcfg, mcfg = tiny(data, cache, batch_size=4, grad_accum=2, eval_batches=3)
     train(tcfg, mcfg, tmp / "single", callbacks=[rec], announce=None)
     env = cli_env(OMP_NUM_THREADS=1)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -216,17 +216,21 @@ class LMDomain(Domain):
         return out.loss
 
     # ------------------------------------------------------------------ evaluation
-    def _val_batches(self) -> list[dict]:
+    def _val_batches(self) -> list[tuple[dict, bool]]:
+        """This process's share of the ``eval_batches`` validation batches, each with whether it counts: every
+        process runs the same number of forwards (FSDP's are collective), the ones past ``eval_batches``
+        (repeats of batch 0) only for that, so the loss is the same whatever the process count."""
         n, b, w = self.cfg.eval_batches, self.cfg.batch_size, self.world
-        n = -(-n // w.world_size) * w.world_size  # every process runs the same number of batches
-        mine = range(w.rank, n, w.world_size)
+        padded = -(-n // w.world_size) * w.world_size
+        mine = [(i if i < n else 0, i < n) for i in range(w.rank, padded, w.world_size)]
         if self.task is not None:
-            return [dict(zip(("input_ids", "targets"), self.task.batch(b, VAL_STEP_BASE + i, 0))) for i in mine]
+            return [(dict(zip(("input_ids", "targets"), self.task.batch(b, VAL_STEP_BASE + i, 0))), real)
+                    for i, real in mine]
         if self.val_sampler is None:
             return []
         offsets = self.val_sampler.fixed(n * b)
-        return [dict(zip(("input_ids", "targets"), self.val_sampler.gather(offsets[i * b:(i + 1) * b])))
-                for i in mine]
+        return [(dict(zip(("input_ids", "targets"), self.val_sampler.gather(offsets[i * b:(i + 1) * b]))), real)
+                for i, real in mine]
 
     def evaluate(self, model, split: str = "val") -> dict:
         batches = self._val_batches()
@@ -234,10 +238,12 @@ class LMDomain(Domain):
             return {}
         device = self.world.device
         total = torch.zeros(2, dtype=torch.float64, device=device)
-        for batch in batches:
+        for batch, real in batches:
             batch = {k: v.to(device) for k, v in batch.items()}
-            total[0] += self.loss(model, batch).double()
-            total[1] += self.count(batch)
+            loss = self.loss(model, batch).double()
+            if real:
+                total[0] += loss
+                total[1] += self.count(batch)
         self.world.all_reduce_sum(total)
         return {"val_loss": float(total[0] / total[1].clamp_min(1))}
 
