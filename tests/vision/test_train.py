@@ -63,6 +63,8 @@ def test_exact_resume(tmp_path, npz_data, augment):
     assert train(npz_data, tmp_path / "half", *common, "--resume", "auto") == 0
     for key in ("loss", "val_acc", "val_loss", "test_acc", "lambdas"):
         assert rows(tmp_path / "half", key) == rows(tmp_path / "full", key), key
+    assert train(npz_data, tmp_path / "half", *common, "--resume", "auto") == 0  # finished: nothing more to log
+    assert rows(tmp_path / "half", "test_acc") == rows(tmp_path / "full", "test_acc")
     a, b = difftx.load_model(tmp_path / "full").state_dict(), difftx.load_model(tmp_path / "half").state_dict()
     for k in a:
         assert torch.equal(a[k], b[k]), k

@@ -59,6 +59,19 @@ class MetricsLogger:
                 keep.append(line)
         atomic_write_text(self.path, "".join(line + "\n" for line in keep))
 
+    def has(self, step: int, key: str) -> bool:
+        """Whether the file already holds a row of ``step`` with ``key`` (a resumed finished run's final evals)."""
+        if not self.enabled or not self.path.is_file():
+            return False
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("step") == step and key in row:
+                return True
+        return False
+
     def log(self, row: dict) -> None:
         if not self.enabled:
             return

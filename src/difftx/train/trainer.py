@@ -272,7 +272,8 @@ class Trainer:
                 for split in self.domain.eval_splits:
                     if split != "val":
                         extra = {"step": self.step, **self.evaluate(split)}
-                        logger.log(extra)
+                        if not logger.has(self.step, f"{split}_loss"):  # a finished run resumed: logged once
+                            logger.log(extra)
                         self.last_eval.update(extra)
             if stopped_by is not None:
                 saved_at = ckpt.save_checkpoint(self, self.step)
