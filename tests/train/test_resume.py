@@ -97,3 +97,21 @@ def test_a_resave_killed_between_its_two_renames_keeps_the_old_copy(tmp_path, tr
     assert train_cli("--steps", 4, "--eval-every", 0, "--out", out, "--resume", "auto") == 0
     assert "resum" in capsys.readouterr().out  # from step 4, not a fresh start over the old run
     assert _steps(out) == ["step_00000004"] and (out / "metrics.jsonl").read_text() == metrics
+
+
+def test_resuming_on_another_process_count_keeps_the_global_batch_or_is_refused(tmp_path, train_cli, capsys):
+    """A checkpoint of 2 processes x 1 micro-batch (its trainer state says so) resumed on 1 process: with
+    --grad-accum 1 a step would take half the sequences, so it is refused with the --global-batch that keeps
+    them; with that, it resumes."""
+    out = tmp_path / "run"
+    assert train_cli("--steps", 4, "--stop-at", 2, "--eval-every", 0, "--out", out) == 0
+    state_file = out / "checkpoints" / "step_00000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert (state["world_size"], state["micro_batches"]) == (1, 1)
+    state_file.write_text(json.dumps({**state, "world_size": 2}))
+    capsys.readouterr()
+    assert train_cli("--steps", 4, "--eval-every", 0, "--out", out, "--resume", "auto") == 2
+    err = capsys.readouterr().err
+    assert "took 8 sequences a step" in err and "--global-batch 8" in err and err.count("\n") == 1
+    assert train_cli("--steps", 4, "--eval-every", 0, "--out", out, "--resume", "auto", "--global-batch", 8) == 0
+    assert json.loads((out / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())["micro_batches"] == 2

@@ -24,7 +24,8 @@ PARALLEL = ("auto", "none", "ddp", "fsdp")
 # fields a resumed run may change (the rest must match the run being resumed)
 RESUMABLE_CHANGES = ("steps", "stop_at", "eval_every", "eval_batches", "log_every", "diag_every",
                      "checkpoint_every", "keep_last", "tensorboard", "progress", "compile", "cache_dir", "device",
-                     "parallel", "dtype", "threads", "loss_chunk")
+                     "parallel", "dtype", "threads", "loss_chunk",
+                     "grad_accum", "global_batch")  # how a step's batch is split: its size is checked on resume
 
 
 @dataclass

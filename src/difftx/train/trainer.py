@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from ..errors import DifftxError
+from ..errors import ConfigError, DifftxError
 from ..io import clean_state_dict
 from ..models import build_model
 from ..optim import build_optimizer, lr_at, set_lr
@@ -123,6 +123,13 @@ class Trainer:
         self.resumed_from = Path(path)
 
     def load_state_dict(self, state: dict) -> None:
+        saved = int(state.get("world_size", self.world.world_size)) * int(state.get("micro_batches", self.n_micro))
+        if saved != self.world.world_size * self.n_micro:  # the same sequences per step, or the run is another one
+            b = self.cfg.batch_size
+            raise ConfigError("--grad-accum", f"the run being resumed took {saved * b} sequences a step "
+                                              f"({state.get('world_size')} processes x {state.get('micro_batches')} "
+                                              f"micro-batches of {b}), here {self.world.world_size} x {self.n_micro}; "
+                                              f"pass --global-batch {saved * b} to keep it")
         self.step = int(state["step"])
         self.tokens_seen = int(state.get("tokens_seen", 0))
         self.samples_seen = int(state.get("samples_seen", 0))
