@@ -121,6 +121,19 @@ def test_empty_context_needs_a_prefix_token(lm):
     assert abs(lp - direct_logprob(lm.model, [10] + list(b"abc"), 1)) < 1e-4
 
 
+@pytest.mark.parametrize("vocab, prefix", [
+    ({"[UNK]": 0, "<s>": 1, "</s>": 2, "hello": 3}, 1),  # Llama-style: BOS, as the harness's HF model
+    ({"[UNK]": 0, "<|endoftext|>": 1, "hello": 2}, 1),  # GPT-2-style: no BOS, EOS
+])
+def test_rolling_prefix_is_bos_where_the_tokenizer_has_one_else_eos(lm, vocab, prefix):
+    tokenizers = pytest.importorskip("tokenizers")
+    from difftx.data.tokenizers import HFTokenizer
+
+    tok = HFTokenizer(tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]")))
+    assert DifftxLM(lm.model, tok).prefix_token_id == prefix
+    assert DifftxLM(lm.model, tok, prefix_token_id=0).prefix_token_id == 0
+
+
 def test_run_lm_eval_without_the_harness_is_one_clear_error(monkeypatch, lm):
     monkeypatch.setattr(adapter, "HAVE_LM_EVAL", False)
     with pytest.raises(DifftxError, match="pip install"):

@@ -32,6 +32,7 @@ class Tokenizer:
     kind = "base"
     vocab_size: int
     eos_id: Optional[int] = None
+    bos_id: Optional[int] = None
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -127,16 +128,19 @@ class HFTokenizer(Tokenizer):
     """A Hugging Face ``tokenizers`` tokenizer (kind ``bpe``): trained here or loaded from tokenizer.json.
 
     Encoding never adds special tokens; ``eos_id`` is the first of the usual
-    end-of-text tokens the vocabulary has (documents are separated by it).
+    end-of-text tokens the vocabulary has (documents are separated by it), ``bos_id`` the first of the usual
+    beginning-of-text ones (None when it has none: GPT-2's, whose BOS is its EOS).
     """
 
     kind = "bpe"
     EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
+    BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>")
 
     def __init__(self, tok):
         self.tok = tok
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = next((i for i in map(tok.token_to_id, self.EOS_NAMES) if i is not None), None)
+        self.bos_id = next((i for i in map(tok.token_to_id, self.BOS_NAMES) if i is not None), None)
         self._json = tok.to_str()
 
     @classmethod

@@ -13,8 +13,9 @@ Conventions follow the harness's own Hugging Face model:
   longer than the model's context are cut from the left; ``is_greedy`` is
   whether argmax decoding reproduces the continuation.
 * ``loglikelihood_rolling``: disjoint windows of ``max_length`` tokens, the first
-  conditioned on the prefix token (``eos_id`` of the tokenizer, or
-  ``prefix_token_id``), each token scored exactly once.  A tokenizer without
+  conditioned on the prefix token (``prefix_token_id``, else the tokenizer's
+  ``bos_id``, else its ``eos_id``, as the harness's Hugging Face model picks it),
+  each token scored exactly once.  A tokenizer without
   such a token (byte, char) scores from the second token on, conditioned on the first.
 * ``generate_until``: greedy (or sampled, if the task asks) decoding of up to
   ``max_gen_toks`` tokens, cut at the first ``until`` string.
@@ -59,6 +60,8 @@ class DifftxLM(_LMBase):
         self.batch_size = int(batch_size)
         self.max_length = int(max_length or model.config.max_seq_len)
         self.max_gen_toks = int(max_gen_toks)
+        if prefix_token_id is None:  # the harness's HFLM: BOS when the tokenizer has one, else EOS
+            prefix_token_id = getattr(tokenizer, "bos_id", None)
         self.prefix_token_id = prefix_token_id if prefix_token_id is not None else getattr(tokenizer, "eos_id", None)
         self._dev = next(model.parameters()).device
 
@@ -115,7 +118,7 @@ class DifftxLM(_LMBase):
             context, continuation = _args(r)[:2]
             if context == "":
                 if self.prefix_token_id is None:
-                    raise DifftxError("an empty context needs a prefix token; this tokenizer has no eos_id, "
+                    raise DifftxError("an empty context needs a prefix token; this tokenizer has no bos_id or eos_id, "
                                       "pass prefix_token_id")
                 pairs.append(([self.prefix_token_id], self.tok_encode(continuation)))
             else:
