@@ -28,6 +28,9 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT_KEY = "difftx_format"
 FORMAT_VERSION = 1
+DTYPE_KEY = "dtype"  # config.json: the weights' dtype, when they share one
+STORED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "float64": torch.float64}
 CHECKPOINTS_DIR = "checkpoints"  # a training run's checkpoints: RUN/checkpoints/step_XXXXXXXX/
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
@@ -149,9 +152,13 @@ def save_model(model: torch.nn.Module, path, extra_config: Optional[dict] = None
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg_dict = model_config_dict(model.config)
+    state = clean_state_dict(model.state_dict())
+    floats = {str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}
+    if len(floats) == 1:  # the dtype load_model gives the model back in
+        cfg_dict[DTYPE_KEY] = floats.pop()
     if extra_config:
         cfg_dict.update(extra_config)
-    save_safetensors(clean_state_dict(model.state_dict()), path / WEIGHTS_FILE, metadata={"format": "pt"})
+    save_safetensors(state, path / WEIGHTS_FILE, metadata={"format": "pt"})
     atomic_write_text(path / CONFIG_FILE, json.dumps(cfg_dict, indent=2))
     return path
 
@@ -264,6 +271,9 @@ def load_model(path, device: Optional[str] = None, dtype: Optional[torch.dtype] 
     cfg = read_model_config(path)
     model = build_model(cfg)
     load_state_dict_into(model, load_safetensors(path / WEIGHTS_FILE), str(path / WEIGHTS_FILE))
+    if dtype is None:  # the dtype it was saved in (a bf16 conversion stays bf16); float32 without a note
+        stored = json.loads((path / CONFIG_FILE).read_text()).get(DTYPE_KEY)
+        dtype = STORED_DTYPES.get(stored) if stored != "float32" else None
     if device is not None or dtype is not None:
         model = model.to(device=device, dtype=dtype)
     model.eval()

@@ -326,3 +326,17 @@ def test_a_non_finite_weight_is_refused(capsys, llama_dir, tmp_path):
         difftx.load_model(tmp_path / "m")
     rc, _, err = run_main(capsys, tmp_path / "m", tmp_path / "out2", "--to", "hf-difftx")
     _one_error_line(rc, err, "final_norm.weight", "non-finite")
+
+
+def test_a_bf16_conversion_loads_back_in_bf16(capsys, llama_dir, tmp_path):
+    """config.json names the weights' dtype and load_model gives the model back in it (a float32 model, as
+    every training checkpoint, stays float32); an explicit dtype still wins."""
+    _, src = llama_dir
+    rc, _, err = run_main(capsys, src, tmp_path / "bf", "--dtype", "bfloat16")
+    assert rc == 0, err
+    assert json.loads((tmp_path / "bf" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {p.dtype for p in difftx.load_model(tmp_path / "bf").parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in difftx.load_model(tmp_path / "bf", dtype=torch.float32).parameters()} == {torch.float32}
+    rc, _, err = run_main(capsys, src, tmp_path / "fp")
+    assert rc == 0, err
+    assert {p.dtype for p in difftx.load_model(tmp_path / "fp").parameters()} == {torch.float32}
