@@ -74,7 +74,8 @@ def _llama_like_config(hf: dict, src: str, diff: bool) -> ModelConfig:
         domain="lm", d_model=d_model, n_layers=need("num_hidden_layers"), head_dim=head_dim,
         ffn_dim=need("intermediate_size"), vocab_size=need("vocab_size"),
         max_seq_len=hf.get("max_position_embeddings", 2048), norms="S1", norm="rms",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-5 if diff else 1e-6)), ffn="swiglu",  # transformers' defaults positions="rope", rope_style="half",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-5 if diff else 1e-6)),  # transformers' defaults
+        ffn="swiglu", positions="rope", rope_style="half",
         rope_theta=float(theta), tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bias=attn_bias,
         init_std=float(hf.get("initializer_range", 0.02)),
     )
