@@ -78,7 +78,6 @@ static inline vf vexp_nonpos(vf x) {
 typedef uint16_t vh __attribute__((vector_size(VBYTES / 2), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(VBYTES), aligned(4)));
 
-/* n (<= LANES) values at base[off] as floats, lanes past n set to pad. */
 /* LANES bfloat16 values as floats, and back (round to nearest even). */
 static inline vf vload_bf16(const uint16_t *p) { return (vf)(__builtin_convertvector(*(const vh *)p, vu) << 16); }
 
@@ -90,6 +89,7 @@ static inline vh vround_bf16(vf v) {
 
 static inline void vstore_bf16(uint16_t *p, vf v) { *(vh *)p = vround_bf16(v); }
 
+/* n (<= LANES) values at base[off] as floats, lanes past n set to pad. */
 static inline vf vload(const void *base, int64_t off, int is_bf16, int64_t n, float pad) {
     if (n == LANES) {
         if (is_bf16) return vload_bf16((const uint16_t *)base + off);
