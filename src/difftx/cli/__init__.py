@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in PATH_ARGS:  # Path("") is the current directory: an empty path is a mistake, not "here"
         if getattr(args, name, None) == "":
             flag = name.upper() if name in ("src", "dst") else "--" + name.replace("_", "-")
-            parser.exit(2, f"difftx {args.command}: error: {flag} is empty; give a path (see --help)\n")
+            what = "a name or a path" if name == "tokenizer" else "a path"
+            parser.exit(2, f"difftx {args.command}: error: {flag} is empty; give {what} (see --help)\n")
     if args.command not in ("info", "convert"):  # the commands that train, evaluate or benchmark
         from ..runtime import keep_freed_memory
 
