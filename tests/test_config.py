@@ -153,3 +153,18 @@ def test_known_parameter_counts():
     assert abs(count_parameters(ModelConfig.from_preset("vit-large")) - 304e6) / 304e6 < 0.02
     small = count_parameters(ModelConfig.from_preset("small"))
     assert 20e6 < small < 30e6
+
+
+def test_flops_per_token_by_hand():
+    """2 x matmul weights + 2 x context x (QK^T + PV widths) x layers; causal context seq / 2 (odd lengths not
+    rounded down); a vision model's tokens are its patches, plus the CLS token when it pools by it."""
+    from difftx.accounting import matmul_parameters
+
+    cfg = ModelConfig(attention="diff", d_model=64, n_layers=2, n_heads=2, vocab_size=100)  # d = 16
+    attn = lambda ctx: 2 * ctx * (2 * 2 * 16 + 2 * 2 * 2 * 16) * 2  # noqa: E731  qk 2hd, pv 2h(2d), 2 layers
+    assert flops_per_token(cfg, 33, causal=True) == int(2 * matmul_parameters(cfg) + attn(16.5))
+    assert flops_per_token(cfg, 33, causal=True, training=True) == int(3 * (2 * matmul_parameters(cfg) + attn(16.5)))
+    for pooling, tokens in (("cls", 65), ("mean", 64)):
+        v = ModelConfig(domain="vision", image_size=32, patch_size=4, d_model=64, n_layers=2, n_heads=4,
+                        pooling=pooling)
+        assert flops_per_token(v) == flops_per_token(v, tokens)

@@ -41,7 +41,7 @@ def matmul_parameters(cfg) -> int:
     return total
 
 
-def attention_flops_per_token(cfg, context: int) -> int:
+def attention_flops_per_token(cfg, context: float) -> float:
     d = cfg.head_dim
     if cfg.attention == "softmax":
         qk, pv = cfg.n_heads * d, cfg.n_heads * d
@@ -55,9 +55,9 @@ def attention_flops_per_token(cfg, context: int) -> int:
 def flops_per_token(cfg, seq_len: int | None = None, causal: bool = False, training: bool = False) -> int:
     """Forward (or training = 3x forward) FLOPs per token at sequence length ``seq_len``."""
     if seq_len is None:
-        seq_len = cfg.max_seq_len if cfg.domain == "lm" else cfg.n_patches + 1
-    context = seq_len / 2 if causal else seq_len
-    fwd = 2 * matmul_parameters(cfg) + attention_flops_per_token(cfg, int(context))
+        seq_len = cfg.max_seq_len if cfg.domain == "lm" else cfg.n_patches + (cfg.pooling == "cls")
+    context = seq_len / 2 if causal else seq_len  # not rounded: an odd length's half counts too
+    fwd = 2 * matmul_parameters(cfg) + attention_flops_per_token(cfg, context)
     return int(3 * fwd if training else fwd)
 
 

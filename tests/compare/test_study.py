@@ -117,7 +117,14 @@ def test_compare_verdicts():
     assert compare(a, b, higher_is_better=False)["verdict"] == "better"
     assert compare(stat([1.0, 1.6]), b, higher_is_better=False)["verdict"] == "no clear difference"
     assert "one seed" in compare(stat([1.0]), stat([2.0]), False)["verdict"]
-    assert compare(stat([None, None]), b, False)["verdict"].startswith("not comparable")
+    # a diverged run (None) is a result: its arm is the worse one, whatever the other seeds say
+    assert compare(stat([None, None]), b, False)["verdict"] == "worse (2 of 2 runs of a diverged or were not measured)"
+    assert compare(stat([1.0, None]), b, False)["verdict"].startswith("worse (1 of 2 runs of a")
+    assert compare(b, stat([1.0, float("nan")]), False)["verdict"].startswith("better (1 of 2 runs of b")
+    assert compare(stat([None, 1.0]), stat([1.0, None]), False)["verdict"].startswith("not comparable")
+    from difftx.compare.results import _summary
+
+    assert _summary([compare(stat([None, None]), b, False)["verdict"], "no clear difference"]) == "no"
 
 
 def test_budget_is_the_same_for_every_arm():

@@ -74,11 +74,18 @@ def measured_training_memory(cfg, batch_size: int, seq_len: int, optimizer: str 
         opt.zero_grad(set_to_none=True)
 
     step()  # the optimizer state exists from here on, as in every step after the first
-    state = sum(p.numel() * p.element_size() for p in model.parameters())
-    for st in (s for o in getattr(opt, "optimizers", [opt]) for s in o.state.values()):  # muon: two optimizers
-        state += sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
+    state = held_bytes(model, opt)
     peak, _ = peak_live_bytes(step)
     return {"state": state, "step": peak, "total": state + peak}
+
+
+def held_bytes(model, optimizer) -> int:
+    """Bytes held between steps: the parameters and every optimiser state tensor (Muon's
+    :class:`~difftx.optim.CombinedOptimizer` keeps its state in its two optimisers)."""
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    for st in (s for o in getattr(optimizer, "optimizers", [optimizer]) for s in o.state.values()):
+        held += sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
+    return int(held)
 
 
 @contextlib.contextmanager

@@ -25,9 +25,8 @@ import statistics
 from typing import Optional
 
 import numpy as np
-import torch
 
-from ..benchmarking.memory import peak_live_bytes
+from ..benchmarking.memory import held_bytes, peak_live_bytes
 
 
 # ----------------------------------------------------------------------------- speed
@@ -53,9 +52,7 @@ def peak_step_memory(model, optimizer, loss_fn, autocast) -> dict:
         optimizer.zero_grad(set_to_none=True)
 
     step()
-    state = sum(p.numel() * p.element_size() for p in model.parameters())
-    for st in optimizer.state.values():
-        state += sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
+    state = held_bytes(model, optimizer)
     peak, method = peak_live_bytes(step, next(model.parameters()).device)
     return {"state_bytes": int(state), "step_bytes": int(peak), "total_bytes": int(state + peak), "method": method}
 

@@ -5,7 +5,9 @@ a :func:`stat` (mean, sample standard deviation, min, max, the values).  A
 comparison of two arms (:func:`compare`) calls a difference *clear* only when
 it is larger than the seed spread, the larger of the two arms' ranges over
 seeds (max - min); otherwise it is "no clear difference".  With one seed there
-is no spread and no verdict.
+is no spread and no verdict.  A run without a value (it diverged, or was not
+measured) is not dropped as if the arm had fewer seeds: its arm is the worse
+one, and the verdict says how many of its runs it lost.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ PAPER_NUMBERS = {
     "diff_niah_table2": {"N1R1": (1.00, 1.00), "N2R2": (0.85, 0.92), "N4R2": (0.62, 0.84), "N6R2": (0.55, 0.85)},
     "diff_attention_table3": {"answer": ("0.03-0.09", "0.27-0.40"), "noise": ("0.49-0.54", "0.01-0.02")},
     "diff_outliers_table5": {"attention_logits_top1": (318.0, 38.8), "hidden_states_top1": (3608.6, 1688.2)},
-    "diff_throughput_table7": "DIFF 0.88-0.94x the Transformer's tokens/s (3B-13B, H100, fwd+bwd)",
+    "diff_throughput_table7": "DIFF 0.90-0.94x the Transformer's tokens/s (3B-13B, H100, fwd+bwd)",
     "dnt_memory_table2": "optimizer state of a 1.4B model: AdamW 11.5 GB, mSGDW 5.7 GB",
 }
 
@@ -44,8 +46,16 @@ def compare(a: Optional[dict], b: Optional[dict], higher_is_better: bool) -> Opt
     """Arm a against arm b on one metric: the difference of means, the seed spread and the verdict."""
     if a is None or b is None:
         return None
-    if a["n"] == 0 or b["n"] == 0:
-        return {"delta": None, "spread": None, "verdict": "not comparable (a run diverged or was not measured)"}
+    ma, mb = a.get("missing", 0), b.get("missing", 0)
+    if (ma and mb) or (a["n"] == 0 and b["n"] == 0):
+        return {"delta": None, "spread": None,
+                "verdict": "not comparable (runs of both arms diverged or were not measured)"}
+    if ma or mb:  # a diverged run is a result, not a seed to drop: the arm that lost runs is the worse one
+        k, n = (ma, ma + a["n"]) if ma else (mb, mb + b["n"])
+        delta = a["mean"] - b["mean"] if a["n"] and b["n"] else None
+        return {"delta": delta, "spread": None,
+                "verdict": f"{'worse' if ma else 'better'} ({k} of {n} runs of {'a' if ma else 'b'} diverged or "
+                           "were not measured)"}
     delta = a["mean"] - b["mean"]
     if a["n"] < 2 or b["n"] < 2:
         return {"delta": delta, "spread": None, "verdict": "no verdict (one seed: no spread; use --seeds 2 or more)"}
@@ -166,8 +176,15 @@ def _role_arm(arms: list[Arm], model: str, optimizer: str) -> Optional[str]:
     return next((a.id for a in arms if a.model == model and a.optimizer == optimizer), None)
 
 
+def _verdict(row: Optional[dict]) -> Optional[str]:
+    """better / worse / no clear difference (a verdict's reason in brackets dropped), or None."""
+    v = (row or {}).get("verdict")
+    v = v.split(" (")[0] if v else None
+    return v if v in ("better", "worse", "no clear difference") else None
+
+
 def _summary(verdicts: list[Optional[str]]) -> str:
-    v = [x for x in verdicts if x in ("better", "worse", "no clear difference")]
+    v = [x.split(" (")[0] for x in verdicts if x and x.split(" (")[0] in ("better", "worse", "no clear difference")]
     if not v:
         return "not measured"
     if "better" in v and "worse" in v:
@@ -223,9 +240,9 @@ def questions(study: StudyConfig, corpus: dict, retrieval: Optional[dict]) -> di
         dnt_gap = gaps.get(dnt)
         if dnt_gap is None or dnt_gap.get("verdict") is None:
             answer = "not measured"
-        elif dnt_gap["verdict"] in ("better", "no clear difference"):
+        elif _verdict(dnt_gap) in ("better", "no clear difference"):
             answer = "yes"
-        elif dnt_gap["verdict"] == "worse":
+        elif _verdict(dnt_gap) == "worse":
             answer = "no"
         else:
             answer = dnt_gap["verdict"]
