@@ -2,9 +2,11 @@
 
 import json
 
+import pytest
 import torch
 
 from difftx.data.tasks import TASKS, register_task
+from difftx.train.domain import VAL_STEP_BASE
 
 
 class RepeatTask:
@@ -46,10 +48,23 @@ def test_task_training_learns_the_copy(tmp_path, capsys):
         TASKS.pop("test-repeat", None)
     task = made[0]
     assert task.alphabet == 4
-    train_calls = [c for c in task.calls if c[1] < 1 << 40]
+    train_calls = [c for c in task.calls if c[1] < VAL_STEP_BASE]
     assert train_calls[:4] == [(8, 0, 0), (8, 1, 0), (8, 2, 0), (8, 3, 0)]  # step * accum + micro
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["train"]["task"] == "test-repeat" and cfg["data"]["task_options"] == {"alphabet": 4}
     first, val = rows[0]["loss"], rows[-1]["val_loss"]
     assert val < 0.5 * first  # the second half is predictable: the loss falls well below chance (ln 256 = 5.5)
+
+
+@pytest.mark.parametrize("name", ["mqar", "niah"])
+def test_validation_batches_are_not_training_batches(name):
+    """Validation draws steps VAL_STEP_BASE + i; the task samplers seed from 32-bit words, so the base must
+    survive that (2^40 + i used to be training step i)."""
+    from difftx.data import ByteTokenizer
+    from difftx.data.tasks import get_task
+
+    task = get_task(name)(ByteTokenizer(), 512 if name == "niah" else 64, 0)
+    for i in range(3):
+        val = task.batch(2, VAL_STEP_BASE + i, 0)[0]
+        assert all(not torch.equal(val, task.batch(2, step, 0)[0]) for step in range(4))

@@ -31,7 +31,9 @@ from .config import TrainConfig
 from .distributed import World
 
 DOMAINS: dict[str, Callable[[TrainConfig, World], "Domain"]] = {}
-VAL_STEP_BASE = 1 << 40  # task samplers: validation batches use steps from here on, disjoint from training
+# task samplers: validation batches use steps from here on, disjoint from training's.  Under 2^32: task samplers
+# seed from 32-bit words (difftx.evals.common.rng_for), in which 2^40 + i was training step i.
+VAL_STEP_BASE = 1 << 31
 
 
 def register_domain(name: str):
