@@ -33,6 +33,17 @@ def test_missing_pillow_is_one_clear_line(monkeypatch, tmp_path):
         load_image_set(str(tmp_path / "imgs"))
 
 
+@pytest.mark.parametrize("size, channels", [(4, 3), (2, 3), (3, 4), (4, 1), (6, 3)])
+def test_tiny_square_images_in_either_channel_order(tmp_path, size, channels):
+    """(N, k, k, C) is channels last and (N, C, k, k) channels first, also for images of 4 rows or fewer."""
+    x, y = blob_images(size=size, channels=channels)
+    for name, arr in (("first", x), ("last", np.moveaxis(x, 1, -1))):
+        np.savez(tmp_path / f"{name}.npz", x=arr, y=y)
+        got = load_image_set(str(tmp_path / f"{name}.npz"))
+        assert got.images.shape == (len(y), channels, size, size), name
+        np.testing.assert_array_equal(got.images, x)
+
+
 def test_numpy_sources_agree(tmp_path):
     x, y = blob_images(size=6, channels=3)
     np.savez(tmp_path / "a.npz", x=x, y=y)

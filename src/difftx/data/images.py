@@ -15,7 +15,8 @@ Everything is held in memory as float32 ``(N, C, H, W)``.  Pixel values of
 8-bit sources are scaled to [0, 1] (digits: /16); float arrays are kept as
 they are.  Arrays may be ``(N, H, W)`` (grey), ``(N, C, H, W)`` or
 ``(N, H, W, C)`` (channels last is recognised when the last axis has 1, 3 or 4
-entries and the second more than 4).  Class names are the folder names, sorted
+entries and the second more than 4, or the second and third are equal and the
+last is not: tiny square images; ``(N, k, k, k)`` is read as channels first).  Class names are the folder names, sorted
 (arrays and digits: ``"0"``, ``"1"``, ...).
 
 Splits are stratified and deterministic: within each class a permutation from
@@ -136,8 +137,8 @@ def _from_arrays(x: np.ndarray, y: np.ndarray, source: str) -> ImageSet:
         raise DataError(f"{source}: images must be numbers, got dtype {x.dtype}")
     if x.ndim == 3:
         x = x[:, None]
-    elif x.ndim == 4 and x.shape[-1] in (1, 3, 4) and x.shape[1] > 4:
-        x = np.moveaxis(x, -1, 1)
+    elif x.ndim == 4 and x.shape[-1] in (1, 3, 4) and (x.shape[1] > 4 or x.shape[1] == x.shape[2] != x.shape[3]):
+        x = np.moveaxis(x, -1, 1)  # channels last: more than 4 rows, or square images (N, k, k, C), C != k
     elif x.ndim != 4:
         raise DataError(f"{source}: images must be (N, H, W), (N, C, H, W) or (N, H, W, C); got shape {x.shape}")
     y = np.asarray(y)
