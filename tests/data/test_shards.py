@@ -69,3 +69,20 @@ def test_window_sampler_is_a_pure_function_of_seed_and_step():
 def test_too_little_data_is_a_clear_error():
     with pytest.raises(DataError, match="fewer than seq_len"):
         WindowSampler(np.arange(8, dtype=np.uint16), seq_len=16, seed=0, what="validation")
+
+
+CODE = "def f():\n\n\n    return 1\n\n  \n\tx = 2  \nclass A:\n    pass  \n\n\n" * 40
+
+
+def test_bpe_shards_are_the_tokenizers_own_encoding(tmp_path, monkeypatch):
+    """A file read in small pieces and encoded in small segments: a byte-level BPE keeps a run of newlines and
+    spaces as one pre-token, so cutting inside one would change the ids.  The shard is encode(file) + EOS."""
+    from difftx.data import corpus as corpus_mod
+    from difftx.data.tokenizers import train_bpe
+
+    monkeypatch.setattr(corpus_mod, "PIECE_BYTES", 64)
+    (tmp_path / "code.txt").write_text(CODE)
+    tok = train_bpe(iter([CODE]), 300)
+    assert tok.encode_array(CODE, segment=7).tolist() == tok.encode(CODE)
+    data = prepare_tokens(resolve_corpus(str(tmp_path / "code.txt")), tok, tmp_path / "cache", progress=False)
+    assert data.tokens.tolist() == tok.encode(CODE) + [tok.eos_id]

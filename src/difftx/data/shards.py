@@ -97,8 +97,12 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
     try:
         with open(tmp, "wb") as f:
             for src in corpus.sources:
-                count = 0
-                for text, end in src.pieces():
+                count, carry = 0, ""
+                for piece, end in src.pieces():
+                    # a piece ends at a newline the tokenizer may not cut at: its tail goes with the next piece
+                    text = carry + piece
+                    cut = len(text) if end else tokenizer.cut(text, text.rfind("\n", 0, max(0, len(text) - 4096)) + 1)
+                    text, carry = text[:cut], text[cut:]
                     ids = tokenizer.encode_array(text)
                     if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
                         raise DataError(f"{src.name}: the tokenizer produced id {int(ids.max())} outside its "

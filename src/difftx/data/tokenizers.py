@@ -44,6 +44,11 @@ class Tokenizer:
         """``encode`` as an int64 array (subclasses vectorise it for the token shards)."""
         return np.asarray(self.encode(text), dtype=np.int64)
 
+    def cut(self, text: str, pos: int) -> int:
+        """An index >= ``pos`` (``len(text)`` at most) where ``text`` may be cut so that encoding the two sides
+        alone gives ``encode(text)``'s ids.  Byte and char tokenizers: anywhere."""
+        return min(pos, len(text))
+
     def to_dict(self) -> dict:
         raise NotImplementedError
 
@@ -157,12 +162,32 @@ class HFTokenizer(Tokenizer):
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
+    def cut(self, text: str, pos: int) -> int:
+        """A pre-token boundary after the first newline from ``pos`` on: the window from that newline is
+        pre-tokenized alone and the first boundary is taken that is not the window's first (that pre-token may
+        merge with what came before the newline, as ':' + '\n' or spaces + newlines) and not right after
+        whitespace (a whitespace pre-token's end depends on what follows it: '  \n\n' + '\n' + 'def' in the
+        text, '  \n\n\n' at a segment's end).  Without a pre-tokenizer, or no such boundary in 4096
+        characters: just after the newline."""
+        nl = text.find("\n", pos)
+        if nl < 0:
+            return len(text)
+        pre = self.tok.pre_tokenizer
+        if pre is not None:
+            window = text[nl:nl + 4096]
+            for _, (start, _) in pre.pre_tokenize_str(window)[2:]:
+                if not window[start - 1].isspace():
+                    return nl + start
+            if nl + 4096 >= len(text):
+                return len(text)
+        return nl + 1
+
     def encode_array(self, text: str, segment: int = 1 << 16) -> np.ndarray:
-        """Encode in ~64 KB segments cut after newlines (parallel in Rust; same result every run)."""
+        """Encode in ~64 KB segments (parallel in Rust; same result every run), cut at pre-token boundaries
+        (:meth:`cut`), so the ids are ``encode(text)``'s."""
         parts, start = [], 0
         while start < len(text):
-            end = text.find("\n", start + segment)
-            end = len(text) if end < 0 else end + 1
+            end = self.cut(text, start + segment)
             parts.append(text[start:end])
             start = end
         ids = [i for seg in self.encode_batch(parts) for i in seg] if parts else []
