@@ -32,7 +32,7 @@ from ..errors import DataError
 from .corpus import Corpus
 from .tokenizers import Tokenizer
 
-SHARD_FORMAT = 1
+SHARD_FORMAT = 2  # 2: pieces and BPE segments cut at pre-token boundaries (1 could cut a whitespace run)
 TOKENS_FILE = "tokens.bin"
 MANIFEST_FILE = "manifest.json"
 
