@@ -63,6 +63,27 @@ def test_sampling_filters():
     # high temperature spreads the mass
     draws = {int(sample_next(logits, 100.0, generator=g)) for _ in range(500)}
     assert draws == {0, 1, 2, 3, 4}
+    # a prefix whose mass is exactly top_p is enough (dyadic probabilities: no rounding), and top_p=0 is greedy
+    dyadic = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
+    assert {int(sample_next(dyadic, 1.0, top_p=0.5, generator=g)) for _ in range(200)} == {0}
+    assert {int(sample_next(dyadic, 1.0, top_p=0.75, generator=g)) for _ in range(200)} == {0, 1}
+    assert {int(sample_next(logits, 1.0, top_p=0.0, generator=g)) for _ in range(50)} == {1}
+
+
+@pytest.mark.parametrize("top_p", [-0.1, 1.5])
+def test_top_p_out_of_range_is_an_error(top_p):
+    with pytest.raises(DifftxError, match="top_p must be in"):
+        model_for("softmax").generate(torch.zeros(1, 2, dtype=torch.long), 2, top_p=top_p)
+
+
+def test_stop_tokens_as_a_tensor_or_one_int():
+    model = model_for("softmax")
+    x = torch.randint(0, 53, (1, 4), generator=torch.Generator().manual_seed(0))
+    stop = int(model.generate(x, max_new_tokens=4, temperature=0)[0, 5])
+    want = model.generate(x, max_new_tokens=4, temperature=0, stop_tokens=[stop], pad_token_id=-1)
+    for given in (torch.tensor([stop]), stop):
+        assert torch.equal(model.generate(x, max_new_tokens=4, temperature=0, stop_tokens=given, pad_token_id=-1),
+                           want)
 
 
 def test_sampling_is_reproducible_with_a_generator():
@@ -90,7 +111,9 @@ def test_generation_respects_learned_position_limit():
     cfg = ModelConfig(d_model=32, n_layers=1, n_heads=4, vocab_size=11, max_seq_len=8, positions="learned")
     model = build_model(cfg)
     with pytest.raises(DifftxError, match="max_seq_len"):
-        model.generate(torch.zeros(1, 5, dtype=torch.long), max_new_tokens=4)
+        model.generate(torch.zeros(1, 5, dtype=torch.long), max_new_tokens=5)
+    # the last new token is never fed back: 5 + 4 tokens need 8 positions
+    assert model.generate(torch.zeros(1, 5, dtype=torch.long), max_new_tokens=4).shape == (1, 9)
 
 
 def test_generate_restores_training_mode():

@@ -25,10 +25,11 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and 0.0 < top_p < 1.0:
+    if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         probs = torch.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        drop = probs.cumsum(-1) - probs >= top_p  # keep the smallest prefix whose mass reaches top_p
+        drop[:, 0] = False  # and always the most likely token (top_p = 0: greedy)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
@@ -53,14 +54,21 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, temperatu
     if input_ids.dim() != 2:
         raise DifftxError(f"input_ids must be (batch, length); got shape {tuple(input_ids.shape)}")
     b, n = input_ids.shape
+    if top_p is not None and not 0.0 <= top_p <= 1.0:
+        raise DifftxError(f"top_p must be in [0, 1] (0: the most likely token only, 1: no filter); got {top_p}")
     if max_new_tokens <= 0:
         return input_ids
-    if cfg.positions in ("learned", "sinusoidal") and n + max_new_tokens > cfg.max_seq_len:
+    # the model sees the prompt and every new token but the last
+    if cfg.positions in ("learned", "sinusoidal") and n + max_new_tokens - 1 > cfg.max_seq_len:
         raise DifftxError(
-            f"prompt ({n}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len={cfg.max_seq_len} "
+            f"prompt ({n}) + max_new_tokens ({max_new_tokens}) - 1 exceeds max_seq_len={cfg.max_seq_len} "
             f"for positions={cfg.positions!r}; ask for fewer tokens"
         )
     sample = (temperature > 0) if do_sample is None else do_sample
+    if isinstance(stop_tokens, torch.Tensor):
+        stop_tokens = stop_tokens.flatten().tolist()
+    elif isinstance(stop_tokens, int):
+        stop_tokens = [stop_tokens]
     stops = torch.tensor(sorted(set(stop_tokens)), device=input_ids.device) if stop_tokens else None
     was_training = model.training
     model.eval()
