@@ -35,6 +35,8 @@ def test_bench_quick_writes_json_and_table(cli, tmp_path):
     assert len(res["matmul_peak_by_repeat"]["bf16"]) == res["bench_config"]["repeats"]  # one per training repeat
     assert res["matmul_peak_flops"]["bf16"] >= max(res["matmul_peak_by_repeat"]["bf16"])  # the run's best
     assert 0 < row["train"]["share_of_run_peak"] <= (1 if res["environment"]["native_bf16_matmul"] else float("inf"))
+    for phase in ("prefill", "decode"):  # no peak per repeat: against the run's best, as documented
+        assert row[phase]["share_of_matmul_peak"] == row[phase]["share_of_run_peak"]
     if "hf-llama" in arms:  # transformers installed: the peers' ratios are there too
         for key in PEER_KEYS:
             assert res["ratios"][key] > 0
@@ -176,9 +178,25 @@ def test_share_of_peak_is_paired_with_each_repeats_peak():
     from difftx.benchmarking.speed import _speed
 
     times, peaks = [1.0, 2.0, 2.0], [100.0, 50.0, 50.0]  # FLOP/s: 50 then 25, 25
-    s = _speed(times, tokens=10, flops_per_tok=5, peak=100.0, round_peaks=peaks)
+    s = _speed(times, tokens=10, flops_per_tok=5, round_peaks=peaks)
     assert s["share_of_matmul_peak"] == pytest.approx(0.5)
-    assert _speed(times, 10, 5, 100.0)["share_of_matmul_peak"] == pytest.approx(0.25)  # median step vs best peak
+    # without a peak per repeat (prefill, decode) run_bench sets it at the end, against the run's best peak
+    assert "share_of_matmul_peak" not in _speed(times, 10, 5)
+
+
+def test_peers_only_for_llama_shaped_presets():
+    """transformers' Llama / DiffLlama take LLaMA shapes only: a GPT-2-style preset (GELU MLP, learned
+    positions) gets no peers instead of unmatched ones."""
+    import torch
+
+    from difftx import ModelConfig
+    from difftx.benchmarking.speed import QUICK, BenchConfig, build_arms, peers_match
+
+    assert peers_match(ModelConfig.from_preset("small")) and peers_match(ModelConfig.from_preset("nano"))
+    assert not peers_match(ModelConfig.from_preset("nanogpt")) and not peers_match(ModelConfig.from_preset("gpt2-124m"))
+    bc = BenchConfig(**{**QUICK, "preset": "nanogpt", "arms": ["transformer"], "peers": True})
+    bc.validate()
+    assert [a.name for a in build_arms(bc, torch.device("cpu"))] == ["transformer"]
 
 
 @pytest.mark.parametrize("native", [True, False])

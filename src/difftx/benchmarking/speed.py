@@ -216,6 +216,14 @@ def transformers_available() -> bool:
         return False
 
 
+def peers_match(cfg: ModelConfig) -> bool:
+    """Whether transformers' Llama / DiffLlama can take ``cfg``'s shapes: a LLaMA-shaped preset (pre-norm
+    RMSNorm, SwiGLU, rotary positions rotating halves, no biases).  GPT-2-style presets (GELU MLP, learned
+    positions) get no peers: theirs would be other models, not the same shapes."""
+    return (cfg.ffn == "swiglu" and cfg.positions == "rope" and cfg.rope_style == "half" and cfg.norm == "rms"
+            and cfg.norms == "S1" and not cfg.bias)
+
+
 def build_arms(bc: BenchConfig, device: torch.device) -> list[Arm]:
     arms = []
     base = ModelConfig.from_preset(bc.preset)
@@ -225,7 +233,7 @@ def build_arms(bc: BenchConfig, device: torch.device) -> list[Arm]:
         torch.manual_seed(bc.seed)
         cfg = ModelConfig.from_preset(bc.preset, max_seq_len=max(base.max_seq_len, bc.seq_len), **ARMS[name])
         arms.append(Arm(name, build_model(cfg).to(device), cfg, peer=False, fused_adamw=bc.fused_adamw))
-    if bc.peers and transformers_available():
+    if bc.peers and transformers_available() and peers_match(base):
         for peer, twin in PEERS.items():
             cfg = ModelConfig.from_preset(bc.preset, max_seq_len=max(base.max_seq_len, bc.seq_len), **ARMS[twin])
             torch.manual_seed(bc.seed)
@@ -419,6 +427,9 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
     timer = _timer(bc.timer, device)
     torch.manual_seed(bc.seed)
     arms = build_arms(bc, device)
+    if bc.peers and transformers_available() and not peers_match(ModelConfig.from_preset(bc.preset)):
+        log(f"difftx bench: no transformers peers for preset {bc.preset}: Llama / DiffLlama are LLaMA-shaped "
+            "(SwiGLU, rotary positions, RMSNorm), this preset is not")
     b, n = bc.batch_size, bc.seq_len
     x = torch.randint(0, arms[0].cfg.vocab_size, (b, n), device=device)
     y = torch.randint(0, arms[0].cfg.vocab_size, (b, n), device=device)
@@ -449,7 +460,7 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
             results.setdefault("matmul_peak_by_repeat", {})[dt] = round_peaks
             for arm in arms:
                 fpt = flops_per_token(arm.cfg, n, causal=True, training=True)
-                rows[arm.name]["train"] = _speed(times[arm.name], b * n, fpt, peaks[dt], round_peaks)
+                rows[arm.name]["train"] = _speed(times[arm.name], b * n, fpt, round_peaks)
             if bc.memory:
                 for arm in arms:
                     rows[arm.name]["memory"] = peak_train_memory(arm, x, y, dt, device)
@@ -460,7 +471,7 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
             times = _interleaved(arms, bc.repeats, bc.warmup, lambda a: _prefill(a, x, dt, device), timer)
             for arm in arms:
                 fpt = flops_per_token(arm.cfg, n, causal=True, training=False)
-                rows[arm.name]["prefill"] = _speed(times[arm.name], b * n, fpt, peaks[dt])
+                rows[arm.name]["prefill"] = _speed(times[arm.name], b * n, fpt)
         if "decode" in bc.phases:
             log(f"  [{dt}] decode ...")
             kv = {}
@@ -474,7 +485,7 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
             context = prompt.shape[1] + bc.decode_tokens // 2
             for arm in arms:
                 fpt = flops_per_token(arm.cfg, context, causal=False, training=False)
-                rows[arm.name]["decode"] = _speed(times[arm.name], db * bc.decode_tokens, fpt, peaks[dt])
+                rows[arm.name]["decode"] = _speed(times[arm.name], db * bc.decode_tokens, fpt)
                 rows[arm.name]["decode"]["kv_bytes_per_token"] = kv[arm.name]
                 rows[arm.name]["decode"]["kv_bytes_per_token_accounting"] = kv_cache_bytes_per_token(
                     arm.cfg, 2 if dt == "bf16" else 4)
@@ -497,7 +508,7 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
     return results
 
 
-def _speed(times: list, tokens: int, flops_per_tok: int, peak: float, round_peaks: Optional[list] = None) -> dict:
+def _speed(times: list, tokens: int, flops_per_tok: int, round_peaks: Optional[list] = None) -> dict:
     """Speed of one arm in one phase.  With ``round_peaks`` (the matmul peak measured at the start of
     each repeat), ``share_of_matmul_peak`` is the median over repeats of that repeat's FLOP/s over
     its own peak: the VM's matmul speed drifts within a run, and a step is compared with the peak
@@ -510,9 +521,7 @@ def _speed(times: list, tokens: int, flops_per_tok: int, peak: float, round_peak
     if round_peaks and len(round_peaks) == len(times):
         out["share_of_matmul_peak"] = statistics.median(
             tokens * flops_per_tok / (t * pk) for t, pk in zip(times, round_peaks))
-    else:
-        out["share_of_matmul_peak"] = tps * flops_per_tok / peak
-    return out
+    return out  # else run_bench sets it at the end, against the run's best peak
 
 
 def speed_ratio(seconds_a: list, seconds_b: list) -> float:
