@@ -135,3 +135,14 @@ def test_budget_is_the_same_for_every_arm():
     assert len({(t.seed, t.steps, t.batch_size, t.seq_len) for t in tcfgs}) == 1
     assert {t.optimizer for t in tcfgs} == {"adamw", "msgdw"}
     assert isinstance(jobs[0], Job) and re.fullmatch(r"corpus/[a-z-]+/seed0-lr[0-9.e-]+", jobs[0].key)
+
+
+def test_lambdas_of_seeds_that_recorded_none():
+    """DIFF V2's lambda is None until a forward pass records it: a study with a diff2 arm builds its results
+    (the mean per layer over the seeds that have one) instead of failing on fmean(None)."""
+    from difftx.compare.results import corpus_arm
+
+    runs = [{"job": {"seed": 0}, "lambdas": [None, None]}, {"job": {"seed": 1}, "lambdas": [None, None]}]
+    assert corpus_arm(runs, "lm")["lambdas"] == [None, None]
+    runs = [{"job": {"seed": 0}, "lambdas": [0.2, None]}, {"job": {"seed": 1}, "lambdas": [0.4, 0.5]}]
+    assert corpus_arm(runs, "lm")["lambdas"] == pytest.approx([0.3, 0.5])

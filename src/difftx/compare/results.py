@@ -154,8 +154,9 @@ def corpus_arm(runs: list[dict], domain: str) -> dict:
                         "noise_alpha": {k: s("tails", "noise", k, "alpha_mohammadi") for k in kinds},
                         "histograms": _histograms(runs)}
     lams = [r["lambdas"] for r in runs if r.get("lambdas")]
-    if lams:
-        res["lambdas"] = [statistics.fmean(x[i] for x in lams) for i in range(len(lams[0]))]
+    if lams:  # per layer, over the seeds that have it (DIFF V2's is None until a forward pass records it)
+        per_layer = [[x[i] for x in lams if x[i] is not None] for i in range(len(lams[0]))]
+        res["lambdas"] = [statistics.fmean(v) if v else None for v in per_layer]
     return res
 
 
