@@ -55,7 +55,17 @@ def test_bench_long_context_quick(cli, tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "long_context.json").read_text())
     assert {row["variant"] for row in res["rows"]} == {"fused", "4call", "eager"}
+    assert sorted({row["n"] for row in res["rows"]}) == [64, 256]  # --quick's lengths
     assert (tmp_path / "long_context.md").exists()
+
+
+def test_bench_long_context_quick_keeps_explicit_lengths(tmp_path, capsys):
+    """--quick's options are defaults: a --lengths given explicitly is the one measured."""
+    from difftx.cli import main
+
+    assert main(["bench", "--long-context", "--quick", "--lengths", "96", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "long_context.json").read_text())
+    assert {row["n"] for row in res["rows"]} == {96}
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -241,7 +241,7 @@ def is_model_dir(path: Path) -> bool:
     return isinstance(data, dict) and FORMAT_KEY in data
 
 
-def load_model(path, device: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+def load_model(path, device: Optional[str] = None, dtype=None) -> torch.nn.Module:
     """Load a difftx model from a model directory, a checkpoint directory or a training run.
 
     Other layouts (e.g. a converted Hugging Face directory) load through
@@ -249,6 +249,10 @@ def load_model(path, device: Optional[str] = None, dtype: Optional[torch.dtype] 
     """
     from .models import build_model
 
+    if isinstance(dtype, str):  # "bfloat16", "float32", ... as config.json names them
+        if dtype not in STORED_DTYPES:
+            raise ConfigError("dtype", f"must be a torch dtype or one of {', '.join(STORED_DTYPES)}; got {dtype!r}")
+        dtype = STORED_DTYPES[dtype]
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory; pass a difftx model, checkpoint or run directory")

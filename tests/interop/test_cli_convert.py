@@ -337,6 +337,9 @@ def test_a_bf16_conversion_loads_back_in_bf16(capsys, llama_dir, tmp_path):
     assert json.loads((tmp_path / "bf" / "config.json").read_text())["dtype"] == "bfloat16"
     assert {p.dtype for p in difftx.load_model(tmp_path / "bf").parameters()} == {torch.bfloat16}
     assert {p.dtype for p in difftx.load_model(tmp_path / "bf", dtype=torch.float32).parameters()} == {torch.float32}
+    assert {p.dtype for p in difftx.load_model(tmp_path / "bf", dtype="float32").parameters()} == {torch.float32}
+    with pytest.raises(difftx.ConfigError, match="dtype: must be a torch dtype or one of"):
+        difftx.load_model(tmp_path / "bf", dtype="fp8")
     rc, _, err = run_main(capsys, src, tmp_path / "fp")
     assert rc == 0, err
     assert {p.dtype for p in difftx.load_model(tmp_path / "fp").parameters()} == {torch.float32}

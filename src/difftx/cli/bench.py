@@ -50,8 +50,8 @@ def add_parser(sub) -> None:
                       help="torch's foreach AdamW for every arm instead of the fused kernel")
     p.add_argument("--long-context", action="store_true",
                    help="instead: DIFF attention time and peak memory at --lengths tokens (fused vs 4call vs eager)")
-    p.add_argument("--lengths", default="1024,2048,4096,8192,16384",
-                   help="sequence lengths for --long-context (default: 1024,...,16384)")
+    p.add_argument("--lengths", default=None,
+                   help="sequence lengths for --long-context (default: 1024,...,16384; 64,256 with --quick)")
     p.add_argument("--quick", action="store_true",
                    help="tiny smoke run (preset nano, 32 tokens, 1 repeat; options given explicitly still apply) "
                         "for tests; numbers mean nothing")
@@ -72,7 +72,8 @@ def run(args) -> int:
     bc = BenchConfig(dtypes=_csv(args.dtypes), arms=_csv(args.arms), peers=not args.no_peers,
                      phases=_csv(args.phases), timer=args.timer, device=args.device, memory=not args.no_memory,
                      fused_adamw=args.fused_adamw, **sizes)
-    lengths = _lengths(args.lengths) if args.long_context else []
+    default_lengths = "64,256" if args.quick else "1024,2048,4096,8192,16384"
+    lengths = _lengths(default_lengths if args.lengths is None else args.lengths) if args.long_context else []
     bc.validate()  # every bad value is one line before anything runs or is written
     out = Path(args.out)
     refuse_old_results(out, LONG_CONTEXT_FILES if args.long_context else RESULT_FILES, args.force)
@@ -106,8 +107,6 @@ def _long_context(args, bc, lengths: list, out: Path, command: str) -> int:
     from ..benchmarking.long_context import attention_scaling, markdown
     from ..io import atomic_write_text
 
-    if args.quick:
-        lengths = [64, 256]
     torch.set_num_threads(bc.threads or torch.get_num_threads())
     from ..benchmarking import resolve_dtypes
 
