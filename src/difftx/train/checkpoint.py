@@ -217,8 +217,9 @@ def save_checkpoint(trainer, step: int) -> Path:
         # steps after this one belong to a history this run abandoned (resumed from an earlier step of its own
         # directory; metrics.jsonl already dropped their rows): they go, so that --resume auto never picks them
         # and pruning never takes the checkpoint just written
-        history = [p for p in ckpts if p.name <= final.name]
-        for stale in [p for p in ckpts if p.name > final.name] + history[:-trainer.cfg.keep_last]:
+        later = [p for p in ckpts if int(p.name.split("_")[1]) > step]
+        history = [p for p in ckpts if p not in later]
+        for stale in later + history[:-trainer.cfg.keep_last]:
             shutil.rmtree(stale, ignore_errors=True)
     world.barrier()
     return final
