@@ -177,15 +177,14 @@ def _role_arm(arms: list[Arm], model: str, optimizer: str) -> Optional[str]:
     return next((a.id for a in arms if a.model == model and a.optimizer == optimizer), None)
 
 
-def _verdict(row: Optional[dict]) -> Optional[str]:
+def _verdict(text: Optional[str]) -> Optional[str]:
     """better / worse / no clear difference (a verdict's reason in brackets dropped), or None."""
-    v = (row or {}).get("verdict")
-    v = v.split(" (")[0] if v else None
+    v = text.split(" (")[0] if text else None
     return v if v in ("better", "worse", "no clear difference") else None
 
 
 def _summary(verdicts: list[Optional[str]]) -> str:
-    v = [x.split(" (")[0] for x in verdicts if x and x.split(" (")[0] in ("better", "worse", "no clear difference")]
+    v = [w for w in map(_verdict, verdicts) if w]
     if not v:
         return "not measured"
     if "better" in v and "worse" in v:
@@ -241,9 +240,9 @@ def questions(study: StudyConfig, corpus: dict, retrieval: Optional[dict]) -> di
         dnt_gap = gaps.get(dnt)
         if dnt_gap is None or dnt_gap.get("verdict") is None:
             answer = "not measured"
-        elif _verdict(dnt_gap) in ("better", "no clear difference"):
+        elif _verdict(dnt_gap["verdict"]) in ("better", "no clear difference"):
             answer = "yes"
-        elif _verdict(dnt_gap) == "worse":
+        elif _verdict(dnt_gap["verdict"]) == "worse":
             answer = "no"
         else:
             answer = dnt_gap["verdict"]
