@@ -174,10 +174,11 @@ class HFTokenizer(Tokenizer):
             return len(text)
         pre = self.tok.pre_tokenizer
         if pre is not None:
-            window = text[nl:nl + 4096]
-            for _, (start, _) in pre.pre_tokenize_str(window)[2:]:
-                if not window[start - 1].isspace():
-                    return nl + start
+            for width in (256, 4096):  # a short window almost always holds such a boundary
+                window = text[nl:nl + width]
+                for _, (start, _) in pre.pre_tokenize_str(window)[2:]:
+                    if not window[start - 1].isspace():
+                        return nl + start
             if nl + 4096 >= len(text):
                 return len(text)
         return nl + 1
