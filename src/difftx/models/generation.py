@@ -28,8 +28,9 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         probs = torch.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(-1) - probs >= top_p  # keep the smallest prefix whose mass reaches top_p
-        drop[:, 0] = False  # and always the most likely token (top_p = 0: greedy)
+        # keep the smallest prefix whose mass reaches top_p, and always the most likely token (its mass before
+        # is exactly 0: top_p = 0 is greedy)
+        drop = probs.cumsum(-1) - probs >= max(top_p, 1e-12)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
