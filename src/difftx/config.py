@@ -177,7 +177,7 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ validation
     def _validate_and_resolve(self) -> None:
-        def choice(name: str, options) -> None:
+        def choice(name: str, options: tuple) -> None:
             value = getattr(self, name)
             if not isinstance(value, str) or value not in options:
                 raise ConfigError(name, f"must be one of {', '.join(options)}; got {value!r}")

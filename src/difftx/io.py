@@ -164,6 +164,11 @@ def save_model(model: torch.nn.Module, path, extra_config: Optional[dict] = None
 
 
 def read_model_config(path) -> ModelConfig:
+    return _read_model_config(path)[0]
+
+
+def _read_model_config(path) -> tuple[ModelConfig, dict]:
+    """The model config at ``path`` (a model directory or its config.json) and the file's whole JSON object."""
     path = Path(path)
     cfg_path = path / CONFIG_FILE if path.is_dir() else path
     try:
@@ -181,7 +186,7 @@ def read_model_config(path) -> ModelConfig:
         raise CheckpointError(f"{cfg_path}: 'model' must be an object of config fields; got "
                               f"{type(data['model']).__name__}: the file is corrupt")
     try:
-        return ModelConfig.from_dict(data["model"])
+        return ModelConfig.from_dict(data["model"]), data
     except ConfigError as e:
         raise CheckpointError(f"{cfg_path}: invalid model config: {e}") from None
 
@@ -272,11 +277,11 @@ def load_model(path, device: Optional[str] = None, dtype=None) -> torch.nn.Modul
             f"{path}: no difftx model here (need {CONFIG_FILE} with '{FORMAT_KEY}' and {WEIGHTS_FILE}, "
             "or a training run / checkpoint directory)"
         )
-    cfg = read_model_config(path)
+    cfg, data = _read_model_config(path)
     model = build_model(cfg)
     load_state_dict_into(model, load_safetensors(path / WEIGHTS_FILE), str(path / WEIGHTS_FILE))
     if dtype is None:  # the dtype it was saved in (a bf16 conversion stays bf16); float32 without a note
-        stored = json.loads((path / CONFIG_FILE).read_text()).get(DTYPE_KEY)
+        stored = data.get(DTYPE_KEY)
         dtype = STORED_DTYPES.get(stored) if stored != "float32" else None
     if device is not None or dtype is not None:
         model = model.to(device=device, dtype=dtype)

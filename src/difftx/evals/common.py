@@ -347,7 +347,8 @@ def check_options(task: str, options: dict, valid: Sequence[str]) -> None:
 
 
 def rng_for(*key: int) -> np.random.Generator:
-    """A numpy Generator that is a pure function of the integers in ``key`` (seed, step, rank, ...)."""
+    """A numpy Generator that is a pure function of the integers in ``key`` (seed, step, rank, ...), each taken
+    mod 2^32: keys meant to give different streams must differ below 2^32 (validation steps start at 2^31)."""
     return np.random.default_rng(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in key]))
 
 
