@@ -49,12 +49,32 @@ def test_task_training_learns_the_copy(tmp_path, capsys):
     task = made[0]
     assert task.alphabet == 4
     train_calls = [c for c in task.calls if c[1] < VAL_STEP_BASE]
-    assert train_calls[:4] == [(8, 0, 0), (8, 1, 0), (8, 2, 0), (8, 3, 0)]  # step * accum + micro
+    assert train_calls[:3] == [(16, 0, 0), (16, 1, 0), (16, 2, 0)]  # a step's global batch (8 x accum 2)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["train"]["task"] == "test-repeat" and cfg["data"]["task_options"] == {"alphabet": 4}
     first, val = rows[0]["loss"], rows[-1]["val_loss"]
     assert val < 0.5 * first  # the second half is predictable: the loss falls well below chance (ln 256 = 5.5)
+
+
+@pytest.mark.parametrize("world_size, n_micro", [(2, 1), (2, 2), (1, 4), (4, 1)])
+def test_task_data_does_not_depend_on_processes_or_micro_batches(world_size, n_micro):
+    """A step's rows over all processes and micro-batches are the same global batch whatever the split, so a run
+    resumed on another process count (same global batch) neither replays nor skips task data."""
+    from difftx.train.config import TrainConfig
+    from difftx.train.distributed import World
+    from difftx.train.domain import LMDomain
+
+    def rows(world, n_micro, batch_size):
+        out = []
+        for rank in range(world):
+            dom = LMDomain(TrainConfig(batch_size=batch_size), World(rank=rank, world_size=world))
+            dom.task = RepeatTask(None, 8, 3)
+            out += [b["input_ids"] for b in dom.train_batches(5, n_micro)]
+        return torch.cat(out)
+
+    ref = rows(1, 1, 8)
+    assert torch.equal(rows(world_size, n_micro, 8 // (world_size * n_micro)), ref)
 
 
 @pytest.mark.parametrize("name", ["mqar", "niah"])

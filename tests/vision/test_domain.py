@@ -113,3 +113,43 @@ def test_options_are_checked():
 def test_recipe_options_not_implemented_warn(capsys):
     parse_options({"randaugment": [9, 0.5], "stochastic_depth": 0.1, "random_erasing": 0.0})
     assert "randaugment, stochastic_depth are not implemented" in capsys.readouterr().err
+
+
+class _Reduced(World):
+    """A rank of a fake process group: all_reduce_sum adds the other ranks' totals (recorded beforehand)."""
+
+    def __init__(self, rank, world_size, others=None):
+        super().__init__(rank=rank, world_size=world_size)
+        self.others, self.seen = others or [], None
+
+    def all_reduce_sum(self, t):
+        self.seen = t.clone()
+        for o in self.others:
+            t += o
+        return t
+
+
+def _pixel_model(images, targets, loss_reduction):
+    """A stand-in classifier whose logits are the first pixels; like the real model it cannot take 0 images."""
+    assert len(images) > 0, "an empty evaluation batch"
+    logits = images.flatten(1)[:, :2].float()
+    from types import SimpleNamespace
+    return SimpleNamespace(logits=logits, loss=torch.nn.functional.cross_entropy(logits, targets % 2, reduction="sum"))
+
+
+@pytest.mark.parametrize("world_size, eval_batch", [(2, 1), (3, 7), (4, 1000)])
+def test_evaluation_does_not_depend_on_processes(npz_data, world_size, eval_batch):
+    """The same evaluation batches whatever the process count (fewer batches than processes included), each
+    image counted once; processes past the last batch run an uncounted forward."""
+    ref = _domain(npz_data, eval_batch_size=eval_batch).evaluate(_pixel_model)
+    others = []
+    for r in range(1, world_size):
+        d = _domain(npz_data, eval_batch_size=eval_batch)
+        d.world = _Reduced(r, world_size)
+        d.evaluate(_pixel_model)
+        others.append(d.world.seen)
+    d = _domain(npz_data, eval_batch_size=eval_batch)
+    d.world = _Reduced(0, world_size, others)
+    got = d.evaluate(_pixel_model)
+    assert got.keys() == ref.keys() and got == pytest.approx(ref, rel=1e-12, abs=0)
+    assert int(d.world.seen[2] + sum(o[2] for o in others)) == len(d.split["val"][1])

@@ -6,7 +6,9 @@ a pure function of (step, rank): ``sampler.batch(batch_size, step, rank)``
 returns ``(x, y)`` LongTensors of shape (B, seq_len) where ``y`` holds the
 targets aligned with ``x`` (position t predicts y[t]) and -100 marks positions
 that are not scored.  Being a function of the step makes resumed runs exact
-without saving any sampler state.
+without saving any sampler state.  The trainer asks for a step's whole global
+batch (rank 0) and each process takes its rows, so the data does not depend on
+the number of processes or micro-batches.
 """
 
 from __future__ import annotations

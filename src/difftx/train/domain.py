@@ -192,14 +192,14 @@ class LMDomain(Domain):
     # ------------------------------------------------------------------ batches
     def train_batches(self, step: int, n_micro: int) -> list[dict]:
         b, rank = self.cfg.batch_size, self.world.rank
-        if self.task is not None:
-            out = []
-            for m in range(n_micro):
-                x, y = self.task.batch(b, step * n_micro + m, rank)
-                out.append({"input_ids": x, "targets": y})
-            return out
         per_rank = b * n_micro
-        offsets = self.sampler.offsets(step, per_rank * self.world.world_size)[rank * per_rank:(rank + 1) * per_rank]
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        if self.task is not None:
+            # the step's whole global batch from (seed, step), this process's rows of it: the data of a
+            # step then depends on neither the process count nor the micro-batch split (as a corpus's)
+            x, y = (t[mine] for t in self.task.batch(per_rank * self.world.world_size, step, 0))
+            return [{"input_ids": x[m * b:(m + 1) * b], "targets": y[m * b:(m + 1) * b]} for m in range(n_micro)]
+        offsets = self.sampler.offsets(step, per_rank * self.world.world_size)[mine]
         out = []
         for m in range(n_micro):
             x, y = self.sampler.gather(offsets[m * b:(m + 1) * b])

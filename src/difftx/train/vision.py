@@ -223,16 +223,20 @@ class VisionDomain(Domain):
         if len(y) == 0:
             return {}
         w, device = self.world, self.world.device
-        n_batches = math.ceil(len(y) / self.options["eval_batch_size"])
-        n_batches = math.ceil(n_batches / w.world_size) * w.world_size  # the same number of forwards everywhere
+        # the batches do not depend on the process count (so neither do the numbers); every process runs the
+        # same number of forwards (FSDP's are collective), those past the last batch repeat batch 0 uncounted
+        batches = np.array_split(np.arange(len(y)), math.ceil(len(y) / self.options["eval_batch_size"]))
+        padded = -(-len(batches) // w.world_size) * w.world_size
         total = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, images
-        for idx in np.array_split(np.arange(len(y)), n_batches)[w.rank::w.world_size]:
+        for i in range(w.rank, padded, w.world_size):
+            idx = batches[i if i < len(batches) else 0]
             images = torch.from_numpy(x[idx]).to(device)
             labels = torch.from_numpy(y[idx]).to(device)
             out = model(images, targets=labels, loss_reduction="sum")
-            total[0] += out.loss.double()
-            total[1] += (out.logits.argmax(-1) == labels).sum()
-            total[2] += len(idx)
+            if i < len(batches):
+                total[0] += out.loss.double()
+                total[1] += (out.logits.argmax(-1) == labels).sum()
+                total[2] += len(idx)
         w.all_reduce_sum(total)
         n = total[2].clamp_min(1)
         return {f"{split}_loss": float(total[0] / n), f"{split}_acc": float(total[1] / n)}
