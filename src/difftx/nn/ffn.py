@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import _autocast_input
-from .linear import Linear, grad_wanted, project
+from .linear import Linear, grad_wanted, project, traced
 
 
 class _NativeSwiGLU(torch.autograd.Function):
@@ -25,15 +25,25 @@ class _NativeSwiGLU(torch.autograd.Function):
         from . import native
 
         g, u = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: gradients with a graph, in torch ops
+            return _swiglu_grads(g, u, dh)
         return native.swiglu_backward(g, u, dh.to(g.dtype).contiguous())
 
 
+def _swiglu_grads(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor) -> tuple:
+    """(dg, du) of silu(g) * u in differentiable torch ops, float32 arithmetic (the kernel's)."""
+    gf, uf, dhf = g.float(), u.float(), dh.float()
+    s = torch.sigmoid(gf)
+    dg = dhf * uf * s * (1 + gf * (1 - s))
+    return dg.to(g.dtype), (dhf * gf * s).to(u.dtype)
+
+
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """silu(g) * u: the native kernel on the CPU for matching contiguous fp32/bf16 inputs, else torch."""
+    """silu(g) * u: the native kernel on the CPU for matching contiguous fp32/bf16 inputs, eager, else torch."""
     from . import native
 
     if (g.dtype == u.dtype and g.dtype in (torch.float32, torch.bfloat16) and g.shape == u.shape
-            and g.is_contiguous() and u.is_contiguous() and native.supports(g.dtype, g.device)):
+            and g.is_contiguous() and u.is_contiguous() and native.supports(g.dtype, g.device) and not traced()):
         if not grad_wanted(g, u):  # inference: no autograd node
             return native.swiglu(g, u)
         return _NativeSwiGLU.apply(g, u)

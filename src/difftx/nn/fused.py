@@ -51,6 +51,7 @@ import torch
 
 from . import native
 from .linear import grad_wanted, traced
+from .norms import upcast
 from .mask import AttnMask
 
 # Rows per block: one head's block of one map (rows x keys) holds about SLICE_BYTES, so it stays
@@ -345,8 +346,7 @@ class _Blocks:
 class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lam, mask: AttnMask, scale: float, chunk: int, native_chunk: int):
-        q = q.contiguous()  # one pass over Q so that every block of it is a strided view
-        k3 = _batched(k)  # (B*M*Hk, Nk, d)
+        k3 = _batched(k)  # (B*M*Hk, Nk, d); q is contiguous (fused_attention)
         # bf16 (on AMX) takes blocks of 32-row tile pairs (see fused_attention's native_chunk)
         ctx.native_attn = (native.attention_ok(q, k3, v, mask.n_k, mask.key_valid is not None)
                            and (q.dtype == torch.float32 or native_chunk % 32 == 0))
@@ -356,7 +356,7 @@ class _FusedAttention(torch.autograd.Function):
             out, lse = native.attention_forward(q, k3, v, mask.causal, mask.q_start, native_chunk, scale, lam_s,
                                                 lam_rows, want)
             if want:
-                ctx.save_for_backward(q, k3, v, lam, lse)
+                ctx.save_for_backward(q, k, v, lam, lse)  # the inputs themselves (a second derivative's graph)
                 ctx.mask, ctx.scale, ctx.chunk, ctx.shapes = mask, scale, native_chunk, (k.shape, v.shape)
             return out
         v3 = _batched(v)  # (B*Hk, Nk, dv)
@@ -367,16 +367,46 @@ class _FusedAttention(torch.autograd.Function):
             o = torch.bmm(comb, g.values(ke))  # (B*Hk, rep*C, dv)
             out[:, i0:i1] = o.view(g.b, g.h, i1 - i0, -1).transpose(1, 2)
         if any(ctx.needs_input_grad[:4]):
-            ctx.save_for_backward(q, k3, v3, lam)
+            ctx.save_for_backward(q, k, v, lam)
             ctx.mask, ctx.scale, ctx.chunk, ctx.shapes = mask, scale, chunk, (k.shape, v.shape)
         return out
 
     @staticmethod
     def backward(ctx, dout):
+        if torch.is_grad_enabled():  # create_graph=True: gradients with a graph, through the eager formula
+            q, k, v, lam = ctx.saved_tensors[:4]
+            fn = functools.partial(_attention_torch, mask=ctx.mask, scale=ctx.scale)
+            return _graph_grads(fn, (q, k, v, lam), ctx.needs_input_grad[:4], dout) + (None,) * 4
         with _no_autocast(dout.device.type), torch.no_grad():
             if ctx.native_attn:
                 return _native_backward(ctx, dout)
             return _backward(ctx, dout)
+
+
+def _graph_grads(fn, inputs: tuple, needs, grad_outputs) -> tuple:
+    """The gradients of ``fn(*inputs)`` (the torch formula of a fast op) for the ``inputs`` that ``needs`` marks,
+    with a graph: what a fast op's backward returns under ``create_graph=True`` (a second derivative: gradient
+    penalties, Hessian-vector products), since its kernels' outputs have none.  ``inputs``: the op's own inputs
+    as it saved them (not its outputs: autograd would run the op's backward again); None where not needed."""
+    wanted = [t for t, n in zip(inputs, needs) if n]
+    if not wanted:
+        return (None,) * len(inputs)
+    device = wanted[0].device.type
+    with torch.enable_grad(), torch.autocast(device, enabled=False):
+        outs = fn(*inputs)
+    got = iter(torch.autograd.grad(outs, wanted, grad_outputs, create_graph=True, allow_unused=True))
+    return tuple(next(got) if n else None for n in needs)
+
+
+def _attention_torch(q, k, v, lam, mask: AttnMask, scale: float) -> torch.Tensor:
+    """What :class:`_FusedAttention` computes, in torch ops over whole maps (the eager reference): for its
+    gradients with a graph."""
+    from .backends import eager_logits, masked_softmax, repeat_kv
+
+    maps = [masked_softmax(eager_logits(q[:, i], k[:, i], scale), mask) for i in range(q.shape[1])]
+    comb = maps[0] if lam is None else maps[0] - lam.to(maps[0].dtype) * maps[1]
+    out = torch.matmul(comb, upcast(repeat_kv(v, q.shape[2] // v.shape[1])))  # (B, H, Nq, dv)
+    return out.transpose(1, 2).to(q.dtype)
 
 
 def _lam_args(lam: Optional[torch.Tensor], q_shape) -> tuple:
@@ -390,7 +420,8 @@ def _lam_args(lam: Optional[torch.Tensor], q_shape) -> tuple:
 
 
 def _native_backward(ctx, dout):
-    q, k3, v, lam, lse = ctx.saved_tensors
+    q, k, v, lam, lse = ctx.saved_tensors
+    k3 = _batched(k)
     k_shape, _ = ctx.shapes
     lam_s, lam_rows = _lam_args(lam, q.shape)
     dout = dout.to(q.dtype).contiguous()
@@ -403,7 +434,8 @@ def _native_backward(ctx, dout):
 
 
 def _backward(ctx, dout):
-    q, k3, v3, lam = ctx.saved_tensors
+    q, k, v, lam = ctx.saved_tensors
+    k3, v3 = _batched(k), _batched(v)
     k_shape, v_shape = ctx.shapes
     g = _Blocks(q, k3, v3, lam, ctx.mask, ctx.scale, ctx.chunk)
     b, m, h, n, d, hk, rep, cd = g.b, g.m, g.h, g.n, g.d, g.hk, g.rep, g.cd
@@ -537,7 +569,9 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
             return _few_queries(q, k, v, lam, mask, scale)
         if k.shape[3] > mask.n_k:  # a cache's whole buffers: keep the written part
             k, v = k[:, :, :, : mask.n_k], v[:, :, : mask.n_k]
-        return _FusedAttention.apply(q, k, v, lam, mask, scale, chunk, native_chunk)
+        # one pass over Q so that every block of it is a strided view; made here, it is the Function's input,
+        # which the backward can differentiate again (create_graph=True)
+        return _FusedAttention.apply(q.contiguous(), k, v, lam, mask, scale, chunk, native_chunk)
 
 
 SMALL_QUERY = 4  # up to this many queries (decoding), a single block without scratch bookkeeping
@@ -612,10 +646,9 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, eps: float, gain: float, out_dtype):
         cd = _compute_dtype(x.dtype)
-        ctx.gain = gain
+        ctx.gain, ctx.eps = gain, eps
         ctx.native = _native_norm(x, w, out_dtype)
-        if ctx.native:  # one pass per row instead of five over the tensor (forward and backward)
-            x = x.contiguous()
+        if ctx.native:  # one pass per row instead of five over the tensor (forward and backward); x contiguous
             wg = _gained(w, gain)
             rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
             y = native.rms_norm(x, wg, gain, eps, out_dtype, rstd)
@@ -636,6 +669,8 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x, w, rstd = ctx.saved_tensors
         gain = ctx.gain
+        if torch.is_grad_enabled():  # create_graph=True: gradients with a graph, in torch ops
+            return _rms_norm_grads(x, w, dy, ctx.eps, gain, ctx.needs_input_grad[1]) + (None, None, None)
         with _no_autocast(dy.device.type), torch.no_grad():
             if ctx.native and dy.dtype in (torch.float32, torch.bfloat16):
                 want_dw = w is not None and ctx.needs_input_grad[1]
@@ -653,6 +688,22 @@ class _RMSNorm(torch.autograd.Function):
             if w is not None and ctx.needs_input_grad[1]:
                 dw = xhat.mul_(dyf).reshape(-1, dim).sum(0).mul_(gain).to(w.dtype)
             return dx.to(x.dtype), dw, None, None, None
+
+
+def _rms_norm_grads(x: torch.Tensor, w: Optional[torch.Tensor], dy: torch.Tensor, eps: float, gain: float,
+                    want_dw: bool) -> tuple:
+    """(dx, dw or None) of :func:`rms_norm` in differentiable torch ops, from its input ``x``: what the norm
+    Functions' backwards return under create_graph=True (a second derivative), where their kernels' and in-place
+    passes would return gradients without a graph."""
+    cd = _compute_dtype(x.dtype)
+    xf = x.to(cd)
+    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    xhat = xf * rstd
+    dyf = dy.to(cd)
+    g = dyf * (w.to(cd) * gain if w is not None else gain)
+    dx = (g - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd
+    dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0).mul(gain).to(w.dtype) if want_dw and w is not None else None
+    return dx.to(x.dtype), dw
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gain: float = 1.0,
@@ -674,6 +725,9 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gain: 
             w = w * gain if (w is not None and gain != 1.0) else w
             y = torch.nn.functional.rms_norm(x.to(cd), (x.shape[-1],), w, eps)
             return (y * gain if (w is None and gain != 1.0) else y).to(out_dtype)
+        # the native pass reads rows: x made contiguous here is the Function's input, which the backward can
+        # differentiate again (create_graph=True)
+        x = x.contiguous() if _native_norm(x, weight, out_dtype) else x
         return _RMSNorm.apply(x, weight, eps, gain, out_dtype)
 
 
@@ -701,7 +755,7 @@ class _AddRMSNorm(torch.autograd.Function):
         rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
         x1, y = native.add_rms_norm(x, a, wg, 1.0, eps, out_dtype, rstd)
         ctx.save_for_backward(x1, w, rstd, wg)
-        ctx.a_dtype = a.dtype
+        ctx.a_dtype, ctx.eps = a.dtype, eps
         return x1, y
 
     @staticmethod
@@ -710,6 +764,10 @@ class _AddRMSNorm(torch.autograd.Function):
         need = ctx.needs_input_grad
         if dy is None:  # only the sum was used
             return dx1, (None if dx1 is None else dx1.to(ctx.a_dtype)), None, None, None
+        if torch.is_grad_enabled():  # create_graph=True: gradients with a graph, in torch ops
+            dx, dw = _rms_norm_grads(x1, w, dy, ctx.eps, 1.0, need[2])
+            dx = dx if dx1 is None else dx + dx1
+            return dx, (dx.to(ctx.a_dtype) if need[1] else None), dw, None, None
         with _no_autocast(dy.device.type), torch.no_grad():
             want_dw = w is not None and need[2]
             acc = None if dx1 is None else dx1.to(torch.float32).contiguous()

@@ -54,6 +54,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.grads  # kept with the graph: freed with it, reused by a retain_graph backward
+        if torch.is_grad_enabled():
+            raise RuntimeError("difftx linear_cross_entropy (loss_chunk > 0) computes its gradients in the forward "
+                               "pass, without a graph: a second derivative (create_graph=True) needs loss_chunk=0")
         return (None if grad_h is None else grad_h * grad_out.to(grad_h.dtype),
                 None if grad_w is None else grad_w * grad_out.to(grad_w.dtype), None, None)
 

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .linear import grad_wanted
+from .linear import grad_wanted, traced
 
 
 class RotaryEmbedding(nn.Module):
@@ -76,6 +76,10 @@ class _NativeRope(torch.autograd.Function):
         from . import native
 
         cos, sin = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the inverse rotation in torch ops, which has a graph
+            shape = (cos.shape[0],) + (1,) * (dy.dim() - 3) + cos.shape[1:]
+            style = "interleaved" if ctx.interleaved else "half"
+            return _rope_torch(dy, cos.view(shape), -sin.view(shape), style), None, None, None
         out = native.empty_in(ctx.grad_layout, dy.shape, dy.dtype, dy.device)
         return native.rope(dy, cos, sin, ctx.interleaved, inverse=True, out=out), None, None, None
 
@@ -86,7 +90,7 @@ def _native_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: s
 
     if not (style in ("half", "interleaved") and x.dtype in (torch.float32, torch.bfloat16)
             and cos.dtype == torch.float32 and sin.dtype == torch.float32 and x.dim() >= 3
-            and native.supports(x.dtype, x.device)):
+            and x.shape[-1] % 2 == 0 and native.supports(x.dtype, x.device) and not traced()):
         return None
     n, half = x.shape[-2], x.shape[-1] // 2
     bc = cos.shape[0]
@@ -102,8 +106,10 @@ def _native_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: s
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
     """Rotate ``x`` of shape (B, H, N, d) (or (B, M, H, N, d)) by the angles in cos/sin (B|1, 1, N, d/2)."""
     out = _native_rope(x, cos, sin, style) if x.device.type == "cpu" else None
-    if out is not None:
-        return out
+    return out if out is not None else _rope_torch(x, cos, sin, style)
+
+
+def _rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if style == "half":
         x1, x2 = x.chunk(2, dim=-1)
