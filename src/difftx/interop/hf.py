@@ -30,7 +30,8 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..models.lm import DecoderLM
-from ..nn.rope import RotaryEmbedding, sinusoidal_table
+from ..models.init import init_module
+from ..nn.rope import sinusoidal_table
 from .hf_config import DifftxConfig, register_config
 
 
@@ -79,12 +80,14 @@ class DifftxPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """Parameters keep difftx's own init; only computed buffers are (re)filled (meta-device loading)."""
-        if isinstance(module, RotaryEmbedding):
-            d = module.head_dim
-            inv = 1.0 / (module.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-            module.inv_freq.copy_(inv.float())
-        elif isinstance(module, DecoderLM) and hasattr(module, "pos_table"):
+        """difftx's own init (:func:`difftx.models.init.init_module`) of one module: transformers builds the model
+        on the meta device and calls this for the modules whose weights a checkpoint did not hold (its init
+        guards skip the parameters it did load); computed buffers are refilled."""
+        names = self.__dict__.setdefault("_difftx_leaf_names", {})
+        if id(module) not in names:
+            names.update((id(m), n.rsplit(".", 1)[-1]) for n, m in self.named_modules())
+        init_module(module, names.get(id(module), ""), self.config.model_config, constructed=True)
+        if isinstance(module, DecoderLM) and hasattr(module, "pos_table"):
             cfg = module.config
             module.pos_table.copy_(sinusoidal_table(cfg.max_seq_len, cfg.d_model))
 

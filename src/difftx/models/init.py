@@ -22,23 +22,44 @@ KEEP_DEFAULT = ("lambda_proj",)
 
 
 def init_weights(model: nn.Module, cfg) -> None:
-    scale_out = 1.0 / math.sqrt(2 * cfg.n_layers)
     for name, m in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(m, nn.Linear):
-            if leaf in KEEP_DEFAULT:
-                continue
-            w = m.weight
-            if cfg.init == "normal":
-                std = cfg.init_std * (scale_out if leaf in RESIDUAL_OUTPUTS else 1.0)
-                nn.init.normal_(w, 0.0, std)
-            elif cfg.init == "xavier":
-                nn.init.xavier_uniform_(w)
-            else:
-                fan_out, fan_in = w.shape
-                std = math.sqrt(2.0 / (fan_in + fan_out))
-                nn.init.trunc_normal_(w, 0.0, std, -2 * std, 2 * std)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, 0.0, cfg.init_std)
+        init_module(m, name.rsplit(".", 1)[-1], cfg)
+
+
+def init_module(m: nn.Module, leaf: str, cfg, constructed: bool = False) -> None:
+    """The scheme for one module's own parameters (``leaf``: its name in its parent).  ``constructed``: also
+    what modules otherwise get at construction (norm gains 1, LayerNorm shifts 0, DIFF's lambda vectors
+    N(0, lambda_std), DIFF V2's lambda projection torch's default), for a model whose construction left memory
+    uninitialised (meta device)."""
+    if isinstance(m, nn.Linear):
+        if leaf in KEEP_DEFAULT:
+            if constructed:
+                m.reset_parameters()
+            return
+        w = m.weight
+        if cfg.init == "normal":
+            std = cfg.init_std * (scale_out(cfg) if leaf in RESIDUAL_OUTPUTS else 1.0)
+            nn.init.normal_(w, 0.0, std)
+        elif cfg.init == "xavier":
+            nn.init.xavier_uniform_(w)
+        else:
+            fan_out, fan_in = w.shape
+            std = math.sqrt(2.0 / (fan_in + fan_out))
+            nn.init.trunc_normal_(w, 0.0, std, -2 * std, 2 * std)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Embedding):
+        nn.init.normal_(m.weight, 0.0, cfg.init_std)
+    elif constructed:
+        for name, p in m.named_parameters(recurse=False):
+            if name.startswith("lambda_"):
+                nn.init.normal_(p, 0.0, cfg.lambda_std)
+            elif name == "weight":
+                nn.init.ones_(p)
+            elif name == "bias":
+                nn.init.zeros_(p)
+
+
+def scale_out(cfg) -> float:
+    """The residual output projections' std factor, 1/sqrt(2 n_layers)."""
+    return 1.0 / math.sqrt(2 * cfg.n_layers)

@@ -107,6 +107,13 @@ class DecoderLM(ModelMixin, nn.Module):
         positions, or on chunks of them, never holds all (B, N, V) logits (difftx.evals do this).
         """
         cfg = self.config
+        if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0 \
+                or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be integer token ids of shape (batch >= 1, tokens >= 1); got a "
+                             f"{input_ids.dtype} tensor of shape {tuple(input_ids.shape)}")
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)} (1 = token, "
+                             f"0 = padding); got {tuple(attention_mask.shape)}")
         b, n = input_ids.shape
         device = input_ids.device
         q_start = cache.length if cache is not None else 0

@@ -29,7 +29,7 @@ from torch import nn
 from . import backends
 from .cache import KVCache
 from .fused import rms_norm
-from .linear import Linear, project
+from .linear import Linear, no_hooks, project
 from .mask import AttnMask
 from .norms import RMSNorm, make_norm, upcast
 from .rope import apply_rope
@@ -63,6 +63,12 @@ class AttentionBase(nn.Module):
             self.q_norm = self.k_norm = None
 
     # helpers ----------------------------------------------------------------
+    def _check(self, x: torch.Tensor, mask: AttnMask, cache) -> None:
+        if not isinstance(mask, AttnMask):
+            raise TypeError(f"{type(self).__name__}: mask must be a difftx.nn.mask.AttnMask, e.g. "
+                            f"AttnMask(causal=True, n_q=N, n_k=N); got {type(mask).__name__}")
+        mask.check(x, self.d_model, cache.length if cache is not None else 0)
+
     @staticmethod
     def _qk_norm(p: torch.Tensor, norm: Optional[nn.Module], d: int) -> torch.Tensor:
         """QK-norm of each d-wide head of a projection's output (B, N, n*d), in that layout: the norm reads and
@@ -163,6 +169,7 @@ class SoftmaxAttention(AttentionBase):
         self.out_proj = Linear(h * d, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
+        self._check(x, mask, cache)
         d = self.head_dim
         qp, kp, vp = project(_autocast_input(x), (self.q_proj, self.k_proj, self.v_proj))
         q = self._qk(_heads(self._qk_norm(qp, self.q_norm, d), self.n_heads, d), rope)
@@ -260,6 +267,7 @@ class DifferentialAttention(AttentionBase):
         return v.view(b, t, 2, hk, d).permute(0, 3, 1, 2, 4).reshape(b, hk, t, 2 * d)
 
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
+        self._check(x, mask, cache)
         b, t, _ = x.shape
         d, h, hk = self.head_dim, self.n_heads, self.n_kv_heads
         # QK-norm and RoPE act per d-wide component head: one call covers both maps.
@@ -287,7 +295,8 @@ class DifferentialAttention(AttentionBase):
         variant = backends.resolve_diff_variant(self.diff_variant, q.device, p, q.dtype)
         out_dtype = _out_dtype(x)
         fast = backend == "sdpa" and variant == "fused" and not torch.is_grad_enabled()
-        if fast and decoding and t == 1 and backends.native_diff_decode_ok(q, k, v, mask, out_dtype):
+        plain_norm = self.head_norm is None or (type(self.head_norm) is RMSNorm and no_hooks(self.head_norm))
+        if fast and decoding and t == 1 and plain_norm and backends.native_diff_decode_ok(q, k, v, mask, out_dtype):
             hn = self.head_norm  # attention and head norm in one call over the cache's prefix views
             o = backends.native_diff_decode(q, k, v, mask, self.scale, lam, hn is not None,
                                             None if hn is None else hn.weight, 1.0 - self.lambda_init,
@@ -310,8 +319,10 @@ class DifferentialAttention(AttentionBase):
                     o1, o2 = backends.diff_sdpa(q1, q2, k1, k2, v, mask, self.scale, p, variant)
                 o = backends.combine(o1, o2, lam)
             o = o.transpose(1, 2)
-        if self.head_norm is not None:  # fp32 statistics; (1 - lambda_init) folded into the gain
+        if self.head_norm is not None and plain_norm:  # fp32 statistics; (1 - lambda_init) folded into the gain
             o = rms_norm(o, self.head_norm.weight, self.head_norm.eps, 1.0 - self.lambda_init, out_dtype)
+        elif self.head_norm is not None:  # a hooked or swapped-in norm: called as it is
+            o = self.head_norm(o) * (1.0 - self.lambda_init)
         return self.out_proj(o.reshape(b, t, 2 * h * d).to(out_dtype))
 
 
@@ -337,6 +348,7 @@ class DiffV2Attention(AttentionBase):
         self.last_lambda: Optional[torch.Tensor] = None
 
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
+        self._check(x, mask, cache)
         d = self.head_dim
         qp, kp, vp = project(_autocast_input(x), (self.q_proj, self.k_proj, self.v_proj))
         q = self._qk(_heads(self._qk_norm(qp, self.q_norm, d), 2 * self.n_heads, d), rope)

@@ -25,6 +25,30 @@ class AttnMask:
     key_valid: Optional[torch.Tensor] = None  # (B, n_k) bool, True = a real token
     _dense: dict = field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        if not (self.n_q >= 1 and self.n_k >= self.n_q and 0 <= self.q_start <= self.n_k - self.n_q):
+            raise ValueError(f"AttnMask: needs 1 <= n_q <= n_k and 0 <= q_start <= n_k - n_q; got n_q={self.n_q}, "
+                             f"n_k={self.n_k}, q_start={self.q_start}")
+        kv = self.key_valid
+        if kv is not None and not (isinstance(kv, torch.Tensor) and kv.dtype == torch.bool and kv.dim() == 2
+                                   and kv.shape[1] == self.n_k):
+            what = f"a {kv.dtype} tensor of shape {tuple(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv)
+            raise ValueError(f"AttnMask: key_valid must be a bool tensor (B, n_k={self.n_k}), True for real "
+                             f"tokens; got {what} (use .bool())")
+
+    def check(self, x: torch.Tensor, d_model: int, cache_length: int = 0) -> None:
+        """Raise a ValueError unless ``x`` is an attention input (B, N, d_model) that this mask describes: N =
+        n_q queries, and n_k keys (``cache_length`` of them already in a cache)."""
+        if x.dim() != 3 or x.shape[-1] != d_model or x.shape[0] == 0:
+            raise ValueError(f"attention input must be (batch >= 1, tokens, d_model={d_model}); got {tuple(x.shape)}")
+        if x.shape[1] != self.n_q or cache_length + self.n_q != self.n_k or self.q_start != cache_length:
+            raise ValueError(f"the AttnMask (n_q={self.n_q}, n_k={self.n_k}, q_start={self.q_start}) does not "
+                             f"describe this input: {x.shape[1]} tokens after {cache_length} cached; build it as "
+                             f"AttnMask(causal, n_q={x.shape[1]}, n_k={cache_length + x.shape[1]}, "
+                             f"q_start={cache_length})")
+        if self.key_valid is not None and self.key_valid.shape[0] not in (1, x.shape[0]):
+            raise ValueError(f"AttnMask: key_valid has {self.key_valid.shape[0]} rows for a batch of {x.shape[0]}")
+
     @property
     def is_plain_causal(self) -> bool:
         """True when ``is_causal=True`` on square q/k describes the mask exactly."""

@@ -1,0 +1,127 @@
+"""The attention modules and the LM as drop-in modules: inputs they cannot use are refused with a message that
+names the problem (not a wrong result or an error deep inside), and a hooked or swapped-in per-head norm runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from difftx import ModelConfig, build_model
+from difftx.nn.attention import make_attention
+from difftx.nn.mask import AttnMask
+from difftx.nn.rope import RotaryEmbedding
+
+KINDS = ["softmax", "diff", "diff2"]
+
+
+def _attn(kind, **kw):
+    torch.manual_seed(0)
+    cfg = ModelConfig(attention=kind, d_model=32, n_layers=2, n_heads=2, vocab_size=50, **kw)
+    return make_attention(cfg, 1), cfg
+
+
+def _rope(cfg, n):
+    return RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_style).cos_sin(torch.arange(n))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_a_mask_for_another_length_is_refused(kind, backend):
+    attn, cfg = _attn(kind, attn_backend=backend)
+    x = torch.randn(2, 5, 32)
+    for mask in (AttnMask(causal=False, n_q=3, n_k=3), AttnMask(causal=True, n_q=5, n_k=7, q_start=2)):
+        with pytest.raises(ValueError, match="does not describe this input"):
+            attn(x, _rope(cfg, 5), mask)
+    with pytest.raises(TypeError, match="AttnMask"):
+        attn(x, _rope(cfg, 5), None)
+    with pytest.raises(ValueError, match=r"\(batch >= 1, tokens, d_model=32\)"):
+        attn(torch.randn(5, 32), _rope(cfg, 5), AttnMask(causal=True, n_q=5, n_k=5))
+    assert attn(x, _rope(cfg, 5), AttnMask(causal=True, n_q=5, n_k=5)).shape == x.shape
+
+
+def test_mask_fields_are_checked():
+    with pytest.raises(ValueError, match="use .bool"):
+        AttnMask(causal=True, n_q=4, n_k=4, key_valid=torch.ones(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"key_valid must be a bool tensor \(B, n_k=4\)"):
+        AttnMask(causal=True, n_q=4, n_k=4, key_valid=torch.ones(2, 5, dtype=torch.bool))
+    for n_q, n_k, q_start in ((0, 0, 0), (4, 3, 0), (2, 4, 3)):
+        with pytest.raises(ValueError, match="n_q"):
+            AttnMask(causal=True, n_q=n_q, n_k=n_k, q_start=q_start)
+    attn, cfg = _attn("diff")
+    mask = AttnMask(causal=True, n_q=4, n_k=4, key_valid=torch.ones(3, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="3 rows for a batch of 2"):
+        attn(torch.randn(2, 4, 32), _rope(cfg, 4), mask)
+
+
+def test_lm_inputs_are_checked():
+    model = build_model(ModelConfig(attention="diff", d_model=32, n_layers=1, n_heads=2, vocab_size=50))
+    ids = torch.randint(0, 50, (2, 5))
+    for bad in (ids[0], ids[:0], ids[:, :0], ids.float()):
+        with pytest.raises(ValueError, match="input_ids must be integer token ids"):
+            model(bad)
+    with pytest.raises(ValueError, match=r"attention_mask must have input_ids' shape \(2, 5\)"):
+        model(ids, attention_mask=torch.ones(2, 4, dtype=torch.long))
+    assert model(ids, attention_mask=torch.ones(2, 5, dtype=torch.long)).logits.shape == (2, 5, 50)
+
+
+class _Halve(nn.Module):
+    """A user's per-head norm: no .weight, its own formula."""
+
+    def forward(self, x):
+        return x * 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_hooked_or_swapped_head_norm_runs(dtype):
+    attn, cfg = _attn("diff")
+    attn = attn.to(dtype)
+    x, rope, mask = torch.randn(2, 6, 32, dtype=dtype), _rope(cfg, 6), AttnMask(causal=True, n_q=6, n_k=6)
+    base = attn(x, rope, mask)
+    seen = []
+    handle = attn.head_norm.register_forward_hook(lambda m, i, o: seen.append(o.shape) or torch.zeros_like(o))
+    with torch.no_grad():
+        zeroed = attn(x, rope, mask)
+    handle.remove()
+    assert seen == [(2, 6, 2, 2 * cfg.head_dim)]
+    torch.testing.assert_close(zeroed, attn.out_proj.bias.expand_as(zeroed) if attn.out_proj.bias is not None
+                               else torch.zeros_like(zeroed))
+    torch.testing.assert_close(attn(x, rope, mask), base)  # hook gone: the fused norm again
+    attn.head_norm = _Halve()
+    with torch.no_grad():
+        o = attn(x, rope, mask)
+        attn.out_proj, captured = nn.Identity(), None
+        captured = attn(x, rope, mask)
+    assert o.shape == base.shape
+    # the swapped norm's output times (1 - lambda_init) reached out_proj
+    assert captured.abs().max() > 0 and not torch.allclose(captured.float(), torch.zeros_like(captured.float()))
+
+
+def test_hf_missing_keys_get_difftx_init(tmp_path):
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from difftx.interop.hf import DifftxForCausalLM
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(attention="diff", n_heads=2, d_model=64, n_layers=2, vocab_size=97)
+    model = build_model(cfg)
+    DifftxForCausalLM.from_difftx(model).save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    gone = [k for k in sd if k.endswith(("layers.0.attn.lambda_q1", "layers.0.attn.q_proj.weight",
+                                         "layers.0.attn.head_norm.weight", "layers.1.ffn.w_down.weight"))]
+    assert len(gone) == 4
+    for k in gone:
+        del sd[k]
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    m = AutoModelForCausalLM.from_pretrained(tmp_path).model
+    a = m.layers[0].attn
+    assert torch.equal(a.head_norm.weight, torch.ones_like(a.head_norm.weight))
+    for t, std in ((a.lambda_q1, cfg.lambda_std), (a.q_proj.weight, cfg.init_std),
+                   (m.layers[1].ffn.w_down.weight, cfg.init_std / (2 * cfg.n_layers) ** 0.5)):
+        assert torch.isfinite(t).all() and abs(float(t.std()) / std - 1) < 0.35, (float(t.std()), std)
+    loaded = dict(m.named_parameters())
+    for k, v in model.state_dict().items():  # everything the checkpoint held is as saved
+        if not any(g.endswith(k) for g in gone):
+            assert torch.equal(loaded[k], v), k
