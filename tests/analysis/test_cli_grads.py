@@ -77,6 +77,8 @@ def test_grads_on_checkpoints(tmp_path, capsys, keep_threads):
     (["--lr-adamw", "0"], "--lr-adamw"),
     (["--clip", "-1"], "--clip"),
     (["--flow-optimizer", "bogus"], "--flow-optimizer"),
+    (["--settings", ""], "--settings"),
+    (["--settings", " , "], "--settings"),
 ])
 def test_grads_bad_input_is_one_line_and_exit_2(tmp_path, capsys, keep_threads, argv, needle):
     rc = main(["grads", "--out", str(tmp_path / "o"), *TINY, *argv])
@@ -128,3 +130,26 @@ def test_grads_keeps_earlier_results_unless_force(tmp_path, capsys, keep_threads
     rc = main(["grads", "--out", str(out), *TINY, "--only", "flow", "--no-plots", "--force"])
     assert rc == 0, capsys.readouterr().err
     assert "Gradient flow" in (out / "report.md").read_text() and (out / "flow.json").is_file()
+
+
+def test_grads_data_shorter_than_seq_len_writes_nothing(tmp_path, capsys, keep_threads):
+    """RoPE models have no max_seq_len to check; the data length is checked before --out is made."""
+    short = tmp_path / "short.txt"
+    short.write_text("a" * 1200)
+    err = _grads_error(capsys, tmp_path / "o", "--data", short, "--seq-len", 5000)
+    assert "--seq-len" in err and "1200" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_grads_with_every_tail_row_diverged_still_reports(tmp_path, capsys, keep_threads):
+    """Divergence is recorded, not raised: no figure without rows (a note says so), report.md is written."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "g"
+    rc = main(["grads", "--out", str(out), *TINY, "--only", "tails", "--settings", "S1", "--optimizers", "msgdw",
+               "--lr-msgdw", "1e30", "--clip", "0", "--tail-steps", "3"])
+    stdout = capsys.readouterr().out
+    assert rc == 0
+    assert "(1 diverged)" in (out / "report.md").read_text()
+    assert json.loads((out / "tails.json").read_text())["rows"][0]["diverged"]
+    assert not list(out.glob("*.png"))
+    assert "no tails_hist_msgdw.png" in stdout and "no tails_summary.png" in stdout

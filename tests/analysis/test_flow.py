@@ -71,6 +71,17 @@ def test_twins_are_matched_and_paired():
     assert not torch.equal(unpaired["diff"].layers[0].attn.q_proj.weight, t.layers[0].attn.q_proj.weight)
 
 
+def test_a_diff2_base_is_compared_as_itself(batches):
+    """A DIFF V2 base gets its softmax baseline as twin, not a DIFF V1 model in its place."""
+    models = flow.twin_models(BASE.twin("diff2"), seed=0)
+    assert models["diff"].config.attention == "diff2" and models["transformer"].config.attention == "softmax"
+    assert models["transformer"].config.n_heads == models["diff"].config.n_heads  # diff2 keeps the baseline's heads
+    assert torch.equal(models["diff"].layers[0].attn.k_proj.weight, models["transformer"].layers[0].attn.k_proj.weight)
+    res = flow.run_flow(models, batches, steps=1)
+    assert res["models"]["diff"]["attention"] == "diff2" and len(res["models"]["diff"]["lambdas"]) == 2
+    assert set(res["ratio"]["init"]["all"]) == {"W_Q", "W_K", "W_V", "W_O", "FFN", "norms"}
+
+
 def test_group_grad_norms_match_direct_computation(batches):
     model = difftx.build_model(common.setting_config(BASE, "diff"))
     x, y = batches.batch(0)

@@ -143,6 +143,19 @@ def test_reference_diff_block_matches_difftx_block(pairing, rope_style, backend)
         assert_rel(grads[k], lib[k], k)
 
 
+@pytest.mark.parametrize("field,value", [("bias", True), ("norm", "layer"), ("ffn", "gelu")])
+def test_reference_diff_bridge_refuses_blocks_it_cannot_represent(field, value):
+    """Biases, LayerNorm or another FFN would be dropped silently by the reference: refused, naming the field."""
+    import difftx
+    from difftx.nn.block import Block
+
+    cfg = difftx.ModelConfig(attention="diff", d_model=16, n_layers=1, n_heads=2, head_dim=4, ffn_dim=24,
+                             **{field: value})
+    block = Block(cfg, layer=1)
+    with pytest.raises(ValueError, match=f"{field}="):
+        bridge.diff_block_config(block)
+
+
 def _appendix_problem(rng, n=5, D=6, d=3):
     W = {k: rng.normal(size=(D, d)) for k in ("WQ1", "WQ2", "WK1", "WK2")}
     W["WV"], W["WO"] = rng.normal(size=(D, 2 * d)), rng.normal(size=(2 * d, D))

@@ -83,3 +83,20 @@ def test_sampling_leaves_no_gradients_behind(batches):
     tail_study.sample_gradients(model, batches, 0, 2, 16)
     assert all(p.grad is None for p in model.parameters())
     assert torch.is_grad_enabled()
+
+
+def test_nonfinite_gradients_at_the_measurement_are_recorded_as_diverged(batches):
+    """Weights that give NaN gradients at the measurement batches: a diverged row, no statistics, no crash."""
+    def broken():
+        model = common.build(BASE, 0)
+        with torch.no_grad():
+            model.layers[0].attn.q_proj.weight[0, 0] = float("nan")
+        return model
+
+    assert tail_study.measure(broken(), batches, 0, 2, 32)["nonfinite_gradients"]
+    res = tail_study.run_tail_study([("S1", broken), ("ok", lambda: common.build(BASE, 0))], batches, ["adamw"],
+                                    steps=0, noise_batches=2, max_noise_entries=32)
+    bad, good = res["rows"]
+    assert bad["diverged"] and bad["nonfinite_gradients"] and "entries" not in bad and "noise" not in bad
+    assert not good.get("diverged") and np.isfinite(good["noise"]["W_q"]["alpha_mohammadi"])
+    assert "| S1 | none | - (1 diverged) |" in tail_study.tails_table(res)

@@ -108,3 +108,28 @@ def test_log_histogram_bins_and_shift():
     assert sum(h["fraction"]) + h["zero_fraction"] == pytest.approx(1.0)
     h10 = tails.log_histogram(x * 10.0)  # one decade = 5 bins of 0.2 dex
     assert np.argmax(h10["fraction"]) - np.argmax(h["fraction"]) == 5
+
+
+def test_statistics_of_no_finite_values_are_nan():
+    """A gradient that is all NaN/inf (or empty) gives NaN statistics, not an IndexError from np.quantile."""
+    for x in (np.zeros(0), np.array([np.nan, np.inf, -np.inf])):
+        for f in (tails.quantile_ratio, tails.max_over_rms, tails.excess_kurtosis, tails.hill_index,
+                  tails.mohammadi_alpha):
+            assert math.isnan(f(x)), f.__name__
+        s = tails.entry_stats(x)
+        assert s["n"] == 0
+        assert all(math.isnan(v) for k, v in s.items() if k != "n"), s
+
+
+def test_mohammadi_alpha_of_zero_noise_is_nan_not_extremely_light():
+    """Identically zero noise (a dead unit) has no tail index; one non-zero value among zeros neither."""
+    assert math.isnan(tails.mohammadi_alpha(np.zeros(1000)))
+    assert math.isnan(tails.mohammadi_alpha(np.r_[np.zeros(999), 1e-3]))
+    assert math.isnan(tails.noise_stats(np.ones((4, 256)) * np.arange(256))["alpha_mohammadi"])
+    assert np.isfinite(tails.mohammadi_alpha(np.r_[np.zeros(998), 1.0, -2.0]))  # two non-zero: an estimate
+
+
+def test_noise_stats_counts_the_finite_entries_it_uses():
+    s = np.random.default_rng(0).standard_normal((4, 100))
+    s[:, 7] = np.nan  # one coordinate's samples unusable: its 4 centred values are dropped
+    assert tails.noise_stats(s)["n"] == 4 * 99

@@ -12,6 +12,11 @@ first K optimiser steps, and the DIFF / Transformer ratio per group.
 
 Groups have the same shapes in both models except ``norms`` (DIFF adds the
 per-head norm's gain) and ``lambda`` (DIFF only, so it has no ratio).
+
+A ``diff2`` (DIFF V2) base is compared as itself: its twin is the softmax
+baseline with the same heads.  There W_Q (2h query heads) and FFN (shrunk to
+pay for them) differ in shape too, so paired initialisation leaves those two
+groups independent; ``lambda`` is its lambda projection.
 """
 
 from __future__ import annotations
@@ -29,9 +34,12 @@ PAIR = ("diff", "transformer")
 
 
 def twin_models(base: ModelConfig, seed: int = 0, paired: bool = True, device="cpu") -> dict[str, torch.nn.Module]:
-    """{"transformer": softmax twin, "diff": DIFF twin} of ``base``, optionally with paired initialisation."""
+    """{"transformer": softmax twin, "diff": DIFF twin} of ``base``, optionally with paired initialisation.
+
+    The DIFF twin is ``base`` itself when it is differential (``diff`` or ``diff2``), else DIFF V1.
+    """
     cfg_t = base if base.attention == "softmax" else base.twin("softmax")
-    cfg_d = base if base.attention == "diff" else cfg_t.twin("diff")
+    cfg_d = base if base.attention in ("diff", "diff2") else cfg_t.twin("diff")
     transformer, diff = build(cfg_t, seed, device), build(cfg_d, seed, device)
     if paired:
         copy_matching(transformer, diff)
@@ -90,7 +98,7 @@ def run_flow(models: dict[str, torch.nn.Module], batches: Batches, steps: int = 
         out["models"][name] = {
             "attention": cfg.attention, "n_heads": cfg.n_heads, "head_dim": cfg.head_dim, "norms_setting": cfg.norms,
             "params": model.num_parameters(), "loss": result["losses"], "diverged": result["diverged"],
-            "lambdas": model.lambdas() if cfg.attention == "diff" else None, "grad_norms": norms,
+            "lambdas": model.lambdas() if cfg.attention in ("diff", "diff2") else None, "grad_norms": norms,
         }
     if all(k in out["models"] for k in PAIR):
         d, t = out["models"]["diff"]["grad_norms"], out["models"]["transformer"]["grad_norms"]

@@ -1,12 +1,14 @@
 """PNG figures for the gradient studies (matplotlib, imported lazily; ``pip install difftx[plot]``).
 
 Figures are drawn with the object-oriented API on an Agg canvas, so nothing
-here touches pyplot's global backend.
+here touches pyplot's global backend.  A tail figure with nothing to draw (every
+row diverged) is not written: its function returns None.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -87,11 +89,12 @@ def plot_flow(result: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_tail_histograms(result: dict, optimizer: str, path: Path) -> Path:
-    """DNT Fig. 1: log-binned histograms of |g| per matrix kind, one line per setting."""
+def plot_tail_histograms(result: dict, optimizer: str, path: Path) -> Optional[Path]:
+    """DNT Fig. 1: log-binned histograms of |g| per matrix kind, one line per setting (None: no measured row)."""
     rows = [r for r in result["rows"] if r["optimizer"] == optimizer and "entries" in r]
-    if rows:  # several seeds: draw the first
-        rows = [r for r in rows if r.get("seed") == rows[0].get("seed")]
+    if not rows:
+        return None
+    rows = [r for r in rows if r.get("seed") == rows[0].get("seed")]  # several seeds: draw the first
     kinds = [k for k in ("W_q", "W_k", "W_v", "W_o", "W_g", "W_1", "W_2") if any(k in r["entries"] for r in rows)]
     cols = 4 if len(kinds) > 6 else 3
     n_rows = (len(kinds) + cols - 1) // cols
@@ -121,12 +124,15 @@ def plot_tail_histograms(result: dict, optimizer: str, path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_tail_summary(result: dict, path: Path) -> Path:
+def plot_tail_summary(result: dict, path: Path) -> Optional[Path]:
     """Per setting and optimiser: entry q99.9/q50, entry Hill index, and the noise alpha (all matrices pooled).
 
     Bars are means over seeds, with the sample standard deviation as error bars when there are several.
+    None (nothing written) when no row was measured.
     """
     rows = [r for r in result["rows"] if "entries" in r]
+    if not rows:
+        return None
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     opts = list(dict.fromkeys(r["optimizer"] for r in rows))
     panels = (("entries", "q99_9_over_q50", "|g| entries: q99.9 / q50", True),

@@ -11,6 +11,10 @@ weight matrix kind (W_q, W_k, W_v, W_o, W_g, W_1, W_2; layers pooled, and per la
 * noise: the B gradients minus their mean, on a fixed random subset of at most
   ``max_noise_entries`` coordinates per kind, pooled, then the Mohammadi alpha
   (Simsekli's tail index of gradient noise), Hill and quantile ratio.
+
+A non-finite gradient at the measurement batches (weights that training left
+finite but about to blow up) is recorded like a diverged training run: the row
+gets ``diverged`` and ``nonfinite_gradients`` and no statistics.
 """
 
 from __future__ import annotations
@@ -60,9 +64,14 @@ def sample_gradients(model, batches: Batches, start: int, n_batches: int, max_en
 
 def measure(model, batches: Batches, start: int, n_batches: int = 16, max_entries: int = 32768,
             seed: int = 0) -> dict:
-    """Entry and noise statistics of ``model`` at its current weights (see the module docstring)."""
+    """Entry and noise statistics of ``model`` at its current weights (see the module docstring).
+
+    Without statistics, and with ``nonfinite_gradients``, if any measured gradient is NaN or infinite.
+    """
     means, samples, _ = sample_gradients(model, batches, start, n_batches, max_entries, seed)
     kinds = list(samples)
+    if not all(np.isfinite(m).all() for m in means.values()):  # the means hold every sampled gradient
+        return {"kinds": kinds, "noise_batches": n_batches, "nonfinite_gradients": True}
     n_layers = 1 + max(layer for layer, _ in means)
     entries, noise = {}, {}
     for kind in kinds:
@@ -109,9 +118,13 @@ def run_tail_study(candidates: list[tuple[str, Callable[[], torch.nn.Module]]], 
                     continue
             row.update(measure(model, batches, start=10_000_000, n_batches=noise_batches,
                                max_entries=max_noise_entries, seed=seed))
+            if row.get("nonfinite_gradients"):
+                row["diverged"] = True
             rows.append(row)
             if progress is not None:
                 done = f"final loss {row['loss_last']:.3f}" if "loss_last" in row else "measured as saved (no steps)"
+                if row.get("nonfinite_gradients"):
+                    done = "non-finite gradients at the measurement batches (recorded as diverged)"
                 progress(f"tails: {name} / {opt_name}: {done}")
     return {"steps": steps, "optimizers": opts, "clip": clip, "noise_batches": noise_batches,
             "max_noise_entries": max_noise_entries, "rows": rows}

@@ -19,6 +19,8 @@ What each one can and cannot tell apart (measured in tests/analysis/test_tails.p
   depends on k (the number of order statistics used).
 * Kurtosis is only meaningful for finite fourth moments; with alpha < 2 it
   grows with the sample size.  Reported, with that caveat.
+
+Non-finite values are dropped; a statistic of no (finite) values is NaN.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def _flat(x) -> np.ndarray:
 def quantile_ratio(x, hi: float = 0.999, lo: float = 0.5) -> float:
     """q_hi(|x|) / q_lo(|x|): 4.9 for a Gaussian at (0.999, 0.5); larger for heavier tails."""
     a = np.abs(_flat(x))
+    if a.size == 0:
+        return math.nan
     q_lo = np.quantile(a, lo)
     return float(np.quantile(a, hi) / q_lo) if q_lo > 0 else math.inf
 
@@ -47,6 +51,8 @@ def quantile_ratio(x, hi: float = 0.999, lo: float = 0.5) -> float:
 def max_over_rms(x) -> float:
     """max |x| / sqrt(mean x^2): about sqrt(2 ln N) for a Gaussian of N entries."""
     a = _flat(x)
+    if a.size == 0:
+        return math.nan
     rms = math.sqrt(float(np.mean(a * a)))
     return float(np.max(np.abs(a)) / rms) if rms > 0 else math.inf
 
@@ -54,6 +60,8 @@ def max_over_rms(x) -> float:
 def excess_kurtosis(x) -> float:
     """E[(x - mean)^4] / var^2 - 3 (0 for a Gaussian; grows with N when the tail index is below 4)."""
     a = _flat(x)
+    if a.size == 0:
+        return math.nan
     c = a - a.mean()
     c2 = c * c
     var = float(np.mean(c2))
@@ -89,10 +97,12 @@ def mohammadi_alpha(x, m: Optional[int] = None, shuffle: bool = True, seed: int 
     leftover samples are dropped.  ``shuffle`` (seeded) mixes the samples before
     blocking, so that neighbouring coordinates of a gradient do not share a block.
     The result is in (0, ~2] for stable data; values a little above 2 mean "no
-    heavier than Gaussian".
+    heavier than Gaussian".  NaN for fewer than 16 samples, or fewer than two
+    non-zero ones (identically zero noise has no tail: the logs would compare
+    rounding errors and read as an enormous, "extremely light" alpha).
     """
     a = _flat(x)
-    if a.size < 16:
+    if a.size < 16 or np.count_nonzero(a) < 2:
         return math.nan
     if shuffle:
         a = np.random.default_rng(seed).permutation(a)
@@ -123,7 +133,8 @@ def entry_stats(x, k_frac: float = 0.01) -> dict:
     """Every entry-distribution statistic of one gradient tensor (or a pool of them)."""
     a = _flat(x)
     absx = np.abs(a)
-    q = {f"q{p:g}".replace(".", "_"): float(np.quantile(absx, p / 100)) for p in (50, 90, 99, 99.9)}
+    q = {f"q{p:g}".replace(".", "_"): float(np.quantile(absx, p / 100)) if a.size else math.nan
+         for p in (50, 90, 99, 99.9)}
     return {
         "n": int(a.size),
         "rms": float(math.sqrt(np.mean(a * a))) if a.size else math.nan,
@@ -140,12 +151,13 @@ def noise_stats(samples, seed: int = 0, k_frac: float = 0.01) -> dict:
     """Tail statistics of gradient noise: ``samples`` (B, n) mini-batch gradients at fixed weights.
 
     Each row is centred by the mean over the B batches (column-wise), then all
-    B * n centred values are pooled, as in Simsekli et al. (2019).
+    B * n centred values are pooled, as in Simsekli et al. (2019).  ``n`` counts
+    the finite ones, the values the estimators use.
     """
     s = np.asarray(samples, dtype=np.float64)
     noise = (s - s.mean(axis=0, keepdims=True)).reshape(-1)
     return {
-        "n": int(noise.size),
+        "n": int(np.isfinite(noise).sum()),
         "alpha_mohammadi": mohammadi_alpha(noise, seed=seed),
         "hill": hill_index(noise, k_frac),
         "q99_9_over_q50": quantile_ratio(noise),

@@ -83,6 +83,8 @@ def _check(args) -> None:
                 raise ConfigError(flag, f"unknown optimiser {name!r}; one of {', '.join(OPTIMIZERS)}")
         if not names:
             raise ConfigError(flag, f"give at least one of {', '.join(OPTIMIZERS)}")
+    if not _split(args.settings):
+        raise ConfigError("--settings", f"give at least one setting, e.g. {DEFAULT_SETTINGS}")
     from ..runtime import resolve_device
 
     args.device = str(resolve_device(args.device))
@@ -191,6 +193,9 @@ class _Study:
             self.tail_steps = 20 if args.tail_steps is None else args.tail_steps
             _set_threads(args, count_parameters(self.base))
         self.tokens = common.tokenize(text, vocab, tokenizer)
+        if self.tokens.size < args.seq_len + 2:  # what Batches needs; checked here, before --out is made
+            raise ConfigError("--seq-len", f"{args.seq_len} needs at least {args.seq_len + 2} tokens of data, and "
+                                           f"the data has {self.tokens.size}; give a shorter --seq-len or more --data")
         self.lrs = {"adamw": args.lr_adamw, "msgdw": args.lr_msgdw}
         self.report = ["# difftx grads", ""]
         self.written: list[str] = []
@@ -284,11 +289,14 @@ def _tails_section(st: _Study) -> None:
         if stat in ("q99_9_over_q50", "alpha_mohammadi"):
             print(f"{title}:\n{table}\n")
     if st.plots is not None:
-        for opt in res["optimizers"]:
-            st.plots.plot_tail_histograms(res, opt, st.out / f"tails_hist_{opt}.png")
-            st.written.append(f"tails_hist_{opt}.png")
-        st.plots.plot_tail_summary(res, st.out / "tails_summary.png")
-        st.written.append("tails_summary.png")
+        drawn = [(f"tails_hist_{opt}.png", st.plots.plot_tail_histograms(res, opt, st.out / f"tails_hist_{opt}.png"))
+                 for opt in res["optimizers"]]
+        drawn.append(("tails_summary.png", st.plots.plot_tail_summary(res, st.out / "tails_summary.png")))
+        for name, path in drawn:
+            if path is None:  # every row it would draw diverged: recorded in the tables, nothing to plot
+                print(f"difftx grads: no {name}: every tail row it would show diverged")
+            else:
+                st.written.append(name)
 
 
 def run(args) -> int:

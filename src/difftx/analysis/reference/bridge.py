@@ -30,12 +30,22 @@ def _reader(module, grad: bool) -> Callable[[str], np.ndarray]:
 
 
 def diff_block_config(block) -> DiffBlockConfig:
-    """The reference config of a difftx ``Block`` with differential attention (pre-RMSNorm, SwiGLU)."""
+    """The reference config of a difftx ``Block`` with differential attention (pre-RMSNorm, SwiGLU, no biases)."""
+    from ...nn.ffn import SwiGLU
+    from ...nn.norms import RMSNorm
+
     a = block.attn
     if a.kind != "diff" or a.n_kv_heads != a.n_heads:
         raise ValueError("the reference DIFF block has no GQA: need attention='diff' and n_kv_heads == n_heads")
     if block.attn_norm is None or block.ffn_norm is None or a.q_norm is not None or block.attn_mid_norm is not None:
         raise ValueError("the reference DIFF block is the paper's pre-norm layout (norms='S1')")
+    if not isinstance(block.attn_norm, RMSNorm):
+        raise ValueError(f"the reference DIFF block uses RMSNorm: need norm='rms', not "
+                         f"{type(block.attn_norm).__name__}")
+    if not isinstance(block.ffn, SwiGLU):
+        raise ValueError(f"the reference DIFF block's FFN is SwiGLU: need ffn='swiglu', not {type(block.ffn).__name__}")
+    if any(name.endswith("bias") for name, _ in block.named_parameters()):
+        raise ValueError("the reference DIFF block has no biases: need bias=False")
     return DiffBlockConfig(
         d_model=a.d_model, n_heads=a.n_heads, head_dim=a.head_dim, ffn_dim=block.ffn.w_gate.out_features,
         lambda_init=a.lambda_init, eps=block.attn_norm.eps,
