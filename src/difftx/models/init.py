@@ -17,6 +17,8 @@ import math
 
 from torch import nn
 
+from ..nn.norms import LayerNorm, RMSNorm
+
 RESIDUAL_OUTPUTS = ("out_proj", "w_down")
 KEEP_DEFAULT = ("lambda_proj",)
 
@@ -50,14 +52,15 @@ def init_module(m: nn.Module, leaf: str, cfg, constructed: bool = False) -> None
             nn.init.zeros_(m.bias)
     elif isinstance(m, nn.Embedding):
         nn.init.normal_(m.weight, 0.0, cfg.init_std)
+    elif constructed and isinstance(m, (RMSNorm, LayerNorm)):
+        if m.weight is not None:
+            nn.init.ones_(m.weight)
+        if getattr(m, "bias", None) is not None:
+            nn.init.zeros_(m.bias)
     elif constructed:
         for name, p in m.named_parameters(recurse=False):
             if name.startswith("lambda_"):
                 nn.init.normal_(p, 0.0, cfg.lambda_std)
-            elif name == "weight":
-                nn.init.ones_(p)
-            elif name == "bias":
-                nn.init.zeros_(p)
 
 
 def scale_out(cfg) -> float:
