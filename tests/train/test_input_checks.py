@@ -68,6 +68,8 @@ def test_log_every_zero_refused_and_zero_intervals_mean_off(tmp_path, train_cli,
     (["--epochs", "1", "--warmup-epochs", "nan"], "warmup_epochs: must be a finite number >= 0; got nan"),
     (["--steps", "3", "--warmup-epochs", "1"], "warmup_epochs: needs --epochs"),
     (["--steps", "3", "--domain-opt", "bogus=1"], "the lm domain takes no options (got bogus)"),
+    (["--steps", "3", "--optimizer", "muon", "--momentum", "0.5"], "momentum: Muon keeps its own momentum"),
+    (["--steps", "3", "--optimizer", "muon", "--nesterov"], "nesterov: Muon keeps its own momentum"),
 ])
 def test_epochs_and_domain_options_checked(tmp_path, train_cli, capsys, flags, message):
     assert train_cli(*flags, "--out", tmp_path / "new") == 2

@@ -132,6 +132,10 @@ class TrainConfig:
         number("eps", 0.0, lo_open=True)
         number("grad_clip")
         number("val_fraction", 0.0, 0.9)
+        if self.optimizer == "muon" and (self.momentum != TrainConfig.momentum or self.nesterov):
+            raise ConfigError("momentum" if self.nesterov is False else "nesterov",
+                              "Muon keeps its own momentum (0.95, Nesterov); momentum and nesterov set msgdw's and "
+                              "sgd's: drop them")
         if self.min_lr > self.lr:
             raise ConfigError("min_lr", f"({self.min_lr}) must not exceed lr ({self.lr})")
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
