@@ -343,3 +343,14 @@ def test_a_bf16_conversion_loads_back_in_bf16(capsys, llama_dir, tmp_path):
     rc, _, err = run_main(capsys, src, tmp_path / "fp")
     assert rc == 0, err
     assert {p.dtype for p in difftx.load_model(tmp_path / "fp").parameters()} == {torch.float32}
+
+
+def test_diffllama_attention_bias_is_refused_naming_diffllama(capsys, tmp_path):
+    model = difftx_model(attention="diff", n_heads=2, head_norm_weight=False, pairing="halves")
+    save_hf(model, tmp_path / "dl", "hf-diffllama")
+    cfg = json.loads((tmp_path / "dl" / "config.json").read_text())
+    cfg["attention_bias"] = True
+    (tmp_path / "dl" / "config.json").write_text(json.dumps(cfg))
+    rc, _, err = run_main(capsys, tmp_path / "dl", tmp_path / "out")
+    _one_error_line(rc, err, "attention_bias=True is not supported for DiffLlama")
+    assert "mlp_bias" not in err and not (tmp_path / "out").exists()

@@ -133,3 +133,44 @@ def test_wrapper_shares_weights_with_the_difftx_model():
     hf = DifftxForCausalLM.from_difftx(model)
     assert hf.model is model
     assert hf.get_input_embeddings() is model.embed
+
+
+def test_hidden_states_attentions_and_tuples():
+    model = difftx_model(seed=4, attention="diff", n_heads=2)
+    hf = DifftxForCausalLM.from_difftx(model).eval()
+    x = tokens(97)
+    with torch.no_grad():
+        out = hf(x, output_hidden_states=True)
+        h = model.embed(x)
+        want = [h]
+        for block in model.layers:  # the first block's input, each block's output, the last through the final norm
+            h = block(h, model.rope.cos_sin(torch.arange(x.shape[1])), difftx.nn.AttnMask(True, x.shape[1], x.shape[1]))
+            want.append(h)
+        want[-1] = model.final_norm(h)
+        assert len(out.hidden_states) == len(model.layers) + 1
+        for got, ref in zip(out.hidden_states, want):
+            assert max_diff(got, ref) < 1e-5
+        assert max_diff(hf(x).logits, out.logits) == 0.0  # the hooks change nothing
+        assert not any(b._forward_hooks or b._forward_pre_hooks for b in model.layers)
+        tup = hf(x, return_dict=False, use_cache=False)
+        assert isinstance(tup, tuple) and max_diff(tup[0], out.logits) == 0.0
+        with pytest.raises(ValueError, match="attention maps"):
+            hf(x, output_attentions=True)
+        gen = hf.generate(x, max_new_tokens=2, do_sample=False, return_dict_in_generate=True,
+                          output_hidden_states=True)
+        assert all(s is not None for step in gen.hidden_states for s in step)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_resize_token_embeddings_saves_and_reloads(tmp_path, tie):
+    model = difftx_model(seed=5, attention="diff", n_heads=2, tie_embeddings=tie)
+    hf = DifftxForCausalLM.from_difftx(model)
+    hf.resize_token_embeddings(110)
+    x = tokens(110)
+    with torch.no_grad():
+        logits = hf(x).logits
+    assert logits.shape[-1] == 110 and hf.config.vocab_size == 110 and hf.model.config.vocab_size == 110
+    hf.save_pretrained(tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert max_diff(back(x).logits, logits) == 0.0

@@ -144,3 +144,17 @@ def test_bad_module_errors_name_the_tensor():
     del sd["lambda_k2"]
     with pytest.raises(CheckpointError, match="'lambda_k2' is missing"):
         load_unilm_attention(sd, 0)
+
+
+def test_file_conversion_refuses_a_module_tensor_it_cannot_map(tmp_path):
+    """A module's tensor the loader does not expect (a bias) fails the file conversion too, not only the loader:
+    the converted module would compute another function."""
+    from safetensors.torch import save_file
+
+    for extra in ("q_proj.bias", "subln.bias"):
+        state = {f"layers.0.attn.{k}": v for k, v in official_state().items()}
+        state[f"layers.0.attn.{extra}"] = torch.zeros(64)
+        save_file(state, tmp_path / "ckpt.safetensors")
+        with pytest.raises(CheckpointError, match=f"unexpected tensor '{extra}'"):
+            convert_unilm_file(tmp_path / "ckpt.safetensors", tmp_path / f"out-{extra}")
+        assert not (tmp_path / f"out-{extra}").exists()

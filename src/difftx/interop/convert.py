@@ -67,6 +67,9 @@ def _llama_like_config(hf: dict, src: str, diff: bool) -> ModelConfig:
         raise CheckpointError(f"{src}: RoPE scaling {rope_type!r} is not supported by difftx (only plain RoPE)")
     theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or hf.get("rope_theta", 10000.0)
     attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if diff and attn_bias:  # DiffLlama's FFN has no bias option: its biases would be attention-only
+        raise CheckpointError(f"{src}: attention_bias=True is not supported for DiffLlama (its MLP has no bias, "
+                              "and difftx has one 'bias' switch for attention and FFN)")
     if attn_bias != mlp_bias:
         raise CheckpointError(f"{src}: attention_bias={attn_bias} but mlp_bias={mlp_bias}; difftx has one "
                               "'bias' switch for attention and FFN")

@@ -22,6 +22,7 @@ it but registers lazily (see :mod:`difftx.interop._hooks`).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -114,6 +115,18 @@ class DifftxForCausalLM(DifftxPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.model.lm_head
 
+    def set_output_embeddings(self, value):
+        self.model.lm_head = value
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        """transformers' resize, with the new vocabulary written into the difftx config (the model's and the one
+        ``save_pretrained`` writes), so the saved model loads at its new size."""
+        emb = super().resize_token_embeddings(*args, **kwargs)
+        cfg = self.model.config.replace(vocab_size=int(self.model.embed.weight.shape[0]))
+        self.model.config = cfg
+        self.config.difftx, self.config.vocab_size = cfg.to_dict(), cfg.vocab_size
+        return emb
+
     def create_masks_for_generate(self, attention_mask=None, **kwargs):
         """Keep the 2-D padding mask for every cache class; the difftx model builds its own masks."""
         return attention_mask
@@ -132,6 +145,10 @@ class DifftxForCausalLM(DifftxPreTrainedModel, GenerationMixin):
             past_key_values = cache
         if inputs_embeds is not None:
             raise ValueError("DifftxForCausalLM takes input_ids, not inputs_embeds")
+        if kwargs.pop("output_attentions", None):
+            raise ValueError("DifftxForCausalLM does not return attention maps (its fused kernels never hold "
+                             "them); use difftx.evals' attention probes")
+        want_hidden = bool(kwargs.pop("output_hidden_states", None))
         if input_ids is None:
             raise ValueError("input_ids is required")
         b, n = input_ids.shape
@@ -157,7 +174,9 @@ class DifftxForCausalLM(DifftxPreTrainedModel, GenerationMixin):
         if position_ids is None:
             position_ids = torch.arange(past, past + n, device=input_ids.device)[None].expand(b, n)
         view = _CacheView(past_key_values, past, full[:, :past]) if past_key_values is not None else None
-        hidden = self.model.features(input_ids, attention_mask=step_mask, position_ids=position_ids, cache=view)
+        states = _HiddenStates(self.model.layers) if want_hidden else contextlib.nullcontext()
+        with states:
+            hidden = self.model.features(input_ids, attention_mask=step_mask, position_ids=position_ids, cache=view)
 
         def keep(t):  # transformers' logits_to_keep: the last N positions (0: all), or a 1-D tensor of indices
             if isinstance(logits_to_keep, int):
@@ -171,7 +190,29 @@ class DifftxForCausalLM(DifftxPreTrainedModel, GenerationMixin):
             every = self.model.head(hidden)
             logits = keep(every)
             loss = self.loss_function(logits=every, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: past_key_values if use_cache else None})
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=states.tuple(hidden) if want_hidden
+                                     else None, **{_CACHE_FIELD: past_key_values if use_cache else None})
+        return out if (self.config.return_dict if return_dict is None else return_dict) else out.to_tuple()
+
+
+class _HiddenStates:
+    """transformers' ``hidden_states``: the first block's input, every block's output but the last, then the
+    final norm's output (as LLaMA's).  Read by forward hooks, under which the blocks run one by one."""
+
+    def __init__(self, layers):
+        self.layers, self.seen, self.handles = layers, [], []
+
+    def __enter__(self):
+        self.handles = [self.layers[0].register_forward_pre_hook(lambda m, args: self.seen.append(args[0]))]
+        self.handles += [b.register_forward_hook(lambda m, args, out: self.seen.append(out)) for b in self.layers]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+    def tuple(self, final: torch.Tensor) -> tuple:
+        return tuple(self.seen[:-1]) + (final,)
 
 
 def register() -> None:

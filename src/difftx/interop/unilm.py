@@ -131,8 +131,9 @@ def split_modules(state: dict) -> dict[str, dict]:
     modules = {}
     for p in prefixes:
         own = {k[len(p):]: v for k, v in state.items() if k.startswith(p)}
-        if all(key in own for key in LAMBDAS):
-            modules[p] = {k: v for k, v in own.items() if k in REQUIRED or k == "subln.weight"}
+        if all(key in own for key in LAMBDAS):  # the module's own tensors, expected or not (the loader checks)
+            members = {k.split(".", 1)[0] for k in REQUIRED} | {"subln"}
+            modules[p] = {k: v for k, v in own.items() if k.split(".", 1)[0] in members}
     return modules
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from . import backends
 from .cache import KVCache
-from .fused import rms_norm
+from .fused import _no_autocast, rms_norm
 from .linear import Linear, no_hooks, project
 from .mask import AttnMask
 from .norms import RMSNorm, make_norm, upcast
@@ -357,7 +357,8 @@ class DiffV2Attention(AttentionBase):
         if cache is not None:
             k, v = cache.update(self.layer - 1, k, v)
         xf = upcast(x)
-        lam = torch.sigmoid(F.linear(xf, self.lambda_proj.weight.to(xf.dtype)))  # (B, N, h), >= fp32
+        with _no_autocast(x.device.type):  # F.linear is on autocast's bf16 list
+            lam = torch.sigmoid(F.linear(xf, self.lambda_proj.weight.to(xf.dtype)))  # (B, N, h), >= fp32
         self.last_lambda = lam.detach().mean()
         lam = lam.transpose(1, 2)[..., None]  # (B, h, N, 1)
         backend, p = self._backend(q.device), self._dropout_p()

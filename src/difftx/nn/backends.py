@@ -43,7 +43,8 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- eager reference
 def eager_logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention logits q k^T * scale in float32, K/V heads repeated to the query heads."""
+    """Attention logits q k^T * scale in float32 (outside autocast: the eager functions leave it), K/V heads
+    repeated to the query heads."""
     k = repeat_kv(k, q.shape[1] // k.shape[1])
     return torch.matmul(upcast(q), upcast(k).transpose(-1, -2)) * scale
 
@@ -55,6 +56,22 @@ def masked_softmax(logits: torch.Tensor, mask: AttnMask) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
+def _reference(fn):
+    """The eager functions compute in float32 (their matmuls are on autocast's low-precision list, which would
+    undo :func:`upcast`: bf16 logits and maps, lambda rounded to bf16, fp16 logits that overflow)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(q, *args, **kwargs):
+        if torch.is_autocast_enabled(q.device.type):
+            with torch.autocast(q.device.type, enabled=False):
+                return fn(q, *args, **kwargs)
+        return fn(q, *args, **kwargs)
+
+    return wrapper
+
+
+@_reference
 def eager_attention(q, k, v, mask: AttnMask, scale: float, dropout_p: float = 0.0,
                     probe=None, layer: int = 0) -> torch.Tensor:
     logits = eager_logits(q, k, scale)
@@ -69,6 +86,7 @@ def eager_attention(q, k, v, mask: AttnMask, scale: float, dropout_p: float = 0.
     return torch.matmul(probs, upcast(v)).to(q.dtype)
 
 
+@_reference
 def eager_diff_attention(q1, q2, k1, k2, v, lam: torch.Tensor, mask: AttnMask, scale: float,
                          dropout_p: float = 0.0, probe=None, layer: int = 0) -> torch.Tensor:
     """(softmax(Q1 K1^T s) - lam softmax(Q2 K2^T s)) V in float32 (SPEC eq. 1)."""
@@ -84,6 +102,7 @@ def eager_diff_attention(q1, q2, k1, k2, v, lam: torch.Tensor, mask: AttnMask, s
     return torch.matmul(a1 - lam * a2, v)
 
 
+@_reference
 def eager_v2_attention(q, k, v, lam: torch.Tensor, mask: AttnMask, scale: float, dropout_p: float = 0.0,
                        probe=None, layer: int = 0) -> torch.Tensor:
     """DIFF V2 reference: (A_{2i} - lam_i A_{2i+1}) V over 2h query heads, float32; lam (B, h, N, 1)."""

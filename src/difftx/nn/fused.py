@@ -196,8 +196,11 @@ def _compact(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     oneDNN's bf16 bmm needs batch stride = rows x cols; given a prefix slice it copies the
     *transposed* view (a slow gather, 4x the GEMM), so copy the plain slice here instead.
-    fp32/fp64 GEMMs take strided slices as they are.
+    fp32/fp64 GEMMs take strided slices as they are.  ``dtype`` other than t's (float16 operands of float32
+    products): a converted copy.
     """
+    if t.dtype != dtype:
+        return t.to(dtype)
     if dtype in (torch.float32, torch.float64) or t.is_contiguous():
         return t
     return t.contiguous()
@@ -218,7 +221,8 @@ class _Blocks:
         self.hk = k3.shape[0] // (b * m)
         self.rep = h // self.hk
         self.q, self.k3, self.v3, self.mask, self.scale, self.chunk = q, k3, v3, mask, scale, chunk
-        self.dtype = q.dtype
+        # the products' dtype: float16's would round logits and overflow past 65504, so it multiplies in float32
+        self.dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
         self.cd = _compute_dtype(q.dtype)  # gradient sums, lambda
         self.md = _map_dtype(q.dtype)  # the maps' elementwise math
         self.lam_s = float(lam) if (lam is not None and lam.dim() == 0) else None
@@ -234,7 +238,7 @@ class _Blocks:
         self._p = _scratch("p", n_maps, self.md, dev)  # probabilities
         self._low = _scratch("low", n_maps, self.dtype, dev) if self.dtype != self.md else None
         self._comb = _scratch("comb", n_maps // m, self.dtype, dev)  # combined map / dP, matmul dtype
-        self._zero = _zero(q)
+        self._zero = _zero(q if q.dtype == self.dtype else q.float())
         # Causal without padding: key columns [q_start + i0, ke) of a block form a square whose
         # strict upper triangle is masked; adding -inf there is ~8x cheaper than masked_fill_.
         # The native kernels skip those columns themselves and need no triangle.
@@ -454,7 +458,7 @@ def _backward(ctx, dout):
     dlam = torch.zeros((), dtype=cd, device=q.device) if g.lam_s is not None else None
     if g.lam_rows is not None:
         dlam = torch.empty(g.lam_rows.shape, dtype=cd, device=q.device)
-    dout = dout.to(v3.dtype)
+    dout = dout.to(g.dtype)  # the products' dtype (float16: float32)
     # Blocks run last to first: with a causal mask the first sees every key it will ever see, so it
     # writes the sums and later blocks add to prefixes of them (no zero-filling).
     seen = 0  # keys [0, seen) hold a partial sum
@@ -593,6 +597,8 @@ def _few_queries(q, k, v, lam, mask: AttnMask, scale: float) -> torch.Tensor:
     ke = _key_end(mask, n)
     md = _map_dtype(q.dtype)
     k3, v3 = _batched(k), _batched(v)
+    if q.dtype == torch.float16:  # float16 products would round the logits and overflow past 65504
+        return _few_queries(q.float(), k.float(), v.float(), lam, mask, scale).to(q.dtype)
     width = ke
     if k3.shape[1] > ke and q.dtype not in (torch.float32, torch.float64) and k3.is_contiguous() \
             and v3.is_contiguous() and k3.shape[1] <= 2 * ke:

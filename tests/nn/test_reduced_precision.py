@@ -1,0 +1,65 @@
+"""Reduced precision on the torch paths: the eager reference and DIFF V2's lambda stay float32 under autocast,
+and float16 logits are never rounded to float16 (where they overflow past 65504) in the fused formulation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from difftx import ModelConfig
+from difftx.nn import backends, fused
+from difftx.nn.attention import make_attention
+from difftx.nn.mask import AttnMask
+from difftx.nn.rope import RotaryEmbedding
+
+
+def test_eager_reference_is_float32_under_autocast():
+    torch.manual_seed(0)
+    q1, q2, k1, k2 = (torch.randn(2, 2, 9, 16).bfloat16() for _ in range(4))
+    v = torch.randn(2, 2, 9, 32).bfloat16()
+    lam, mask = torch.tensor(0.8123), AttnMask(causal=True, n_q=9, n_k=9)
+    want = backends.eager_diff_attention(q1, q2, k1, k2, v, lam, mask, 0.25)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = backends.eager_diff_attention(q1, q2, k1, k2, v, lam, mask, 0.25)
+        got1 = backends.eager_attention(q1, k1, v, mask, 0.25)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.equal(got1, backends.eager_attention(q1, k1, v, mask, 0.25))
+
+
+def test_v2_lambda_is_float32_under_autocast():
+    torch.manual_seed(0)
+    cfg = ModelConfig(attention="diff2", d_model=32, n_layers=2, n_heads=2, vocab_size=50)
+    attn = make_attention(cfg, 1)
+    x = torch.randn(2, 6, 32)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_style).cos_sin(torch.arange(6))
+    mask = AttnMask(causal=True, n_q=6, n_k=6)
+    attn(x, rope, mask)
+    want = attn.last_lambda
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attn(x, rope, mask)
+    assert attn.last_lambda.dtype == torch.float32 and torch.equal(attn.last_lambda, want)
+
+
+@pytest.mark.parametrize("n, grad", [(8, False), (8, True), (1, False)])
+@pytest.mark.parametrize("maps", [1, 2])
+def test_float16_logits_past_its_range_stay_finite(n, grad, maps):
+    """Scaled logits of ~3e5 (float16's largest value is 65504): float32 arithmetic saturates the softmax; the
+    fused formulation's products in float16 gave inf - inf = NaN."""
+    torch.manual_seed(1)
+    b, h, d = 1, 2, 64
+    q = (torch.randn(b, maps, h, n, d).sign() * 200).half()
+    k = (torch.randn(b, maps, h, 8, d).sign() * 200).half()
+    k[..., :n, :] = q  # each query meets its own key: a logit of 200 * 200 * 64 / 8
+    v = torch.randn(b, h, 8, d).half()
+    lam = torch.tensor(0.5) if maps == 2 else None
+    mask = AttnMask(causal=True, n_q=n, n_k=8, q_start=8 - n)
+    q.requires_grad_(grad)
+    out = fused.fused_attention(q, k, v, mask, d ** -0.5, lam)
+    ref = backends.eager_attention(q[:, 0].float(), k[:, 0].float(), v.float(), mask, d ** -0.5)
+    if maps == 2:
+        ref = ref - 0.5 * backends.eager_attention(q[:, 1].float(), k[:, 1].float(), v.float(), mask, d ** -0.5)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref.transpose(1, 2), atol=2e-3, rtol=2e-3)
+    if grad:
+        out.float().sum().backward()
+        assert torch.isfinite(q.grad).all()
