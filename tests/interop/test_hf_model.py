@@ -174,3 +174,9 @@ def test_resize_token_embeddings_saves_and_reloads(tmp_path, tie):
     back = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         assert max_diff(back(x).logits, logits) == 0.0
+
+
+def test_derived_config_overrides_are_refused(saved):
+    _, path, _ = saved
+    with pytest.raises(ValueError, match="num_hidden_layers.*derived from config.difftx"):
+        AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=1)

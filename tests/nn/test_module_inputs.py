@@ -126,3 +126,13 @@ def test_hf_missing_keys_get_difftx_init(tmp_path):
     for k, v in model.state_dict().items():  # everything the checkpoint held is as saved
         if not any(g.endswith(k) for g in gone):
             assert torch.equal(loaded[k], v), k
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_model_built_on_meta_runs_its_forward_for_shapes(kind):
+    """Shape tracing on the meta device (torch.is_autocast_enabled raises for it)."""
+    model = build_model(ModelConfig(attention=kind, d_model=64, n_layers=2, n_heads=2, vocab_size=97),
+                        device="meta")
+    x = torch.randint(0, 97, (2, 9), device="meta")
+    out = model(x, targets=x)
+    assert out.logits.shape == (2, 9, 97) and out.logits.device.type == "meta" and out.loss.shape == ()

@@ -33,6 +33,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..models.lm import DecoderLM
 from ..models.init import init_module
 from ..nn.rope import sinusoidal_table
+from .convert import hf_standard_fields
 from .hf_config import DifftxConfig, register_config
 
 
@@ -97,6 +98,12 @@ class DifftxForCausalLM(DifftxPreTrainedModel, GenerationMixin):
     """A difftx :class:`~difftx.models.DecoderLM` behind transformers' causal-LM interface."""
 
     def __init__(self, config: DifftxConfig, model: Optional[DecoderLM] = None):
+        derived = hf_standard_fields(config.model_config)
+        changed = {k: getattr(config, k, None) for k, v in derived.items() if getattr(config, k, None) != v}
+        if changed:  # e.g. from_pretrained(dir, num_hidden_layers=1): set after the config derived its fields
+            want = {k: derived[k] for k in changed}
+            raise ValueError(f"DifftxConfig fields {changed} disagree with its difftx config, which gives {want}: "
+                             "they are derived from config.difftx, so change that instead")
         super().__init__(config)
         self.model = model if model is not None else DecoderLM(config.model_config)
         self.post_init()

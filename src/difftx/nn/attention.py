@@ -29,7 +29,7 @@ from torch import nn
 from . import backends
 from .cache import KVCache
 from .fused import _no_autocast, rms_norm
-from .linear import Linear, no_hooks, project
+from .linear import Linear, autocast_on, no_hooks, project
 from .mask import AttnMask
 from .norms import RMSNorm, make_norm, upcast
 from .rope import apply_rope
@@ -113,7 +113,7 @@ def _heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
 
 def _autocast_input(x: torch.Tensor) -> torch.Tensor:
     """Under autocast, cast x once for the three projections (autocast would cast it per call)."""
-    if torch.is_autocast_enabled(x.device.type):
+    if autocast_on(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         if x.dtype != dtype and x.is_floating_point():
             return x.to(dtype)
@@ -122,7 +122,7 @@ def _autocast_input(x: torch.Tensor) -> torch.Tensor:
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype out_proj computes in: the autocast dtype under autocast, else the input's."""
-    if torch.is_autocast_enabled(x.device.type):
+    if autocast_on(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
 

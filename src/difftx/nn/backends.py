@@ -16,6 +16,7 @@ Hq a multiple of Hk (GQA: query head i uses K/V head i // (Hq / Hk)), and an
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Optional
@@ -23,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .linear import grad_wanted, traced
+from .linear import autocast_on, grad_wanted, traced
 from .mask import AttnMask
 from .norms import upcast
 
@@ -59,11 +60,10 @@ def masked_softmax(logits: torch.Tensor, mask: AttnMask) -> torch.Tensor:
 def _reference(fn):
     """The eager functions compute in float32 (their matmuls are on autocast's low-precision list, which would
     undo :func:`upcast`: bf16 logits and maps, lambda rounded to bf16, fp16 logits that overflow)."""
-    import functools
 
     @functools.wraps(fn)
     def wrapper(q, *args, **kwargs):
-        if torch.is_autocast_enabled(q.device.type):
+        if autocast_on(q.device.type):
             with torch.autocast(q.device.type, enabled=False):
                 return fn(q, *args, **kwargs)
         return fn(q, *args, **kwargs)

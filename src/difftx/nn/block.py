@@ -19,7 +19,7 @@ from torch import nn
 from .attention import _out_dtype, make_attention
 from .ffn import make_ffn
 from .fused import SMALL_NORM, add_rms_norm
-from .linear import no_hooks
+from .linear import autocast_on, no_hooks
 from .norms import LayerNorm, RMSNorm, make_norm
 
 
@@ -52,7 +52,7 @@ class Block(nn.Module):
         difftx's own norms only (a norm module swapped in by a user is called as it is)."""
         if norm is None:
             return x
-        if low_precision_ok and isinstance(norm, (RMSNorm, LayerNorm)) and torch.is_autocast_enabled(x.device.type):
+        if low_precision_ok and isinstance(norm, (RMSNorm, LayerNorm)) and autocast_on(x.device.type):
             return norm(x, out_dtype=torch.get_autocast_dtype(x.device.type))
         return norm(x)
 

@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 
 from . import native
-from .linear import grad_wanted, traced
+from .linear import autocast_on, grad_wanted, traced
 from .norms import upcast
 from .mask import AttnMask
 
@@ -207,7 +207,7 @@ def _compact(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _no_autocast(device_type: str):
-    if torch.is_autocast_enabled(device_type):
+    if autocast_on(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 

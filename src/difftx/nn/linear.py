@@ -155,6 +155,12 @@ def grad_wanted(*tensors: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def autocast_on(device_type: str) -> bool:
+    """``torch.is_autocast_enabled(device_type)``, False for device types without autocast (meta: a model
+    built there runs its forward for shapes)."""
+    return device_type != "meta" and torch.is_autocast_enabled(device_type)
+
+
 def traced() -> bool:
     """Under torch.compile or a torch.func transform: the eager-only fast paths step aside for plain torch ops."""
     return torch.compiler.is_compiling() or _functorch_active()
