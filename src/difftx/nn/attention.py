@@ -28,8 +28,8 @@ from torch import nn
 
 from . import backends
 from .cache import KVCache
-from .fused import _no_autocast, rms_norm
-from .linear import Linear, autocast_on, no_hooks, project
+from .fused import rms_norm
+from .linear import Linear, autocast_on, no_autocast, no_hooks, project
 from .mask import AttnMask
 from .norms import RMSNorm, make_norm, upcast
 from .rope import apply_rope
@@ -357,7 +357,7 @@ class DiffV2Attention(AttentionBase):
         if cache is not None:
             k, v = cache.update(self.layer - 1, k, v)
         xf = upcast(x)
-        with _no_autocast(x.device.type):  # F.linear is on autocast's bf16 list
+        with no_autocast(x.device.type):  # F.linear is on autocast's bf16 list
             lam = torch.sigmoid(F.linear(xf, self.lambda_proj.weight.to(xf.dtype)))  # (B, N, h), >= fp32
         self.last_lambda = lam.detach().mean()
         lam = lam.transpose(1, 2)[..., None]  # (B, h, N, 1)

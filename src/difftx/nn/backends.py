@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .linear import autocast_on, grad_wanted, traced
+from .linear import grad_wanted, no_autocast, traced
 from .mask import AttnMask
 from .norms import upcast
 
@@ -63,10 +63,8 @@ def _reference(fn):
 
     @functools.wraps(fn)
     def wrapper(q, *args, **kwargs):
-        if autocast_on(q.device.type):
-            with torch.autocast(q.device.type, enabled=False):
-                return fn(q, *args, **kwargs)
-        return fn(q, *args, **kwargs)
+        with no_autocast(q.device.type):
+            return fn(q, *args, **kwargs)
 
     return wrapper
 

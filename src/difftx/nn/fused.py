@@ -42,7 +42,6 @@ Layouts (views; only a block of Q is copied at a time):
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 from typing import Optional
@@ -50,7 +49,7 @@ from typing import Optional
 import torch
 
 from . import native
-from .linear import autocast_on, grad_wanted, traced
+from .linear import grad_wanted, no_autocast, traced
 from .norms import upcast
 from .mask import AttnMask
 
@@ -204,12 +203,6 @@ def _compact(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype in (torch.float32, torch.float64) or t.is_contiguous():
         return t
     return t.contiguous()
-
-
-def _no_autocast(device_type: str):
-    if autocast_on(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 class _Blocks:
@@ -381,7 +374,7 @@ class _FusedAttention(torch.autograd.Function):
             q, k, v, lam = ctx.saved_tensors[:4]
             fn = functools.partial(_attention_torch, mask=ctx.mask, scale=ctx.scale)
             return _graph_grads(fn, (q, k, v, lam), ctx.needs_input_grad[:4], dout) + (None,) * 4
-        with _no_autocast(dout.device.type), torch.no_grad():
+        with no_autocast(dout.device.type), torch.no_grad():
             if ctx.native_attn:
                 return _native_backward(ctx, dout)
             return _backward(ctx, dout)
@@ -396,7 +389,7 @@ def _graph_grads(fn, inputs: tuple, needs, grad_outputs) -> tuple:
     if not wanted:
         return (None,) * len(inputs)
     device = wanted[0].device.type
-    with torch.enable_grad(), torch.autocast(device, enabled=False):
+    with torch.enable_grad(), no_autocast(device):
         outs = fn(*inputs)
     got = iter(torch.autograd.grad(outs, wanted, grad_outputs, create_graph=True, allow_unused=True))
     return tuple(next(got) if n else None for n in needs)
@@ -568,7 +561,7 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
         # less per DIFF layer at the small preset (docs/performance.md); taller at long keys.
         # bf16 on AMX keeps the chunk itself (a multiple of MIN_CHUNK: whole 32-row tile pairs).
         native_chunk = native_rows(chunk, n, nk, m) if q.dtype == torch.float32 else chunk
-    with _no_autocast(q.device.type):
+    with no_autocast(q.device.type):
         if not needs_grad and n <= SMALL_QUERY:
             return _few_queries(q, k, v, lam, mask, scale)
         if k.shape[3] > mask.n_k:  # a cache's whole buffers: keep the written part
@@ -650,10 +643,10 @@ class _RMSNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, eps: float, gain: float, out_dtype):
+    def forward(ctx, x, w, eps: float, gain: float, out_dtype, use_native: bool):
         cd = _compute_dtype(x.dtype)
         ctx.gain, ctx.eps = gain, eps
-        ctx.native = _native_norm(x, w, out_dtype)
+        ctx.native = use_native  # rms_norm asked _native_norm (and made x contiguous for it)
         if ctx.native:  # one pass per row instead of five over the tensor (forward and backward); x contiguous
             wg = _gained(w, gain)
             rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
@@ -676,13 +669,13 @@ class _RMSNorm(torch.autograd.Function):
         x, w, rstd = ctx.saved_tensors
         gain = ctx.gain
         if torch.is_grad_enabled():  # create_graph=True: gradients with a graph, in torch ops
-            return _rms_norm_grads(x, w, dy, ctx.eps, gain, ctx.needs_input_grad[1]) + (None, None, None)
-        with _no_autocast(dy.device.type), torch.no_grad():
+            return _rms_norm_grads(x, w, dy, ctx.eps, gain, ctx.needs_input_grad[1]) + (None,) * 4
+        with no_autocast(dy.device.type), torch.no_grad():
             if ctx.native and dy.dtype in (torch.float32, torch.bfloat16):
                 want_dw = w is not None and ctx.needs_input_grad[1]
                 wg = _gained(w, gain)
                 dx, dw, _ = native.rms_norm_backward(x, dy.contiguous(), rstd, wg, gain, want_dw)
-                return dx, (dw.mul_(gain).to(w.dtype) if want_dw else None), None, None, None
+                return dx, (dw.mul_(gain).to(w.dtype) if want_dw else None), None, None, None, None
             cd = rstd.dtype
             dim = x.shape[-1]
             xhat = x.to(cd).mul_(rstd) if x.dtype != cd else torch.mul(x, rstd)
@@ -693,7 +686,7 @@ class _RMSNorm(torch.autograd.Function):
             dw = None
             if w is not None and ctx.needs_input_grad[1]:
                 dw = xhat.mul_(dyf).reshape(-1, dim).sum(0).mul_(gain).to(w.dtype)
-            return dx.to(x.dtype), dw, None, None, None
+            return dx.to(x.dtype), dw, None, None, None, None
 
 
 def _rms_norm_grads(x: torch.Tensor, w: Optional[torch.Tensor], dy: torch.Tensor, eps: float, gain: float,
@@ -723,7 +716,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gain: 
     out_dtype = out_dtype or cd
     if _inference_norm(x, weight, out_dtype):  # decoding-sized, no autograd: the kernel alone
         return native.rms_norm(x.contiguous(), _gained(weight, gain), gain, eps, out_dtype)
-    with _no_autocast(x.device.type):
+    with no_autocast(x.device.type):
         # Off the CPU, torch's fused RMSNorm kernels (CUDA: one launch each way, not ~8 and ~10); on the CPU for
         # decoding-sized calls without autograd, where the fewest ops win.
         if x.device.type != "cpu" or (x.numel() <= SMALL_NORM and not grad_wanted(x, weight)):
@@ -733,8 +726,8 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gain: 
             return (y * gain if (w is None and gain != 1.0) else y).to(out_dtype)
         # the native pass reads rows: x made contiguous here is the Function's input, which the backward can
         # differentiate again (create_graph=True)
-        x = x.contiguous() if _native_norm(x, weight, out_dtype) else x
-        return _RMSNorm.apply(x, weight, eps, gain, out_dtype)
+        use_native = _native_norm(x, weight, out_dtype)
+        return _RMSNorm.apply(x.contiguous() if use_native else x, weight, eps, gain, out_dtype, use_native)
 
 
 SMALL_NORM = 1 << 16
@@ -774,7 +767,7 @@ class _AddRMSNorm(torch.autograd.Function):
             dx, dw = _rms_norm_grads(x1, w, dy, ctx.eps, 1.0, need[2])
             dx = dx if dx1 is None else dx + dx1
             return dx, (dx.to(ctx.a_dtype) if need[1] else None), dw, None, None
-        with _no_autocast(dy.device.type), torch.no_grad():
+        with no_autocast(dy.device.type), torch.no_grad():
             want_dw = w is not None and need[2]
             acc = None if dx1 is None else dx1.to(torch.float32).contiguous()
             dx, dw, da = native.rms_norm_backward(x1, dy.contiguous(), rstd, wg, 1.0, want_dw, acc=acc,
@@ -791,7 +784,7 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: Optional[torch.Tensor
             and out_dtype in (torch.float32, torch.bfloat16) and x.numel() > SMALL_NORM
             and (weight is None or weight.dtype in (torch.float32, torch.bfloat16))
             and native.supports(x.dtype, x.device)):
-        with _no_autocast(x.device.type):
+        with no_autocast(x.device.type):
             return _AddRMSNorm.apply(x, a, weight, eps, out_dtype)
     if (x.dtype == torch.float32 and a.dtype in (torch.float32, torch.bfloat16) and a.shape == x.shape
             and not grad_wanted(a) and _inference_norm(x, weight, out_dtype)):

@@ -24,6 +24,7 @@ AMX) the layer is ``F.linear`` unchanged, and :func:`project` calls the modules 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -159,6 +160,11 @@ def autocast_on(device_type: str) -> bool:
     """``torch.is_autocast_enabled(device_type)``, False for device types without autocast (meta: a model
     built there runs its forward for shapes)."""
     return device_type != "meta" and torch.is_autocast_enabled(device_type)
+
+
+def no_autocast(device_type: str):
+    """A context that turns autocast off on ``device_type`` where it is on (a no-op context otherwise)."""
+    return torch.autocast(device_type, enabled=False) if autocast_on(device_type) else contextlib.nullcontext()
 
 
 def traced() -> bool:
