@@ -1,5 +1,5 @@
 """The CUDA paths against the float64 CPU reference: every attention backend and DIFF formulation,
-forward and backward; bf16 autocast; cached decoding; the fused kernel's pure-torch path; training
+forward and backward; bf16 and fp16 autocast; second derivatives; cached decoding; the fused kernel's pure-torch path; training
 resumed mid-run (to float rounding), evaluation and the bench on the GPU.
 
 Skipped without a CUDA GPU (CI has none); run on a GPU machine with
@@ -72,14 +72,16 @@ def test_fp32_paths_match_float64_reference(attention, extra, backend, variant):
 
 @pytest.mark.parametrize("attention,extra", KINDS[:4], ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
 @pytest.mark.parametrize("variant", ["auto", "2call", "4call", "fused"])
-def test_bf16_autocast_paths_track_float64(attention, extra, variant):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_paths_track_float64(attention, extra, variant, dtype):
+    """bf16 and fp16 autocast (fp16: the fused formulation's products in float32, past float16's range)."""
     cfg = _cfg(attention, **extra)
     ids, targets = _ids(2, 48), _ids(2, 48, seed=1)
     ref, ref_logits, ref_grads = _reference(cfg, ids, targets)
     model = difftx.build_model(cfg).to(DEV)
     model.load_state_dict(ref.state_dict())
     model.set_attention_backend("sdpa", variant)
-    with torch.autocast(DEV.type, dtype=torch.bfloat16):
+    with torch.autocast(DEV.type, dtype=dtype):
         out = model(ids.to(DEV), targets=targets.to(DEV))
     out.loss.backward()
     _close(out.logits, ref_logits, 5e-2, "logits")
@@ -129,6 +131,34 @@ def test_padded_generation_matches_cpu():
     a = cpu.generate(ids, max_new_tokens=8, do_sample=False, attention_mask=mask)
     b = gpu.generate(ids.to(DEV), max_new_tokens=8, do_sample=False, attention_mask=mask.to(DEV))
     assert torch.equal(a, b.cpu())
+
+
+@pytest.mark.parametrize("attention,extra", KINDS, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
+@pytest.mark.parametrize("backend,variant", [("eager", None), ("sdpa", "fused"), ("sdpa-math", "2call"),
+                                             ("sdpa-math", "4call")], ids=str)
+def test_hessian_vector_product_on_cuda(attention, extra, backend, variant):
+    """Second derivatives (create_graph) in fp32 on the GPU against the float64 CPU model's Hessian-vector
+    product: the eager backend, the fused formulation's graph-carrying backward, and SDPA under its math
+    kernel (SDPA's fused CUDA kernels have no double backward)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tests.nn.test_second_derivatives import _hvp
+
+    cfg = _cfg(attention, **extra)
+    ids = _ids(2, 48)
+    torch.manual_seed(0)
+    ref = difftx.build_model(cfg).double()
+    ref.set_attention_backend("eager")
+    g = torch.Generator().manual_seed(3)
+    vec = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in ref.parameters()]
+    want = _hvp(ref, ids, vec)
+    model = difftx.build_model(cfg).to(DEV)
+    model.load_state_dict(ref.state_dict())
+    model.set_attention_backend(backend.split("-")[0], variant)
+    with sdpa_kernel(SDPBackend.MATH) if backend == "sdpa-math" else torch.enable_grad():
+        got = _hvp(model, ids.to(DEV), [v.to(DEV) for v in vec])
+    err = float((got.cpu() - want).norm() / want.norm())
+    assert err < 1e-3, f"Hessian-vector product: relative error {err:.1e}"
 
 
 def _leaf(t: torch.Tensor, device, dtype) -> torch.Tensor:

@@ -6,11 +6,13 @@
 #
 #   benchmarks/performance/cuda_session.sh OUT_DIR [STEPS]
 #
-# STEPS: a comma list of tests,ops,bench,bench-large,variants,variants-flex (default: all).  Needs torch with CUDA;
+# STEPS: a comma list of tests,host,ops,bench,bench-large,variants,variants-flex,host-bench (default: all).
+# host: the native CPU kernels' tests on the GPU machine's own processor (its vector widths, AVX-512 and AMX
+# where it has them, are ones a session's CPU may lack); host-bench: the kernels timed there (bf16, 1 thread).  Needs torch with CUDA;
 # imports difftx from this checkout's src/ (nothing installed).  Logs and results go to OUT_DIR.
 set -uo pipefail
 out=${1:?usage: cuda_session.sh OUT_DIR [STEPS]}
-steps=${2:-tests,ops,bench,bench-large,variants,variants-flex}
+steps=${2:-tests,host,ops,bench,bench-large,variants,variants-flex,host-bench}
 cd "$(dirname "$0")/../.."
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -28,10 +30,14 @@ step() {  # step NAME SECONDS CMD...: run, log to OUT/NAME.log, report rc and ti
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
     $py -c "import torch, sys; print(sys.version.split()[0], 'torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
     $py -c "import transformers; print('transformers', transformers.__version__)"
+    lscpu | grep -E '^(Model name|CPU\(s\))'; grep -o -w -E 'avx2|avx512f|avx512_bf16|amx_bf16|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
 } >"$out/env.log" 2>&1
 cat "$out/env.log"
-want tests && TAIL=40 step tests 100 $py -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="" \
+want tests && TAIL=40 step tests 240 $py -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="" \
     --timeout 90 -rfE
+want host && TAIL=15 DIFFTX_CACHE_DIR=/tmp/difftx-host-cache step host 120 $py -m pytest tests/nn/test_native.py \
+    tests/nn/test_second_derivatives.py tests/nn/test_reduced_precision.py -q -p no:cacheprovider -o addopts="" \
+    --timeout 100 -rfE
 want ops && step ops 60 $py benchmarks/performance/cuda_ops.py --out "$out/cuda-ops.json"
 want bench && step bench 80 $py -m difftx bench --device cuda --out "$out/bench-small" --repeats 5
 want bench-large && step bench-large 80 $py -m difftx bench --device cuda --out "$out/bench-16x2048" --repeats 3 \
@@ -41,5 +47,7 @@ want variants && step variants 80 $py benchmarks/performance/attention_variants.
 want variants-flex && step variants-flex 130 $py benchmarks/performance/attention_variants.py --device cuda \
     --preset small --batch 8 --seq-len 2048 --repeats 5 --inner 5 --dtypes bf16 --flex --rows flex,2call \
     --out "$out/variants-flex-8x2048.json"
+want host-bench && DIFFTX_CACHE_DIR=/tmp/difftx-host-cache step host-bench 90 $py benchmarks/performance/native_kernels.py \
+    --threads 1 --dtypes bf16,fp32 --repeats 7
 for f in "$out"/bench-*/bench.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
 exit 0

@@ -7,6 +7,10 @@ neighbours, whole against halves, interleaved (whole, halves, whole, ...), and p
 medians, so the tables can be checked or extended on another machine or torch version.
 
     python benchmarks/performance/gemm_split.py --threads 2 --rounds 7
+    python benchmarks/performance/gemm_split.py --threads 2 --rounds 7 --step   # the whole training step
+
+``--step`` times ``difftx bench``'s bfloat16 training step (small preset, 4 x 512 tokens, transformer and diff)
+with the split products on and off (``_forward``/``_mm`` replaced by the plain product), interleaved.
 
 Layouts, as in a training step of ``Linear``:
 * ``forward``: x (m, k) @ W^T with W (n, k) row-major (F.linear); halves are halves of W's rows.
@@ -75,14 +79,42 @@ def _listed(kind, m, k, n) -> str:
     return "whole" if (m > 512 or n > 512 or m * n < 384 * 512 or m % 32) else "rows"
 
 
+def _step_ab(rounds: int) -> None:
+    from difftx.benchmarking.speed import BenchConfig, _train_step, build_arms
+
+    plain = {"_forward": lambda x, w, b: F.linear(x, w, b), "_mm": lambda a, b: a @ b}
+    split = {name: getattr(L, name) for name in plain}
+    bc = BenchConfig(arms=["transformer", "diff"], peers=False)
+    g = torch.Generator().manual_seed(0)
+    print("| arm | step ms, splits on | step ms, off | off / on |\n|---|---:|---:|---:|")
+    for arm in build_arms(bc, torch.device("cpu")):
+        x, y = (torch.randint(0, arm.cfg.vocab_size, (bc.batch_size, bc.seq_len), generator=g) for _ in range(2))
+        times = {"on": [], "off": []}
+        for r in range(rounds + 1):
+            for name, fns in (("on", split), ("off", plain)):
+                for attr, fn in fns.items():
+                    setattr(L, attr, fn)
+                t = time.perf_counter()
+                _train_step(arm, x, y, "bf16", torch.device("cpu"))
+                if r:  # round 0 warms up both
+                    times[name].append(time.perf_counter() - t)
+        for attr, fn in split.items():
+            setattr(L, attr, fn)
+        on, off = (sorted(v)[len(v) // 2] * 1e3 for v in (times["on"], times["off"]))
+        print(f"| {arm.name} | {on:.0f} | {off:.0f} | {off / on:.3f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--step", action="store_true", help="time the bf16 training step, splits on against off")
     args = ap.parse_args()
     keep_freed_memory()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, medians of {args.rounds} interleaved rounds (ms)\n")
+    if args.step:
+        return _step_ab(args.rounds)
     print("| layout | m x k x n | whole | cols | rows | fastest | difftx runs |")
     print("|---|---|---:|---:|---:|---|---|")
     for kind, shapes, arms_of in (("forward", FORWARD, _forward_arms), ("wgrad", WGRAD, _wgrad_arms)):
