@@ -290,3 +290,103 @@ def test_compiled_flex_matches_sdpa(monkeypatch):
         _close(la.logits, lb.logits.detach().cpu(), 2e-3, f"{attention} logits")
         for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
             _close(pa.grad, pb.grad.cpu(), 1e-2, f"{attention} grad of {name}")
+
+
+def _same_numbers(a, b, path="results"):
+    """Nested JSON values equal, floats to 1e-3 relative (1e-4 absolute)."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), path
+        for k in a:
+            _same_numbers(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_numbers(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, (int, float)):
+        assert a == pytest.approx(b, rel=1e-3, abs=1e-4, nan_ok=True), path
+    else:
+        assert a == b, path
+
+
+def test_every_eval_runs_on_cuda(tmp_path):
+    """Each `difftx eval` with --device on the GPU; the continuous ones (lm, attention, outliers, quant) give the
+    CPU's numbers, the accuracy ones (niah, mqar, icl) their schema (a random model's near-ties may flip)."""
+    from difftx.cli import main
+    from difftx.data import ByteTokenizer
+
+    torch.manual_seed(0)
+    ckpt = tmp_path / "ckpt"
+    difftx.save_model(difftx.build_model(difftx.ModelConfig(attention="diff", d_model=64, n_layers=2, n_heads=2,
+                                                            vocab_size=256, max_seq_len=256)), ckpt)
+    ByteTokenizer().save(ckpt)
+    words = ["river", "garden", "window", "lantern", "harbor", "meadow", "violin", "pebble"]
+    hay = ckpt / "haystack.txt"
+    hay.write_text(" ".join(f"The {words[i % 8]} was near the {words[i * 3 % 8]} on day {i}." for i in range(400)))
+    small = {
+        "lm": ["--max-tokens", "512", "--seq-len", "64"],
+        "niah": ["--grid", "N1R1,N2R2", "--lengths", "320", "--depths", "0,100", "--samples", "1"],
+        "mqar": ["--lengths", "32,64", "--pairs", "4,8", "--samples", "2"],
+        "attention": ["--length", "160", "--depths", "0,50,100", "--samples", "1"],
+        "outliers": ["--max-tokens", "256", "--seq-len", "64"],
+        "quant": ["--bits", "16,4", "--max-tokens", "128"],
+        "icl": ["--shots", "1,2", "--seeds", "2", "--test-examples", "4"],
+    }
+    for name, args in small.items():
+        data = [] if name in ("mqar", "icl") else ["--data", str(hay)]
+        docs = {}
+        for i, dev in enumerate(("cpu", str(DEV))):
+            out = tmp_path / f"{name}-{i}"
+            assert main(["eval", name, "--checkpoint", str(ckpt), "--out", str(out), "--device", dev, "--quiet",
+                         "--no-plot", *data, *args]) == 0
+            docs[dev] = json.loads((out / f"{name}.json").read_text())["results"]
+        if name in ("lm", "attention", "outliers", "quant"):
+            _same_numbers(docs[str(DEV)], docs["cpu"], name)
+        else:
+            assert set(docs[str(DEV)]) == set(docs["cpu"])
+
+
+def test_vision_training_resumes_on_cuda(tmp_path):
+    """`difftx train --domain vision --device cuda` (DIFF in DNT, mSGDW): a run stopped and resumed continues
+    the uninterrupted one (to float rounding)."""
+    import numpy as np
+
+    from difftx.cli import main
+    from tests.train._helpers import losses
+
+    rng = np.random.default_rng(0)
+    y = np.repeat(np.arange(3), 20)
+    x = rng.uniform(0, 0.3, (60, 1, 8, 8)).astype(np.float32)
+    for i, k in enumerate(y):
+        r, c = divmod(int(k), 2)
+        x[i, :, r * 4:(r + 1) * 4, c * 4:(c + 1) * 4] += 0.7
+    np.savez(tmp_path / "blobs.npz", x=x, y=y)
+    common = ["train", "--data", tmp_path / "blobs.npz", "--domain", "vision", "--preset", "vdnt-tiny", "--d-model",
+              32, "--n-layers", 2, "--n-heads", 2, "--batch-size", 8, "--no-progress", "--seed", 5, "--steps", 6,
+              "--eval-every", 3, "--log-every", 1, "--attention", "diff", "--optimizer", "msgdw", "--lr", 0.05,
+              "--device", str(DEV)]
+    run = lambda *a: main([str(v) for v in (*common, *a)])  # noqa: E731
+    assert run("--out", tmp_path / "full") == 0
+    assert run("--out", tmp_path / "half", "--stop-at", 3) == 0
+    assert run("--out", tmp_path / "half", "--resume", "auto") == 0
+    for key, n in (("loss", 6), ("val_loss", 2)):
+        a, b = losses(tmp_path / "full", key), losses(tmp_path / "half", key)
+        assert len(a) == len(b) == n and a[: n // 2] == b[: n // 2], (key, a, b)
+        assert max(abs(p - q) / abs(q) for p, q in zip(a, b)) < 1e-4, (key, a, b)
+    assert losses(tmp_path / "full", "val_acc") == losses(tmp_path / "half", "val_acc")
+
+
+def test_hf_wrapper_generates_the_cpu_tokens_on_cuda():
+    """DifftxForCausalLM on the GPU: transformers' greedy generate gives the CPU difftx model's tokens."""
+    pytest.importorskip("transformers")
+    from difftx.interop.hf import DifftxForCausalLM
+
+    for attention in ("softmax", "diff", "diff2"):
+        torch.manual_seed(0)
+        model = difftx.build_model(_cfg(attention)).eval()
+        for p in model.parameters():  # larger weights than the init's: logits far from ties
+            p.data.normal_(0, 0.1) if p.dim() > 1 else None
+        x = _ids(2, 7)
+        ours = model.generate(x, max_new_tokens=10, temperature=0)
+        hf = DifftxForCausalLM.from_difftx(model).to(DEV).eval()  # shares (and so moves) the model's weights
+        theirs = hf.generate(x.to(DEV), max_new_tokens=10, do_sample=False)
+        assert torch.equal(ours, theirs.cpu()), attention

@@ -130,9 +130,15 @@ def test_config_round_trip_and_standard_fields():
 
 def test_wrapper_shares_weights_with_the_difftx_model():
     model = difftx_model(attention="diff", n_heads=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     hf = DifftxForCausalLM.from_difftx(model)
     assert hf.model is model
     assert hf.get_input_embeddings() is model.embed
+    for k, v in model.state_dict().items():  # wrapping re-initialises nothing (transformers' post_init)
+        assert torch.equal(v, before[k]), k
+    hf.resize_token_embeddings(model.config.vocab_size + 3)  # new rows still get difftx's init
+    assert hf.get_input_embeddings().weight[-3:].std() > 0
+    torch.testing.assert_close(hf.get_input_embeddings().weight[:-3], before["embed.weight"])
 
 
 def test_hidden_states_attentions_and_tuples():

@@ -85,6 +85,8 @@ class DifftxPreTrainedModel(PreTrainedModel):
         """difftx's own init (:func:`difftx.models.init.init_module`) of one module: transformers builds the model
         on the meta device and calls this for the modules whose weights a checkpoint did not hold (its init
         guards skip the parameters it did load); computed buffers are refilled."""
+        if self.__dict__.get("_difftx_wrapping"):  # from_difftx: the wrapped model's weights are its own
+            return
         names = self.__dict__.setdefault("_difftx_leaf_names", {})
         if id(module) not in names:
             names.update((id(m), n.rsplit(".", 1)[-1]) for n, m in self.named_modules())
@@ -106,7 +108,11 @@ class DifftxForCausalLM(DifftxPreTrainedModel, GenerationMixin):
                              "they are derived from config.difftx, so change that instead")
         super().__init__(config)
         self.model = model if model is not None else DecoderLM(config.model_config)
-        self.post_init()
+        self.__dict__["_difftx_wrapping"] = model is not None
+        try:
+            self.post_init()
+        finally:
+            self.__dict__["_difftx_wrapping"] = False
 
     @classmethod
     def from_difftx(cls, model: DecoderLM) -> "DifftxForCausalLM":
