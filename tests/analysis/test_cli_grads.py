@@ -153,3 +153,8 @@ def test_grads_with_every_tail_row_diverged_still_reports(tmp_path, capsys, keep
     assert json.loads((out / "tails.json").read_text())["rows"][0]["diverged"]
     assert not list(out.glob("*.png"))
     assert "no tails_hist_msgdw.png" in stdout and "no tails_summary.png" in stdout
+    (out / "tails_summary.png").write_bytes(b"an earlier run's figure")  # rerun with --force: no stale figure
+    assert main(["grads", "--out", str(out), *TINY, "--only", "tails", "--settings", "S1", "--optimizers", "msgdw",
+                 "--lr-msgdw", "1e30", "--clip", "0", "--tail-steps", "3", "--force"]) == 0
+    assert not list(out.glob("*.png"))
+    assert "tails_summary.png: every tail row it would show diverged; the earlier run's" in capsys.readouterr().out

@@ -764,3 +764,19 @@ def test_every_vector_width_computes_the_same(flags, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     passed = re.search(r"(\d+) passed", r.stdout)
     assert passed and int(passed.group(1)) >= 40 and "failed" not in r.stdout, r.stdout[-500:]
+
+
+@needs_native
+def test_a_failed_scratch_allocation_raises_memory_error():
+    """A kernel whose per-thread scratch cannot be allocated raises MemoryError (it used to write through a NULL
+    pointer).  A query block of 6 x 2^40 rows asks the float32 attention kernels for ~400 TB of scratch."""
+    torch.manual_seed(0)
+    b, m, h, n, d = 1, 2, 2, 12, 16
+    q = torch.randn(b, m, h, n, d)
+    k3, v = torch.randn(b * m * h, n, d), torch.randn(b, h, n, 2 * d)
+    huge = 6 << 40
+    with pytest.raises(MemoryError, match="difftx_attn_forward"):
+        native.attention_forward(q, k3, v, True, 0, huge, 0.25, 0.5, None, True)
+    out, lse = native.attention_forward(q, k3, v, True, 0, 6, 0.25, 0.5, None, True)
+    with pytest.raises(MemoryError, match="difftx_attn_backward"):
+        native.attention_backward(q, k3, v, torch.randn_like(out), lse, True, 0, huge, 0.25, 0.5, None)

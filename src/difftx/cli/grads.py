@@ -294,7 +294,12 @@ def _tails_section(st: _Study) -> None:
         drawn.append(("tails_summary.png", st.plots.plot_tail_summary(res, st.out / "tails_summary.png")))
         for name, path in drawn:
             if path is None:  # every row it would draw diverged: recorded in the tables, nothing to plot
-                print(f"difftx grads: no {name}: every tail row it would show diverged")
+                stale = st.out / name  # an earlier run's figure (--force) would misstate this run
+                removed = stale.exists()
+                if removed:
+                    stale.unlink()
+                print(f"difftx grads: no {name}: every tail row it would show diverged"
+                      + ("; the earlier run's figure of that name was removed" if removed else ""))
             else:
                 st.written.append(name)
 

@@ -212,15 +212,28 @@ static inline int64_t visible(int64_t j, int64_t c, int64_t diag0, int64_t ke) {
     return n < ke ? n : ke;
 }
 
-void difftx_softmax_combine(const void *s, int s_bf16, void *p, void *comb, int comb_bf16,
+/* Per-thread scratch: a thread whose allocation failed flags it and skips its rows (every thread still reaches
+ * the work-shared loop); the kernel then returns 1, and its caller (difftx/nn/native.py) raises MemoryError. */
+#define FLAG_IF(cond)                        \
+    do {                                     \
+        if (cond) {                          \
+            _Pragma("omp atomic write")      \
+            failed = 1;                      \
+        }                                    \
+    } while (0)
+
+int difftx_softmax_combine(const void *s, int s_bf16, void *p, void *comb, int comb_bf16,
                             int64_t B, int64_t M, int64_t R, int64_t ke, int64_t c, int64_t diag0,
                             float lam, const float *lam_rows, int nthreads) {
     const int64_t rows = B * R;
+    int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         float *e = (float *)malloc((size_t)(2 * ke) * sizeof(float));
+        FLAG_IF(!e);
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < rows; row++) {
+            if (!e) continue;
             const int64_t b = row / R, j = row % R;
             const int64_t n = visible(j, c, diag0, ke);
             const int64_t off0 = (b * M * R + j) * ke; /* map 0; map 1 is R * ke further */
@@ -245,19 +258,23 @@ void difftx_softmax_combine(const void *s, int s_bf16, void *p, void *comb, int 
         }
         free(e);
     }
+    return failed;
 }
 
 /* ds = p * (dp - rowsum(p * dp)) per map (dp shared by the maps), rs = rowsum(p * dp) in float32. */
-void difftx_softmax_backward(const void *p, const void *dp, void *ds, int is_bf16, float *rs,
+int difftx_softmax_backward(const void *p, const void *dp, void *ds, int is_bf16, float *rs,
                              int64_t B, int64_t M, int64_t R, int64_t ke, int64_t c, int64_t diag0,
                              int nthreads) {
     const int64_t rows = B * R;
+    int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = (float *)malloc((size_t)(2 * ke) * sizeof(float));
         float *g = buf, *pm = buf + ke;
+        FLAG_IF(!buf);
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < rows; row++) {
+            if (!buf) continue;
             const int64_t b = row / R, j = row % R;
             const int64_t n = visible(j, c, diag0, ke);
             load_row(dp, row * ke, is_bf16, g, n);
@@ -281,6 +298,7 @@ void difftx_softmax_backward(const void *p, const void *dp, void *ds, int is_bf1
         }
         free(buf);
     }
+    return failed;
 }
 
 /* y row = xr / sqrt(mean(xr^2) + eps) * (wg or gain); e: dim floats of scratch for a bfloat16 y (may be xr). */
@@ -304,13 +322,16 @@ static inline void rms_norm_row(const float *xr, void *y, int y_bf16, int64_t ro
 
 /* RMSNorm over rows of `dim`: y = x * rstd * wg, rstd = 1 / sqrt(mean(x^2) + eps) (float32, also
  * written to rstd_out when given), wg the float32 weight times the gain (NULL: the scalar gain). */
-void difftx_rms_norm(const void *x, int x_bf16, void *y, int y_bf16, float *rstd_out, const float *wg,
-                     float gain, float eps, int64_t rows, int64_t dim, int nthreads) {
+int difftx_rms_norm(const void *x, int x_bf16, void *y, int y_bf16, float *rstd_out, const float *wg,
+                    float gain, float eps, int64_t rows, int64_t dim, int nthreads) {
+    int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         float *e = (float *)malloc((size_t)dim * sizeof(float)); /* a bfloat16 row as floats */
+        FLAG_IF(!e);
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < rows; row++) {
+            if (!e) continue;
             /* float32 rows are read and written in place; bfloat16 ones go through e */
             const float *xr = x_bf16 ? e : (const float *)x + row * dim;
             if (x_bf16) load_row(x, row * dim, 1, e, dim);
@@ -318,6 +339,7 @@ void difftx_rms_norm(const void *x, int x_bf16, void *y, int y_bf16, float *rstd
         }
         free(e);
     }
+    return failed;
 }
 
 /* One decoding query of differential attention per head over a cache: DIFF V1 with its per-head RMSNorm,
@@ -334,19 +356,22 @@ void difftx_rms_norm(const void *x, int x_bf16, void *y, int y_bf16, float *rstd
  *           RMSNorm over vw with weight*gain wg (float32, or NULL for the gain alone)
  * Query head i uses K/V head i / (H / Hk).  Logits, softmax, sums: float32. */
 #define MAX_DV (128 / LANES) /* vectors per head dim d in the decoding kernel's vector path (d <= 128) */
-void difftx_diff_decode(const void *q, const void *k, const void *v, const uint8_t *valid, void *out,
+int difftx_diff_decode(const void *q, const void *k, const void *v, const uint8_t *valid, void *out,
                         int is_bf16, int out_bf16, int64_t B, int64_t H, int64_t Hk, int64_t T, int64_t d,
                         int64_t vw, int64_t k_batch, int64_t k_head, int64_t k_tok, int64_t k2_off, int64_t v_batch,
                         int64_t v_head, int64_t v_tok, float scale, float lam_scalar, const float *lam_bh, int norm,
                         const float *wg, float gain, float eps, int nthreads) {
     const int64_t group = H / Hk, w = 2 * d, nv = d / LANES, nvv = vw / LANES;
     const int vec = d % LANES == 0 && nv <= MAX_DV && vw % LANES == 0 && vw <= w;
+    int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = (float *)malloc((size_t)(2 * T + 4 * w) * sizeof(float));
         float *l1 = buf, *l2 = buf + T, *qf = buf + 2 * T, *row = qf + w, *acc = row + w;
+        FLAG_IF(!buf);
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * H; bh++) {
+            if (!buf) continue;
             const int64_t b = bh / H, hi = bh % H, kh = hi / group;
             const int64_t k_off = b * k_batch + kh * k_head, v_off = b * v_batch + kh * v_head;
             const float lam = lam_bh ? lam_bh[bh] : lam_scalar;
@@ -427,17 +452,21 @@ void difftx_diff_decode(const void *q, const void *k, const void *v, const uint8
         }
         free(buf);
     }
+    return failed;
 }
 
 /* x1 = x + a (float32; a float32 or bfloat16, widened) and y = rms_norm(x1) in one pass per row: a residual
  * addition and the PreNorm after it (difftx.nn.fused.add_rms_norm).  x1 is bitwise torch's x + a. */
-void difftx_add_rms_norm(const float *x, const void *a, int a_bf16, float *x1, void *y, int y_bf16, float *rstd_out,
-                         const float *wg, float gain, float eps, int64_t rows, int64_t dim, int nthreads) {
+int difftx_add_rms_norm(const float *x, const void *a, int a_bf16, float *x1, void *y, int y_bf16, float *rstd_out,
+                        const float *wg, float gain, float eps, int64_t rows, int64_t dim, int nthreads) {
+    int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         float *e = (float *)malloc((size_t)dim * sizeof(float));
+        FLAG_IF(!e);
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < rows; row++) {
+            if (!e) continue;
             const float *xr = x + row * dim;
             float *x1r = x1 + row * dim;
             if (a_bf16) {
@@ -451,6 +480,7 @@ void difftx_add_rms_norm(const float *x, const void *a, int a_bf16, float *x1, v
         }
         free(e);
     }
+    return failed;
 }
 
 /* d[i] += s[i], kept out of line so the compiler cannot contract it with the product that made d: the
@@ -464,21 +494,24 @@ static void __attribute__((noinline)) add_row(float *d, const float *s, int64_t 
  * dy is float32 or bfloat16 (dy_bf16); dx has x's dtype.  dw_out (dim floats) may be NULL.
  * acc (float32 rows, or NULL; x float32): a gradient reaching x by another path, added to dx (after dx is
  * complete, as autograd adds it); dx2 (or NULL): a second copy of dx, bfloat16 when dx2_bf16. */
-void difftx_rms_norm_backward(const void *x, int x_bf16, const void *dy, int dy_bf16, const float *rstd,
-                              const float *wg, float gain, void *dx, float *dw_out, int64_t rows, int64_t dim,
-                              const float *acc, void *dx2, int dx2_bf16, int nthreads) {
+int difftx_rms_norm_backward(const void *x, int x_bf16, const void *dy, int dy_bf16, const float *rstd,
+                             const float *wg, float gain, void *dx, float *dw_out, int64_t rows, int64_t dim,
+                             const float *acc, void *dx2, int dx2_bf16, int nthreads) {
     /* dw: one partial sum per thread (static schedule), added in thread order: deterministic. */
     float *partial = dw_out ? (float *)calloc((size_t)(nthreads * dim), sizeof(float)) : NULL;
-    int used = 1;
+    if (dw_out && !partial) return 1;
+    int used = 1, failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = (float *)malloc((size_t)(2 * dim) * sizeof(float)); /* bfloat16 rows as floats */
         float *xb = buf, *gb = buf + dim;
         float *dw = partial ? partial + (int64_t)omp_get_thread_num() * dim : NULL;
+        FLAG_IF(!buf);
 #pragma omp single
         used = omp_get_num_threads();
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < rows; row++) {
+            if (!buf) continue;
             const float r = rstd[row];
             /* float32 rows are read (and dx written) in place; bfloat16 ones go through buf */
             const float *xr = x_bf16 ? xb : (const float *)x + row * dim;
@@ -508,6 +541,7 @@ void difftx_rms_norm_backward(const void *x, int x_bf16, const void *dy, int dy_
             for (int64_t i = 0; i < dim; i++) dw_out[i] += partial[(int64_t)t * dim + i];
         free(partial);
     }
+    return failed;
 }
 
 /* ---------------------------------------------------------------- SwiGLU: h = silu(g) * u */
@@ -638,21 +672,25 @@ static inline void rope_row(const void *x, int64_t xo, void *out, int64_t oo, in
     if (is_bf16) store_row(out, oo, 1, yr, 1.0f, NULL, 0.0f, d, d);
 }
 
-void difftx_rope(const void *x, const int64_t *xst, void *out, const int64_t *ost, int is_bf16, const float *cos_,
-                 const float *sin_, int64_t B, int64_t A1, int64_t A2, int64_t N, int64_t d, int64_t Bc,
-                 int interleaved, float sign, int nthreads) {
+int difftx_rope(const void *x, const int64_t *xst, void *out, const int64_t *ost, int is_bf16, const float *cos_,
+                const float *sin_, int64_t B, int64_t A1, int64_t A2, int64_t N, int64_t d, int64_t Bc,
+                int interleaved, float sign, int nthreads) {
     const int64_t half = d / 2, heads = A1 * A2;
     /* Rows in the order memory holds them: position-major when either side keeps a position's heads side
      * by side (a projection's output, or a gradient going back to one), else head-major. */
     const int pos_major = (A2 > 1 && (xst[3] > xst[2] || ost[3] > ost[2])) ||
                           (A1 > 1 && (xst[3] > xst[1] || ost[3] > ost[1]));
+    int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = is_bf16 ? (float *)malloc((size_t)(2 * d) * sizeof(float)) : NULL; /* bf16 rows only */
         float *xr = buf, *yr = buf ? buf + d : NULL;
+        const int skip = is_bf16 && !buf;
+        FLAG_IF(skip);
         if (pos_major) {
 #pragma omp for schedule(static)
             for (int64_t o = 0; o < B * N; o++) {
+                if (skip) continue;
                 const int64_t b = o / N, n = o % N, bc = Bc > 1 ? b : 0;
                 for (int64_t a1 = 0; a1 < A1; a1++)
                     for (int64_t a2 = 0; a2 < A2; a2++)
@@ -663,6 +701,7 @@ void difftx_rope(const void *x, const int64_t *xst, void *out, const int64_t *os
         } else {
 #pragma omp for schedule(static)
             for (int64_t o = 0; o < B * heads; o++) {
+                if (skip) continue;
                 const int64_t b = o / heads, a1 = o % heads / A2, a2 = o % A2, bc = Bc > 1 ? b : 0;
                 const int64_t xo = b * xst[0] + a1 * xst[1] + a2 * xst[2], oo = b * ost[0] + a1 * ost[1] + a2 * ost[2];
                 for (int64_t n = 0; n < N; n++)
@@ -672,6 +711,7 @@ void difftx_rope(const void *x, const int64_t *xst, void *out, const int64_t *os
         }
         free(buf);
     }
+    return failed;
 }
 
 /* ---------------------------------------------------------------- float32 attention, forward and backward
@@ -856,7 +896,7 @@ static void pack_values(const float *x, int64_t inner, int64_t so, int64_t si, i
     for (int64_t s = 0; s < slices; s++) pack_n(slice_at(x, s, inner, so, si), xr, nk, w, out + s * nk * w);
 }
 
-void difftx_attn_forward(const float *q, const float *k, int64_t ks, int64_t kr, const float *v, int64_t vsb,
+int difftx_attn_forward(const float *q, const float *k, int64_t ks, int64_t kr, const float *v, int64_t vsb,
                          int64_t vsh, int64_t vr, float *out, float *lse, float *kpack, float *vpack, int64_t B,
                          int64_t M, int64_t H, int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal,
                          int64_t chunk, float scale, float lam, const float *lam_rows, int nthreads) {
@@ -864,12 +904,15 @@ void difftx_attn_forward(const float *q, const float *k, int64_t ks, int64_t kr,
     const int64_t nblk = (N + chunk - 1) / chunk, tasks = B * H * nblk;
     pack_keys(k, 1, ks, 0, kr, B * M * Hk, nk, d, kpack, nthreads);
     pack_values(v, Hk, vsb, vsh, vr, B * Hk, nk, dv, vpack, nthreads);
+    int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         float *S = (float *)malloc((size_t)(M * chunk * np_all * GEMM_NR) * sizeof(float));
+        FLAG_IF(!S);
         /* the last blocks see the most keys: hand them out first, one at a time */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
+            if (!S) continue;
             const int64_t blk = nblk - 1 - t / (B * H), bh = t % (B * H), b = bh / H, h = bh % H, hk = h / rep;
             const int64_t i0 = blk * chunk, i1 = i0 + chunk < N ? i0 + chunk : N, c = i1 - i0;
             const int64_t ke = causal ? (q_start + i1 < nk ? q_start + i1 : nk) : nk;
@@ -903,9 +946,10 @@ void difftx_attn_forward(const float *q, const float *k, int64_t ks, int64_t kr,
         }
         free(S);
     }
+    return failed;
 }
 
-void difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr, const float *v, int64_t vsb,
+int difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr, const float *v, int64_t vsb,
                           int64_t vsh, int64_t vr, const float *dout, const float *lse, float *dq, float *dk,
                           float *dv_, int64_t dvsb, int64_t dvsh, int64_t dvr,
                           float *rs2, float *kpack, float *vpack, int64_t B, int64_t M, int64_t H, int64_t Hk,
@@ -917,12 +961,15 @@ void difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr
     pack_keys(v, Hk, vsb, vsh, vr, B * Hk, nk, dv, vpack, nthreads);
     /* one task per K/V head: its dK and dV sums are its own (no races, and the same order of
      * summation whatever the thread count) */
+    int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         const int64_t ldmax = np_all * GEMM_NR;
         float *S = (float *)malloc((size_t)((M + 1) * chunk * ldmax) * sizeof(float));
+        FLAG_IF(!S);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < B * Hk; t++) {
+            if (!S) continue;
             const int64_t b = t / Hk, hk = t % Hk;
             float *dvs = dv_ + b * dvsb + hk * dvsh;
             for (int64_t j = 0; j < nk; j++) memset(dvs + j * dvr, 0, (size_t)dv * sizeof(float));
@@ -1003,6 +1050,7 @@ void difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr
         }
         free(S);
     }
+    return failed;
 }
 
 /* ---------------------------------------------------------------- bfloat16 attention on AMX tiles

@@ -118,35 +118,52 @@ def _build(cc: str) -> Path:
     return target
 
 
+def _scratch_check(result, func, args):
+    """ctypes errcheck of the kernels that allocate per-thread scratch: 1 means an allocation failed (the
+    output is incomplete)."""
+    if result:
+        raise MemoryError(f"{func.__name__}: the native kernel could not allocate its scratch buffers")
+    return result
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     lib.difftx_softmax_combine.argtypes = [p, i, p, p, i, i64, i64, i64, i64, i64, i64, f, p, i]
-    lib.difftx_softmax_combine.restype = None
+    lib.difftx_softmax_combine.restype = i
+    lib.difftx_softmax_combine.errcheck = _scratch_check
     lib.difftx_softmax_backward.argtypes = [p, p, p, i, p, i64, i64, i64, i64, i64, i64, i]
-    lib.difftx_softmax_backward.restype = None
+    lib.difftx_softmax_backward.restype = i
+    lib.difftx_softmax_backward.errcheck = _scratch_check
     lib.difftx_rms_norm.argtypes = [p, i, p, i, p, p, f, f, i64, i64, i]
-    lib.difftx_rms_norm.restype = None
+    lib.difftx_rms_norm.restype = i
+    lib.difftx_rms_norm.errcheck = _scratch_check
     lib.difftx_diff_decode.argtypes = [p, p, p, p, p, i, i] + [i64] * 13 + [f, f, p, i, p, f, f, i]
-    lib.difftx_diff_decode.restype = None
+    lib.difftx_diff_decode.restype = i
+    lib.difftx_diff_decode.errcheck = _scratch_check
     lib.difftx_rms_norm_backward.argtypes = [p, i, p, i, p, p, f, p, p, i64, i64, p, p, i, i]
-    lib.difftx_rms_norm_backward.restype = None
+    lib.difftx_rms_norm_backward.restype = i
+    lib.difftx_rms_norm_backward.errcheck = _scratch_check
     lib.difftx_add_rms_norm.argtypes = [p, p, i, p, p, i, p, p, f, f, i64, i64, i]
-    lib.difftx_add_rms_norm.restype = None
+    lib.difftx_add_rms_norm.restype = i
+    lib.difftx_add_rms_norm.errcheck = _scratch_check
     lib.difftx_swiglu.argtypes = [p, p, p, i, i64, i]
     lib.difftx_swiglu.restype = None
     lib.difftx_swiglu_backward.argtypes = [p, p, p, p, p, i, i64, i]
     lib.difftx_swiglu_backward.restype = None
     lib.difftx_rope.argtypes = [p, p, p, p, i, p, p, i64, i64, i64, i64, i64, i64, i, f, i]
-    lib.difftx_rope.restype = None
+    lib.difftx_rope.restype = i
+    lib.difftx_rope.errcheck = _scratch_check
     lib.difftx_few_rows_linear.argtypes = [p, i64, i64, p, i64, p, p, i]
     lib.difftx_few_rows_linear.restype = None
     lib.difftx_gemm_nr.argtypes = []
     lib.difftx_gemm_nr.restype = i
     lib.difftx_attn_forward.argtypes = [p, p, i64, i64, p, i64, i64, i64, p, p, p, p] + [i64] * 9 + [i, i64, f, f, p, i]
-    lib.difftx_attn_forward.restype = None
+    lib.difftx_attn_forward.restype = i
+    lib.difftx_attn_forward.errcheck = _scratch_check
     lib.difftx_attn_backward.argtypes = ([p, p, i64, i64, p, i64, i64, i64, p, p, p, p, p, i64, i64, i64, p, p, p]
                                          + [i64] * 9 + [i, i64, f, f, p, i])
-    lib.difftx_attn_backward.restype = None
+    lib.difftx_attn_backward.restype = i
+    lib.difftx_attn_backward.errcheck = _scratch_check
     lib.difftx_amx.argtypes = []
     lib.difftx_amx.restype = i
     lib.difftx_attn_forward_bf16.argtypes = [p, p, i64, i64, p, i64, i64, i64, p, p] + [i64] * 9 + [i, i64, f, f, p, i]
