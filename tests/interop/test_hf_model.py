@@ -186,3 +186,18 @@ def test_derived_config_overrides_are_refused(saved):
     _, path, _ = saved
     with pytest.raises(ValueError, match="num_hidden_layers.*derived from config.difftx"):
         AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=1)
+
+
+@pytest.mark.parametrize("attention", ["softmax", "diff", "diff2"])
+def test_a_new_wrapper_keeps_the_difftx_init_of_its_seed(attention):
+    """DifftxForCausalLM(config) / from_config build the DecoderLM a seed gives (post_init draws nothing more)."""
+    cfg = difftx.ModelConfig(attention=attention, d_model=64, n_layers=2, n_heads=2, vocab_size=97)
+    torch.manual_seed(7)
+    ref = difftx.models.DecoderLM(cfg).state_dict()
+    for make in (lambda: DifftxForCausalLM(DifftxConfig.from_model_config(cfg)),
+                 lambda: AutoModelForCausalLM.from_config(DifftxConfig.from_model_config(cfg))):
+        torch.manual_seed(7)
+        got = make().model.state_dict()
+        assert got.keys() == ref.keys()
+        for k, v in ref.items():
+            assert torch.equal(got[k], v), k

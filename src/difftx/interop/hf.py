@@ -85,7 +85,7 @@ class DifftxPreTrainedModel(PreTrainedModel):
         """difftx's own init (:func:`difftx.models.init.init_module`) of one module: transformers builds the model
         on the meta device and calls this for the modules whose weights a checkpoint did not hold (its init
         guards skip the parameters it did load); computed buffers are refilled."""
-        if self.__dict__.get("_difftx_wrapping"):  # from_difftx: the wrapped model's weights are its own
+        if self.__dict__.get("_difftx_wrapping"):  # post_init in __init__: the DecoderLM has its own init
             return
         names = self.__dict__.setdefault("_difftx_leaf_names", {})
         if id(module) not in names:
@@ -108,7 +108,11 @@ class DifftxForCausalLM(DifftxPreTrainedModel, GenerationMixin):
                              "they are derived from config.difftx, so change that instead")
         super().__init__(config)
         self.model = model if model is not None else DecoderLM(config.model_config)
-        self.__dict__["_difftx_wrapping"] = model is not None
+        # post_init initialises nothing: a wrapped model's weights are its own (from_difftx), and a DecoderLM built
+        # here has just had difftx's init (a second draw would change every weight of DifftxForCausalLM(config) /
+        # from_config for a given seed); from_pretrained builds on the meta device, and initialises the weights its
+        # checkpoint did not hold after post_init (_init_weights, without this flag)
+        self.__dict__["_difftx_wrapping"] = True
         try:
             self.post_init()
         finally:
