@@ -63,3 +63,15 @@ def test_float16_logits_past_its_range_stay_finite(n, grad, maps):
     if grad:
         out.float().sum().backward()
         assert torch.isfinite(q.grad).all()
+
+
+def test_float16_blocks_take_their_zero_without_a_copy_of_q(monkeypatch):
+    """The float32 products' baddbmm zero comes from the dtype alone: no float32 copy of all of Q per call."""
+    seen = []
+    real = fused._zero
+    monkeypatch.setattr(fused, "_zero", lambda t: seen.append(t.numel()) or real(t))
+    q = torch.randn(1, 2, 2, 64, 16).half().requires_grad_()
+    k, v = torch.randn(1, 2, 2, 64, 16).half(), torch.randn(1, 2, 64, 32).half()
+    out = fused.fused_attention(q, k, v, AttnMask(causal=True, n_q=64, n_k=64), 0.25, torch.tensor(0.5), chunk=16)
+    out.float().sum().backward()
+    assert seen and max(seen) < q.numel()

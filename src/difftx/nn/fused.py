@@ -231,7 +231,7 @@ class _Blocks:
         self._p = _scratch("p", n_maps, self.md, dev)  # probabilities
         self._low = _scratch("low", n_maps, self.dtype, dev) if self.dtype != self.md else None
         self._comb = _scratch("comb", n_maps // m, self.dtype, dev)  # combined map / dP, matmul dtype
-        self._zero = _zero(q if q.dtype == self.dtype else q.float())
+        self._zero = _zero(q if q.dtype == self.dtype else q.new_empty(0, dtype=self.dtype))  # no copy of q
         # Causal without padding: key columns [q_start + i0, ke) of a block form a square whose
         # strict upper triangle is masked; adding -inf there is ~8x cheaper than masked_fill_.
         # The native kernels skip those columns themselves and need no triangle.
