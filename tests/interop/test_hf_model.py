@@ -186,6 +186,11 @@ def test_derived_config_overrides_are_refused(saved):
     _, path, _ = saved
     with pytest.raises(ValueError, match="num_hidden_layers.*derived from config.difftx"):
         AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=1)
+    hc = AutoConfig.from_pretrained(path)
+    hc.difftx = dict(hc.difftx, n_layers=1)  # edited in place: its derived fields are stale, and the fix is named
+    with pytest.raises(ValueError, match=r"build the config anew \(DifftxConfig\(difftx=\.\.\.\)"):
+        DifftxForCausalLM(hc)
+    assert DifftxForCausalLM(DifftxConfig(difftx=hc.difftx)).config.num_hidden_layers == 1
 
 
 @pytest.mark.parametrize("attention", ["softmax", "diff", "diff2"])

@@ -149,3 +149,28 @@ def test_torch_func_transforms_take_the_torch_path(op):
     ra = a.clone().requires_grad_(True)
     (want,) = torch.autograd.grad(fn(ra, b).pow(2).sum(), ra)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("attention, norms", CASES)
+def test_torch_func_over_a_whole_model(attention, norms):
+    """torch.func.grad of a whole model's loss (functional_call) equals autograd's gradients, and vmap of it gives
+    per-sample gradients: the norms and the fused attention take torch ops under torch.func (their autograd
+    Functions have no setup_context, which it needs)."""
+    from torch.func import functional_call, grad, vmap
+
+    model, x, _ = _setup(attention, norms, torch.float32)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, ids):
+        return functional_call(model, p, (ids[..., :-1],), {"targets": ids[..., 1:]}).loss
+
+    got = grad(loss)(params, x)
+    want = dict(zip(params, _grads(model, x)))
+    for k in params:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4 * float(want[k].abs().max()), msg=k)
+    short = x[:, :40]
+    per_sample = vmap(grad(lambda p, ids: loss(p, ids[None])), in_dims=(None, 0))(params, short)
+    for i in range(2):
+        one = dict(zip(params, _grads(model, short[i:i + 1])))
+        for k in params:
+            torch.testing.assert_close(per_sample[k][i], one[k], rtol=1e-4, atol=1e-6, msg=k)

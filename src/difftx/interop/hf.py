@@ -105,7 +105,8 @@ class DifftxForCausalLM(DifftxPreTrainedModel, GenerationMixin):
         if changed:  # e.g. from_pretrained(dir, num_hidden_layers=1): set after the config derived its fields
             want = {k: derived[k] for k in changed}
             raise ValueError(f"DifftxConfig fields {changed} disagree with its difftx config, which gives {want}: "
-                             "they are derived from config.difftx, so change that instead")
+                             "they are derived from config.difftx: set the value there and build the config anew "
+                             "(DifftxConfig(difftx=...) or DifftxConfig.from_model_config(...)), which derives them")
         super().__init__(config)
         self.model = model if model is not None else DecoderLM(config.model_config)
         # post_init initialises nothing: a wrapped model's weights are its own (from_difftx), and a DecoderLM built
