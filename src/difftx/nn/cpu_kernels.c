@@ -223,8 +223,8 @@ static inline int64_t visible(int64_t j, int64_t c, int64_t diag0, int64_t ke) {
     } while (0)
 
 int difftx_softmax_combine(const void *s, int s_bf16, void *p, void *comb, int comb_bf16,
-                            int64_t B, int64_t M, int64_t R, int64_t ke, int64_t c, int64_t diag0,
-                            float lam, const float *lam_rows, int nthreads) {
+                           int64_t B, int64_t M, int64_t R, int64_t ke, int64_t c, int64_t diag0,
+                           float lam, const float *lam_rows, int nthreads) {
     const int64_t rows = B * R;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
@@ -263,8 +263,8 @@ int difftx_softmax_combine(const void *s, int s_bf16, void *p, void *comb, int c
 
 /* ds = p * (dp - rowsum(p * dp)) per map (dp shared by the maps), rs = rowsum(p * dp) in float32. */
 int difftx_softmax_backward(const void *p, const void *dp, void *ds, int is_bf16, float *rs,
-                             int64_t B, int64_t M, int64_t R, int64_t ke, int64_t c, int64_t diag0,
-                             int nthreads) {
+                            int64_t B, int64_t M, int64_t R, int64_t ke, int64_t c, int64_t diag0,
+                            int nthreads) {
     const int64_t rows = B * R;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
@@ -357,10 +357,10 @@ int difftx_rms_norm(const void *x, int x_bf16, void *y, int y_bf16, float *rstd_
  * Query head i uses K/V head i / (H / Hk).  Logits, softmax, sums: float32. */
 #define MAX_DV (128 / LANES) /* vectors per head dim d in the decoding kernel's vector path (d <= 128) */
 int difftx_diff_decode(const void *q, const void *k, const void *v, const uint8_t *valid, void *out,
-                        int is_bf16, int out_bf16, int64_t B, int64_t H, int64_t Hk, int64_t T, int64_t d,
-                        int64_t vw, int64_t k_batch, int64_t k_head, int64_t k_tok, int64_t k2_off, int64_t v_batch,
-                        int64_t v_head, int64_t v_tok, float scale, float lam_scalar, const float *lam_bh, int norm,
-                        const float *wg, float gain, float eps, int nthreads) {
+                       int is_bf16, int out_bf16, int64_t B, int64_t H, int64_t Hk, int64_t T, int64_t d,
+                       int64_t vw, int64_t k_batch, int64_t k_head, int64_t k_tok, int64_t k2_off, int64_t v_batch,
+                       int64_t v_head, int64_t v_tok, float scale, float lam_scalar, const float *lam_bh, int norm,
+                       const float *wg, float gain, float eps, int nthreads) {
     const int64_t group = H / Hk, w = 2 * d, nv = d / LANES, nvv = vw / LANES;
     const int vec = d % LANES == 0 && nv <= MAX_DV && vw % LANES == 0 && vw <= w;
     int failed = 0;
@@ -897,9 +897,9 @@ static void pack_values(const float *x, int64_t inner, int64_t so, int64_t si, i
 }
 
 int difftx_attn_forward(const float *q, const float *k, int64_t ks, int64_t kr, const float *v, int64_t vsb,
-                         int64_t vsh, int64_t vr, float *out, float *lse, float *kpack, float *vpack, int64_t B,
-                         int64_t M, int64_t H, int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal,
-                         int64_t chunk, float scale, float lam, const float *lam_rows, int nthreads) {
+                        int64_t vsh, int64_t vr, float *out, float *lse, float *kpack, float *vpack, int64_t B,
+                        int64_t M, int64_t H, int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal,
+                        int64_t chunk, float scale, float lam, const float *lam_rows, int nthreads) {
     const int64_t np_all = (nk + GEMM_NR - 1) / GEMM_NR, rep = H / Hk;
     const int64_t nblk = (N + chunk - 1) / chunk, tasks = B * H * nblk;
     pack_keys(k, 1, ks, 0, kr, B * M * Hk, nk, d, kpack, nthreads);
@@ -950,11 +950,11 @@ int difftx_attn_forward(const float *q, const float *k, int64_t ks, int64_t kr, 
 }
 
 int difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr, const float *v, int64_t vsb,
-                          int64_t vsh, int64_t vr, const float *dout, const float *lse, float *dq, float *dk,
-                          float *dv_, int64_t dvsb, int64_t dvsh, int64_t dvr,
-                          float *rs2, float *kpack, float *vpack, int64_t B, int64_t M, int64_t H, int64_t Hk,
-                          int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal, int64_t chunk,
-                          float scale, float lam, const float *lam_rows, int nthreads) {
+                         int64_t vsh, int64_t vr, const float *dout, const float *lse, float *dq, float *dk,
+                         float *dv_, int64_t dvsb, int64_t dvsh, int64_t dvr,
+                         float *rs2, float *kpack, float *vpack, int64_t B, int64_t M, int64_t H, int64_t Hk,
+                         int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal, int64_t chunk,
+                         float scale, float lam, const float *lam_rows, int nthreads) {
     const int64_t np_all = (nk + GEMM_NR - 1) / GEMM_NR, rep = H / Hk;
     const int64_t nblk = (N + chunk - 1) / chunk;
     pack_keys(k, 1, ks, 0, kr, B * M * Hk, nk, d, kpack, nthreads);

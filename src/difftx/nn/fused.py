@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 
 from . import native
-from .linear import _functorch_active, grad_wanted, no_autocast, traced
+from .linear import functorch_active, grad_wanted, no_autocast, traced
 from .norms import upcast
 from .mask import AttnMask
 
@@ -566,7 +566,7 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
             return _few_queries(q, k, v, lam, mask, scale)
         if k.shape[3] > mask.n_k:  # a cache's whole buffers: keep the written part
             k, v = k[:, :, :, : mask.n_k], v[:, :, : mask.n_k]
-        if _functorch_active():  # torch.func (grad, vmap, jvp): torch ops over whole maps, which it can transform
+        if functorch_active():  # torch.func (grad, vmap, jvp): torch ops over whole maps, which it can transform
             return _attention_torch(q, k, v, lam, mask, scale)
         # one pass over Q so that every block of it is a strided view; made here, it is the Function's input,
         # which the backward can differentiate again (create_graph=True)
@@ -722,7 +722,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gain: 
         # Off the CPU, torch's fused RMSNorm kernels (CUDA: one launch each way, not ~8 and ~10); on the CPU for
         # decoding-sized calls without autograd, where the fewest ops win.
         if (x.device.type != "cpu" or (x.numel() <= SMALL_NORM and not grad_wanted(x, weight))
-                or _functorch_active()):  # torch.func cannot transform the autograd Function below
+                or functorch_active()):  # torch.func cannot transform the autograd Function below
             w = None if weight is None else weight.to(cd)
             w = w * gain if (w is not None and gain != 1.0) else w
             y = torch.nn.functional.rms_norm(x.to(cd), (x.shape[-1],), w, eps)
@@ -786,7 +786,7 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: Optional[torch.Tensor
     if (x.dtype == torch.float32 and a.dtype in (torch.float32, torch.bfloat16) and a.shape == x.shape
             and out_dtype in (torch.float32, torch.bfloat16) and x.numel() > SMALL_NORM
             and (weight is None or weight.dtype in (torch.float32, torch.bfloat16))
-            and native.supports(x.dtype, x.device) and not _functorch_active()):
+            and native.supports(x.dtype, x.device) and not functorch_active()):
         with no_autocast(x.device.type):
             return _AddRMSNorm.apply(x, a, weight, eps, out_dtype)
     if (x.dtype == torch.float32 and a.dtype in (torch.float32, torch.bfloat16) and a.shape == x.shape

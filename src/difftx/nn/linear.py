@@ -144,7 +144,8 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _functorch_active() -> bool:
+def functorch_active() -> bool:
+    """Inside a torch.func transform (grad, vmap, jvp): autograd Functions without setup_context cannot run."""
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
     return bool(active and active())
 
@@ -169,7 +170,7 @@ def no_autocast(device_type: str):
 
 def traced() -> bool:
     """Under torch.compile or a torch.func transform: the eager-only fast paths step aside for plain torch ops."""
-    return torch.compiler.is_compiling() or _functorch_active()
+    return torch.compiler.is_compiling() or functorch_active()
 
 
 def _training_dtype(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.dtype]:
