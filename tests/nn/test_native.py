@@ -430,6 +430,55 @@ def test_a_failing_build_falls_back_to_torch(monkeypatch, tmp_path):
         native.reset()
 
 
+@pytest.mark.parametrize("value", ["garbage", "of", "disable"])
+def test_an_unrecognised_DIFFTX_NATIVE_value_gives_the_torch_path_and_names_it(value, monkeypatch):
+    """Only 1/true/yes/on (or unset) builds the kernels; anything else is off, and the status says what was read
+    (a typo must not leave them on unnoticed)."""
+    monkeypatch.setenv("DIFFTX_NATIVE", value)
+    native.reset()
+    try:
+        assert native.library() is None
+        assert native.status().startswith("off") and repr(value) in native.status(), native.status()
+    finally:
+        monkeypatch.delenv("DIFFTX_NATIVE")
+        native.reset()
+
+
+@pytest.mark.parametrize("value", ["OFF", " no ", "false"])
+def test_the_off_status_names_the_value_given(value, monkeypatch):
+    monkeypatch.setenv("DIFFTX_NATIVE", value)
+    native.reset()
+    try:
+        assert native.status() == f"off (DIFFTX_NATIVE={value.strip()})"
+    finally:
+        monkeypatch.delenv("DIFFTX_NATIVE")
+        native.reset()
+
+
+def test_the_cache_dir_expands_a_home_tilde(monkeypatch, tmp_path):
+    """DIFFTX_CACHE_DIR="~/x" (quoted in a shell, or from an env file) is the home's x, not ./~/x in the current
+    directory (as DIFFTX_CACHE, the token shards' cache, already does)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("DIFFTX_CACHE_DIR", "~/kernels")
+    assert native._cache_dir() == tmp_path / "kernels"
+
+
+def test_an_unwritable_cache_dir_falls_back_to_torch_and_says_what_to_set(monkeypatch, tmp_path):
+    """A cache path that cannot be a directory (here a file; a read-only home is the same) leaves the torch
+    path with a status that names the directory and DIFFTX_CACHE_DIR."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("DIFFTX_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(native, "_compiler", lambda: shutil.which("false") or "false")
+    native.reset()
+    try:
+        assert native.library() is None
+        status = native.status()
+        assert status.startswith("build failed") and str(blocker) in status and "DIFFTX_CACHE_DIR" in status, status
+    finally:
+        native.reset()
+
+
 def _decode_reference(q, kk, v, valid, lam, scale, wg, eps):
     """float64: (softmax(q1 K1^T s) - lam softmax(q2 K2^T s)) V per head, then RMSNorm * wg."""
     b, _, h, _, d = q.shape

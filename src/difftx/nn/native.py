@@ -41,13 +41,19 @@ ENABLED = True
 _STATE: dict = {}  # "lib": CDLL or None, "status": str
 
 
+_ON = ("", "1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
 def _enabled_by_env() -> bool:
-    return os.environ.get("DIFFTX_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+    """``DIFFTX_NATIVE`` unset or 1/true/yes/on: build and use the kernels; 0/false/no/off, or anything else
+    (a typo such as ``of`` must not leave them on unnoticed; :func:`status` names the value): pure torch."""
+    return os.environ.get("DIFFTX_NATIVE", "1").strip().lower() in _ON
 
 
 def _cache_dir() -> Path:
     if os.environ.get("DIFFTX_CACHE_DIR"):
-        return Path(os.environ["DIFFTX_CACHE_DIR"])
+        return Path(os.environ["DIFFTX_CACHE_DIR"]).expanduser()  # "~/x" is a home path, not ./~/x
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "difftx"
 
@@ -103,8 +109,12 @@ def _build(cc: str) -> Path:
     target = out_dir / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    except OSError as e:
+        raise RuntimeError(f"cache directory {out_dir} is not writable ({e.strerror or e}); set DIFFTX_CACHE_DIR "
+                           "to a writable directory") from None
     os.close(fd)
     try:
         proc = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
@@ -179,7 +189,11 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def _load() -> None:
     if not _enabled_by_env():
-        _STATE.update(lib=None, status="off (DIFFTX_NATIVE=0)")
+        value = os.environ.get("DIFFTX_NATIVE", "").strip()
+        if value.lower() in _OFF:
+            _STATE.update(lib=None, status=f"off (DIFFTX_NATIVE={value})")
+        else:
+            _STATE.update(lib=None, status=f"off (DIFFTX_NATIVE={value!r} is neither 1/on nor 0/off; pure torch)")
         return
     if not sys.platform.startswith("linux"):
         _STATE.update(lib=None, status=f"not built on {sys.platform} (pure torch)")
