@@ -125,3 +125,29 @@ def test_default_train_no_arguments(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "runs/" in r.stdout and "val_loss" in r.stdout
     assert len(list((tmp_path / "runs").iterdir())) == 1
+
+
+@pytest.mark.parametrize("env", [{"DIFFTX_NATIVE_CFLAGS": "-mdifftx-no-such-flag"}, {"DIFFTX_NATIVE": "garbage"}])
+def test_train_says_in_one_line_when_a_native_kernel_setting_kept_them_off(env, tmp_path, train_cli, capsys,
+                                                                          monkeypatch):
+    """A flag the compiler rejects (or a DIFFTX_NATIVE typo) trains on the torch path, as before, and says so
+    in one warning line instead of nothing; no traceback."""
+    import shutil
+
+    from difftx.nn import native
+
+    if "DIFFTX_NATIVE_CFLAGS" in env and not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("DIFFTX_CACHE_DIR", str(tmp_path / "kernels"))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    native.reset()
+    try:
+        assert train_cli("--steps", 1, "--eval-every", 0, "--out", tmp_path / "run") == 0
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if "native CPU kernels" in line]
+        assert len(lines) == 1 and lines[0].startswith("difftx train: warning: native CPU kernels: "), err
+        assert "Traceback" not in err
+    finally:
+        monkeypatch.undo()
+        native.reset()

@@ -228,6 +228,14 @@ def status() -> str:
     return _STATE["status"]
 
 
+def problem() -> Optional[str]:
+    """The status when a setting of the user's kept the kernels off (a build that failed: compiler flags,
+    cache directory, compiler; or a ``DIFFTX_NATIVE`` value that is neither on nor off), else None: the
+    commands print it as one warning line.  No compiler, off Linux or ``DIFFTX_NATIVE=0`` are not problems."""
+    text = status()
+    return text if text.startswith("build failed") or "is neither 1/on nor 0/off" in text else None
+
+
 def reset() -> None:
     """Forget the loaded state so the next call re-reads ``DIFFTX_NATIVE`` (tests)."""
     with _LOCK:

@@ -28,6 +28,7 @@ from ..accounting import count_parameters
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..io import CHECKPOINTS_DIR, CONFIG_FILE, FORMAT_KEY, FORMAT_VERSION, atomic_write_text, make_out_dir
+from ..nn import native
 from ..runtime import SLOW_BF16, keep_freed_memory, native_bf16_matmul
 from .checkpoint import read_json, remove_partial, resolve_resume
 from .config import RESUMABLE_CHANGES, TrainConfig
@@ -172,6 +173,8 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
             _hint_busy_cpu()  # after every input check, so a bad input still gets exactly one line
         if world.is_main and announce and memory_warning:
             print(f"difftx train: warning: {memory_warning}", file=sys.stderr)
+        if world.is_main and announce and world.device.type == "cpu" and native.problem():
+            print(f"difftx train: warning: native CPU kernels: {native.problem()}", file=sys.stderr)
         if world.is_main and announce and trainer.dtype is not None and not native_bf16_matmul(world.device):
             print(f"difftx train: warning: {SLOW_BF16}", file=sys.stderr)
         if world.is_main and announce:
