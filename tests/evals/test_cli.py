@@ -224,3 +224,22 @@ def test_checkpoint_config_of_another_format_or_shape_is_one_line(edit, message,
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and message in err[0], err
     assert not (tmp_path / "out" / "lm.json").exists()
+
+
+def test_eval_warns_in_one_line_when_a_native_kernel_setting_kept_them_off(checkpoint, tmp_path, capsys,
+                                                                           monkeypatch):
+    """As `difftx train` does: a DIFFTX_NATIVE typo runs the torch path and says so once, on stderr."""
+    from difftx.nn import native
+
+    monkeypatch.setenv("DIFFTX_NATIVE", "of")
+    native.reset()
+    try:
+        assert main(["eval", "lm", "--checkpoint", str(checkpoint), "--out", str(tmp_path), "--quiet", "--no-plot",
+                     "--data", str(checkpoint / "haystack.txt"), "--max-tokens", "128", "--seq-len", "64"]) == 0
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if "native CPU kernels" in line]
+        assert lines == ["difftx eval lm: warning: native CPU kernels: off (DIFFTX_NATIVE='of' is neither 1/on nor "
+                         "0/off; pure torch)"], err
+    finally:
+        monkeypatch.undo()
+        native.reset()

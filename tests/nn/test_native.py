@@ -6,6 +6,7 @@ over to pure torch when disabled or unbuildable."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -417,7 +418,7 @@ def test_a_failing_build_falls_back_to_torch(monkeypatch, tmp_path):
     if not shutil.which("false"):
         pytest.skip("no `false` binary")
     monkeypatch.setenv("DIFFTX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "_compiler", lambda: "false")
+    monkeypatch.setattr(native, "_compiler", lambda: ["false"])
     native.reset()
     try:
         assert native.library() is None
@@ -469,7 +470,7 @@ def test_an_unwritable_cache_dir_falls_back_to_torch_and_says_what_to_set(monkey
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("DIFFTX_CACHE_DIR", str(blocker))
-    monkeypatch.setattr(native, "_compiler", lambda: shutil.which("false") or "false")
+    monkeypatch.setattr(native, "_compiler", lambda: [shutil.which("false") or "false"])
     native.reset()
     try:
         assert native.library() is None
@@ -829,3 +830,35 @@ def test_a_failed_scratch_allocation_raises_memory_error():
     out, lse = native.attention_forward(q, k3, v, True, 0, 6, 0.25, 0.5, None, True)
     with pytest.raises(MemoryError, match="difftx_attn_backward"):
         native.attention_backward(q, k3, v, torch.randn_like(out), lse, True, 0, huge, 0.25, 0.5, None)
+
+
+def test_cc_with_arguments_and_a_missing_cc(monkeypatch):
+    """$CC is a command (``ccache gcc``, ``gcc -m64``), split like a shell; a $CC that is not on PATH is named in
+    the status (and `difftx train`'s warning) rather than swapped for another compiler unannounced."""
+    cc = next(c for c in ("cc", "gcc", "clang") if shutil.which(c)) if HAVE_CC else "cc"
+    monkeypatch.setenv("CC", f"{cc} -O2")
+    assert native._compiler() == [cc, "-O2"]
+    monkeypatch.setenv("CC", "no-such-cc-here --flag")
+    native.reset()
+    try:
+        assert native.library() is None
+        assert native.problem() is not None and "CC='no-such-cc-here --flag'" in native.status()
+    finally:
+        native.reset()
+
+
+@needs_native
+def test_a_damaged_cached_library_is_built_again(monkeypatch, tmp_path):
+    """A cached .so that cannot be loaded (truncated to nothing: disk trouble) is removed and built again, not
+    reported as a failed build on every run; the build is readable by others (a cache shared between users)."""
+    native.reset()
+    built = Path(native.status().split("(", 1)[1].split(";", 1)[0])  # "on (PATH; ...)"
+    damaged = tmp_path / built.name
+    damaged.write_bytes(b"")
+    monkeypatch.setenv("DIFFTX_CACHE_DIR", str(tmp_path))
+    native.reset()
+    try:
+        assert native.library() is not None, native.status()
+        assert damaged.stat().st_size > 0 and damaged.stat().st_mode & 0o055 == 0o055
+    finally:
+        native.reset()

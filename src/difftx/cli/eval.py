@@ -316,6 +316,7 @@ def run(args) -> int:
         return _run_lm_eval(args)
     from ..evals.common import Timer, claim_out, envelope, load_checkpoint, read_text_file, write_result
     from ..evals.quant import quantized_logits
+    from ..nn import native
     from ..runtime import resolve_device
 
     if args.eval_name == "quant" and args.quant_bits is not None:
@@ -327,6 +328,7 @@ def run(args) -> int:
     device = resolve_device(args.device)
     model, tok = load_checkpoint(args.checkpoint, device=str(device), what=f"'difftx eval {args.eval_name}'")
     claim_out(args.out, args.eval_name, force=args.force, plot=not args.no_plot)  # before the evaluation runs
+    native.warn_problem(f"difftx eval {args.eval_name}", device)
     _say(args, f"difftx eval {args.eval_name}: {model.config.attention} model, "
                f"{model.num_parameters() / 1e6:.2f}M parameters, on {device}")
     with Timer() as t, quantized_logits(model, args.quant_bits, args.quant_granularity) as q:

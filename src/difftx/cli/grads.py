@@ -306,11 +306,13 @@ def _tails_section(st: _Study) -> None:
 
 def run(args) -> int:
     from ..io import atomic_write_text, make_out_dir
+    from ..nn import native
 
     t_start = time.perf_counter()
     _check(args)
     st = _Study(args)  # validates everything before anything is written
     make_out_dir(st.out)
+    native.warn_problem("difftx grads", args.device)
     if args.only in (None, "flow"):
         _flow_section(st)
     if args.only in (None, "tails"):

@@ -86,10 +86,19 @@ def cpu_vendor() -> str:
     return cpuinfo_value("vendor_id")
 
 
-def _compiler() -> Optional[str]:
-    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cand and shutil.which(cand):
-            return cand
+def _compiler() -> Optional[list[str]]:
+    """The compiler's command: ``$CC`` (a program with arguments, e.g. ``ccache gcc``), else the first of cc, gcc,
+    clang on PATH, else None.  A ``$CC`` whose program is not found is an error (RuntimeError), not a reason to
+    take another compiler unannounced."""
+    env = os.environ.get("CC", "").strip()
+    if env:
+        cmd = shlex.split(env)
+        if not shutil.which(cmd[0]):
+            raise RuntimeError(f"CC={env!r}: {cmd[0]} is not a program on PATH; point CC at a C compiler or unset it")
+        return cmd
+    for cand in ("cc", "gcc", "clang"):
+        if shutil.which(cand):
+            return [cand]
     return None
 
 
@@ -99,9 +108,9 @@ def _flags() -> list[str]:
     return _FLAGS + shlex.split(os.environ.get("DIFFTX_NATIVE_CFLAGS", ""))
 
 
-def _build(cc: str) -> Path:
+def _build(cc: list[str]) -> Path:
     source = _SOURCE.read_bytes()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = _flags()
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
                                      _cpu_features().encode(), platform.machine().encode()])).hexdigest()[:16]
@@ -117,10 +126,11 @@ def _build(cc: str) -> Path:
                            "to a writable directory") from None
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([*cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=120)
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+            raise RuntimeError(f"{' '.join(cc)} failed: {proc.stderr.strip()[-500:]}")
+        os.chmod(tmp, 0o755)  # as a compiler leaves a library (mkstemp made it 0600): a shared cache serves all
         os.replace(tmp, target)  # atomic: concurrent builders never load a partial file
     finally:
         if os.path.exists(tmp):
@@ -198,13 +208,17 @@ def _load() -> None:
     if not sys.platform.startswith("linux"):
         _STATE.update(lib=None, status=f"not built on {sys.platform} (pure torch)")
         return
-    cc = _compiler()
-    if cc is None:
-        _STATE.update(lib=None, status="no C compiler found (pure torch; set CC to enable)")
-        return
     try:
+        cc = _compiler()
+        if cc is None:
+            _STATE.update(lib=None, status="no C compiler found (pure torch; set CC to enable)")
+            return
         path = _build(cc)
-        lib = ctypes.CDLL(str(path))
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:  # a damaged cached file (builds are renamed into place whole): build it again, once
+            path.unlink(missing_ok=True)
+            lib = ctypes.CDLL(str(_build(cc)))
         _declare(lib)
     except Exception as e:  # noqa: BLE001 -- any failure means the torch path, with the reason kept
         _STATE.update(lib=None, status=f"build failed, pure torch ({type(e).__name__}: {str(e)[:300]})")
@@ -234,6 +248,13 @@ def problem() -> Optional[str]:
     commands print it as one warning line.  No compiler, off Linux or ``DIFFTX_NATIVE=0`` are not problems."""
     text = status()
     return text if text.startswith("build failed") or "is neither 1/on nor 0/off" in text else None
+
+
+def warn_problem(prog: str, device) -> None:
+    """One warning line on stderr from command ``prog`` when :func:`problem` has something to say and ``device``
+    is the CPU (the only device the kernels serve)."""
+    if torch.device(device).type == "cpu" and problem():
+        print(f"{prog}: warning: native CPU kernels: {problem()}", file=sys.stderr)
 
 
 def reset() -> None:

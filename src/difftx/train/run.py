@@ -173,8 +173,8 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
             _hint_busy_cpu()  # after every input check, so a bad input still gets exactly one line
         if world.is_main and announce and memory_warning:
             print(f"difftx train: warning: {memory_warning}", file=sys.stderr)
-        if world.is_main and announce and world.device.type == "cpu" and native.problem():
-            print(f"difftx train: warning: native CPU kernels: {native.problem()}", file=sys.stderr)
+        if world.is_main and announce:
+            native.warn_problem("difftx train", world.device)
         if world.is_main and announce and trainer.dtype is not None and not native_bf16_matmul(world.device):
             print(f"difftx train: warning: {SLOW_BF16}", file=sys.stderr)
         if world.is_main and announce:
