@@ -149,6 +149,25 @@ def test_bf16_without_bf16_hardware_is_warned(compare, tmp_path, monkeypatch, na
         assert p.stderr.count("no bf16 matrix hardware") == (1 if (dtype == "bf16" and not native) else 0)
 
 
+def test_compare_warns_in_one_line_when_a_native_kernel_setting_kept_them_off(compare, tmp_path, monkeypatch):
+    """As train, eval and grads do (the parent checks the kernels its workers will load): one stderr line."""
+    import difftx.compare as compare_pkg
+    from difftx.nn import native
+
+    monkeypatch.setattr(compare_pkg, "run_study", lambda *a, **kw: None)  # the study itself is not the point
+    monkeypatch.setenv("DIFFTX_NATIVE", "of")
+    native.reset()
+    try:
+        p = compare("--out", tmp_path / "s", "--device", "cpu", "--dtype", "fp32")
+        assert p.returncode == 0, p.stderr
+        assert [x for x in p.stderr.splitlines() if "native CPU kernels" in x] == [
+            "difftx compare: warning: native CPU kernels: off (DIFFTX_NATIVE='of' is neither 1/on nor 0/off; "
+            "pure torch)"], p.stderr
+    finally:
+        monkeypatch.undo()
+        native.reset()
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--device", "tpu"], "device"),
     (["--tokenizer", "nope"], "--tokenizer 'nope'"),

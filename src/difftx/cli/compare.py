@@ -174,12 +174,17 @@ def run(args) -> int:
         command = " ".join(["difftx compare", *(shlex.quote(a) for a in sys.argv[2:])])
     else:  # called as a function (tests, notebooks): the flags are not known verbatim
         command = "difftx compare" + (f" --out {shlex.quote(str(out))}" if args.out else "")
-    if study.dtype == "bf16" and not args.quiet:
+    if not args.quiet:
+        import torch
+
+        from ..nn import native
         from ..runtime import SLOW_BF16, native_bf16_matmul
         from ..train.distributed import pick_device
 
-        if not native_bf16_matmul(pick_device(study.device)):
+        if study.dtype == "bf16" and not native_bf16_matmul(pick_device(study.device)):
             print(f"difftx compare: warning: {SLOW_BF16}", file=sys.stderr)
+        if study.device == "cpu" or (study.device == "auto" and not torch.cuda.is_available()):
+            native.warn_problem("difftx compare", "cpu")  # builds the kernels its workers then load from the cache
     try:
         res = run_study(study, out, force=args.force, resume=args.resume, command=command,
                         progress=not (args.no_progress or args.quiet))
