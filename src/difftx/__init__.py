@@ -16,6 +16,19 @@ _install_interop()  # load_model on Hugging Face dirs; lazy AutoModel registrati
 
 __version__ = "0.1.0"
 
+# subpackages and modules reachable as attributes after a plain `import difftx` (difftx.data.load_tokenizer,
+# difftx.evals, ...), imported on first use: `import difftx` itself stays light
+_SUBMODULES = frozenset({"accounting", "analysis", "benchmarking", "cli", "compare", "data", "evals", "interop",
+                         "models", "nn", "optim", "presets", "runtime", "train"})
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "ModelConfig", "lambda_init_for_layer", "build_model", "load_model", "save_model",
     "DifftxError", "ConfigError", "CheckpointError", "DataError", "__version__",

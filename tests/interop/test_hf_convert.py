@@ -177,6 +177,20 @@ def test_hf_to_difftx_to_hf_keeps_tokenizer_token_ids_and_dtype(tmp_path, kind):
         assert torch.equal(t, back.state_dict()[name]), name
 
 
+def test_a_sentencepiece_tokenizer_without_tokenizer_json_survives_hf_to_difftx_to_hf(tmp_path):
+    """A Hugging Face directory whose tokenizer is tokenizer.model alone (SentencePiece, no tokenizer.json): its
+    files travel both ways (difftx -> Hugging Face copied nothing when tokenizer.json was absent)."""
+    import json
+
+    hf_llama("llama", heads=4, kv=2).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.model").write_bytes(b"\x0a\x05a sentencepiece model, as bytes")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    convert(tmp_path / "hf", tmp_path / "dx")
+    convert(tmp_path / "dx", tmp_path / "hf2", dst_format="hf-llama")
+    for name in ("tokenizer.model", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "hf2" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
+
+
 def test_difftx_byte_tokenizer_goes_along_under_its_own_name(tmp_path):
     import json
 

@@ -367,10 +367,11 @@ def _copy_tokenizer(src: Path, dst: Path, src_fmt: str, dst_fmt: str) -> None:
         names = hf_io.HF_TOKENIZER_FILES + (hf_io.DIFFTX_TOKENIZER_IN_HF,) if src_hf else ("tokenizer.json",)
         hf_io.copy_files(src, dst, names)
     elif dst_hf:
-        if _is_hf_tokenizer(src / "tokenizer.json"):  # came from Hugging Face, or a bpe trained here
-            hf_io.copy_files(src, dst, hf_io.HF_TOKENIZER_FILES)
-        elif (src / "tokenizer.json").is_file():  # difftx's byte / char: not one, keep it under another name
+        if (src / "tokenizer.json").is_file() and not _is_hf_tokenizer(src / "tokenizer.json"):
+            # difftx's byte / char: not a Hugging Face one, kept under another name
             shutil.copyfile(src / "tokenizer.json", dst / hf_io.DIFFTX_TOKENIZER_IN_HF)
+        else:  # came from Hugging Face (tokenizer.json, or a SentencePiece tokenizer.model alone), or a bpe trained here
+            hf_io.copy_files(src, dst, hf_io.HF_TOKENIZER_FILES)
     else:
         if (src / hf_io.DIFFTX_TOKENIZER_IN_HF).is_file():
             shutil.copyfile(src / hf_io.DIFFTX_TOKENIZER_IN_HF, dst / "tokenizer.json")

@@ -42,7 +42,8 @@ class TrainConfig:
     task: Optional[str] = None            # a registered synthetic task instead of a corpus
     task_options: dict = field(default_factory=dict)
     domain_options: dict = field(default_factory=dict)  # extra knobs of a domain (e.g. vision augmentation)
-    cache_dir: Optional[str] = None       # token shards and bpe vocabularies; default $DIFFTX_CACHE or ~/.cache/difftx
+    # token shards and bpe vocabularies; default $DIFFTX_CACHE, else $XDG_CACHE_HOME/difftx, else ~/.cache/difftx
+    cache_dir: Optional[str] = None
 
     # batch and length
     seq_len: Optional[int] = None         # None: the model's max_seq_len
