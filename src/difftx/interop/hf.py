@@ -85,7 +85,7 @@ class DifftxPreTrainedModel(PreTrainedModel):
         """difftx's own init (:func:`difftx.models.init.init_module`) of one module: transformers builds the model
         on the meta device and calls this for the modules whose weights a checkpoint did not hold (its init
         guards skip the parameters it did load); computed buffers are refilled."""
-        if self.__dict__.get("_difftx_wrapping"):  # post_init in __init__: the DecoderLM has its own init
+        if self.__dict__.get("_difftx_constructing"):  # post_init in __init__: the DecoderLM has its own init
             return
         names = self.__dict__.setdefault("_difftx_leaf_names", {})
         if id(module) not in names:
@@ -113,11 +113,11 @@ class DifftxForCausalLM(DifftxPreTrainedModel, GenerationMixin):
         # here has just had difftx's init (a second draw would change every weight of DifftxForCausalLM(config) /
         # from_config for a given seed); from_pretrained builds on the meta device, and initialises the weights its
         # checkpoint did not hold after post_init (_init_weights, without this flag)
-        self.__dict__["_difftx_wrapping"] = True
+        self.__dict__["_difftx_constructing"] = True
         try:
             self.post_init()
         finally:
-            self.__dict__["_difftx_wrapping"] = False
+            self.__dict__["_difftx_constructing"] = False
 
     @classmethod
     def from_difftx(cls, model: DecoderLM) -> "DifftxForCausalLM":

@@ -253,8 +253,9 @@ def problem() -> Optional[str]:
 def warn_problem(prog: str, device) -> None:
     """One warning line on stderr from command ``prog`` when :func:`problem` has something to say and ``device``
     is the CPU (the only device the kernels serve)."""
-    if torch.device(device).type == "cpu" and problem():
-        print(f"{prog}: warning: native CPU kernels: {problem()}", file=sys.stderr)
+    text = problem() if torch.device(device).type == "cpu" else None
+    if text:
+        print(f"{prog}: warning: native CPU kernels: {text}", file=sys.stderr)
 
 
 def reset() -> None:
