@@ -5,7 +5,11 @@ over to pure torch when disabled or unbuildable."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -798,10 +802,7 @@ WIDTH_FLAGS = {"8 lanes (AVX2 without AVX-512)": "-mno-avx512f", "4 lanes (SSE)"
 def test_every_vector_width_computes_the_same(flags, tmp_path):
     """The kernels' vector width follows the ISA (16, 8 or 4 floats): build the narrower ones here with
     DIFFTX_NATIVE_CFLAGS and run the kernel-level tests against them, whatever this CPU is."""
-    import os
     import re
-    import subprocess
-    import sys
 
     env = dict(os.environ, DIFFTX_NATIVE_CFLAGS=flags, DIFFTX_CACHE_DIR=str(tmp_path))
     probe = "from difftx.nn import native; print(native.status())"
@@ -862,3 +863,24 @@ def test_a_damaged_cached_library_is_built_again(monkeypatch, tmp_path):
         assert damaged.stat().st_size > 0 and damaged.stat().st_mode & 0o055 == 0o055
     finally:
         native.reset()
+
+
+@needs_native
+def test_a_truncated_cached_library_is_built_again_not_loaded(tmp_path):
+    """A cached .so cut short (a full disk, an interrupted copy of the cache) still opens, and running it killed
+    the process with SIGBUS, past every handler.  Its recorded SHA-256 no longer matches, so it is built again;
+    checked in a child process, which a bus error would kill."""
+    native.reset()
+    built = Path(native.status().split("(", 1)[1].split(";", 1)[0])
+    native.reset()
+    whole = built.read_bytes()
+    (tmp_path / built.name).write_bytes(whole[: len(whole) // 2])
+    (tmp_path / built.name).with_suffix(".sha256").write_text(hashlib.sha256(whole).hexdigest() + "\n")
+    code = ("import torch; from difftx.nn import native; assert native.library() is not None, native.status(); "
+            "x = torch.randn(3, 8); print(float((native.rms_norm(x, None, 1.0, 1e-6, torch.float32)"
+            " - x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).abs().max()))")
+    env = dict(os.environ, DIFFTX_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert float(proc.stdout) < 1e-5
+    assert (tmp_path / built.name).read_bytes() != whole[: len(whole) // 2]

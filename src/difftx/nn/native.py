@@ -108,6 +108,32 @@ def _flags() -> list[str]:
     return _FLAGS + shlex.split(os.environ.get("DIFFTX_NATIVE_CFLAGS", ""))
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _intact(library: Path, digest: Path) -> bool:
+    """The cached library is the one that was built: its SHA-256 is the one recorded beside it.  Loading a
+    truncated or overwritten library can kill the process with SIGBUS, past any exception handler; checking
+    ~120 KB costs well under a millisecond, once per process."""
+    try:
+        return digest.read_text().strip() == _sha256(library)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _write_digest(digest: Path, value: str) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".sha256", dir=digest.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(value + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, digest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def _build(cc: list[str]) -> Path:
     source = _SOURCE.read_bytes()
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -116,7 +142,8 @@ def _build(cc: list[str]) -> Path:
                                      _cpu_features().encode(), platform.machine().encode()])).hexdigest()[:16]
     out_dir = _cache_dir()
     target = out_dir / f"cpu_kernels-{key}.so"
-    if target.exists():
+    digest = target.with_suffix(".sha256")
+    if _intact(target, digest):
         return target
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -131,6 +158,7 @@ def _build(cc: list[str]) -> Path:
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cc)} failed: {proc.stderr.strip()[-500:]}")
         os.chmod(tmp, 0o755)  # as a compiler leaves a library (mkstemp made it 0600): a shared cache serves all
+        _write_digest(digest, _sha256(Path(tmp)))  # before the library: a reader never finds one without it
         os.replace(tmp, target)  # atomic: concurrent builders never load a partial file
     finally:
         if os.path.exists(tmp):
@@ -213,12 +241,8 @@ def _load() -> None:
         if cc is None:
             _STATE.update(lib=None, status="no C compiler found (pure torch; set CC to enable)")
             return
-        path = _build(cc)
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError:  # a damaged cached file (builds are renamed into place whole): build it again, once
-            path.unlink(missing_ok=True)
-            lib = ctypes.CDLL(str(_build(cc)))
+        path = _build(cc)  # a damaged cached file fails its digest and is built again
+        lib = ctypes.CDLL(str(path))
         _declare(lib)
     except Exception as e:  # noqa: BLE001 -- any failure means the torch path, with the reason kept
         _STATE.update(lib=None, status=f"build failed, pure torch ({type(e).__name__}: {str(e)[:300]})")
