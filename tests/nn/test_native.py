@@ -403,6 +403,23 @@ def test_rms_norm_native_equals_torch_path(dtype, out_dtype, weight, gain, monke
         assert (a.double() - b.double()).abs().max() <= tol * b.abs().max().clamp_min(1.0)
 
 
+@needs_native
+@pytest.mark.parametrize("bits", [0xFFFFFFFF, 0x7FFFFFFF, 0x7FFF8000, 0x7F800001, 0xFF800001, 0x7FC00000])
+def test_float32_nan_payloads_stay_nan_in_bfloat16(bits):
+    """The kernels' float32 -> bfloat16 rounding gives a NaN for every NaN, as torch's does.  Rounded as a
+    number, an all-ones NaN (0xFFFFFFFF) carried into +0 and a row normalised through it came out as zeros,
+    a divergence hidden; a signalling low payload (0x7F800001) became infinity.  Checked in a row of 19
+    (whole vectors and the scalar tail) next to finite rows."""
+    x = torch.randn(3, 19, generator=torch.Generator().manual_seed(0))
+    x.view(torch.int32)[1, 0] = torch.tensor(bits, dtype=torch.int64).to(torch.int32)  # the vector part
+    x.view(torch.int32)[2, 18] = torch.tensor(bits, dtype=torch.int64).to(torch.int32)  # the tail
+    assert x[1, 0].isnan() and x[2, 18].isnan()
+    y = native.rms_norm(x, None, 1.0, 1e-6, torch.bfloat16)
+    assert y[1:].isnan().all(), y
+    want = (x[:1] * torch.rsqrt(x[:1].pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    assert (y[0].float() - want.float()).abs().max() <= 2 ** -8 * want.float().abs().max()
+
+
 def test_disabled_by_env_gives_the_torch_path(monkeypatch):
     monkeypatch.setenv("DIFFTX_NATIVE", "0")
     native.reset()
@@ -809,7 +826,7 @@ def test_every_vector_width_computes_the_same(flags, tmp_path):
     status = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert status.stdout.startswith("on (") and str(tmp_path) in status.stdout, status.stdout + status.stderr
     tests = ("softmax_combine_and_backward or rms_norm_native or native_equals_torch_path_fp32 "
-             "or swiglu or rope or decode or native_float32_attention or few_rows")
+             "or swiglu or rope or decode or native_float32_attention or few_rows or nan_payloads")
     r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-p", "no:cacheprovider", __file__, "-k", tests],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]

@@ -31,10 +31,14 @@ static inline float bf16_to_f32(uint16_t h) {
     return v.f;
 }
 
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does (finite values) */
+/* float32 -> bfloat16 as torch rounds: to nearest even, and any NaN to the quiet NaN 0x7FC0.  Rounding a
+ * NaN's bits as a number carries a payload of 0x7FFF8000 or more into the sign (all-ones 0xFFFFFFFF gives
+ * +0) and a signalling low payload into infinity: a NaN must stay one. */
+static inline uint16_t f32_to_bf16(float f) {
     union { uint32_t u; float f; } v;
     v.f = f;
     uint32_t u = v.u;
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
     u += 0x7FFFu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
@@ -81,11 +85,13 @@ typedef uint32_t vu __attribute__((vector_size(VBYTES), aligned(4)));
 /* LANES bfloat16 values as floats, and back (round to nearest even). */
 static inline vf vload_bf16(const uint16_t *p) { return (vf)(__builtin_convertvector(*(const vh *)p, vu) << 16); }
 
-static inline vh vround_bf16(vf v) {
-    vu x = (vu)v;
-    x += 0x7FFFu + ((x >> 16) & 1u);
-    return __builtin_convertvector(x >> 16, vh);
+static inline vu vbf16_bits(vf v) { /* f32_to_bf16 in 32-bit lanes */
+    const vu x = (vu)v;
+    const vu nan = (vu)((x & 0x7FFFFFFFu) > 0x7F800000u);
+    return (((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16) & ~nan) | (nan & 0x7FC0u);
 }
+
+static inline vh vround_bf16(vf v) { return __builtin_convertvector(vbf16_bits(v), vh); }
 
 static inline void vstore_bf16(uint16_t *p, vf v) { *(vh *)p = vround_bf16(v); }
 
@@ -1276,10 +1282,6 @@ static void pack_bt(const uint16_t *x, int64_t ldx, int64_t n, int64_t npad, int
         }
 }
 
-static inline vu bf16_bits(vf x) { /* float32 -> bf16 bits (round to nearest even) in 32-bit lanes */
-    vu u = (vu)x;
-    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
 
 static void pack_bn(const void *x, int x_f32, int64_t ldx, int64_t n, int64_t npad, int64_t w, uint16_t *out) {
     const int64_t kt = npad / 32;
@@ -1291,8 +1293,8 @@ static void pack_bn(const void *x, int x_f32, int64_t ldx, int64_t n, int64_t np
                 vu lo = zero, hi = zero;
                 if (x_f32) {
                     const float *xf = (const float *)x + j * 16;
-                    if (r0 < n) lo = bf16_bits(*(const vf *)(xf + r0 * ldx));
-                    if (r1 < n) hi = bf16_bits(*(const vf *)(xf + r1 * ldx));
+                    if (r0 < n) lo = vbf16_bits(*(const vf *)(xf + r0 * ldx));
+                    if (r1 < n) hi = vbf16_bits(*(const vf *)(xf + r1 * ldx));
                 } else {
                     const uint16_t *xh = (const uint16_t *)x + j * 16;
                     if (r0 < n) lo = __builtin_convertvector(*(const vh *)(xh + r0 * ldx), vu);
