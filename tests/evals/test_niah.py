@@ -8,7 +8,7 @@ import torch
 
 from difftx.data import ByteTokenizer
 from difftx.data.tasks import get_task
-from difftx.errors import DataError
+from difftx.errors import ConfigError, DataError
 from difftx.evals.common import rng_for
 from difftx.evals.niah import (ANSWER, ANSWER_NEEDLE, NOISE, OTHER_NEEDLE, QUERY, NiahBuilder, evaluate_niah,
                                parse_grid, score_generation, score_teacher_forced)
@@ -165,3 +165,26 @@ def test_generation_at_max_seq_len_with_learned_positions():
     model = tiny_model("softmax", max_seq_len=200, positions="learned")
     r = evaluate_niah(model, TOK, grid="N1R1", lengths=[200], depths=[1.0], samples=2, text=haystack_text())
     assert r["cells"][0]["generation"] is not None
+
+
+def test_more_needles_than_cities_or_numbers_is_a_config_error(checkpoint, tmp_path, capsys):
+    """Needles need distinct cities and distinct numbers: 11 one-digit needles (10 numbers) or more needles than
+    cities was a numpy ValueError traceback from rng.choice, in niah, attention and the training task."""
+    from difftx.cli import main
+    from difftx.evals.attention import evaluate_attention
+    from difftx.evals.niah import CITIES, NiahTask
+
+    model, text = tiny_model("diff"), haystack_text()
+    with pytest.raises(ConfigError, match="distinct 1-digit numbers"):
+        evaluate_niah(model, TOK, grid="N11R1", lengths=[256], digits=1, template="short", text=text, samples=1,
+                      generation=False)
+    with pytest.raises(ConfigError, match="distinct cities"):
+        evaluate_attention(model, TOK, needles=len(CITIES) + 1, length=4096, template="short", text=text,
+                           samples=1, depths=[0.5])
+    with pytest.raises(ConfigError, match="distinct 1-digit numbers"):
+        NiahTask(TOK, 512, needles="11", digits=1, template="short", text=text)
+    rc = main(["eval", "niah", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "o"), "--digits", "1",
+               "--grid", "N11R1", "--template", "short", "--lengths", "256", "--samples", "1", "--no-generation",
+               "--data", str(checkpoint / "haystack.txt"), "--no-plot", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "distinct 1-digit numbers" in err[0]

@@ -145,6 +145,7 @@ def evaluate_attention(model, tokenizer, depths: Sequence[float] = DEPTHS, lengt
         raise ConfigError("length", f"{length} exceeds max_seq_len={hard_limit(model)} of a model with "
                                     f"{model.config.positions} positions")
     builder = NiahBuilder(tokenizer, text=text, data=data, template=template, digits=digits)
+    builder.check_needles(needles)
     need = builder.min_length(needles, 1)
     if length < need:
         raise ConfigError("length", f"{length} tokens cannot hold {needles} needle(s) and a query ({need} tokens); "

@@ -155,6 +155,15 @@ class NiahBuilder:
         self.query_text = head.rstrip()
         self.answer_gap = head[len(self.query_text):]
 
+    def check_needles(self, needles: int, what: str = "needles") -> None:
+        """ConfigError unless ``needles`` needles can get distinct cities and distinct ``digits``-digit numbers."""
+        numbers = 10 ** self.digits - (10 ** (self.digits - 1) if self.digits > 1 else 0)
+        if needles > len(CITIES):
+            raise ConfigError(what, f"{needles} needles need {needles} distinct cities; there are {len(CITIES)}")
+        if needles > numbers:
+            raise ConfigError(what, f"{needles} needles need {needles} distinct {self.digits}-digit numbers; there are "
+                                    f"{numbers} (raise --digits)")
+
     def _needle(self, city: str, number: str) -> tuple[list[int], list[int]]:
         """Needle tokens and their regions (number tokens marked ANSWER, the rest ANSWER_NEEDLE)."""
         before, after = self.template.split("{number}")
@@ -174,6 +183,7 @@ class NiahBuilder:
 
     def sample(self, rng, length: int, needles: int, queries: int, depth: Optional[float] = None) -> NiahSample:
         """One sample of exactly ``length`` tokens; ``depth`` None draws it uniformly."""
+        self.check_needles(needles)
         cities = [CITIES[i] for i in rng.choice(len(CITIES), size=needles, replace=False)]
         lo = 10 ** (self.digits - 1) if self.digits > 1 else 0
         numbers = [str(int(v)) for v in rng.choice(10 ** self.digits - lo, size=needles, replace=False) + lo]
@@ -274,6 +284,8 @@ def evaluate_niah(model, tokenizer, grid=DEFAULT_GRID, lengths: Optional[Sequenc
     lengths = sorted({int(x) for x in (lengths or (limit // 2, limit))})
     builder = NiahBuilder(tokenizer, text=text, data=data, template=template, digits=digits)
     cells, skipped = [], []
+    for n, r in grid:  # every cell can be built at all, before any is scored
+        builder.check_needles(n, "grid")
     for ci, (n, r) in enumerate(grid):
         need = builder.min_length(n, r)
         for li, length in enumerate(lengths):
@@ -372,6 +384,7 @@ class NiahTask:
         self.needles, self.queries = parse_range(needles, "needles"), parse_range(queries, "queries")
         # haystacks from the training part of the built-in corpus (the evaluation uses its validation tail)
         self.builder = NiahBuilder(tokenizer, text=text, data=data, template=template, digits=digits, split="train")
+        self.builder.check_needles(self.needles[1])
         need = self.builder.min_length(self.needles[1], min(self.queries[1], self.needles[1]))
         if need > self.seq_len + 1:
             raise ConfigError("seq_len", f"{self.seq_len} is too short for {self.needles[1]} needles "
