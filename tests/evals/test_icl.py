@@ -96,3 +96,17 @@ def test_jsonl_task(tmp_path):
     f.write_text('{"text": "x"}\n')
     with pytest.raises(DataError, match=":1: expected"):
         jsonl_task(f)
+
+
+def test_non_utf8_jsonl_is_one_line(checkpoint, tmp_path, capsys):
+    """A JSONL task file that is not UTF-8 was a UnicodeDecodeError traceback; now a DataError (exit 2, one line)."""
+    from difftx.cli import main
+
+    f = tmp_path / "bad.jsonl"
+    f.write_bytes(b'{"text": "caf\xe9", "label": "x"}\n')
+    with pytest.raises(DataError, match="not UTF-8"):
+        jsonl_task(f)
+    rc = main(["eval", "icl", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "o"), "--tasks", str(f),
+               "--no-plot", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "not UTF-8" in err[0] and err[0].startswith("difftx eval")

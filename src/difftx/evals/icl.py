@@ -88,8 +88,12 @@ def jsonl_task(path, n_test: int = 24, text_key: str = "text", label_key: str = 
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: JSONL file not found")
+    try:
+        content = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{p}: not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8") from None
     rows = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for i, line in enumerate(content.splitlines(), 1):
         if not line.strip():
             continue
         try:
