@@ -141,6 +141,22 @@ def test_bad_numbers_are_refused_before_use(args, flag, checkpoint, tmp_path, ca
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.parametrize("args, flag", [
+    (["attention", "--depths", ","], "--depths"), (["niah", "--depths", ","], "--depths"),
+    (["niah", "--lengths", ","], "--lengths"), (["mqar", "--lengths", ","], "--lengths"),
+    (["mqar", "--pairs", ","], "--pairs"), (["icl", "--tasks", ","], "--tasks"),
+    (["icl", "--arrangements", ","], "--arrangements"), (["icl", "--shots", ","], "--shots"),
+    (["quant", "--bits", ","], "--bits"),
+])
+def test_empty_lists_are_refused(args, flag, checkpoint, tmp_path, capsys):
+    """An empty list (',') was an IndexError / ZeroDivisionError traceback (attention, mqar, icl), a misleading
+    'no N x R cell fits the lengths' (niah --depths) or silently the default lengths (niah --lengths)."""
+    out = tmp_path / "out"
+    rc, err = _eval([*args, "--checkpoint", checkpoint, "--out", out, "--no-plot", "--quiet"], capsys)
+    assert rc == 2 and len(err) == 1 and flag in err[0] and "non-empty" in err[0]
+    assert not out.exists() or not any(out.iterdir())
+
+
 def test_library_refuses_bad_power_a_and_bits(checkpoint):
     from difftx.errors import ConfigError
     from difftx.evals.common import load_checkpoint

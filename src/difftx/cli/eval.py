@@ -33,6 +33,9 @@ def _list(kind, lo=-math.inf, hi=math.inf):
             out = [kind(x) for x in text.split(",") if x.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
+        if not out:  # ',' or '': an empty list would crash later (or silently mean the default)
+            raise argparse.ArgumentTypeError(f"expected a non-empty comma-separated list of {kind.__name__}, "
+                                             f"got {text!r}")
         bad = [x for x in out if not lo <= x <= hi] if (lo, hi) != (-math.inf, math.inf) else []
         if bad:
             where = f"at least {lo}" if hi == math.inf else f"between {lo} and {hi}"
