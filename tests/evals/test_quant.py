@@ -130,3 +130,26 @@ def test_evaluate_quant_with_another_evaluation_as_metric():
                        metric_options={"lengths": [32], "pairs": [4], "samples": 4})
     assert r["metric"] == "mqar_accuracy" and r["higher_is_better"] is True
     assert [x["bits"] for x in r["rows"]] == [None, 8] and all(0 <= x["value"] <= 1 for x in r["rows"])
+
+
+@pytest.mark.parametrize("metric, opt, message", [
+    ("niah", "lengths=128,256", "lengths"),        # not JSON: a string; was ValueError: invalid literal for int()
+    ("niah", "samples=0", "samples"),              # was a quant.json with every value null
+    ("niah", "depths=[50]", "depths"),             # percents: was silently depth 100% recorded as 50.0
+    ("lm", "seq_len=abc", "seq_len"),              # was ValueError traceback
+    ("lm", "max_tokens=1e3", "max_tokens"),        # a float: was TypeError traceback (slice indices)
+    ("mqar", "samples=0", "samples"),              # was ValueError: not enough values to unpack
+    ("mqar", "pairs=[]", "pairs"),                 # was IndexError traceback
+    ("icl", "seeds=0", "seeds"),                   # was ZeroDivisionError traceback
+    ("icl", "test_examples=0", "test_examples"),   # was ValueError: max() arg is an empty sequence
+    ("icl", "shots=[-1]", "shots"),                # was pool[:-1]: every demonstration but one, past max_len
+])
+def test_bad_metric_options_are_one_line(metric, opt, message, checkpoint, tmp_path, capsys):
+    from difftx.cli import main
+
+    rc = main(["eval", "quant", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "o"), "--bits", "8",
+               "--metric", metric, "--metric-opt", opt, "--no-plot", "--quiet",
+               "--data", str(checkpoint / "haystack.txt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("difftx eval") and message in err[0]
+    assert not (tmp_path / "o" / "quant.json").exists()

@@ -36,7 +36,7 @@ import torch
 
 from ..errors import ConfigError
 from ..nn.probe import AttentionProbe
-from .common import attach, batches, hard_limit, map_batch_size, model_device, pad_right, rng_for, task_context
+from .common import attach, batches, check_count, check_depths, hard_limit, map_batch_size, model_device, pad_right, rng_for, task_context
 from .niah import DEPTHS, REGION_NAMES, NiahBuilder, NiahSample
 
 NORMALIZATIONS = ("l1", "rowsum", "positive", "none")
@@ -140,7 +140,11 @@ def evaluate_attention(model, tokenizer, depths: Sequence[float] = DEPTHS, lengt
     """Table 3: share of attention on the answer and on the noise context, per depth, per layer and averaged."""
     if normalize not in NORMALIZATIONS:
         raise ConfigError("normalize", f"must be one of {NORMALIZATIONS}, got {normalize!r}")
-    length = int(length or task_context(model))
+    depths = check_depths(depths)
+    samples = check_count("samples", samples)
+    if batch_size is not None:
+        batch_size = check_count("batch_size", batch_size)
+    length = check_count("length", length) if length is not None else task_context(model)
     if hard_limit(model) is not None and length > hard_limit(model):
         raise ConfigError("length", f"{length} exceeds max_seq_len={hard_limit(model)} of a model with "
                                     f"{model.config.positions} positions")

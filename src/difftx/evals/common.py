@@ -339,6 +339,37 @@ def parse_range(v, name: str) -> tuple[int, int]:
     return lo, hi
 
 
+def check_count(name: str, value, lo: int = 1) -> int:
+    """``value`` as an int >= ``lo`` (not a bool, not a float with a fraction), else ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+        raise ConfigError(name, f"must be an integer >= {lo}, got {value!r}")
+    return int(value)
+
+
+def check_list(name: str, values, lo: float = 1, hi: float = math.inf, kind=int) -> list:
+    """A non-empty list of numbers in [lo, hi] (ints when ``kind`` is int), else ConfigError."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ConfigError(name, f"must be a non-empty list, got {values!r}")
+    values = list(values)
+    if not values:
+        raise ConfigError(name, "must be a non-empty list")
+    for v in values:
+        ok_type = isinstance(v, (int, np.integer)) if kind is int else isinstance(v, (int, float, np.number))
+        if isinstance(v, bool) or not ok_type or not (lo <= v <= hi):
+            what = "an integer" if kind is int else "a number"
+            raise ConfigError(name, f"every value must be {what} in [{lo:g}, {hi:g}], got {v!r}")
+    return [kind(v) for v in values]
+
+
+def check_depths(depths) -> list[float]:
+    """Answer depths as fractions in [0, 1] (the library's unit; the command line takes percents)."""
+    try:
+        return check_list("depths", depths, 0.0, 1.0, float)
+    except ConfigError as e:
+        raise ConfigError(None, f"{e} (depths are fractions of the context, 0..1; --depths on the command line "
+                                "takes percents)") from None
+
+
 def check_options(task: str, options: dict, valid: Sequence[str]) -> None:
     """A task's options are among ``valid``, else one ConfigError listing the valid keys."""
     unknown = [k for k in options if k not in valid]

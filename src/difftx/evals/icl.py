@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import ConfigError, DataError
-from .common import batches, encode, hard_limit, model_device, pad_left, rng_for, task_context
+from .common import batches, check_count, check_list, encode, hard_limit, model_device, pad_left, rng_for, task_context
 
 ARRANGEMENTS = ("random", "alternating")
 _CONS, _VOWELS = "bdfgklmnprstvz", "aeiou"
@@ -304,6 +304,18 @@ def evaluate_icl(model, tokenizer, tasks: Sequence[str] = ("synthetic-6",),
                  test_examples: int = 16, max_len: Optional[int] = None, seed: int = 0, batch_size: int = 16,
                  text_key: str = "text", label_key: str = "label", progress: bool = False) -> dict:
     """Fig. 6 / 7 / 9 numbers for each task; ``overall_accuracy`` is the mean over every (task, order, shots)."""
+    if isinstance(tasks, str):
+        tasks = [tasks]
+    if isinstance(arrangements, str):
+        arrangements = [arrangements]
+    if not tasks:
+        raise ConfigError("tasks", "must name at least one task")
+    if not arrangements:
+        raise ConfigError("arrangements", f"must name at least one of {ARRANGEMENTS}")
+    seeds, test_examples = check_count("seeds", seeds), check_count("test_examples", test_examples)
+    batch_size = check_count("batch_size", batch_size)
+    if shots is not None:
+        shots = check_list("shots", shots, 0)
     for a in arrangements:
         if a not in ARRANGEMENTS:
             raise ConfigError("arrangement", f"must be one of {ARRANGEMENTS}, got {a!r}")

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DataError
-from .common import context_limit, corpus_text, encode, logit_chunks, model_device
+from .common import check_count, context_limit, corpus_text, encode, logit_chunks, model_device
 
 
 def ar_hit_mask(windows: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -72,7 +72,10 @@ def evaluate_lm(model, tokens, seq_len: Optional[int] = None, max_tokens: int = 
                 ar_max_freq: Optional[int] = None, progress: bool = False) -> dict:
     """Loss, perplexity, cumulative NLL by position and AR-Hit / Others on a 1-D token stream."""
     tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-    seq_len = int(seq_len or context_limit(model, 1024))
+    seq_len = check_count("seq_len", seq_len) if seq_len is not None else context_limit(model, 1024)
+    max_tokens, batch_size = check_count("max_tokens", max_tokens), check_count("batch_size", batch_size)
+    if ar_max_freq is not None:
+        ar_max_freq = check_count("ar_max_freq", ar_max_freq)
     n_windows = min((tokens.numel() - 1) // seq_len, max(1, max_tokens // seq_len))
     if n_windows < 1:
         raise DataError(f"need at least {seq_len + 1} tokens for one window of {seq_len}; got {tokens.numel()} "
@@ -129,6 +132,7 @@ def evaluate_lm(model, tokens, seq_len: Optional[int] = None, max_tokens: int = 
 def evaluate_lm_text(model, tokenizer, text: Optional[str] = None, data=None, max_tokens: int = 16384,
                      **kwargs) -> dict:
     """:func:`evaluate_lm` on ``text``, a text file ``data``, or the built-in validation corpus."""
+    max_tokens = check_count("max_tokens", max_tokens)
     if text is None:
         text = corpus_text(data, min_chars=(max_tokens + 1) * 8, split="val")
     # tokenize no more text than the budget needs (bytes per token is at most ~8 for BPE on code)

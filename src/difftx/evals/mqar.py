@@ -28,7 +28,7 @@ import torch
 
 from ..data.tasks import register_task
 from ..errors import ConfigError
-from .common import batches, check_options, hard_limit, model_device, parse_range, predictions, rng_for
+from .common import batches, check_count, check_list, check_options, hard_limit, model_device, parse_range, predictions, rng_for
 
 DEFAULT_LENGTHS = (64, 128, 256)
 DEFAULT_PAIRS = (4, 8, 16, 32)
@@ -105,7 +105,9 @@ def evaluate_mqar(model, lengths: Sequence[int] = DEFAULT_LENGTHS, pairs: Sequen
                   progress: bool = False) -> dict:
     """Accuracy per (sequence length, number of pairs); shapes that do not fit are listed as skipped."""
     power_a = check_power_a(power_a)
-    vocab = int(vocab or model.config.vocab_size)
+    lengths, pairs = check_list("lengths", lengths), check_list("pairs", pairs)
+    samples, batch_size = check_count("samples", samples), check_count("batch_size", batch_size)
+    vocab = check_count("vocab", vocab, 2) if vocab is not None else int(model.config.vocab_size)
     if vocab > model.config.vocab_size:
         raise ConfigError("vocab", f"{vocab} exceeds the model's vocabulary ({model.config.vocab_size})")
     limit = hard_limit(model)

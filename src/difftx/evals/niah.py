@@ -41,7 +41,7 @@ import torch
 
 from ..data.tasks import register_task
 from ..errors import ConfigError, DataError
-from .common import (batches, check_options, corpus_text, encode, hard_limit, map_batch_size, model_device, pad_left,
+from .common import (batches, check_count, check_depths, check_list, check_options, corpus_text, encode, hard_limit, map_batch_size, model_device, pad_left,
                      pad_right, parse_range, predictions, rng_for, task_context)
 
 CITIES = (
@@ -280,8 +280,14 @@ def evaluate_niah(model, tokenizer, grid=DEFAULT_GRID, lengths: Optional[Sequenc
                   batch_size: Optional[int] = None, progress: bool = False) -> dict:
     """Multi-needle retrieval accuracy per (N, R, length, depth) cell, the N x R table and heat maps."""
     grid = parse_grid(grid)
+    if not grid:
+        raise ConfigError("grid", "must list at least one N x R cell")
+    samples = check_count("samples", samples)
+    depths = check_depths(depths)
+    if batch_size is not None:
+        batch_size = check_count("batch_size", batch_size)
     limit, hard = task_context(model), hard_limit(model)
-    lengths = sorted({int(x) for x in (lengths or (limit // 2, limit))})
+    lengths = sorted(set(check_list("lengths", lengths))) if lengths is not None else sorted({limit // 2, limit})
     builder = NiahBuilder(tokenizer, text=text, data=data, template=template, digits=digits)
     cells, skipped = [], []
     for n, r in grid:  # every cell can be built at all, before any is scored

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import DataError
 from ..nn.probe import AttentionProbe
-from .common import LogHistogram, TopK, attach, context_limit, corpus_text, encode, map_batch_size, model_device, \
+from .common import LogHistogram, TopK, attach, check_count, context_limit, corpus_text, encode, map_batch_size, model_device, \
     valid_values
 
 TOPS = (1, 2, 3, 10, 100)
@@ -99,7 +99,10 @@ def evaluate_outliers(model, tokens, seq_len: Optional[int] = None, max_tokens: 
                       batch_size: Optional[int] = None, progress: bool = False) -> dict:
     """Table 5 statistics over ``max_tokens`` tokens of the 1-D stream ``tokens`` (windows of ``seq_len``)."""
     tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-    seq_len = int(seq_len or context_limit(model, 1024))
+    seq_len = check_count("seq_len", seq_len) if seq_len is not None else context_limit(model, 1024)
+    max_tokens = check_count("max_tokens", max_tokens)
+    if batch_size is not None:
+        batch_size = check_count("batch_size", batch_size)
     n_windows = min(tokens.numel() // seq_len, max(1, max_tokens // seq_len))
     if n_windows < 1:
         raise DataError(f"need at least {seq_len} tokens for one window; got {tokens.numel()}")
@@ -118,6 +121,7 @@ def evaluate_outliers(model, tokens, seq_len: Optional[int] = None, max_tokens: 
 
 def evaluate_outliers_text(model, tokenizer, text: Optional[str] = None, data=None, max_tokens: int = 16384,
                            **kwargs) -> dict:
+    max_tokens = check_count("max_tokens", max_tokens)
     if text is None:
         text = corpus_text(data, min_chars=(max_tokens + 1) * 8, split="val")
     tokens = encode(tokenizer, text[: max_tokens * 8 + 1], "evaluation text")
