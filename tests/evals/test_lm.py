@@ -84,3 +84,25 @@ def test_logits_in_slices_give_the_same_results(monkeypatch):
     ids = tokens[:80].view(2, 40)
     with torch.no_grad():
         assert torch.equal(common.predictions(model, ids), model(ids).logits.argmax(-1))
+
+
+class _FourCharsPerToken:
+    """A tokenizer of 4 characters a token (a BPE's ratio on prose), ids in the byte range."""
+
+    def encode(self, text):
+        return [ord(text[i]) % 256 for i in range(0, len(text), 4)]
+
+
+def test_budget_below_one_window_still_reads_text_for_a_window():
+    """--max-tokens below the window: one window of seq_len is evaluated, so at least seq_len + 1 tokens of text
+    must be read.  Reading only (max_tokens + 1) * 8 characters gave a multi-character-per-token tokenizer too few
+    tokens: 'need at least 257 tokens ... pass more data' on a corpus of megabytes."""
+    from difftx.evals.lm import evaluate_lm_text
+    from difftx.evals.outliers import evaluate_outliers_text
+
+    model = tiny_model("diff", max_seq_len=256)
+    text = "The river was near the garden. " * 500
+    r = evaluate_lm_text(model, _FourCharsPerToken(), text=text, max_tokens=32)
+    assert r["windows"] == 1 and r["tokens"] == 256
+    r = evaluate_outliers_text(model, _FourCharsPerToken(), text=text, max_tokens=32, seq_len=128)
+    assert r["tokens"] == 128

@@ -133,10 +133,13 @@ def evaluate_lm_text(model, tokenizer, text: Optional[str] = None, data=None, ma
                      **kwargs) -> dict:
     """:func:`evaluate_lm` on ``text``, a text file ``data``, or the built-in validation corpus."""
     max_tokens = check_count("max_tokens", max_tokens)
+    seq_len = kwargs.get("seq_len")
+    seq_len = check_count("seq_len", seq_len) if seq_len is not None else context_limit(model, 1024)
+    budget = max(max_tokens, seq_len)  # at least one window is evaluated, even when it exceeds max_tokens
     if text is None:
-        text = corpus_text(data, min_chars=(max_tokens + 1) * 8, split="val")
+        text = corpus_text(data, min_chars=(budget + 1) * 8, split="val")
     # tokenize no more text than the budget needs (bytes per token is at most ~8 for BPE on code)
-    need = (max_tokens + 1) * 8 + 1
+    need = (budget + 1) * 8 + 1
     tokens = encode(tokenizer, text[:need], "evaluation text")
     if len(tokens) < 2:
         raise DataError("the evaluation text is too short (fewer than 2 tokens)")

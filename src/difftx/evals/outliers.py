@@ -122,9 +122,12 @@ def evaluate_outliers(model, tokens, seq_len: Optional[int] = None, max_tokens: 
 def evaluate_outliers_text(model, tokenizer, text: Optional[str] = None, data=None, max_tokens: int = 16384,
                            **kwargs) -> dict:
     max_tokens = check_count("max_tokens", max_tokens)
+    seq_len = kwargs.get("seq_len")
+    seq_len = check_count("seq_len", seq_len) if seq_len is not None else context_limit(model, 1024)
+    budget = max(max_tokens, seq_len)  # at least one window is evaluated, even when it exceeds max_tokens
     if text is None:
-        text = corpus_text(data, min_chars=(max_tokens + 1) * 8, split="val")
-    tokens = encode(tokenizer, text[: max_tokens * 8 + 1], "evaluation text")
+        text = corpus_text(data, min_chars=(budget + 1) * 8, split="val")
+    tokens = encode(tokenizer, text[: budget * 8 + 1], "evaluation text")
     return evaluate_outliers(model, tokens, max_tokens=max_tokens, **kwargs)
 
 
