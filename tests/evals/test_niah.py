@@ -188,3 +188,28 @@ def test_more_needles_than_cities_or_numbers_is_a_config_error(checkpoint, tmp_p
                "--data", str(checkpoint / "haystack.txt"), "--no-plot", "--quiet"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "distinct 1-digit numbers" in err[0]
+
+
+class _NinesShort:
+    """Bytes, except that digits 0-8 take 3 tokens each: '99999' is 5 tokens, '12345' 15 -- as a BPE tokenizes
+    numbers to varying lengths."""
+
+    def encode(self, text):
+        out = []
+        for ch in text:
+            out += [ord(ch), 1, 2] if ch in "012345678" else [ord(ch) % 256]
+        return out
+
+
+def test_a_cell_whose_drawn_numbers_do_not_fit_is_skipped_not_fatal():
+    """min_length estimates a needle with the number '99...9'; a tokenizer that tokenizes other numbers longer
+    (a BPE does), so at a length just above the estimate a drawn sample may not fit.  That aborted the whole
+    evaluation with a DataError; the cell is now listed in ``skipped`` (as documented) and the others run."""
+    tok = _NinesShort()
+    b = NiahBuilder(tok, text=haystack_text())
+    need = b.min_length(1, 1)
+    model = tiny_model("diff")
+    r = evaluate_niah(model, tok, grid="N1R1", lengths=[need, 256], depths=[0.5], samples=8, text=haystack_text(),
+                      generation=False)
+    assert [c["length"] for c in r["cells"]] == [256]
+    assert [(s["length"], "do not fit" in s["reason"]) for s in r["skipped"]] == [(need, True)]

@@ -303,8 +303,15 @@ def evaluate_niah(model, tokenizer, grid=DEFAULT_GRID, lengths: Optional[Sequenc
                 skipped.append({"needles": n, "queries": r, "length": length,
                                 "reason": f"needs at least {need} tokens"})
                 continue
-            for di, d in enumerate(depths):
-                ss = [builder.sample(rng_for(seed, ci, li, di, k), length, n, r, d) for k in range(samples)]
+            try:  # min_length is exact for a byte tokenizer; a BPE tokenizes numbers and cities to varying lengths
+                built = [[builder.sample(rng_for(seed, ci, li, di, k), length, n, r, d) for k in range(samples)]
+                         for di, d in enumerate(depths)]
+            except DataError:
+                skipped.append({"needles": n, "queries": r, "length": length,
+                                "reason": f"a drawn sample's needles and queries do not fit in {length} tokens "
+                                          f"(its numbers or cities tokenize longer than the estimate, {need})"})
+                continue
+            for d, ss in zip(depths, built):
                 cells.append(({"needles": n, "queries": r, "length": length, "depth": float(d)}, ss))
     if not cells:
         raise DataError(f"no N x R cell fits the lengths {lengths} (e.g. {skipped[0]['reason']} for "
