@@ -259,3 +259,13 @@ def test_eval_warns_in_one_line_when_a_native_kernel_setting_kept_them_off(check
     finally:
         monkeypatch.undo()
         native.reset()
+
+
+def test_icl_summary_shows_worst_and_best_not_mean_plus_minus_half_margin():
+    """Accuracies 0.9, 0.9, 0.3 over three orders printed '0.700±0.300', i.e. 0.4..1.0 -- neither the worst (0.3)
+    nor the best (0.9); elsewhere difftx's '±' is a standard deviation."""
+    from difftx.cli.eval import _summary
+
+    pt = {"shots": 4, "accuracies": [0.9, 0.9, 0.3], "mean": 0.7, "best": 0.9, "worst": 0.3, "margin": 0.6, "std": 0.28}
+    (line,) = _summary("icl", {"tasks": [{"task": "synthetic-6", "curves": {"random": [pt]}}]})
+    assert "±" not in line and "0.700" in line and "0.300" in line and "0.900" in line

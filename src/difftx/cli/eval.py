@@ -286,7 +286,8 @@ def _summary(name: str, r: dict) -> list[str]:
         return [f"{'none' if x['bits'] is None else str(x['bits']) + '-bit':>7}: {r['metric']} {f(x['value'])}"
                 for x in r["rows"]]
     if name == "icl":
-        return [f"{t['task']} {how}: " + "  ".join(f"{p['shots']}-shot {p['mean']:.3f}±{p['margin'] / 2:.3f}"
+        # mean [worst, best] over the orders: the mean need not sit mid-range, so no "mean ± margin/2"
+        return [f"{t['task']} {how}: " + "  ".join(f"{p['shots']}-shot {p['mean']:.3f} [{p['worst']:.3f}, {p['best']:.3f}]"
                                                  for p in pts) for t in r["tasks"] for how, pts in t["curves"].items()]
     return []
 
