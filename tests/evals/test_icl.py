@@ -110,3 +110,11 @@ def test_non_utf8_jsonl_is_one_line(checkpoint, tmp_path, capsys):
                "--no-plot", "--quiet"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "not UTF-8" in err[0] and err[0].startswith("difftx eval")
+
+
+def test_a_single_task_or_arrangement_may_be_a_string():
+    """tasks='synthetic-6' (as --metric-opt tasks=synthetic-6 passes it) was iterated character by character:
+    "'s' is neither synthetic-<classes> nor a JSONL file"; arrangements='random' likewise ("got 'r'")."""
+    r = evaluate_icl(tiny_model("diff"), TOK, tasks="synthetic-6", arrangements="random", shots=[1], seeds=1,
+                     test_examples=2)
+    assert [t["task"] for t in r["tasks"]] == ["synthetic-6"] and list(r["tasks"][0]["curves"]) == ["random"]
