@@ -287,8 +287,9 @@ def _summary(name: str, r: dict) -> list[str]:
                 for x in r["rows"]]
     if name == "icl":
         # mean [worst, best] over the orders: the mean need not sit mid-range, so no "mean ± margin/2"
-        return [f"{t['task']} {how}: " + "  ".join(f"{p['shots']}-shot {p['mean']:.3f} [{p['worst']:.3f}, {p['best']:.3f}]"
-                                                 for p in pts) for t in r["tasks"] for how, pts in t["curves"].items()]
+        return [f"{t['task']} {how}: " + "  ".join(f"{p['shots']}-shot {p['mean']:.3f} "
+                                                 f"[{p['worst']:.3f}, {p['best']:.3f}]" for p in pts)
+                for t in r["tasks"] for how, pts in t["curves"].items()]
     return []
 
 

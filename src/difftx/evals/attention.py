@@ -36,7 +36,8 @@ import torch
 
 from ..errors import ConfigError
 from ..nn.probe import AttentionProbe
-from .common import attach, batches, check_count, check_depths, hard_limit, map_batch_size, model_device, pad_right, rng_for, task_context
+from .common import (attach, batches, check_count, check_depths, hard_limit, map_batch_size, model_device, pad_right,
+                     rng_for, task_context)
 from .niah import DEPTHS, REGION_NAMES, NiahBuilder, NiahSample
 
 NORMALIZATIONS = ("l1", "rowsum", "positive", "none")

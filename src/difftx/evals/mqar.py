@@ -28,7 +28,8 @@ import torch
 
 from ..data.tasks import register_task
 from ..errors import ConfigError
-from .common import batches, check_count, check_list, check_options, hard_limit, model_device, parse_range, predictions, rng_for
+from .common import (batches, check_count, check_list, check_options, hard_limit, model_device, parse_range,
+                     predictions, rng_for)
 
 DEFAULT_LENGTHS = (64, 128, 256)
 DEFAULT_PAIRS = (4, 8, 16, 32)

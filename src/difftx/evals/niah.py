@@ -41,8 +41,8 @@ import torch
 
 from ..data.tasks import register_task
 from ..errors import ConfigError, DataError
-from .common import (batches, check_count, check_depths, check_list, check_options, corpus_text, encode, hard_limit, map_batch_size, model_device, pad_left,
-                     pad_right, parse_range, predictions, rng_for, task_context)
+from .common import (batches, check_count, check_depths, check_list, check_options, corpus_text, encode, hard_limit,
+                     map_batch_size, model_device, pad_left, pad_right, parse_range, predictions, rng_for, task_context)
 
 CITIES = (
     "Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Cairo", "Delhi", "Madrid", "Berlin", "Rome", "Vienna", "Prague",

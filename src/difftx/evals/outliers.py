@@ -23,8 +23,8 @@ import torch
 
 from ..errors import DataError
 from ..nn.probe import AttentionProbe
-from .common import LogHistogram, TopK, attach, check_count, context_limit, corpus_text, encode, map_batch_size, model_device, \
-    valid_values
+from .common import LogHistogram, TopK, attach, check_count, context_limit, corpus_text, encode, map_batch_size, \
+    model_device, valid_values
 
 TOPS = (1, 2, 3, 10, 100)
 
