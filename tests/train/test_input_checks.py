@@ -100,7 +100,9 @@ def test_a_saved_config_with_the_old_ignored_warmup_epochs_still_loads():
 
 @pytest.mark.parametrize("state", [{"step": "x"}, {"step": None}, {"tokens_seen": 3}, {"step": 4.5},
                                    {"step": 4, "tokens_seen": "many"}, {"step": 4, "last_eval": [1]},
-                                   {"step": 4, "elapsed_s": float("nan")}])
+                                   {"step": 4, "elapsed_s": float("nan")}, {"step": 4, "micro_batches": "x"},
+                                   {"step": 4, "world_size": None}, {"step": 4, "world_size": 0},
+                                   {"step": 4, "micro_batches": 1.5}])
 def test_wrong_types_in_trainer_state(run4, train_cli, capsys, state):
     path = run4 / "checkpoints" / "step_00000004" / "trainer_state.json"
     path.write_text(json.dumps(state))

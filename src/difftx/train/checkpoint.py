@@ -269,6 +269,7 @@ def _torch_load(path: Path, device) -> dict:
 
 
 _STATE_FIELDS = {"step": int, "tokens_seen": int, "samples_seen": int, "elapsed_s": (int, float), "last_eval": dict}
+_STATE_COUNTS = ("world_size", "micro_batches")  # Trainer.load_state_dict compares the sequences per step
 
 
 def check_trainer_state(state: dict, path: Path) -> dict:
@@ -284,6 +285,12 @@ def check_trainer_state(state: dict, path: Path) -> dict:
                 "a non-negative number"
             raise CheckpointError(f"{path}: {key!r} is {got}, not {what}; the trainer state is corrupt, use "
                                   "another checkpoint")
+    for key in _STATE_COUNTS:  # optional, but when present they size a step: positive integers
+        if key in state:
+            v = state[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise CheckpointError(f"{path}: {key!r} is {v!r}, not a positive integer; the trainer state is "
+                                      "corrupt, use another checkpoint")
     return state
 
 
