@@ -180,3 +180,9 @@ def test_unloadable_optimizer_state_whole_message_no_warning(run4, train_cli, ca
         "the file is truncated or corrupt, use another checkpoint")), err
     assert not [w for w in caught if issubclass(w.category, UserWarning)], [str(w.message)[:200] for w in caught]
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_seed_too_large_for_torch_is_one_line(tmp_path, train_cli, capsys):
+    assert train_cli("--steps", 2, "--seed", 2 ** 64, "--out", tmp_path / "run") == 2
+    assert "seed" in _one_line(capsys)
+    assert not (tmp_path / "run").exists()

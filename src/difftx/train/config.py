@@ -20,6 +20,7 @@ from ..optim import OPTIMIZERS, SCHEDULES
 
 DTYPES = ("auto", "fp32", "bf16")
 PARALLEL = ("auto", "none", "ddp", "fsdp")
+MAX_SEED = 1 << 63
 
 # fields a resumed run may change (the rest must match the run being resumed)
 RESUMABLE_CHANGES = ("steps", "stop_at", "eval_every", "eval_batches", "log_every", "diag_every",
@@ -126,6 +127,8 @@ class TrainConfig:
         for name in ("seq_len", "global_batch", "stop_at", "threads"):
             positive_int(name, allow_none=True)
         positive_int("seed", allow_zero=True)
+        if self.seed >= MAX_SEED:  # torch.manual_seed(seed + rank) takes 64 bits
+            raise ConfigError("seed", f"must be below 2^63; got {self.seed}")
         number("lr", 0.0, lo_open=True)
         number("min_lr")
         number("weight_decay")
