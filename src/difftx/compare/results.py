@@ -124,12 +124,15 @@ def _histograms(runs: list[dict]) -> dict:
 
 
 def _per_cpu_s(run: dict) -> Optional[float]:
-    """Tokens (images) per CPU second of the whole training run (evaluations included): unlike the wall-clock
-    rate, it does not depend on what else the machine runs.  CPU runs only (a GPU run's CPU time means little)."""
+    """Tokens (images) per CPU second of the training (evaluations included): unlike the wall-clock rate, it does
+    not depend on what else the machine runs.  CPU runs only (a GPU run's CPU time means little).  ``cpu_s`` is the
+    last training process's: a job continued after an interruption trained only ``train.steps`` steps in it."""
     tps, cpu = _get(run, "curve", "tokens_per_step"), _get(run, "train", "cpu_s")
     if not tps or not cpu or _get(run, "memory", "method") == "torch.cuda.max_memory_allocated":
         return None
-    return tps * run["job"]["steps"] / cpu
+    steps = _get(run, "train", "steps")
+    steps = run["job"]["steps"] if steps is None else steps  # job.json of older versions: never resumed, assumed
+    return tps * steps / cpu if steps > 0 else None
 
 
 def corpus_arm(runs: list[dict], domain: str) -> dict:

@@ -73,6 +73,7 @@ def run_job(study: StudyConfig, job: Job, out: Path, report: Report = lambda e: 
     tcfg = train_config(study, job)
     mcfg = study.model_config(job.arm, job.task)
     report({"event": "start", "job": job.key, "steps": job.steps})
+    start = _resumed_step(run_dir)  # an interrupted job continues: this process trains only the rest
     cpu0, wall0 = time.process_time(), time.perf_counter()
     result = {"job": job.to_dict(), "label": job.arm.label, "params": None, "diverged": False}
     try:
@@ -91,6 +92,7 @@ def run_job(study: StudyConfig, job: Job, out: Path, report: Report = lambda e: 
     if world.is_main:
         report({"event": "measure", "job": job.key})
         rows = _metrics(run_dir)
+        result["train"]["steps"] = max([r["step"] for r in rows if "loss" in r], default=start) - start  # cpu_s's
         result.update(curves(rows, job, tcfg))
         from ..accounting import count_parameters
 
@@ -102,6 +104,14 @@ def run_job(study: StudyConfig, job: Job, out: Path, report: Report = lambda e: 
     world.barrier()
     report({"event": "done", "job": job.key})
     return result
+
+
+def _resumed_step(run_dir: Path) -> int:
+    """The step the job's training continues from: its newest checkpoint's (0 for a fresh job)."""
+    from ..train.checkpoint import resolve_resume
+
+    ckpt = resolve_resume("auto", run_dir) if Path(run_dir).is_dir() else None
+    return int(ckpt.name.split("_")[1]) if ckpt is not None else 0
 
 
 def _metrics(run_dir: Path) -> list[dict]:

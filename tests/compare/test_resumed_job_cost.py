@@ -1,0 +1,29 @@
+"""A job continued after an interruption: its CPU rate counts only the steps its last process trained."""
+
+from __future__ import annotations
+
+
+from difftx.compare import StudyConfig
+from difftx.compare.jobs import plan, train_config
+from difftx.compare.results import _per_cpu_s
+from difftx.compare.worker import run_job
+from difftx.train import train
+
+
+def test_a_resumed_job_counts_only_the_steps_it_trained(tmp_path, corpus):
+    study = StudyConfig(arms=["transformer:adamw"], seeds=1, steps=8, retrieval="none", data=str(corpus),
+                        model={"n_layers": 1, "d_model": 32}, batch_size=4, seq_len=16, eval_points=2,
+                        eval_batches=2, tail_batches=2, tail_entries=256, outlier_tokens=256, device="cpu",
+                        cache_dir=str(tmp_path / "cache"))
+    job = plan(study)[0]
+    run_dir = job.run_dir(tmp_path / "out")
+    # the study was interrupted after step 6 of 8 (a checkpoint there), then resumed
+    train(train_config(study, job).replace(stop_at=6), study.model_config(job.arm), run_dir, announce=None,
+          memory_check=False)
+    res = run_job(study, job, tmp_path / "out")
+    assert res["train"]["steps"] == 2
+    tps = res["curve"]["tokens_per_step"]
+    assert _per_cpu_s(res) == tps * 2 / res["train"]["cpu_s"]
+    fresh = run_job(study, job, tmp_path / "fresh")
+    assert fresh["train"]["steps"] == 8
+    assert _per_cpu_s(fresh) == tps * 8 / fresh["train"]["cpu_s"]
