@@ -205,3 +205,16 @@ def test_unusable_out_is_one_line(compare, tmp_path, where, needle):
     out = tmp_path / "f" if where == "file" else tmp_path / "f" / "x"
     assert needle in _one_line_error(compare("--out", out, "--steps", "1", "--no-progress"))
     assert (tmp_path / "f").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("content", ['{"difftx_compare": 1}', '[1, 2]', '{"study": []}', '{"study": {"seed": "x"}}',
+                                     '{"study": {"min_lr_ratio": "x"}}', '{"study": {"lr": 5}}',
+                                     '{"study": {"arms": 5}}', '{"study": {"lr_sweep": {"adamw": 5}}}',
+                                     '{"study": {"seeds": "x"}}'])
+def test_resume_of_a_corrupt_study_json_is_one_line(tmp_path, compare, content):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "study.json").write_text(content)
+    err = _one_line_error(compare("--out", out, "--resume", "--no-progress"))
+    assert "study.json" in err and "corrupt" in err, err
+    assert (out / "study.json").read_text() == content

@@ -56,7 +56,16 @@ def resume_config(out: Path, explicit: dict) -> StudyConfig:
     saved = load_study(out)
     if saved is None:
         raise ConfigError("resume", f"{out} holds no study ({STUDY_FILE} missing); run without --resume to start one")
-    stored = StudyConfig.from_dict(saved["study"])
+    path = Path(out) / STUDY_FILE
+    if not isinstance(saved, dict) or not isinstance(saved.get("study"), dict):
+        raise ConfigError("out", f"{path} holds no study object; the file is corrupt, start a new --out")
+    try:
+        stored = StudyConfig.from_dict(saved["study"])
+    except ConfigError as e:
+        raise ConfigError("out", f"{path}: {e}; the file is corrupt, start a new --out") from None
+    except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong kind (hand-edited or damaged)
+        raise ConfigError("out", f"{path}: not a valid study ({type(e).__name__}: {e}); the file is corrupt, start a "
+                                 "new --out") from None
     given = StudyConfig.from_dict({**stored.to_dict(), **explicit})
     for name, value in given.to_dict().items():
         if name not in StudyConfig.RESUMABLE and value != getattr(stored, name):
