@@ -186,3 +186,9 @@ def test_a_seed_too_large_for_torch_is_one_line(tmp_path, train_cli, capsys):
     assert train_cli("--steps", 2, "--seed", 2 ** 64, "--out", tmp_path / "run") == 2
     assert "seed" in _one_line(capsys)
     assert not (tmp_path / "run").exists()
+
+
+def test_nesterov_without_momentum_is_one_line(tmp_path, train_cli, capsys):
+    assert train_cli("--steps", 2, "--optimizer", "sgd", "--nesterov", "--momentum", 0, "--out", tmp_path / "run") == 2
+    assert "nesterov" in _one_line(capsys)
+    assert not (tmp_path / "run").exists()

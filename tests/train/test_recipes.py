@@ -54,7 +54,9 @@ def test_bad_values_name_the_field():
     for bad, field in [(dict(lr=0), "lr"), (dict(optimizer="lion"), "optimizer"), (dict(batch_size=0), "batch_size"),
                        (dict(betas=(0.9, 1.5)), "betas"), (dict(min_lr=1.0, lr=0.1), "min_lr"),
                        (dict(dtype="fp8"), "dtype"), (dict(val_fraction=0.95), "val_fraction"),
-                       (dict(seed=2 ** 64), "seed"), (dict(seed=-1), "seed")]:
+                       (dict(seed=2 ** 64), "seed"), (dict(seed=-1), "seed"),
+                       (dict(optimizer="sgd", nesterov=True, momentum=0.0), "nesterov"),
+                       (dict(optimizer="msgdw", nesterov=True, momentum=0.0), "nesterov")]:
         with pytest.raises(ConfigError, match=field):
             TrainConfig(**bad)
     with pytest.raises(ConfigError, match="unknown recipe"):

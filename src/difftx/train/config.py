@@ -140,6 +140,9 @@ class TrainConfig:
             raise ConfigError("momentum" if self.nesterov is False else "nesterov",
                               "Muon keeps its own momentum (0.95, Nesterov); momentum and nesterov set msgdw's and "
                               "sgd's: drop them")
+        if self.nesterov and self.momentum == 0 and self.optimizer in ("sgd", "msgdw"):
+            raise ConfigError("nesterov", "needs a momentum above 0 (torch's SGD refuses Nesterov without one); "
+                                          "drop --nesterov or give --momentum")
         if self.min_lr > self.lr:
             raise ConfigError("min_lr", f"({self.min_lr}) must not exceed lr ({self.lr})")
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
