@@ -192,3 +192,17 @@ def test_nesterov_without_momentum_is_one_line(tmp_path, train_cli, capsys):
     assert train_cli("--steps", 2, "--optimizer", "sgd", "--nesterov", "--momentum", 0, "--out", tmp_path / "run") == 2
     assert "nesterov" in _one_line(capsys)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("field, value", [("betas", 5), ("task_options", 5), ("domain_options", [1]), ("seed", "x"),
+                                          ("steps", None)])
+def test_a_corrupt_config_in_the_checkpoint_names_the_file(run4, train_cli, capsys, field, value):
+    path = run4 / "checkpoints" / "step_00000004" / "config.json"
+    config = json.loads(path.read_text())
+    config["train"][field] = value
+    path.write_text(json.dumps(config))
+    before = _snapshot(run4)
+    assert train_cli("--steps", 6, "--out", run4, "--resume", "auto") == 2
+    err = _one_line(capsys)
+    assert str(path) in err and "corrupt" in err, err
+    assert _snapshot(run4) == before

@@ -98,7 +98,11 @@ def _merge_resumed(saved: dict, source: Path, tcfg: TrainConfig, mcfg: ModelConf
             or not isinstance(saved.get("model"), dict):
         raise ConfigError(None, f"{source / CONFIG_FILE}: not a difftx training run config (no 'train'/'model' "
                                 "objects); the file is corrupt")
-    old_t, old_m = TrainConfig.from_dict(saved["train"]), ModelConfig.from_dict(saved["model"])
+    try:
+        old_t, old_m = TrainConfig.from_dict(saved["train"]), ModelConfig.from_dict(saved["model"])
+    except (ConfigError, TypeError, ValueError, AttributeError) as e:  # hand-edited or damaged: not the user's flags
+        raise ConfigError(None, f"{source / CONFIG_FILE}: not a valid run config ({e}); the file is corrupt, use "
+                                "another checkpoint") from None
     changes = {"stop_at": None}  # a stop step is for one invocation only
     for f in explicit_train:
         new, old = getattr(tcfg, f), getattr(old_t, f)
