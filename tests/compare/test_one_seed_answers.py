@@ -22,3 +22,14 @@ def test_nothing_measured_is_still_not_measured():
     none = {**_arm(0.0), "val_loss": None}
     q = questions(study, {"transformer-adamw": none, "diff-adamw": none}, None)
     assert q["diff_vs_transformer"]["answer"] == "not measured"
+
+
+def test_lr_source_names_the_sweep_only_for_swept_optimisers():
+    from difftx.compare.results import lr_source
+
+    study = StudyConfig(arms=["transformer:adamw", "transformer:sgd"], seeds=1, steps=4, retrieval="none",
+                        lr_sweep={"adamw": [1e-3, 2e-3]})
+    arms = {a.id: a for a in study.arm_list()}
+    lrs = {"transformer-adamw": 2e-3, "transformer-sgd": 0.3}  # choose_lrs picks for every arm of the sweep plan
+    assert lr_source(study, arms["transformer-adamw"], lrs) == "--lr-sweep"
+    assert lr_source(study, arms["transformer-sgd"], lrs) == "default"

@@ -283,7 +283,7 @@ def build_results(study: StudyConfig, jobs: list[Job], results: dict, sweep: lis
                           "norms": cfg.norms, "n_heads": cfg.n_heads, "head_dim": cfg.head_dim,
                           "params": runs[0].get("params") if runs else None,
                           "lr": lrs.get(a.id, study.lr_for(a)),
-                          "lr_source": "--lr-sweep" if a.id in lrs else study.lr_source(a)}
+                          "lr_source": lr_source(study, a, lrs)}
     corpus = {a.id: corpus_arm(by("corpus", a.id), study.domain) for a in arms}
     retrieval = None
     if "retrieval" in study.tasks():
@@ -309,6 +309,13 @@ def build_results(study: StudyConfig, jobs: list[Job], results: dict, sweep: lis
             "questions": questions(study, corpus, retrieval), "lr_sweep": sweep_section(study, sweep, sweep_results, lrs),
             "papers": PAPER_NUMBERS, "timing": {**timing, "jobs_cpu_s": round(sum(
                 (r.get("train") or {}).get("cpu_s", 0.0) for r in results.values()), 1)}}
+
+
+def lr_source(study: StudyConfig, arm: Arm, lrs: dict) -> str:
+    """Where an arm's lr came from: the sweep only when its optimiser had a grid (the others ran at their one lr)."""
+    if arm.id in lrs and len((study.lr_sweep or {}).get(arm.optimizer, ())) > 0:
+        return "--lr-sweep"
+    return study.lr_source(arm)
 
 
 def _tokens(results: dict, jobs: list[Job], task: str) -> Optional[int]:
