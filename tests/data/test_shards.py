@@ -86,3 +86,18 @@ def test_bpe_shards_are_the_tokenizers_own_encoding(tmp_path, monkeypatch):
     assert tok.encode_array(CODE, segment=7).tolist() == tok.encode(CODE)
     data = prepare_tokens(resolve_corpus(str(tmp_path / "code.txt")), tok, tmp_path / "cache", progress=False)
     assert data.tokens.tolist() == tok.encode(CODE) + [tok.eos_id]
+
+
+def test_bpe_shards_do_not_cut_after_a_piece_whose_last_line_is_long(tmp_path, monkeypatch):
+    """A piece whose last line is longer than 4096 characters has no pre-token boundary after its last newline
+    but its end; that newline merges with the indentation that starts the next piece ('\\n' + '    word'), so
+    the piece may not be encoded alone: the shard must still be encode(file) + EOS."""
+    from difftx.data import corpus as corpus_mod
+    from difftx.data.tokenizers import train_bpe
+
+    monkeypatch.setattr(corpus_mod, "PIECE_BYTES", 6000)
+    text = "word " * 1100 + "\n" + "    " + "word " * 1100 + "\n" + "    y = 1\n"
+    (tmp_path / "long.txt").write_text(text)
+    tok = train_bpe(iter([text]), 300)
+    data = prepare_tokens(resolve_corpus(str(tmp_path / "long.txt")), tok, tmp_path / "cache", progress=False)
+    assert data.tokens.tolist() == tok.encode(text) + [tok.eos_id]

@@ -32,7 +32,8 @@ from ..errors import DataError
 from .corpus import Corpus
 from .tokenizers import Tokenizer
 
-SHARD_FORMAT = 2  # 2: pieces and BPE segments cut at pre-token boundaries (1 could cut a whitespace run)
+SHARD_FORMAT = 3  # 2: pieces and BPE segments cut at pre-token boundaries (1 could cut a whitespace run);
+# 3: a piece with no boundary after its last newline but its end waits for the next (2 cut it there)
 TOKENS_FILE = "tokens.bin"
 MANIFEST_FILE = "manifest.json"
 
@@ -102,6 +103,11 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
                     # a piece ends at a newline the tokenizer may not cut at: its tail goes with the next piece
                     text = carry + piece
                     cut = len(text) if end else tokenizer.cut(text, text.rfind("\n", 0, max(0, len(text) - 4096)) + 1)
+                    if not end and cut >= len(text):
+                        # no safe cut before the piece's end (its last line is long, or only whitespace follows
+                        # the newline cut() started from): the piece's trailing newline may merge with what the
+                        # next piece starts with ('\n' + '    def'), so the whole text waits for more
+                        cut = 0
                     text, carry = text[:cut], text[cut:]
                     ids = tokenizer.encode_array(text)
                     if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
