@@ -354,3 +354,31 @@ def test_diffllama_attention_bias_is_refused_naming_diffllama(capsys, tmp_path):
     rc, _, err = run_main(capsys, tmp_path / "dl", tmp_path / "out")
     _one_error_line(rc, err, "attention_bias=True is not supported for DiffLlama")
     assert "mlp_bias" not in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("content,needle", [
+    ([torch.zeros(2)], "holds a list"),
+    (torch.zeros(2), "holds a Tensor"),
+    ({"model.embed_tokens.weight": 3}, "'model.embed_tokens.weight' is a int"),
+    ({1: torch.zeros(2)}, "key 1 is a int"),
+])
+def test_a_pytorch_model_bin_that_is_not_a_dict_of_named_tensors_is_one_error_line(capsys, llama_dir, tmp_path,
+                                                                                    content, needle):
+    """torch.load(weights_only=True) reads lists, bare tensors and ints too: not a state dict, one clear line."""
+    _, src = llama_dir
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text((src / "config.json").read_text())
+    torch.save(content, tmp_path / "hf" / "pytorch_model.bin")
+    rc, _, err = run_main(capsys, tmp_path / "hf", tmp_path / "out")
+    _one_error_line(rc, err, "pytorch_model.bin", needle)
+
+
+@pytest.mark.parametrize("shard", [["model.safetensors"], 3])
+def test_a_weight_index_naming_no_shard_file_is_one_error_line(capsys, llama_dir, tmp_path, shard):
+    _, src = llama_dir
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text((src / "config.json").read_text())
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.embed_tokens.weight": shard}}))
+    rc, _, err = run_main(capsys, tmp_path / "hf", tmp_path / "out")
+    _one_error_line(rc, err, "model.safetensors.index.json", "the index is corrupt")

@@ -65,10 +65,21 @@ def is_hf_dir(path) -> bool:
 
 def _load_bin(path: Path) -> dict:
     try:
-        return torch_load_weights_only(path)
+        state = torch_load_weights_only(path)
     except Exception as e:
         raise CheckpointError(f"{path}: cannot read as a weights-only torch file ({type(e).__name__}); "
                               "re-save it as safetensors") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a state dict of named tensors; "
+                              "the file is corrupt or not a model's weights")
+    for k, v in state.items():
+        if not isinstance(k, str):
+            raise CheckpointError(f"{path}: key {k!r} is a {type(k).__name__}, not a tensor name; "
+                                  "the file is corrupt or not a model's weights")
+        if not isinstance(v, torch.Tensor):
+            raise CheckpointError(f"{path}: entry '{k}' is a {type(v).__name__}, not a tensor; "
+                                  "the file is corrupt or not a model's weights")
+    return state
 
 
 def read_hf_weights(path) -> dict:
@@ -81,6 +92,9 @@ def read_hf_weights(path) -> dict:
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: no 'weight_map'; the index is corrupt")
             state: dict = {}
+            if not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names; "
+                                      "the index is corrupt")
             for shard in sorted(set(weight_map.values())):
                 shard_path = (path / shard).resolve()
                 if shard_path.parent != path.resolve():
