@@ -158,3 +158,18 @@ def test_file_conversion_refuses_a_module_tensor_it_cannot_map(tmp_path):
         with pytest.raises(CheckpointError, match=f"unexpected tensor '{extra}'"):
             convert_unilm_file(tmp_path / "ckpt.safetensors", tmp_path / f"out-{extra}")
         assert not (tmp_path / f"out-{extra}").exists()
+
+
+@pytest.mark.parametrize("key,bad", [("lambda_q1", torch.tensor(1.0)), ("lambda_q1", torch.zeros(0)),
+                                     ("q_proj.weight", torch.zeros(64)), ("k_proj.weight", torch.zeros(64, 64, 1))])
+def test_a_mis_shaped_lambda_or_projection_is_one_error_naming_file_and_module(tmp_path, key, bad):
+    """head_dim comes from lambda_q1 and embed_dim from q_proj: a 0-d / empty lambda or a 1-D weight was an
+    IndexError / ZeroDivisionError; now one CheckpointError naming the file, the module and the tensor."""
+    from safetensors.torch import save_file
+
+    state = {f"layers.3.attn.{k}": v for k, v in official_state().items()}
+    state[f"layers.3.attn.{key}"] = bad
+    save_file(state, tmp_path / "ckpt.safetensors")
+    with pytest.raises(CheckpointError, match=rf"ckpt\.safetensors \(module 'layers\.3\.attn\.'\): tensor '{key}'"):
+        convert_unilm_file(tmp_path / "ckpt.safetensors", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -51,6 +51,16 @@ def unilm_to_difftx(state: dict, depth: int, rope_theta: float = 10000.0, varian
     for key in state:
         if key not in REQUIRED and key != "subln.weight":
             raise CheckpointError(f"{source}: unexpected tensor '{key}' (the official module has no biases)")
+    for key in state:
+        if not isinstance(state[key], torch.Tensor):
+            raise CheckpointError(f"{source}: '{key}' is a {type(state[key]).__name__}, not a tensor")
+    if state["lambda_q1"].dim() != 1 or state["lambda_q1"].shape[0] < 1:
+        raise CheckpointError(f"{source}: tensor 'lambda_q1' has shape {tuple(state['lambda_q1'].shape)}, "
+                              "expected (head_dim,) with head_dim >= 1")
+    for key in ("q_proj.weight", "k_proj.weight", "v_proj.weight"):
+        if state[key].dim() != 2:
+            raise CheckpointError(f"{source}: tensor '{key}' has shape {tuple(state[key].shape)}, expected a "
+                                  "2-D (rows, embed_dim) weight")
     d = state["lambda_q1"].shape[0]
     e = state["q_proj.weight"].shape[1]
     rows = {k: state[k + ".weight"].shape[0] for k in ("q_proj", "k_proj", "v_proj")}
@@ -85,18 +95,19 @@ def unilm_to_difftx(state: dict, depth: int, rope_theta: float = 10000.0, varian
 
 
 def load_unilm_attention(state, depth: int, rope_theta: float = 10000.0, variant: str = "flash",
-                         pairing: Optional[str] = None, rope_style: Optional[str] = None):
+                         pairing: Optional[str] = None, rope_style: Optional[str] = None,
+                         source: Optional[str] = None):
     """A difftx :class:`~difftx.nn.attention.DifferentialAttention` with the official module's weights.
 
     ``state``: the module's state dict or a path to a safetensors / weights-only
     torch file holding it.  ``depth``: the official 0-based layer index (lambda_init
     uses it).  ``pairing`` / ``rope_style`` optionally re-lay the rows out (the
     module then expects inputs rotated in that style; the function is unchanged).
-    Returns ``(module, config)``; call it as ``module(x, rope, mask)``.
+    ``source`` names the weights in errors.  Returns ``(module, config)``; call it as ``module(x, rope, mask)``.
     """
     from ..nn.attention import DifferentialAttention
 
-    source = str(state) if not isinstance(state, dict) else "unilm state dict"
+    source = source or (str(state) if not isinstance(state, dict) else "unilm state dict")
     if not isinstance(state, dict):
         state = read_weights_file(Path(state))
     cfg, sd = unilm_to_difftx(state, depth, rope_theta, variant, source)
@@ -162,7 +173,8 @@ def convert_unilm_file(src, dst, depth: Optional[int] = None, rope_theta: float 
         if layer_depth is None:
             raise CheckpointError(f"{src}: cannot tell the depth of module '{prefix or '<root>'}' "
                                   "(lambda_init depends on it); pass --depth")
-        module, cfg = load_unilm_attention(state, layer_depth, rope_theta, variant, pairing, rope_style)
+        module, cfg = load_unilm_attention(state, layer_depth, rope_theta, variant, pairing, rope_style,
+                                           source=f"{src} (module '{prefix or '<root>'}')")
         tensors.update({prefix + k: v for k, v in module.state_dict().items()})
         index[prefix] = {"layer": layer_depth + 1, "model": cfg.to_dict()}
     make_out_dir(dst, flag="DST")
