@@ -72,3 +72,15 @@ def test_load_tokenizer_errors(tmp_path):
         build_tokenizer("char")
     with pytest.raises(DataError, match="not byte, char, bpe"):
         build_tokenizer("wordpiece")
+
+
+@pytest.mark.parametrize("chars", [None, 5, ["ab", "c"], [1, 2]])
+def test_a_corrupt_char_tokenizer_file_is_one_data_error(tmp_path, chars):
+    """No 'chars' was a KeyError, a non-list a TypeError; multi-character entries loaded a vocabulary whose
+    entries can never match."""
+    data = {"difftx_tokenizer": "char"}
+    if chars is not None:
+        data["chars"] = chars
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(DataError, match="a char tokenizer needs 'chars'"):
+        load_tokenizer(tmp_path)

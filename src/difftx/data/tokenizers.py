@@ -286,7 +286,11 @@ def tokenizer_from_dict(data: dict, source: str = "tokenizer") -> Tokenizer:
     if kind == "byte":
         return ByteTokenizer()
     if kind == "char":
-        return CharTokenizer(data["chars"])
+        chars = data.get("chars")
+        if not isinstance(chars, list) or not all(isinstance(c, str) and len(c) == 1 for c in chars):
+            raise DataError(f"{source}: a char tokenizer needs 'chars', a list of single characters; "
+                            "the file is corrupt")
+        return CharTokenizer(chars)
     if is_hf_tokenizer_json(data):
         return HFTokenizer.from_str(json.dumps(data), source)
     raise DataError(f"{source}: not a difftx or Hugging Face tokenizer (unknown kind {kind!r})")
