@@ -173,3 +173,18 @@ def test_a_mis_shaped_lambda_or_projection_is_one_error_naming_file_and_module(t
     with pytest.raises(CheckpointError, match=rf"ckpt\.safetensors \(module 'layers\.3\.attn\.'\): tensor '{key}'"):
         convert_unilm_file(tmp_path / "ckpt.safetensors", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("index", [[1], {"modules": []}, {"modules": {"a.": {}}},
+                                   {"modules": {"a.": {"model": 3, "layer": 1}}}])
+def test_a_corrupt_attention_json_is_one_error(tmp_path, index):
+    """load_attention_modules on a damaged attention.json: one CheckpointError (was TypeError/AttributeError/
+    KeyError tracebacks)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    save_file({"a.q_proj.weight": torch.zeros(1)}, tmp_path / "attention.safetensors")
+    (tmp_path / "attention.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError):
+        load_attention_modules(tmp_path)

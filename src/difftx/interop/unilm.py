@@ -190,12 +190,23 @@ def load_attention_modules(path) -> dict:
     path = Path(path)
     try:
         index = json.loads((path / MODULES_FILE).read_text())["modules"]
-    except (FileNotFoundError, KeyError, json.JSONDecodeError) as e:
+    except (FileNotFoundError, KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not a converted attention-module directory ({e})") from None
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{path / MODULES_FILE}: 'modules' must map prefixes to modules; the file is corrupt")
     state = load_safetensors(path / MODULES_WEIGHTS)
     out = {}
     for prefix, entry in index.items():
-        module = DifferentialAttention(ModelConfig.from_dict(entry["model"]), layer=entry["layer"])
+        layer = entry.get("layer") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or not isinstance(entry.get("model"), dict) or not (
+                isinstance(layer, int) and not isinstance(layer, bool) and layer >= 1):
+            raise CheckpointError(f"{path / MODULES_FILE}: module {prefix!r} needs 'model' (a config object) and "
+                                  "'layer' (>= 1); the file is corrupt")
+        try:
+            cfg = ModelConfig.from_dict(entry["model"])
+        except ConfigError as e:
+            raise CheckpointError(f"{path / MODULES_FILE}: module {prefix!r}: invalid model config: {e}") from None
+        module = DifferentialAttention(cfg, layer=layer)
         own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         load_state_dict_into(module, own, str(path / MODULES_WEIGHTS))
         out[prefix] = module.eval()
