@@ -382,3 +382,18 @@ def test_a_weight_index_naming_no_shard_file_is_one_error_line(capsys, llama_dir
         json.dumps({"weight_map": {"model.embed_tokens.weight": shard}}))
     rc, _, err = run_main(capsys, tmp_path / "hf", tmp_path / "out")
     _one_error_line(rc, err, "model.safetensors.index.json", "the index is corrupt")
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"num_attention_heads": 0, "head_dim": None}, "'num_attention_heads' must be a positive integer"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "abc"}}, "'rope_theta' must be a number"),
+    ({"rms_norm_eps": "x"}, "'rms_norm_eps' must be a number"),
+])
+def test_a_bad_number_in_a_hugging_face_config_is_one_error_line(capsys, llama_dir, tmp_path, change, needle):
+    """0 heads was a ZeroDivisionError, a non-numeric rope_theta / rms_norm_eps a ValueError traceback."""
+    _, src = llama_dir
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(change)
+    (src / "config.json").write_text(json.dumps(cfg))
+    rc, _, err = run_main(capsys, src, tmp_path / "out")
+    _one_error_line(rc, err, "config.json", needle)

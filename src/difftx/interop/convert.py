@@ -55,7 +55,15 @@ def _llama_like_config(hf: dict, src: str, diff: bool) -> ModelConfig:
             raise CheckpointError(f"{src}: '{key}' is missing")
         return hf[key]
 
+    def number(key, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CheckpointError(f"{src}: '{key}' must be a number; got {value!r}")
+        return float(value)
+
     heads, d_model = need("num_attention_heads"), need("hidden_size")
+    for key, value in (("num_attention_heads", heads), ("hidden_size", d_model)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{src}: '{key}' must be a positive integer; got {value!r}")
     kv = hf.get("num_key_value_heads") or heads
     head_dim = hf.get("head_dim") or d_model // heads
     act = hf.get("hidden_act", "silu")
@@ -66,6 +74,7 @@ def _llama_like_config(hf: dict, src: str, diff: bool) -> ModelConfig:
     if rope_type != "default":
         raise CheckpointError(f"{src}: RoPE scaling {rope_type!r} is not supported by difftx (only plain RoPE)")
     theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or hf.get("rope_theta", 10000.0)
+    theta = number("rope_theta", theta)
     attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
     if diff and attn_bias:  # DiffLlama's FFN has no bias option: its biases would be attention-only
         raise CheckpointError(f"{src}: attention_bias=True is not supported for DiffLlama (its MLP has no bias, "
@@ -77,10 +86,10 @@ def _llama_like_config(hf: dict, src: str, diff: bool) -> ModelConfig:
         domain="lm", d_model=d_model, n_layers=need("num_hidden_layers"), head_dim=head_dim,
         ffn_dim=need("intermediate_size"), vocab_size=need("vocab_size"),
         max_seq_len=hf.get("max_position_embeddings", 2048), norms="S1", norm="rms",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-5 if diff else 1e-6)),  # transformers' defaults
+        norm_eps=number("rms_norm_eps", hf.get("rms_norm_eps", 1e-5 if diff else 1e-6)),  # transformers' defaults
         ffn="swiglu", positions="rope", rope_style="half",
-        rope_theta=float(theta), tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bias=attn_bias,
-        init_std=float(hf.get("initializer_range", 0.02)),
+        rope_theta=theta, tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bias=attn_bias,
+        init_std=number("initializer_range", hf.get("initializer_range", 0.02)),
     )
     if not diff:
         fields.update(attention="softmax", n_heads=heads, n_kv_heads=kv)
@@ -90,7 +99,7 @@ def _llama_like_config(hf: dict, src: str, diff: bool) -> ModelConfig:
                                   f"got {heads} and {kv}")
         fields.update(attention="diff", n_heads=heads // 2, n_kv_heads=kv // 2, pairing="halves",
                       head_norm=True, head_norm_weight=False, head_norm_eps=fields["norm_eps"],
-                      lambda_init="schedule", lambda_std=float(hf.get("lambda_std_dev") or 0.1))
+                      lambda_init="schedule", lambda_std=number("lambda_std_dev", hf.get("lambda_std_dev") or 0.1))
     try:
         return ModelConfig(**fields)
     except ConfigError as e:
