@@ -397,3 +397,20 @@ def test_a_bad_number_in_a_hugging_face_config_is_one_error_line(capsys, llama_d
     (src / "config.json").write_text(json.dumps(cfg))
     rc, _, err = run_main(capsys, src, tmp_path / "out")
     _one_error_line(rc, err, "config.json", needle)
+
+
+def test_hugging_face_tokenizer_files_survive_a_difftx_to_difftx_step(llama_dir, tmp_path):
+    """HF -> difftx -> difftx (a relayout or --diff-init) -> HF: the Hugging Face source's tokenizer files
+    (a SentencePiece tokenizer.model, tokenizer_config.json) went missing in the difftx -> difftx step, while
+    its token ids travelled on."""
+    _, src = llama_dir
+    (src / "tokenizer.model").write_bytes(b"\x0a\x05a sentencepiece model, as bytes")
+    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    convert(src, tmp_path / "dx")
+    convert(tmp_path / "dx", tmp_path / "dx2", rope_style="interleaved")
+    convert(tmp_path / "dx", tmp_path / "diff", diff_init="twin-zero")
+    for out in ("dx2", "diff"):
+        for name in ("tokenizer.model", "tokenizer_config.json"):
+            assert (tmp_path / out / name).read_bytes() == (src / name).read_bytes(), (out, name)
+    convert(tmp_path / "dx2", tmp_path / "hf2", dst_format="hf-llama")
+    assert (tmp_path / "hf2" / "tokenizer.model").read_bytes() == (src / "tokenizer.model").read_bytes()

@@ -373,7 +373,9 @@ def _copy_tokenizer(src: Path, dst: Path, src_fmt: str, dst_fmt: str) -> None:
         return
     src_hf, dst_hf = src_fmt != "difftx", dst_fmt != "difftx"
     if src_hf == dst_hf:
-        names = hf_io.HF_TOKENIZER_FILES + (hf_io.DIFFTX_TOKENIZER_IN_HF,) if src_hf else ("tokenizer.json",)
+        # difftx -> difftx too: a directory converted from Hugging Face keeps that source's tokenizer files
+        # (tokenizer_config.json, a SentencePiece tokenizer.model, ...) beside its tokenizer.json
+        names = hf_io.HF_TOKENIZER_FILES + ((hf_io.DIFFTX_TOKENIZER_IN_HF,) if src_hf else ())
         hf_io.copy_files(src, dst, names)
     elif dst_hf:
         if (src / "tokenizer.json").is_file() and not _is_hf_tokenizer(src / "tokenizer.json"):
