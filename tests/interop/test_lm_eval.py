@@ -191,3 +191,15 @@ def test_a_local_task_end_to_end(tmp_path, lm):
         for r in rows)) / len(rows)
     assert acc == pytest.approx(expected)
     assert json.loads(out.read_text())["results"]["difftx_local_choice"]["acc,none"] == acc
+
+
+def test_a_whitespace_only_context_is_scored_like_an_empty_one(lm):
+    """The whitespace moves to the continuation, leaving no context tokens: that was a RuntimeError from
+    gather (the continuation had no position to be predicted from); now it is conditioned on the prefix token
+    like an empty context, and without one it is the same clear error."""
+    with pytest.raises(DifftxError, match="prefix token"):
+        lm.loglikelihood([req("  ", "abc")])
+    with_prefix = DifftxLM(lm.model, lm.tokenizer, prefix_token_id=10)
+    (lp, _), (lp2, _) = with_prefix.loglikelihood([req("  ", "abc"), req("hello", " world")])
+    assert abs(lp - direct_logprob(lm.model, [10] + list(b"  abc"), 1)) < 1e-4
+    assert abs(lp2 - direct_logprob(lm.model, list(b"hello world"), 5)) < 1e-4

@@ -116,13 +116,13 @@ class DifftxLM(_LMBase):
         pairs = []
         for r in requests:
             context, continuation = _args(r)[:2]
-            if context == "":
+            ctx, cont = ([], self.tok_encode(continuation)) if context == "" else self._encode_pair(context, continuation)
+            if not ctx and cont:  # "" or a context of whitespace only (it moved to the continuation)
                 if self.prefix_token_id is None:
                     raise DifftxError("an empty context needs a prefix token; this tokenizer has no bos_id or eos_id, "
                                       "pass prefix_token_id")
-                pairs.append(([self.prefix_token_id], self.tok_encode(continuation)))
-            else:
-                pairs.append(self._encode_pair(context, continuation))
+                ctx = [self.prefix_token_id]
+            pairs.append((ctx, cont))
         return self._score(pairs)
 
     def rolling_windows(self, tokens: list[int]) -> list[tuple[list[int], list[int]]]:
