@@ -188,3 +188,29 @@ def test_a_corrupt_attention_json_is_one_error(tmp_path, index):
     (tmp_path / "attention.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError):
         load_attention_modules(tmp_path)
+
+
+@pytest.mark.parametrize("extra", ["q_norm.weight", "head_norm.weight"])
+def test_file_conversion_refuses_a_module_tensor_outside_the_official_members(tmp_path, extra):
+    """A tensor of the module that is none of the official members (a QK-norm gain, or difftx's own head_norm
+    when a difftx model.safetensors is given) was dropped without a word and the module converted with another
+    function; it is refused like a bias."""
+    from safetensors.torch import save_file
+
+    state = {f"layers.0.attn.{k}": v for k, v in official_state().items()}
+    state[f"layers.0.attn.{extra}"] = torch.ones(16)
+    save_file(state, tmp_path / "ckpt.safetensors")
+    with pytest.raises(CheckpointError, match=f"unexpected tensor '{extra}'"):
+        convert_unilm_file(tmp_path / "ckpt.safetensors", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_file_conversion_ignores_a_rotary_inv_freq_buffer_in_the_module(tmp_path):
+    """Old checkpoints save the rotary table's inv_freq under the attention prefix: not a weight, ignored."""
+    from safetensors.torch import save_file
+
+    state = {f"layers.2.self_attn.{k}": v for k, v in official_state(seed=1).items()}
+    state["layers.2.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(state, tmp_path / "ckpt.safetensors")
+    convert_unilm_file(tmp_path / "ckpt.safetensors", tmp_path / "out")
+    assert sorted(load_attention_modules(tmp_path / "out")) == ["layers.2.self_attn."]

@@ -50,7 +50,8 @@ def unilm_to_difftx(state: dict, depth: int, rope_theta: float = 10000.0, varian
             raise CheckpointError(f"{source}: tensor '{key}' is missing; not an official DIFF attention module")
     for key in state:
         if key not in REQUIRED and key != "subln.weight":
-            raise CheckpointError(f"{source}: unexpected tensor '{key}' (the official module has no biases)")
+            raise CheckpointError(f"{source}: unexpected tensor '{key}' (the official module holds only the q/k/v/out "
+                                  "projection weights, no biases, the four lambda vectors and subln.weight)")
     for key in state:
         if not isinstance(state[key], torch.Tensor):
             raise CheckpointError(f"{source}: '{key}' is a {type(state[key]).__name__}, not a tensor")
@@ -142,9 +143,15 @@ def split_modules(state: dict) -> dict[str, dict]:
     modules = {}
     for p in prefixes:
         own = {k[len(p):]: v for k, v in state.items() if k.startswith(p)}
-        if all(key in own for key in LAMBDAS):  # the module's own tensors, expected or not (the loader checks)
+        if all(key in own for key in LAMBDAS):
             members = {k.split(".", 1)[0] for k in REQUIRED} | {"subln"}
-            modules[p] = {k: v for k, v in own.items() if k.split(".", 1)[0] in members}
+            if p:  # the module's own tensors, expected or not (the loader refuses one it cannot map, such as a
+                # q_norm / head_norm weight: dropping it would change the function); not those of a module inside
+                inner = [q for q in prefixes if q != p and q.startswith(p)]
+                modules[p] = {k: v for k, v in own.items()
+                              if not any((p + k).startswith(q) for q in inner) and not k.endswith("inv_freq")}
+            else:  # a module at the root of a file: the file's other tensors are not its own
+                modules[p] = {k: v for k, v in own.items() if k.split(".", 1)[0] in members}
     return modules
 
 
