@@ -84,3 +84,24 @@ def test_a_corrupt_char_tokenizer_file_is_one_data_error(tmp_path, chars):
     (tmp_path / "tokenizer.json").write_text(json.dumps(data))
     with pytest.raises(DataError, match="a char tokenizer needs 'chars'"):
         load_tokenizer(tmp_path)
+
+
+def test_bpe_segments_never_split_a_special_token_written_in_the_text(tmp_path, monkeypatch):
+    """Corpora such as TinyStories separate stories with a literal '<|endoftext|>' line; encode() matches it
+    as the special token, so the segmented encoding (and the token shard) must not cut inside it (the cut was
+    taken between the pre-tokens '<|' and 'endoftext')."""
+    pytest.importorskip("tokenizers")
+    from difftx.data import corpus as corpus_mod
+    from difftx.data.corpus import resolve_corpus
+    from difftx.data.shards import prepare_tokens
+    from difftx.data.tokenizers import train_bpe
+
+    text = "".join(f"Once upon a time {i}.\n<|endoftext|>\nThe end {i}\n" for i in range(40))
+    tok = train_bpe(iter([text]), 300)
+    assert tok.encode("<|endoftext|>") == [tok.eos_id]
+    for segment in (1, 5, 20, 64):
+        assert tok.encode_array(text, segment=segment).tolist() == tok.encode(text), segment
+    monkeypatch.setattr(corpus_mod, "PIECE_BYTES", 64)
+    (tmp_path / "stories.txt").write_text(text)
+    data = prepare_tokens(resolve_corpus(str(tmp_path / "stories.txt")), tok, tmp_path / "cache", progress=False)
+    assert data.tokens.tolist() == tok.encode(text) + [tok.eos_id]

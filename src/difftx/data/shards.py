@@ -33,7 +33,8 @@ from .corpus import Corpus
 from .tokenizers import Tokenizer
 
 SHARD_FORMAT = 3  # 2: pieces and BPE segments cut at pre-token boundaries (1 could cut a whitespace run);
-# 3: a piece with no boundary after its last newline but its end waits for the next (2 cut it there)
+# 3: a piece with no boundary after its last newline but its end waits for the next (2 cut it there), and no
+# cut falls inside a special token written in the text (2 could split a literal "<|endoftext|>")
 TOKENS_FILE = "tokens.bin"
 MANIFEST_FILE = "manifest.json"
 

@@ -147,6 +147,32 @@ class HFTokenizer(Tokenizer):
         self.eos_id = next((i for i in map(tok.token_to_id, self.EOS_NAMES) if i is not None), None)
         self.bos_id = next((i for i in map(tok.token_to_id, self.BOS_NAMES) if i is not None), None)
         self._json = tok.to_str()
+        # added tokens ("<|endoftext|>", ...) are matched in the raw text before pre-tokenization: a cut may not
+        # fall inside one (nor, for an lstrip / rstrip token, inside the whitespace it absorbs)
+        added = tok.get_added_tokens_decoder().values() if hasattr(tok, "get_added_tokens_decoder") else ()
+        self._added = [(a.content, bool(a.lstrip), bool(a.rstrip)) for a in added if a.content]
+
+    def _inside_added_token(self, text: str, c: int) -> bool:
+        """Whether cutting ``text`` at ``c`` would split an added token's occurrence (or its stripped spaces)."""
+        for content, lstrip, rstrip in self._added:
+            n = len(content)
+            j = text.find(content, max(0, c - n + 1), c + n - 1)
+            if j != -1:
+                return True
+            if lstrip:  # the token at c (or after spaces from c on) absorbs the spaces before it
+                k = c
+                while k < len(text) and text[k].isspace():
+                    k += 1
+                if k > c or (c > 0 and text[c - 1].isspace()):
+                    if text.startswith(content, k):
+                        return True
+            if rstrip:  # the token ending at c (or before spaces up to c) absorbs the spaces after it
+                k = c
+                while k > 0 and text[k - 1].isspace():
+                    k -= 1
+                if (k < c or (c < len(text) and text[c].isspace())) and text.endswith(content, 0, k):
+                    return True
+        return False
 
     @classmethod
     def from_str(cls, text: str, source: str = "tokenizer") -> "HFTokenizer":
@@ -177,7 +203,7 @@ class HFTokenizer(Tokenizer):
             for width in (256, 4096):  # a short window almost always holds such a boundary
                 window = text[nl:nl + width]
                 for _, (start, _) in pre.pre_tokenize_str(window)[2:]:
-                    if not window[start - 1].isspace():
+                    if not window[start - 1].isspace() and not self._inside_added_token(text, nl + start):
                         return nl + start
             if nl + 4096 >= len(text):
                 return len(text)
