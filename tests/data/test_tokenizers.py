@@ -105,3 +105,29 @@ def test_bpe_segments_never_split_a_special_token_written_in_the_text(tmp_path, 
     (tmp_path / "stories.txt").write_text(text)
     data = prepare_tokens(resolve_corpus(str(tmp_path / "stories.txt")), tok, tmp_path / "cache", progress=False)
     assert data.tokens.tolist() == tok.encode(text) + [tok.eos_id]
+
+
+def test_a_tokenizer_without_pre_tokenizer_is_encoded_whole(tmp_path, monkeypatch):
+    """Llama 2 / Mistral tokenizer.json files have no pre-tokenizer and a Prepend('\u2581') normalizer: encoding
+    a segment alone prepends '\u2581' to it (and merges may span the newline the cut was made after), so the
+    segmented encoding and the shard differed from encode(); such a tokenizer is never cut."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, normalizers, trainers
+
+    from difftx.data import corpus as corpus_mod
+    from difftx.data.corpus import resolve_corpus
+    from difftx.data.shards import prepare_tokens
+    from difftx.data.tokenizers import HFTokenizer
+
+    text = "".join(f"Hello world {i}\nsecond line here\n" for i in range(100))
+    raw = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    raw.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Strip(" ", 1, 0)])
+    raw.train_from_iterator([text], trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"],
+                                                        show_progress=False))
+    tok = HFTokenizer(raw)
+    assert tok.encode_array(text, segment=100).tolist() == tok.encode(text)
+    monkeypatch.setattr(corpus_mod, "PIECE_BYTES", 256)
+    (tmp_path / "t.txt").write_text(text)
+    data = prepare_tokens(resolve_corpus(str(tmp_path / "t.txt")), tok, tmp_path / "cache", progress=False)
+    assert data.tokens.tolist() == tok.encode(text) + [tok.eos_id]

@@ -34,7 +34,8 @@ from .tokenizers import Tokenizer
 
 SHARD_FORMAT = 3  # 2: pieces and BPE segments cut at pre-token boundaries (1 could cut a whitespace run);
 # 3: a piece with no boundary after its last newline but its end waits for the next (2 cut it there), and no
-# cut falls inside a special token written in the text (2 could split a literal "<|endoftext|>")
+# cut falls inside a special token written in the text (2 could split a literal "<|endoftext|>"), nor anywhere in
+# the text of a tokenizer without a pre-tokenizer (2 cut after newlines: Llama 2's Prepend normalizer added tokens)
 TOKENS_FILE = "tokens.bin"
 MANIFEST_FILE = "manifest.json"
 

@@ -151,6 +151,11 @@ class HFTokenizer(Tokenizer):
         # fall inside one (nor, for an lstrip / rstrip token, inside the whitespace it absorbs)
         added = tok.get_added_tokens_decoder().values() if hasattr(tok, "get_added_tokens_decoder") else ()
         self._added = [(a.content, bool(a.lstrip), bool(a.rstrip)) for a in added if a.content]
+        # cutting needs pre-token boundaries; without a pre-tokenizer (Llama 2 / Mistral tokenizer.json files)
+        # merges may span a newline, and a Prepend normalizer ('▁') marks the start of every encoded
+        # segment: such text is encoded whole
+        normalizer = json.loads(self._json).get("normalizer")
+        self._cuttable = tok.pre_tokenizer is not None and '"Prepend"' not in json.dumps(normalizer)
 
     def _inside_added_token(self, text: str, c: int) -> bool:
         """Whether cutting ``text`` at ``c`` would split an added token's occurrence (or its stripped spaces)."""
@@ -193,10 +198,10 @@ class HFTokenizer(Tokenizer):
         pre-tokenized alone and the first boundary is taken that is not the window's first (that pre-token may
         merge with what came before the newline, as ':' + '\n' or spaces + newlines) and not right after
         whitespace (a whitespace pre-token's end depends on what follows it: '  \n\n' + '\n' + 'def' in the
-        text, '  \n\n\n' at a segment's end).  Without a pre-tokenizer, or no such boundary in 4096
-        characters: just after the newline."""
+        text, '  \n\n\n' at a segment's end).  No such boundary in 4096 characters: just after the newline.
+        Without a pre-tokenizer, or with a normalizer that prepends to every input: ``len(text)`` (no cut)."""
         nl = text.find("\n", pos)
-        if nl < 0:
+        if nl < 0 or not self._cuttable:
             return len(text)
         pre = self.tok.pre_tokenizer
         if pre is not None:
