@@ -98,3 +98,17 @@ def test_odd_head_counts_need_exact_mode():
     with pytest.raises(ConfigError, match="exact"):
         llama_to_diff(source.config, source.state_dict(), mode="twin")
     llama_to_diff(source.config, source.state_dict(), mode="exact")
+
+
+def test_the_package_level_llama_to_diff_is_callable():
+    """difftx.interop exports llama_to_diff (its docstring: `from difftx.interop import ..., llama_to_diff`), but
+    once the submodule of the same name is imported the package attribute is that module: the documented
+    import gave a module, and calling it was a TypeError."""
+    import difftx.interop
+    from difftx.interop import llama_to_diff as exported
+
+    source = difftx_model(**GQA)
+    cfg, sd = exported(source.config, source.state_dict(), mode="exact")
+    ref_cfg, ref_sd = llama_to_diff(source.config, source.state_dict(), mode="exact")
+    assert cfg == ref_cfg and all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+    assert difftx.interop.llama_to_diff.llama_to_diff is llama_to_diff  # the documented module path still works

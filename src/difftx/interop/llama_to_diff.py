@@ -35,6 +35,9 @@ each mode (numbers in docs/interop.md).
 
 from __future__ import annotations
 
+import sys
+import types
+
 import torch
 
 from ..config import ModelConfig
@@ -109,3 +112,15 @@ def llama_to_diff(cfg: ModelConfig, state: dict, mode: str = "twin-zero", pairin
             if new.head_norm and new.head_norm_weight:
                 out[prefix + "head_norm.weight"] = torch.ones(2 * d)
     return new, out
+
+
+class _CallableModule(types.ModuleType):
+    """This module is also ``difftx.interop.llama_to_diff`` as the package exports the function of that name:
+    once the module is imported, Python's import system sets the package attribute to the module, so
+    ``from difftx.interop import llama_to_diff`` gives the module; calling it calls the function."""
+
+    def __call__(self, *args, **kwargs):
+        return llama_to_diff(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
