@@ -414,3 +414,37 @@ def test_hugging_face_tokenizer_files_survive_a_difftx_to_difftx_step(llama_dir,
             assert (tmp_path / out / name).read_bytes() == (src / name).read_bytes(), (out, name)
     convert(tmp_path / "dx2", tmp_path / "hf2", dst_format="hf-llama")
     assert (tmp_path / "hf2" / "tokenizer.model").read_bytes() == (src / "tokenizer.model").read_bytes()
+
+
+def test_a_sharded_model_in_a_hugging_face_hub_cache_snapshot_loads(llama_dir, tmp_path):
+    """The hub cache keeps a snapshot's files as symlinks into ../../blobs: the shards were refused as lying
+    outside the model directory (the check resolved the symlinks); a shard name with a path is still refused."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    model, src = llama_dir
+    sd = load_file(src / "model.safetensors")
+    keys = sorted(sd)
+    repo = tmp_path / "hub" / "models--someone--llama"
+    snap, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    weight_map = {}
+    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:])):
+        name = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: sd[k] for k in part}, blobs / f"sha{i}")
+        os.symlink(f"../../blobs/sha{i}", snap / name)
+        weight_map.update({k: name for k in part})
+    (blobs / "index").write_text(json.dumps({"weight_map": weight_map}))
+    os.symlink("../../blobs/index", snap / "model.safetensors.index.json")
+    (blobs / "config").write_text((src / "config.json").read_text())
+    os.symlink("../../blobs/config", snap / "config.json")
+    x = torch.randint(0, 97, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(difftx.load_model(snap)(x).logits, model(x).logits)
+    for bad in ("../sha0", str(blobs / "sha0"), "sub/model.safetensors"):
+        (snap / "model.safetensors.index.json").unlink()
+        (snap / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {keys[0]: bad}}))
+        with pytest.raises(CheckpointError, match="lies outside the model directory"):
+            difftx.load_model(snap)
