@@ -101,3 +101,16 @@ def test_bpe_shards_do_not_cut_after_a_piece_whose_last_line_is_long(tmp_path, m
     tok = train_bpe(iter([text]), 300)
     data = prepare_tokens(resolve_corpus(str(tmp_path / "long.txt")), tok, tmp_path / "cache", progress=False)
     assert data.tokens.tolist() == tok.encode(text) + [tok.eos_id]
+
+
+@pytest.mark.parametrize("bad", ["[]", "null", '{"n_tokens": 600, "dtype": "nonsense"}', '{"dtype": "uint16"}'])
+def test_a_damaged_manifest_is_rebuilt(two_files, tmp_path, bad):
+    """A manifest.json that is JSON but not a manifest was an AttributeError / TypeError traceback; it is
+    treated like an interrupted build: the shard is rebuilt."""
+    corpus = resolve_corpus(str(two_files))
+    tok = ByteTokenizer()
+    data = prepare_tokens(corpus, tok, tmp_path / "cache", progress=False)
+    (data.path / MANIFEST_FILE).write_text(bad)
+    again = prepare_tokens(corpus, tok, tmp_path / "cache", progress=False)
+    assert again.tokens.tolist() == data.tokens.tolist()
+    assert json.loads((data.path / MANIFEST_FILE).read_text())["n_tokens"] == len(data.tokens)

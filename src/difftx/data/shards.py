@@ -77,10 +77,13 @@ def shard_key(corpus: Corpus, tokenizer: Tokenizer) -> str:
 def _read_manifest(folder: Path) -> Optional[dict]:
     try:
         manifest = json.loads((folder / MANIFEST_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return None
+    if not isinstance(manifest, dict) or manifest.get("dtype") not in ("uint16", "uint32") \
+            or not isinstance(manifest.get("n_tokens"), int):
+        return None  # damaged: rebuilt like an interrupted build
     size = (folder / TOKENS_FILE).stat().st_size if (folder / TOKENS_FILE).is_file() else -1
-    if size != manifest.get("n_tokens", -2) * np.dtype(manifest.get("dtype", "uint16")).itemsize:
+    if size != manifest["n_tokens"] * np.dtype(manifest["dtype"]).itemsize:
         return None
     return manifest
 
