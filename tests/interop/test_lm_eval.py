@@ -203,3 +203,22 @@ def test_a_whitespace_only_context_is_scored_like_an_empty_one(lm):
     (lp, _), (lp2, _) = with_prefix.loglikelihood([req("  ", "abc"), req("hello", " world")])
     assert abs(lp - direct_logprob(lm.model, [10] + list(b"  abc"), 1)) < 1e-4
     assert abs(lp2 - direct_logprob(lm.model, list(b"hello world"), 5)) < 1e-4
+
+
+def test_the_tokenizer_of_a_hugging_face_export_is_found(tmp_path):
+    """run_lm_eval reads the tokenizer saved with a model: a Hugging Face export keeps difftx's byte / char
+    tokenizer as difftx_tokenizer.json (it was 'no tokenizer.json'), and a damaged tokenizer.json is one
+    DataError (the fallback re-read it with the tokenizers library and raised its bare Exception)."""
+    import difftx
+    from difftx.errors import DataError
+    from difftx.interop.convert import convert
+
+    model = difftx_model(attention="softmax", n_heads=4, vocab_size=256)
+    difftx.save_model(model, tmp_path / "m")
+    ByteTokenizer().save(tmp_path / "m")
+    convert(tmp_path / "m", tmp_path / "hf", dst_format="hf-difftx")
+    assert isinstance(adapter._tokenizer_for(tmp_path / "hf"), ByteTokenizer)
+    assert isinstance(adapter._tokenizer_for(tmp_path / "m"), ByteTokenizer)
+    (tmp_path / "m" / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 5}}')
+    with pytest.raises(DataError, match="tokenizer.json"):
+        adapter._tokenizer_for(tmp_path / "m")

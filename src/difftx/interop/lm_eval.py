@@ -188,30 +188,18 @@ class DifftxLM(_LMBase):
 
 
 def _tokenizer_for(path: Path):
-    """The difftx tokenizer saved with a model, or a Hugging Face ``tokenizer.json`` (read as JSON data)."""
-    from ..data.tokenizers import load_tokenizer
+    """The tokenizer saved with a model: its ``tokenizer.json`` (a difftx tokenizer, or a Hugging Face one read
+    with the ``tokenizers`` library), or the difftx tokenizer a Hugging Face export keeps as
+    ``difftx_tokenizer.json`` (byte, char)."""
+    from ..data.tokenizers import TOKENIZER_FILE, load_tokenizer
+    from .hf_io import DIFFTX_TOKENIZER_IN_HF
 
-    try:
-        return load_tokenizer(path)
-    except DifftxError:
-        pass
-    file = path / "tokenizer.json"
-    if not file.is_file():
-        raise DifftxError(f"{path}: no tokenizer.json; pass tokenizer=")
-    from tokenizers import Tokenizer as _Fast
-
-    fast = _Fast.from_file(str(file))
-
-    class _HF:
-        eos_id = None
-
-        def encode(self, text):
-            return fast.encode(text, add_special_tokens=False).ids
-
-        def decode(self, ids):
-            return fast.decode(list(ids))
-
-    return _HF()
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent  # a model.safetensors path: its directory
+    for name in (TOKENIZER_FILE, DIFFTX_TOKENIZER_IN_HF):
+        if (folder / name).is_file():
+            return load_tokenizer(folder / name)  # a damaged file: one DataError naming it
+    raise DifftxError(f"{path}: no tokenizer.json (or {DIFFTX_TOKENIZER_IN_HF}); pass tokenizer=")
 
 
 def run_lm_eval(model_or_path: Union[str, Path, torch.nn.Module], tasks: Union[str, Sequence[str]], *,
