@@ -448,3 +448,14 @@ def test_a_sharded_model_in_a_hugging_face_hub_cache_snapshot_loads(llama_dir, t
         (snap / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {keys[0]: bad}}))
         with pytest.raises(CheckpointError, match="lies outside the model directory"):
             difftx.load_model(snap)
+
+
+def test_a_model_directorys_weights_file_is_not_taken_for_unilm_modules(capsys, tmp_path):
+    """load_model accepts DIR/model.safetensors; convert read any file as official unilm modules, so a difftx
+    DIFF model's weights file (per-head norm without gain) converted without a word into attention modules with
+    the unilm conventions (interleaved RoPE), another function."""
+    model = difftx_model(attention="diff", n_heads=2, head_norm_weight=False)
+    difftx.save_model(model, tmp_path / "m")
+    rc, _, err = run_main(capsys, tmp_path / "m" / "model.safetensors", tmp_path / "out")
+    _one_error_line(rc, err, "give the directory")
+    assert not (tmp_path / "out").exists()

@@ -419,6 +419,11 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
     if detected == "unilm":
         from .unilm import convert_unilm_file
 
+        if src_format == "auto" and (is_model_dir(src.parent) or hf_io.is_hf_dir(src.parent)) \
+                and src.name in (WEIGHTS_FILE, hf_io.SAFE_FILE, hf_io.BIN_FILE):
+            raise DifftxError(f"{src}: the weights of the model directory {src.parent}; give the directory "
+                              "(a weights file alone is read as official unilm attention modules: --from unilm)")
+
         if dst_format not in (None, "difftx"):
             raise DifftxError("unilm attention modules convert to difftx modules only (--to difftx)")
         return convert_unilm_file(src, dst, depth=depth, variant=variant, pairing=pairing, rope_style=rope_style)
