@@ -131,3 +131,23 @@ def test_a_tokenizer_without_pre_tokenizer_is_encoded_whole(tmp_path, monkeypatc
     (tmp_path / "t.txt").write_text(text)
     data = prepare_tokens(resolve_corpus(str(tmp_path / "t.txt")), tok, tmp_path / "cache", progress=False)
     assert data.tokens.tolist() == tok.encode(text) + [tok.eos_id]
+
+
+def test_a_byte_level_tokenizer_that_adds_a_prefix_space_is_encoded_whole():
+    """ByteLevel(add_prefix_space=True) adds a space to the start of every input: a segment cut before ':' or a
+    digit was encoded as ' :' (every segmented encoding differed from encode()); such a tokenizer is not cut."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from difftx.data.tokenizers import HFTokenizer
+
+    text = "".join(f"x{i}:(ab cd)\n:12 ab\n\n" for i in range(60))
+    raw = tokenizers.Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    tok = HFTokenizer(raw)
+    for segment in (3, 17, 64):
+        assert tok.encode_array(text, segment=segment).tolist() == tok.encode(text), segment

@@ -153,9 +153,13 @@ class HFTokenizer(Tokenizer):
         self._added = [(a.content, bool(a.lstrip), bool(a.rstrip)) for a in added if a.content]
         # cutting needs pre-token boundaries; without a pre-tokenizer (Llama 2 / Mistral tokenizer.json files)
         # merges may span a newline, and a Prepend normalizer ('▁') marks the start of every encoded
-        # segment: such text is encoded whole
-        normalizer = json.loads(self._json).get("normalizer")
-        self._cuttable = tok.pre_tokenizer is not None and '"Prepend"' not in json.dumps(normalizer)
+        # segment: such text is encoded whole; so is that of a pre-tokenizer that adds a space to the start of
+        # every input (ByteLevel add_prefix_space, Metaspace without splitting): a cut may fall before a
+        # pre-token that does not start with one
+        data = json.loads(self._json)
+        normalizer, pre = json.dumps(data.get("normalizer")), json.dumps(data.get("pre_tokenizer"))
+        self._cuttable = tok.pre_tokenizer is not None and '"Prepend"' not in normalizer \
+            and '"add_prefix_space": true' not in pre and '"split": false' not in pre
 
     def _inside_added_token(self, text: str, c: int) -> bool:
         """Whether cutting ``text`` at ``c`` would split an added token's occurrence (or its stripped spaces)."""
