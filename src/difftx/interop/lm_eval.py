@@ -116,7 +116,10 @@ class DifftxLM(_LMBase):
         pairs = []
         for r in requests:
             context, continuation = _args(r)[:2]
-            ctx, cont = ([], self.tok_encode(continuation)) if context == "" else self._encode_pair(context, continuation)
+            if context == "":
+                ctx, cont = [], self.tok_encode(continuation)
+            else:
+                ctx, cont = self._encode_pair(context, continuation)
             if not ctx and cont:  # "" or a context of whitespace only (it moved to the continuation)
                 if self.prefix_token_id is None:
                     raise DifftxError("an empty context needs a prefix token; this tokenizer has no bos_id or eos_id, "
