@@ -140,6 +140,16 @@ def test_diff_presets_and_twins_match_parameters(size):
     assert flops_per_token(diff, 2048) > flops_per_token(twin, 2048)
 
 
+@pytest.mark.parametrize("base,dnt", [("gpt2-124m", "ldnt-small"), ("gpt2-774m", "ldnt-large"), ("gpt2-1.4b", "ldnt-xl"),
+                                      ("vit-large", "vdnt-large"), ("vit-huge", "vdnt-huge")])
+def test_dnt_paper_baselines_differ_from_dnt_only_in_the_norms(base, dnt):
+    """DNT Tables 4 and 5 give the baselines and the DNT models one column of settings each, init included
+    (Xavier for GPT-2 and L-DNT, truncated Xavier for ViT and V-DNT): the presets differ only in the norms."""
+    a, b = ModelConfig.from_preset(base).to_dict(), ModelConfig.from_preset(dnt).to_dict()
+    differ = {k for k in a if a[k] != b[k]} - {"preset"}
+    assert differ == {"norms", "norm", "input_norm", "pre_norm_ffn", "qk_norm", "mid_norm_attn", "mid_norm_ffn"}
+
+
 def test_every_preset_builds_on_meta():
     for name in PRESETS:
         cfg = ModelConfig.from_preset(name)

@@ -56,8 +56,8 @@ _GPT2 = dict(vocab_size=50304, max_seq_len=1024, ffn="gelu", positions="learned"
              bias=False, attention="softmax")
 _LM_SIZES = [("124m", "small", 768, 12, 12), ("774m", "large", 1280, 36, 20), ("1.4b", "xl", 1536, 48, 24)]
 for size, dnt_name, d, layers, heads in _LM_SIZES:
-    _add(f"gpt2-{size}", "dnt-paper", f"GPT-2 {size} (nanoGPT layout, pre-LayerNorm, S1)",
-         d_model=d, n_layers=layers, n_heads=heads, norms="S1", norm="layer", init="normal", **_GPT2)
+    _add(f"gpt2-{size}", "dnt-paper", f"GPT-2 {size} (nanoGPT layout, pre-LayerNorm, S1; Xavier init, DNT Table 5)",
+         d_model=d, n_layers=layers, n_heads=heads, norms="S1", norm="layer", init="xavier", **_GPT2)
     _add(f"ldnt-{dnt_name}", "dnt-paper", f"L-DNT-{dnt_name.upper() if dnt_name == 'xl' else dnt_name.capitalize()} ({size}): DNT norms (S5), Xavier init",
          d_model=d, n_layers=layers, n_heads=heads, norms="dnt", norm="rms", init="xavier", **_GPT2)
 

@@ -137,6 +137,25 @@ def test_budget_is_the_same_for_every_arm():
     assert isinstance(jobs[0], Job) and re.fullmatch(r"corpus/[a-z-]+/seed0-lr[0-9.e-]+", jobs[0].key)
 
 
+@pytest.mark.parametrize("domain,preset", [("lm", "nano"), ("lm", "gpt2-124m"), ("vision", "vit-tiny")])
+def test_arms_differ_only_in_what_they_name(domain, preset):
+    """Every arm keeps the base's initialisation: the DNT arms set Xavier on their own before, so on a base
+    with GPT-2's normal init, DNT against the Transformer compared two inits as well as two norm placements
+    (DNT Table 5 trains both with one)."""
+    from difftx.compare.arms import MODELS, Arm
+
+    study = StudyConfig(domain=domain, preset=preset)
+    base = study.base_config().twin("softmax")
+    named = {"norms", "norm", "input_norm", "pre_norm_ffn", "pre_norm_attn", "qk_norm", "mid_norm_attn",
+             "mid_norm_ffn"}
+    for name, model in MODELS[domain].items():
+        cfg = study.model_config(Arm(name, "adamw", domain))
+        same_attention = base.twin(model.attention).to_dict()
+        differ = {k for k, v in cfg.to_dict().items() if v != same_attention[k]}
+        assert differ <= named, (name, differ)
+        assert cfg.init == base.init
+
+
 def test_lambdas_of_seeds_that_recorded_none():
     """DIFF V2's lambda is None until a forward pass records it: a study with a diff2 arm builds its results
     (the mean per layer over the seeds that have one) instead of failing on fmean(None)."""

@@ -5,9 +5,11 @@ directories and JSON keys, is ``MODEL-OPTIMIZER`` (``dnt-msgdw``).  Models are
 defined once here as changes to one *base* config, the study's preset, and every
 model is built from the base's Transformer form with :meth:`ModelConfig.twin`,
 so DIFF gets half the heads of the same size and parameter counts stay matched
-(the report prints them).  DNT is the paper's L-DNT / V-DNT: its norm placement
-(InputNorm, PreNorm before attention, QK-norm, MidNorms), RMSNorm, and for
-language models Xavier initialisation.
+(the report prints them).  DNT is the paper's L-DNT / V-DNT norm placement
+(InputNorm, PreNorm before attention, QK-norm, MidNorms) with RMSNorm.  Every
+arm keeps the base's initialisation, so arms differ only in what they name: the
+DNT paper's baselines and DNT models share theirs (Xavier, Table 5; truncated
+Xavier, Table 4), and the ``gpt2-*`` presets carry it.
 """
 
 from __future__ import annotations
@@ -27,24 +29,23 @@ class Model:
     fields: dict = field(default_factory=dict)   # ModelConfig changes applied after the twin
 
 
-_DNT_LM = {"norms": "dnt", "norm": "rms", "init": "xavier"}
-_DNT_VISION = {"norms": "dnt", "norm": "rms"}
+_DNT = {"norms": "dnt", "norm": "rms"}
 
 MODELS = {
     "lm": {
         "transformer": Model("Transformer (S1)", "softmax", {"norms": "S1"}),
         "diff": Model("DIFF", "diff", {"norms": "S1"}),
         "diff2": Model("DIFF V2", "diff2", {"norms": "S1"}),
-        "dnt": Model("DNT", "softmax", _DNT_LM),
-        "diff-dnt": Model("DIFF inside DNT", "diff", _DNT_LM),
-        "diff2-dnt": Model("DIFF V2 inside DNT", "diff2", _DNT_LM),
+        "dnt": Model("DNT", "softmax", _DNT),
+        "diff-dnt": Model("DIFF inside DNT", "diff", _DNT),
+        "diff2-dnt": Model("DIFF V2 inside DNT", "diff2", _DNT),
         **{s: Model(f"Transformer ({s})", "softmax", {"norms": s}) for s in ("S2", "S3", "S4", "S5")},
     },
     "vision": {
         "vit": Model("ViT", "softmax", {}),
         "diff-vit": Model("DIFF-ViT", "diff", {}),
-        "vdnt": Model("V-DNT", "softmax", _DNT_VISION),
-        "diff-vdnt": Model("DIFF inside V-DNT", "diff", _DNT_VISION),
+        "vdnt": Model("V-DNT", "softmax", _DNT),
+        "diff-vdnt": Model("DIFF inside V-DNT", "diff", _DNT),
     },
 }
 
