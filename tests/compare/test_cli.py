@@ -110,6 +110,19 @@ def test_flag_parsing():
     assert study.seed_list() == [0, 1, 2] and study.base_config().n_layers == 1
 
 
+def test_set_on_the_default_base_keeps_its_two_layers():
+    """--set init=xavier changes the init of "nano at 2 layers", not the depth too (the default's n_layers=2 was
+    dropped: a 4-layer study); with --preset the preset's own depth stands."""
+    from difftx.cli import build_parser
+
+    parse = build_parser("compare").parse_args
+    base = StudyConfig(**explicit_fields(parse(["compare", "--set", "init=xavier"]))).base_config()
+    assert (base.n_layers, base.init) == (2, "xavier")
+    assert StudyConfig().base_config().n_layers == 2
+    other = StudyConfig(**explicit_fields(parse(["compare", "--preset", "nano", "--set", "init=xavier"])))
+    assert other.base_config().n_layers == 4
+
+
 def test_list_arms(compare):
     p = compare("--list-arms")
     assert p.returncode == 0 and "diff-dnt" in p.stdout and "vdnt" in p.stdout

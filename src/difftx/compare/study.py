@@ -117,6 +117,8 @@ class StudyConfig:
         if self.domain not in DEFAULTS:
             raise ConfigError("domain", f"must be one of {', '.join(DEFAULTS)}; got {self.domain!r}")
         d = DEFAULTS[self.domain]
+        if self.preset is None and self.model is not None:  # --set on the default base: "nano at 2 layers" stays
+            self.model = {**d["model"], **self.model}       # 2 layers unless n_layers is set
         for name, value in d.items():
             if getattr(self, name, None) is None:
                 setattr(self, name, dict(value) if isinstance(value, dict) else value)
