@@ -151,3 +151,15 @@ def test_default_vision_run_uses_the_digits_recipe():
     assert tcfg.domain_options == {"mixup": 0.8, "cutmix": 1.0, "label_smoothing": 0.1}  # merged with the recipe's
     tcfg, _ = resolve_configs("vdnt-tiny-adamw", train={"domain_options": {"mixup": 0}})
     assert tcfg.domain_options == {"mixup": 0, "cutmix": 1.0}
+
+
+def test_mixing_with_more_model_classes_than_the_data(tmp_path, npz_data):
+    """--set num_classes above the data's classes is allowed; mixing's soft targets then span the model's classes
+    (they were the data's 3 wide against 5 logits: a shape error at the first step), also after a resume."""
+    out = tmp_path / "run"
+    args = ["--domain-opt", "mixup=0.8", "--domain-opt", "cutmix=1.0", "--domain-opt", "label_smoothing=0.1",
+            "--checkpoint-every", 2]
+    assert train(npz_data, out, "--steps", 2, "--set", "num_classes=5", *args) == 0
+    assert json.loads((out / "config.json").read_text())["model"]["num_classes"] == 5
+    assert train(npz_data, out, "--steps", 3, "--resume", "auto", *args) == 0  # the model's 5 from its config
+    assert all(np.isfinite(rows(out, "loss")))
