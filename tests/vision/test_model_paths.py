@@ -106,3 +106,24 @@ def test_vision_path_equals_language_path_without_causal_mask(monkeypatch, atten
                                        msg=f"backend {backend} {variant or ''}")
     # the causal mask does matter here, so the comparison above can fail
     assert not torch.allclose(causal, feats, atol=1e-3)
+
+
+@pytest.mark.parametrize("attention", ["softmax", "diff", "diff2"])
+@pytest.mark.parametrize("norms,norm", [("S1", "layer"), ("S1", "rms"), ("dnt", "rms")])  # vit-, -, vdnt-tiny
+def test_residual_stream_stays_in_the_weights_dtype_under_autocast(attention, norms, norm):
+    """As the language model's: bf16 autocast computes the products in bf16, but the residual stream (the blocks'
+    outputs) stays float32 with float32 weights (it was bf16 from the patch embedding on, every residual addition
+    rounded to bf16)."""
+    common = dict(attention=attention, d_model=32, n_layers=2, n_heads=2, norms=norms, norm=norm)
+    vis = build_model(ModelConfig(domain="vision", image_size=4, patch_size=2, in_channels=3, num_classes=3,
+                                  **common)).eval()
+    lm = build_model(ModelConfig(domain="lm", vocab_size=8, **common)).eval()
+    seen = {}
+    for name, model in (("vision", vis), ("lm", lm)):
+        for i, block in enumerate(model.layers):
+            block.register_forward_hook(lambda m, a, out, key=(name, i): seen.__setitem__(key, out.dtype))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        feats = vis.features(torch.randn(2, 3, 4, 4))
+        lm(torch.randint(8, (2, 5)))
+    assert seen == {(n, i): torch.float32 for n in ("vision", "lm") for i in range(2)}
+    assert feats.dtype == torch.float32

@@ -71,7 +71,10 @@ class VisionEncoder(ModelMixin, nn.Module):
                 f"images must be (batch, {cfg.in_channels}, {cfg.image_size}, {cfg.image_size}) for this model; "
                 f"got {tuple(images.shape)}"
             )
-        x = self.patch_embed(patchify(images, cfg.patch_size).to(self.patch_embed.weight.dtype))
+        # the residual stream in the weights' dtype, as the language model's embedding gives it: under autocast the
+        # patch embedding's product comes out in bf16, and every residual addition would round to bf16 after it
+        dtype = self.patch_embed.weight.dtype
+        x = self.patch_embed(patchify(images, cfg.patch_size).to(dtype)).to(dtype)
         if self.cls_token is not None:
             x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x), dim=1)
         if cfg.positions == "learned":
