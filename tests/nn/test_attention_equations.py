@@ -14,6 +14,7 @@ import torch
 
 from difftx import ModelConfig, lambda_init_for_layer
 from difftx.nn.attention import make_attention
+from difftx.nn.backends import flex_available
 from difftx.nn.mask import AttnMask
 from difftx.nn.rope import RotaryEmbedding
 
@@ -117,6 +118,24 @@ def test_diff_attention_flex_forward(pairing, rope_style, h, h_kv, padded):
         ref = _run_module(m, cfg, x, valid, positions, "eager")
     keep = torch.ones(B, N, dtype=torch.bool) if valid is None else valid
     assert torch.allclose(out[keep], ref[keep], atol=1e-10)
+
+
+@pytest.mark.skipif(not flex_available(), reason="FlexAttention is not available in this torch")
+@pytest.mark.parametrize("attention", ["softmax", "diff", "diff2"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_flex_takes_one_key_valid_row_for_the_whole_batch(attention, causal):
+    """AttnMask accepts key_valid with one row for every sequence (as the dense mask broadcasts it); flex's block
+    mask indexed that row by the batch index (IndexError for batch > 1)."""
+    cfg = ModelConfig(attention=attention, d_model=24, n_heads=2, n_kv_heads=1, head_dim=6, n_layers=2)
+    m = _module(cfg, layer=2)
+    x = torch.randn(3, 5, cfg.d_model, dtype=torch.float64)
+    mask = AttnMask(causal=causal, n_q=5, n_k=5, key_valid=torch.tensor([[False, True, True, False, True]]))
+    with torch.no_grad():
+        m.backend = "eager"
+        ref = m(x, None, mask)
+        m.backend = "flex"
+        out = m(x, None, mask)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("head_norm,weight", [(False, False), (True, False)])

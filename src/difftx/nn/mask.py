@@ -97,6 +97,8 @@ class AttnMask:
 
         q_start, causal = self.q_start, self.causal
         valid = None if self.key_valid is None else self.key_valid.to(device)
+        if valid is not None and valid.shape[0] != batch:  # one row for every sequence (check() allows it)
+            valid = valid.expand(batch, -1)
 
         def mask_mod(b, h, q_idx, kv_idx):
             q_abs = q_idx + q_start
