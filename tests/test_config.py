@@ -125,6 +125,22 @@ def test_diff2_twin_ffn_is_a_multiple_of_8_only_within_tolerance(preset, monkeyp
             assert abs(count_parameters(v2.replace(ffn_dim=w)) - pb) / pb > 2e-3
 
 
+@pytest.mark.parametrize("preset", ["transformer-1.4b", "transformer-830m", "small"])
+def test_twins_of_a_diff2_config_match_its_parameters(preset):
+    """A V2 twin's own twins are matched to it (within the 0.2% its FFN width is chosen by): the softmax twin of
+    transformer-1.4b's V2 twin had the default FFN 5504 instead of a width near the preset's 5461 (0.42% more
+    parameters than the V2 model); its round trip keeps the V2 model; a default-width baseline comes back as is."""
+    base = ModelConfig.from_preset(preset)
+    v2 = base.twin("diff2")
+    back, diff = v2.twin("softmax"), v2.twin("diff")
+    p2 = count_parameters(v2)
+    assert abs(count_parameters(back) - p2) / p2 <= 2e-3 and abs(count_parameters(diff) - p2) / p2 <= 2e-3
+    assert back.twin("diff2") == v2.replace()
+    assert abs(back.ffn_dim - base.ffn_dim) < 8
+    if base.ffn_dim == base.replace(ffn_dim=None).ffn_dim:
+        assert back == base.replace()
+
+
 @pytest.mark.parametrize("size", ["830m", "1.4b", "2.8b", "3b", "6.8b", "13b"])
 def test_diff_presets_and_twins_match_parameters(size):
     diff = ModelConfig.from_preset(f"diff-{size}")

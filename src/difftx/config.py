@@ -370,9 +370,16 @@ class ModelConfig:
             heads, kv = 2 * heads, 2 * kv
         ffn_dim = self.ffn_dim
         if self.attention == "diff2" and match_params:
-            ffn_dim = None  # recomputed below from the baseline default
+            ffn_dim = None  # the baseline default, if that is the baseline this V2 twin comes from (below)
         base = self.replace(attention="softmax", n_heads=heads, n_kv_heads=kv, head_dim=self.head_dim,
                             ffn_dim=ffn_dim, pairing="adjacent" if self.attention == "diff2" else self.pairing)
+        if ffn_dim is None and base.twin("diff2").ffn_dim != self.ffn_dim:
+            # a baseline of another FFN width (a preset's explicit one, e.g. transformer-1.4b's 5461): the width
+            # whose parameters match this V2 model's, its extra query rows and lambda projection given back
+            mats = 3 if self.ffn == "swiglu" else 2
+            unit = mats * self.d_model + (mats - 1 if self.bias else 0)
+            extra = self.n_heads * self.head_dim * (self.d_model + int(self.bias)) + self.d_model * self.n_heads
+            base = base.replace(ffn_dim=self.ffn_dim + int(round(extra / unit)))
         if attention == "softmax":
             return base
         if attention == "diff":
