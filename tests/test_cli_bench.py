@@ -95,6 +95,26 @@ def test_bench_bad_input_is_one_line(capsys, tmp_path, args, needle):
     assert not any(tmp_path.iterdir())  # nothing written
 
 
+def test_bench_seq_len_past_learned_positions_makes_no_out_dir(capsys, tmp_path):
+    """A --seq-len longer than a learned-position preset allows is refused before --out is created."""
+    from difftx.cli import main
+
+    out = tmp_path / "new"
+    assert main(["bench", "--out", str(out), "--preset", "nanogpt", "--seq-len", "100000"]) == 2
+    lines = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "max_seq_len" in lines[0]
+    assert not out.exists()
+
+
+def test_bench_long_context_on_a_learned_position_preset_ignores_seq_len(tmp_path):
+    """--long-context times attention alone at --lengths: the (default 512) --seq-len is not held against the
+    preset's learned positions."""
+    from difftx.cli import main
+
+    assert main(["bench", "--long-context", "--preset", "nanogpt", "--lengths", "32", "--out", str(tmp_path)]) == 0
+    assert {r["n"] for r in json.loads((tmp_path / "long_context.json").read_text())["rows"]} == {32}
+
+
 def _bench_one_line(capsys, argv) -> str:
     from difftx.cli import main
 

@@ -116,6 +116,15 @@ class BenchConfig:
             raise ConfigError("timer", f"must be 'wall' or 'cpu', got {self.timer!r}")
 
 
+    def check_seq_len(self) -> None:
+        """A ConfigError unless the preset's positions reach ``seq_len`` (learned or sinusoidal positions stop at
+        max_seq_len).  The side-by-side runs only (--long-context times attention alone, at its own lengths);
+        the CLI checks it before --out is made."""
+        base = ModelConfig.from_preset(self.preset)
+        if self.seq_len > base.max_seq_len and base.positions in ("learned", "sinusoidal"):
+            raise ConfigError("seq_len", f"{self.seq_len} exceeds the preset's max_seq_len {base.max_seq_len}")
+
+
 def resolve_dtypes(dtypes: list, device: torch.device) -> list:
     """``auto`` -> fp32, plus bf16 where the device multiplies bf16 in hardware
     (:func:`difftx.runtime.native_bf16_matmul`); explicit names stay, in order, once each."""
@@ -227,8 +236,7 @@ def peers_match(cfg: ModelConfig) -> bool:
 def build_arms(bc: BenchConfig, device: torch.device) -> list[Arm]:
     arms = []
     base = ModelConfig.from_preset(bc.preset)
-    if bc.seq_len > base.max_seq_len and base.positions in ("learned", "sinusoidal"):
-        raise ConfigError("seq_len", f"{bc.seq_len} exceeds the preset's max_seq_len {base.max_seq_len}")
+    bc.check_seq_len()
     for name in bc.arms:
         torch.manual_seed(bc.seed)
         cfg = ModelConfig.from_preset(bc.preset, max_seq_len=max(base.max_seq_len, bc.seq_len), **ARMS[name])

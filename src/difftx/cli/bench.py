@@ -75,6 +75,8 @@ def run(args) -> int:
     default_lengths = "64,256" if args.quick else "1024,2048,4096,8192,16384"
     lengths = _lengths(default_lengths if args.lengths is None else args.lengths) if args.long_context else []
     bc.validate()  # every bad value is one line before anything runs or is written
+    if not args.long_context:
+        bc.check_seq_len()
     out = Path(args.out)
     refuse_old_results(out, LONG_CONTEXT_FILES if args.long_context else RESULT_FILES, args.force)
     make_out_dir(out)
