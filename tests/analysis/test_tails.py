@@ -126,7 +126,20 @@ def test_mohammadi_alpha_of_zero_noise_is_nan_not_extremely_light():
     assert math.isnan(tails.mohammadi_alpha(np.zeros(1000)))
     assert math.isnan(tails.mohammadi_alpha(np.r_[np.zeros(999), 1e-3]))
     assert math.isnan(tails.noise_stats(np.ones((4, 256)) * np.arange(256))["alpha_mohammadi"])
-    assert np.isfinite(tails.mohammadi_alpha(np.r_[np.zeros(998), 1.0, -2.0]))  # two non-zero: an estimate
+    assert math.isnan(tails.mohammadi_alpha(np.r_[np.zeros(998), 1.0, -2.0]))  # two non-zero: too few
+    assert np.isfinite(tails.mohammadi_alpha(np.r_[np.zeros(984), np.arange(1.0, 17.0)]))  # 16 non-zero: an estimate
+
+
+def test_mohammadi_alpha_ignores_exact_zeros():
+    """Exact zeros (dead units' identically zero noise) do not drag a Gaussian's alpha towards 0: before, 10%
+    zeros read 0.89 and 60% read 0.24, each zero entering mean log|X| as log(eps)."""
+    g = np.random.default_rng(0).standard_normal(65536)
+    clean = tails.mohammadi_alpha(g)
+    for frac in (0.01, 0.1, 0.6):
+        x = g.copy()
+        x[: int(frac * x.size)] = 0.0
+        alpha = tails.mohammadi_alpha(x)
+        assert 1.85 <= alpha <= 2.2 and abs(alpha - clean) < 0.15, (frac, alpha, clean)
 
 
 def test_noise_stats_counts_the_finite_entries_it_uses():

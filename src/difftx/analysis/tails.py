@@ -97,12 +97,16 @@ def mohammadi_alpha(x, m: Optional[int] = None, shuffle: bool = True, seed: int 
     leftover samples are dropped.  ``shuffle`` (seeded) mixes the samples before
     blocking, so that neighbouring coordinates of a gradient do not share a block.
     The result is in (0, ~2] for stable data; values a little above 2 mean "no
-    heavier than Gaussian".  NaN for fewer than 16 samples, or fewer than two
-    non-zero ones (identically zero noise has no tail: the logs would compare
-    rounding errors and read as an enormous, "extremely light" alpha).
+    heavier than Gaussian".  Exact zeros are left out, as :func:`hill_index` does:
+    they are coordinates whose noise is identically zero (a dead ReLU unit), and
+    each would enter mean log|X| as log(eps), an arbitrary constant that drags
+    alpha towards 0 (10% zeros in a Gaussian read 0.9, not 2).  NaN for fewer
+    than 16 non-zero samples (identically zero noise has no tail: the logs would
+    compare rounding errors and read as an enormous, "extremely light" alpha).
     """
     a = _flat(x)
-    if a.size < 16 or np.count_nonzero(a) < 2:
+    a = a[a != 0]
+    if a.size < 16:
         return math.nan
     if shuffle:
         a = np.random.default_rng(seed).permutation(a)
