@@ -117,3 +117,17 @@ print("torch._dynamo" in sys.modules)
     if after_torch == "True":
         pytest.skip("this torch imports torch._dynamo itself")
     assert after_difftx == "False"
+
+
+def test_info_config_file_attention_with_n_heads_is_kept(capsys, tmp_path):
+    """--attention with --set n_heads on a config file (or model directory) sets the kind, as for a preset; it
+    was dropped, and the softmax model described."""
+    from difftx.cli import main
+
+    (tmp_path / "c.json").write_text('{"d_model": 64, "n_heads": 4, "vocab_size": 256, "max_seq_len": 64}')
+    assert main(["info", str(tmp_path / "c.json"), "--attention", "diff", "--set", "n_heads=2", "--json"]) == 0
+    cfg = json.loads(capsys.readouterr().out)["config"]
+    assert (cfg["attention"], cfg["n_heads"]) == ("diff", 2)
+    assert main(["info", str(tmp_path / "c.json"), "--set", "attention=diff2", "--set", "n_heads=4", "--json"]) == 0
+    cfg = json.loads(capsys.readouterr().out)["config"]
+    assert (cfg["attention"], cfg["n_heads"]) == ("diff2", 4)

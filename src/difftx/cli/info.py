@@ -66,6 +66,8 @@ def resolve_config(name: str, overrides: dict):
     attention = overrides.pop("attention", None)
     if attention and attention != cfg.attention and "n_heads" not in overrides:
         cfg = cfg.twin(attention)
+    elif attention is not None:  # with n_heads given: the kind as it is (ModelConfig.from_preset does the same)
+        overrides["attention"] = attention
     return cfg.replace(**overrides) if overrides else cfg
 
 
