@@ -62,6 +62,21 @@ def test_grads_on_checkpoints(tmp_path, capsys, keep_threads):
     assert not list(out.glob("*.png"))
 
 
+def test_grads_on_diff2_and_softmax_checkpoints_gives_flow_ratios(tmp_path, capsys, keep_threads):
+    """A DIFF V2 checkpoint with a softmax one is a flow pair, as a fresh diff2 base is (it got no ratio)."""
+    cfg = difftx.ModelConfig.from_preset("nano", d_model=32, n_layers=1)
+    for name, c in (("transformer", cfg), ("v2", cfg.twin("diff2"))):
+        difftx.save_model(difftx.build_model(c), tmp_path / name)
+    out = tmp_path / "out"
+    rc = main(["grads", "--out", str(out), "--checkpoint", str(tmp_path / "v2"), "--checkpoint",
+               str(tmp_path / "transformer"), "--only", "flow", "--seq-len", "16", "--batch-size", "2", "--steps",
+               "1", "--no-plots"])
+    assert rc == 0, capsys.readouterr().err
+    flow = json.loads((out / "flow.json").read_text())
+    assert "ratio" in flow and flow["models"]["diff"]["attention"] == "diff2"
+    assert flow["models"]["transformer"]["attention"] == "softmax"
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--settings", "S9"], "S9"),
     (["--seq-len", "1"], "--seq-len"),

@@ -228,8 +228,8 @@ def _flow_section(st: _Study) -> None:
     args, t0 = st.args, time.perf_counter()
     if st.loaded:
         kinds = sorted(m.config.attention for _, _, m, _ in st.loaded)
-        if kinds == ["diff", "softmax"]:
-            models = {("diff" if m.config.attention == "diff" else "transformer"): m for _, _, m, _ in st.loaded}
+        if kinds in (["diff", "softmax"], ["diff2", "softmax"]):  # DIFF (V1 or V2, as for a fresh base) and softmax
+            models = {("transformer" if m.config.attention == "softmax" else "diff"): m for _, _, m, _ in st.loaded}
         else:
             models = {name: m for name, _, m, _ in st.loaded}
     else:
