@@ -118,14 +118,7 @@ class VisionDomain(Domain):
         self.split = {name: (normalize(data.images[i], self.mean, self.std), data.labels[i])
                       for name, i in idx.items()}
         self.n_classes = len(data.classes)
-        # the width of mixing's soft targets: the model's classes, which --set num_classes may make more than the
-        # data's (a resumed or compared run's model is the one in its config.json; model_overrides sees a new one)
-        self.model_classes = self.n_classes
-        run_config = Path(run_dir) / "config.json" if run_dir is not None else None
-        if run_config is not None and run_config.is_file():
-            saved_model = json.loads(run_config.read_text()).get("model") or {}
-            if isinstance(saved_model.get("num_classes"), int):
-                self.model_classes = max(self.n_classes, saved_model["num_classes"])
+        self.model_classes = self.n_classes  # mixing's soft targets: the model's classes (model_overrides)
         saved = Path(run_dir) / META_FILE if run_dir is not None else None
         if saved is not None and saved.is_file():
             old = json.loads(saved.read_text())
@@ -152,8 +145,9 @@ class VisionDomain(Domain):
                 raise ConfigError(k, f"is {getattr(model_cfg, k)} but the data's images are {c}x{h}x{h} "
                                      f"(channels x height x width); drop --set {k}, or resize with "
                                      "--domain-opt resize=N")
-        if "num_classes" in fixed:  # the model keeps the user's (>= the data's) classes: soft targets span them
-            self.model_classes = model_cfg.num_classes
+        # --set num_classes may give the model more classes than the data has: soft targets span the model's.  The
+        # trainer's last call passes the model it trains (a resumed run's from its config.json)
+        self.model_classes = max(self.n_classes, model_cfg.num_classes)
         patch = model_cfg.patch_size
         if "image_size" not in fixed and h % patch:
             raise ConfigError("patch_size", f"{patch} does not divide the data's image size {h}; pick a divisor of "
