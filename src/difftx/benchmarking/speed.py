@@ -115,7 +115,6 @@ class BenchConfig:
         if self.timer not in ("wall", "cpu"):
             raise ConfigError("timer", f"must be 'wall' or 'cpu', got {self.timer!r}")
 
-
     def check_seq_len(self) -> None:
         """A ConfigError unless the preset's positions reach ``seq_len`` (learned or sinusoidal positions stop at
         max_seq_len).  The side-by-side runs only (--long-context times attention alone, at its own lengths);
