@@ -110,17 +110,22 @@ def test_flag_parsing():
     assert study.seed_list() == [0, 1, 2] and study.base_config().n_layers == 1
 
 
-def test_set_on_the_default_base_keeps_its_two_layers():
-    """--set init=xavier changes the init of "nano at 2 layers", not the depth too (the default's n_layers=2 was
-    dropped: a 4-layer study); with --preset the preset's own depth stands."""
+def test_the_default_bases_changes_belong_to_its_preset():
+    """The default base is nano at 2 layers with Xavier init.  --set adds to it (--set init=normal kept the 2
+    layers? it dropped them: a 4-layer study); a --preset is taken as it is, plus --set (--preset gpt2-124m
+    trained a 2-layer GPT-2)."""
     from difftx.cli import build_parser
 
     parse = build_parser("compare").parse_args
-    base = StudyConfig(**explicit_fields(parse(["compare", "--set", "init=xavier"]))).base_config()
-    assert (base.n_layers, base.init) == (2, "xavier")
-    assert StudyConfig().base_config().n_layers == 2
-    other = StudyConfig(**explicit_fields(parse(["compare", "--preset", "nano", "--set", "init=xavier"])))
-    assert other.base_config().n_layers == 4
+
+    def base(*argv):
+        return StudyConfig(**explicit_fields(parse(["compare", *argv]))).base_config()
+
+    assert (base().n_layers, base().init) == (2, "xavier")
+    assert (base("--set", "init=normal").n_layers, base("--set", "init=normal").init) == (2, "normal")
+    assert (base("--preset", "gpt2-124m").n_layers, base("--preset", "gpt2-124m").init) == (12, "xavier")
+    assert (base("--preset", "nano").n_layers, base("--preset", "nano").init) == (4, "normal")
+    assert base("--preset", "small", "--set", "n_layers=3").n_layers == 3
 
 
 def test_list_arms(compare):

@@ -127,7 +127,8 @@ def scale_section(res: dict) -> str:
         training = (f"{c['steps']} steps x {c['batch_size']} x {c['seq_len']} tokens = {c['tokens_per_run']:,} tokens "
                     "per run" if c.get("tokens_per_run") else f"{c['steps']} steps x {c['batch_size']}",
                     "350B tokens (DIFF 3B); ~100B (DNT)")
-    rows = [["models", f"{s['preset']} ({s['model']['n_layers']} layers x {s['model']['d_model']}), {prange} "
+    init = f", {s['model']['init']} init" if s["model"].get("init") else ""  # results.json before 2026-11-26: none
+    rows = [["models", f"{s['preset']} ({s['model']['n_layers']} layers x {s['model']['d_model']}{init}), {prange} "
                        "parameters", papers],
             ["training" if res["domain"] == "vision" else "corpus training", *training]]
     if "retrieval" in s:

@@ -293,7 +293,7 @@ def build_results(study: StudyConfig, jobs: list[Job], results: dict, sweep: lis
                      "attention_setting": _get(first, "attention", "setting"),
                      "cells": list(dict.fromkeys(c for r in r_arms.values() for c in r["cells"])), "arms": r_arms}
     base = study.base_config()
-    scale = {"preset": study.preset, "model": {"d_model": base.d_model, "n_layers": base.n_layers,
+    scale = {"preset": study.preset, "model": {"d_model": base.d_model, "n_layers": base.n_layers, "init": base.init,
                                                "n_heads_transformer": base.twin("softmax").n_heads},
              "corpus": {"steps": next(j.steps for j in jobs if j.task == "corpus"),
                         "batch_size": study.batch_size, "seq_len": study.seq_len,

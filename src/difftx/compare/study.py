@@ -51,7 +51,8 @@ OPTIMIZER_SETTINGS = {
 
 # The default scale per domain: what fits in 10 minutes on a 2-core CPU (docs/compare.md, "Budget").
 DEFAULTS = {
-    "lm": dict(preset="nano", model={"n_layers": 2}, seq_len=64, batch_size=16, tokens=256_000,
+    # Xavier init in every arm: DNT Table 5 trains GPT-2 and L-DNT alike with it (nano's own is GPT-2's normal)
+    "lm": dict(preset="nano", model={"n_layers": 2, "init": "xavier"}, seq_len=64, batch_size=16, tokens=256_000,
                retrieval="mqar", retrieval_seq_len=64, retrieval_batch_size=32, retrieval_tokens=400_000,
                retrieval_options={"pairs": "2-6", "vocab": 64}),
     "vision": dict(preset="vit-tiny", model={}, seq_len=None, batch_size=64, steps=300, retrieval="none"),
@@ -117,8 +118,9 @@ class StudyConfig:
         if self.domain not in DEFAULTS:
             raise ConfigError("domain", f"must be one of {', '.join(DEFAULTS)}; got {self.domain!r}")
         d = DEFAULTS[self.domain]
-        if self.preset is None and self.model is not None:  # --set on the default base: "nano at 2 layers" stays
-            self.model = {**d["model"], **self.model}       # 2 layers unless n_layers is set
+        # the default's model changes ("nano at 2 layers, Xavier init") belong to its preset: --set adds to them; a
+        # --preset of the user's is taken as it is, plus --set (gpt2-124m was trained at 2 layers)
+        self.model = {**d["model"], **(self.model or {})} if self.preset is None else dict(self.model or {})
         for name, value in d.items():
             if getattr(self, name, None) is None:
                 setattr(self, name, dict(value) if isinstance(value, dict) else value)
