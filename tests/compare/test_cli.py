@@ -236,3 +236,68 @@ def test_resume_of_a_corrupt_study_json_is_one_line(tmp_path, compare, content):
     err = _one_line_error(compare("--out", out, "--resume", "--no-progress"))
     assert "study.json" in err and "corrupt" in err, err
     assert (out / "study.json").read_text() == content
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    import os
+
+    kids = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                if d.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(d))
+        except (OSError, ValueError, IndexError):
+            continue
+    return kids
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_stops_the_pool_at_a_checkpoint(corpus, tmp_path):
+    """``kill`` of the study's process stops it as Ctrl-C does: exit 130 naming --resume, each running job
+    checkpointed at its current step, the pool's processes gone.  The parent used to die at once and leave its
+    workers training their jobs to the end into the study's directory."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import cli_env
+
+    out = tmp_path / "out"
+    args = ["--arms", "transformer:adamw,diff:adamw", "--seeds", "1", "--retrieval", "none", "--set", "n_layers=1",
+            "--set", "d_model=32", "--steps", "100000", "--workers", "2", "--threads", "1", "--data", str(corpus),
+            "--cache-dir", str(tmp_path / "cache")]
+    p = subprocess.Popen([sys.executable, "-m", "difftx", "compare", "--out", str(out), *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
+    try:
+        deadline = time.monotonic() + 240
+        metrics = [out / "runs" / "corpus" / a / "seed0-lr0.004" / "metrics.jsonl" for a in ("transformer-adamw",
+                                                                                          "diff-adamw")]
+        while not all(m.is_file() and m.stat().st_size > 0 for m in metrics):  # both jobs are training
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-2000:]
+            time.sleep(0.5)
+        workers = _children(p.pid)
+        assert workers
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err[-2000:]
+    assert "--resume" in err.strip().splitlines()[-1] and "Traceback" not in err
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    end = time.monotonic() + 20  # the pool was waited for (multiprocessing's resource tracker exits on its own)
+    while any(map(alive, workers)) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not any(map(alive, workers)), [w for w in workers if alive(w)]
+    for arm in ("transformer-adamw", "diff-adamw"):
+        ckpts = list((out / "runs" / "corpus" / arm / "seed0-lr0.004" / "checkpoints").glob("step_*"))
+        assert len(ckpts) == 1 and 0 < int(ckpts[0].name.split("_")[1]) < 100000

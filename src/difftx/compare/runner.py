@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -298,6 +300,23 @@ def note(result: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- the study
+def _sigterm_stops_the_study() -> Optional[object]:
+    """SIGTERM (``kill``, a scheduler's stop) stops the study as Ctrl-C does: running jobs checkpoint after their
+    step and the pool is waited for.  Without it the parent died at once and the pool's processes, orphaned,
+    trained their jobs to the end into the study's directory.  A second SIGTERM acts as usual.  Returns the
+    handler to put back (None off the main thread, where Python cannot set one)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    old = signal.getsignal(signal.SIGTERM)
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, stop)
+    return old if old is not None else signal.SIG_DFL
+
+
 def _cpu_s() -> float:
     """CPU seconds of this process and its reaped children (the job pool), user + system."""
     try:
@@ -321,6 +340,7 @@ def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False
     out = Path(out)
     world = init_world(study.device)  # under torchrun: the process group every job's training shares
     executor, created = None, False
+    old_sigterm = _sigterm_stops_the_study()
     try:
         check_inputs(study)
         workers, threads = resolve_workers(study, 1 << 30, world.device.type, world.distributed)
@@ -376,4 +396,6 @@ def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False
     finally:
         if executor is not None:
             executor.close()
+        if old_sigterm is not None:
+            signal.signal(signal.SIGTERM, old_sigterm)
         shutdown_world(world)
