@@ -48,7 +48,8 @@ def add_parser(sub) -> None:
     s.add_argument("--seed", type=int, help="the first seed (0)")
     m = p.add_argument_group("model")
     m.add_argument("--preset", help="base preset, the Transformer form every arm is built from (default: nano at "
-                                    "2 layers; see `difftx info --list`)")
+                                    "2 layers with Xavier init; a preset given here comes as it is; see "
+                                    "`difftx info --list`)")
     m.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a ModelConfig field of the base (repeatable), e.g. --set n_layers=4")
     d = p.add_argument_group("data and budget")
