@@ -258,6 +258,9 @@ def load_model(path, device: Optional[str] = None, dtype=None) -> torch.nn.Modul
         if dtype not in STORED_DTYPES:
             raise ConfigError("dtype", f"must be a torch dtype or one of {', '.join(STORED_DTYPES)}; got {dtype!r}")
         dtype = STORED_DTYPES[dtype]
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ConfigError("dtype", f"must be a floating torch dtype or one of {', '.join(STORED_DTYPES)}; "
+                          f"got {dtype!r}")
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory; pass a difftx model, checkpoint or run directory")
