@@ -20,3 +20,18 @@ def test_load_model_refuses_a_dtype_that_is_not_a_float_dtype_in_one_error(tmp_p
     with pytest.raises(ConfigError, match="dtype"):
         difftx.load_model(d, dtype=dtype)
     assert difftx.load_model(d, dtype=torch.float16).embed.weight.dtype == torch.float16
+
+
+def test_save_model_refuses_a_model_without_a_difftx_config_and_writes_nothing(tmp_path):
+    """A transformers wrapper's config is not a ModelConfig: saving it wrote a directory load_model refused."""
+    pytest.importorskip("transformers")
+    from difftx.interop.hf import DifftxForCausalLM
+
+    model = tiny_model()
+    for bad in (DifftxForCausalLM.from_difftx(model), torch.nn.Linear(2, 2)):
+        with pytest.raises(ConfigError, match="not a difftx model"):
+            difftx.save_model(bad, tmp_path / "w")
+        assert not (tmp_path / "w").exists()
+    x = torch.randint(0, 61, (1, 5))
+    with torch.no_grad():  # the hint's way works
+        assert torch.equal(difftx.load_model(difftx.save_model(model, tmp_path / "m"))(x).logits, model(x).logits)

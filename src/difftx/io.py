@@ -149,6 +149,11 @@ def model_config_dict(cfg: ModelConfig) -> dict:
 
 def save_model(model: torch.nn.Module, path, extra_config: Optional[dict] = None) -> Path:
     """Write ``model`` to directory ``path`` (config.json + model.safetensors)."""
+    cfg = getattr(model, "config", None)
+    if not isinstance(cfg, ModelConfig):  # e.g. DifftxForCausalLM (a transformers config): load_model would refuse it
+        raise ConfigError(None, f"save_model: a {type(model).__name__} is not a difftx model (its config is "
+                          f"{type(cfg).__name__}, not difftx.ModelConfig); save the difftx model it holds "
+                          "(DifftxForCausalLM: .model; DDP: .module), or use save_pretrained")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg_dict = model_config_dict(model.config)
