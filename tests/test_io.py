@@ -35,3 +35,22 @@ def test_save_model_refuses_a_model_without_a_difftx_config_and_writes_nothing(t
     x = torch.randint(0, 61, (1, 5))
     with torch.no_grad():  # the hint's way works
         assert torch.equal(difftx.load_model(difftx.save_model(model, tmp_path / "m"))(x).logits, model(x).logits)
+
+
+def test_a_model_of_mixed_dtypes_loads_back_as_it_was_saved(tmp_path):
+    """Built under a bf16 default dtype (as transformers' from_pretrained(dtype=bfloat16) builds the DecoderLM), a
+    DIFF model keeps its lambdas in float32; load_model gave it back all float32, with other logits."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = tiny_model()
+    finally:
+        torch.set_default_dtype(old)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert set(dtypes.values()) == {torch.bfloat16, torch.float32}
+    loaded = difftx.load_model(difftx.save_model(model, tmp_path / "m"))
+    assert {n: p.dtype for n, p in loaded.named_parameters()} == dtypes
+    x = torch.randint(0, 61, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
+    assert difftx.load_model(tmp_path / "m", dtype="float32").embed.weight.dtype == torch.float32  # still overrides

@@ -227,6 +227,15 @@ def check_finite(name: str, tensor: torch.Tensor, source: str) -> None:
                               "(NaN or inf); the weights are corrupt or from a diverged run: use an earlier checkpoint")
 
 
+def _restore_dtypes(model: torch.nn.Module, state: dict) -> None:
+    """Give each floating parameter and buffer of ``model`` the dtype of its tensor in ``state``."""
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    for name, t in tensors:
+        s = state.get(name)
+        if s is not None and t.is_floating_point() and s.is_floating_point() and s.dtype != t.dtype:
+            t.data = t.data.to(s.dtype)
+
+
 def list_checkpoints(run_dir) -> list[Path]:
     """Complete checkpoints of a training run, oldest first.
 
@@ -287,10 +296,13 @@ def load_model(path, device: Optional[str] = None, dtype=None) -> torch.nn.Modul
         )
     cfg, data = _read_model_config(path)
     model = build_model(cfg)
-    load_state_dict_into(model, load_safetensors(path / WEIGHTS_FILE), str(path / WEIGHTS_FILE))
+    state = load_safetensors(path / WEIGHTS_FILE)
+    load_state_dict_into(model, state, str(path / WEIGHTS_FILE))
     if dtype is None:  # the dtype it was saved in (a bf16 conversion stays bf16); float32 without a note
         stored = data.get(DTYPE_KEY)
         dtype = STORED_DTYPES.get(stored) if stored != "float32" else None
+        if stored is None:  # mixed (e.g. bf16 weights, float32 DIFF lambdas): each tensor in its stored dtype
+            _restore_dtypes(model, clean_state_dict(state))
     if device is not None or dtype is not None:
         model = model.to(device=device, dtype=dtype)
     model.eval()
