@@ -96,3 +96,28 @@ def test_micro_batches_on_a_corpus(tmp_path, corpus, cache):
         outs[bs] = difftx.load_model(tmp_path / f"r{bs}").state_dict()
     for name in outs[8]:
         torch.testing.assert_close(outs[2][name], outs[8][name], rtol=1e-5, atol=1e-6)
+
+
+def test_grad_accum_is_never_silently_overridden_by_a_global_batch(tmp_path, train_cli, capsys):
+    """--grad-accum with a --global-batch that needs another count is refused (it used to be dropped, config.json
+    recording the unused value); --grad-accum beats a recipe's global batch; on resume --grad-accum alone is
+    checked against the run's sequences per step instead of losing to the saved --global-batch."""
+    import json
+
+    from difftx.train import resolve_configs
+
+    bad = tmp_path / "bad"
+    assert train_cli("--steps", 2, "--grad-accum", 3, "--global-batch", 8, "--out", bad) == 2
+    err = capsys.readouterr().err
+    assert "grad_accum" in err and "--global-batch 8" in err and err.count("\n") == 1 and not bad.exists()
+    tcfg, _ = resolve_configs("gpt2-adamw", train={"grad_accum": 2, "batch_size": 4})
+    assert tcfg.global_batch is None and tcfg.accumulation(1) == 2
+    out = tmp_path / "run"
+    assert train_cli("--steps", 4, "--stop-at", 2, "--eval-every", 0, "--global-batch", 8, "--out", out) == 0
+    capsys.readouterr()
+    assert train_cli("--steps", 4, "--eval-every", 0, "--out", out, "--resume", "auto", "--grad-accum", 4) == 2
+    err = capsys.readouterr().err
+    assert "took 8 sequences a step" in err and err.count("\n") == 1
+    assert train_cli("--steps", 4, "--eval-every", 0, "--out", out, "--resume", "auto", "--grad-accum", 2) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens"] for r in rows if "loss" in r] == [128, 256, 384, 512]

@@ -62,6 +62,8 @@ def resolve_configs(recipe: Optional[str] = None, train: Optional[dict] = None, 
             train["warmup_epochs"] = None
             if "warmup" not in train:
                 train["warmup"] = round(r.train["warmup_epochs"] / r.train["epochs"] * train["steps"])
+    if train.get("grad_accum") is not None and "global_batch" not in train:
+        train["global_batch"] = None  # an explicit --grad-accum beats a recipe's global batch (which would set it)
     for key in ("domain_options", "task_options"):  # option dicts merge: the recipe's < the explicit ones
         if r is not None and r.train.get(key) and key in train:
             train[key] = {**r.train[key], **(train[key] or {})}
@@ -111,6 +113,8 @@ def _merge_resumed(saved: dict, source: Path, tcfg: TrainConfig, mcfg: ModelConf
         elif new != old:
             raise ConfigError(f, f"is {old!r} in the run being resumed ({source}), {new!r} here; a resumed run "
                                  "keeps its config (start a new --out to change it)")
+    if "grad_accum" in changes and "global_batch" not in changes:
+        changes["global_batch"] = None  # --grad-accum alone: the saved --global-batch would override it silently
     for f in explicit_model:
         if getattr(mcfg, f) != getattr(old_m, f):
             raise ConfigError(f, f"is {getattr(old_m, f)!r} in the run being resumed ({source}), "
@@ -126,6 +130,7 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
     ``memory_check=False`` skips the memory check (difftx.train.memory_check): for a caller that checked
     already, such as ``difftx compare``, which checks every job of its study, with its parallel jobs, up front."""
     out = Path(out)
+    explicit_train = set(explicit_train)
     if tcfg.tensorboard:
         _require_tensorboard()
     keep_freed_memory()  # a training process keeps its freed activations for the next step (runtime.py)
@@ -146,7 +151,11 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
                                         explicit_train, explicit_model)
             fixed_model |= {"vocab_size", "max_seq_len"}
 
-        tcfg.accumulation(world.world_size)  # checks that --global-batch divides; before anything is written
+        n_micro = tcfg.accumulation(world.world_size)  # checks that --global-batch divides; before any write
+        if tcfg.global_batch is not None and "grad_accum" in explicit_train and n_micro != tcfg.grad_accum:
+            raise ConfigError("grad_accum", f"{tcfg.grad_accum} disagrees with --global-batch {tcfg.global_batch}, "
+                                            f"which needs {n_micro} micro-batches of {tcfg.batch_size} on "
+                                            f"{world.world_size} process(es); give one of the two")
         if resolve_parallel(tcfg.parallel, world) == "fsdp" and tcfg.optimizer == "muon":
             raise ConfigError("optimizer", "muon needs whole matrices; use --parallel ddp with it")
         if tcfg.threads:
