@@ -151,3 +151,14 @@ def test_train_says_in_one_line_when_a_native_kernel_setting_kept_them_off(env, 
     finally:
         monkeypatch.undo()
         native.reset()
+
+
+def test_no_validation_split_writes_no_evaluation_rows(tmp_path, train_cli, capsys):
+    """--val-fraction 0 leaves nothing to validate on: metrics.jsonl holds training rows only (it used to get a
+    row {"step": N} at every evaluation, an evaluation row without a val_loss)."""
+    import json
+
+    out = tmp_path / "run"
+    assert train_cli("--steps", 4, "--val-fraction", 0, "--eval-every", 2, "--out", out) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all("loss" in r for r in rows)

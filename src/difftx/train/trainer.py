@@ -266,8 +266,11 @@ class Trainer:
                 for cb in self.callbacks:
                     if hasattr(cb, "on_step_end"):
                         cb.on_step_end(self, row)
+                metrics = {}
                 if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-                    self.last_eval = {"step": step, **self.evaluate("val")}
+                    metrics = self.evaluate("val")
+                if metrics:  # nothing to evaluate on (--val-fraction 0): no row holding only the step
+                    self.last_eval = {"step": step, **metrics}
                     logger.log(self.last_eval)
                     if "val_loss" in self.last_eval:
                         acc = f", val_acc {self.last_eval['val_acc']:.4f}" if "val_acc" in self.last_eval else ""
@@ -277,8 +280,9 @@ class Trainer:
                     saved_at = ckpt.save_checkpoint(self, step)
             if self.step == cfg.steps:
                 for split in self.domain.eval_splits:
-                    if split != "val":
-                        extra = {"step": self.step, **self.evaluate(split)}
+                    metrics = self.evaluate(split) if split != "val" else {}
+                    if metrics:
+                        extra = {"step": self.step, **metrics}
                         if not logger.has(self.step, f"{split}_loss"):  # a finished run resumed: logged once
                             logger.log(extra)
                         self.last_eval.update(extra)
