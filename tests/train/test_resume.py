@@ -115,3 +115,21 @@ def test_resuming_on_another_process_count_keeps_the_global_batch_or_is_refused(
     assert "took 8 sequences a step" in err and "--global-batch 8" in err and err.count("\n") == 1
     assert train_cli("--steps", 4, "--eval-every", 0, "--out", out, "--resume", "auto", "--global-batch", 8) == 0
     assert json.loads((out / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())["micro_batches"] == 2
+
+
+def test_resuming_on_a_changed_corpus_is_refused(tmp_path, corpus, train_cli, capsys):
+    """The same --data path with other contents is not the run's corpus: the resume is refused in one line before
+    anything is written (it used to continue on the new text and rewrite config.json's corpus fingerprint), as a
+    vision run's resume on other images is."""
+    out = tmp_path / "run"
+    assert train_cli("--steps", 4, "--stop-at", 2, "--eval-every", 0, "--out", out) == 0
+    original, config = corpus.read_text(), (out / "config.json").read_text()
+    corpus.write_text(original + "The cat sat.\n")
+    capsys.readouterr()
+    assert train_cli("--steps", 4, "--eval-every", 0, "--out", out, "--resume", "auto") == 2
+    err = capsys.readouterr().err
+    assert "not the corpus of the run being resumed" in err and err.count("\n") == 1
+    assert _steps(out) == ["step_00000002"] and (out / "config.json").read_text() == config
+    corpus.write_text(original)
+    assert train_cli("--steps", 4, "--eval-every", 0, "--out", out, "--resume", "auto") == 0
+    assert _steps(out)[-1] == "step_00000004"

@@ -138,6 +138,8 @@ class LMDomain(Domain):
         from ..data.shards import WindowSampler, default_cache_dir, prepare_tokens
 
         self.corpus = resolve_corpus(cfg.data, cfg.text_field)
+        if run_dir is not None:
+            self._check_resumed_corpus(Path(run_dir))
         cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
         if saved is not None and saved.is_file():
             self.tokenizer = load_tokenizer(saved)
@@ -154,6 +156,21 @@ class LMDomain(Domain):
         self.sampler = WindowSampler(self.data.train, cfg.seq_len, cfg.seed, "train")
         self.val_sampler = WindowSampler(self.data.val, cfg.seq_len, cfg.seed, "validation") \
             if self.data.n_train < len(self.data.tokens) else None
+
+    def _check_resumed_corpus(self, run_dir: Path) -> None:
+        """A resumed run trains on the corpus it started on (same path, other contents: not an exact resume)."""
+        import json
+
+        from ..errors import DataError
+
+        try:
+            saved = json.loads((run_dir / "config.json").read_text()).get("data", {}).get("corpus_fingerprint")
+        except (OSError, ValueError, AttributeError):
+            return  # no readable run config: the resume reports it
+        if saved is not None and saved != self.corpus.fingerprint():
+            raise DataError(f"--data {self.cfg.data or '(built-in corpus)'}: not the corpus of the run being "
+                            f"resumed ({run_dir}): its contents changed since; resume with the same data, or start "
+                            "a new --out")
 
     def _share_tokenizer(self):
         from ..data.tokenizers import tokenizer_from_dict
