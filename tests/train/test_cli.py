@@ -162,3 +162,17 @@ def test_no_validation_split_writes_no_evaluation_rows(tmp_path, train_cli, caps
     assert train_cli("--steps", 4, "--val-fraction", 0, "--eval-every", 2, "--out", out) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all("loss" in r for r in rows)
+
+
+def test_the_summary_is_printed_by_rank_0_only(tmp_path, monkeypatch, capsys):
+    """Under torchrun every process returns from train(); only rank 0 prints the summary (each of N processes
+    printed it, so an 8-GPU run ended with 8 copies)."""
+    import difftx.train
+    from difftx.cli import main
+
+    summary = {"run_dir": str(tmp_path), "step": 4, "steps": 4, "elapsed_s": 1.0, "checkpoint": None, "val_loss": 2.0}
+    monkeypatch.setattr(difftx.train, "train", lambda *a, **k: summary)
+    for rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["train", "--out", str(tmp_path / "run"), "--steps", "4"]) == 0
+        assert ("difftx train: step 4/4" in capsys.readouterr().out) is printed

@@ -8,6 +8,7 @@ preset on the built-in corpus (the Python standard library) for 500 steps.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -149,7 +150,7 @@ def run(args) -> int:
     explicit_train = set(train_kw) | (set(get_recipe_fields(args.recipe)) if args.recipe else set())
     summary = train(tcfg, mcfg, args.out, resume=args.resume, explicit_train=explicit_train,
                     explicit_model=set(model_kw) | ({"preset"} if args.preset else set()))
-    if summary is None:
+    if summary is None or int(os.environ.get("RANK", "0")) != 0:  # under torchrun the summary is rank 0's, once
         return 0
     out = Path(summary["run_dir"])
     val = "".join(f", {k} {summary[k]:.4f}" for k in ("val_loss", "val_acc", "test_acc") if summary.get(k) is not None)
