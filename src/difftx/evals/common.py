@@ -370,6 +370,19 @@ def check_depths(depths) -> list[float]:
                                 "takes percents)") from None
 
 
+def text_tokens(model, tokenizer, text: Optional[str], data, max_tokens: int, seq_len: Optional[int]):
+    """``(tokens, max_tokens, seq_len)`` for an evaluation over windows of ``seq_len`` (default: the model's
+    context, at most 1024): ``text``, a text file ``data`` or the built-in validation corpus, tokenized only as far
+    as the budget needs (at most ~8 bytes a token for BPE on code).  At least one whole window is read, even when
+    ``max_tokens`` is below it."""
+    max_tokens = check_count("max_tokens", max_tokens)
+    seq_len = check_count("seq_len", seq_len) if seq_len is not None else context_limit(model, 1024)
+    chars = (max(max_tokens, seq_len) + 1) * 8
+    if text is None:
+        text = corpus_text(data, min_chars=chars, split="val")
+    return encode(tokenizer, text[:chars + 1], "evaluation text"), max_tokens, seq_len
+
+
 def check_options(task: str, options: dict, valid: Sequence[str]) -> None:
     """A task's options are among ``valid``, else one ConfigError listing the valid keys."""
     unknown = [k for k in options if k not in valid]

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DataError
-from .common import check_count, context_limit, corpus_text, encode, logit_chunks, model_device
+from .common import check_count, context_limit, logit_chunks, model_device, text_tokens
 
 
 def ar_hit_mask(windows: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -132,15 +132,7 @@ def evaluate_lm(model, tokens, seq_len: Optional[int] = None, max_tokens: int = 
 def evaluate_lm_text(model, tokenizer, text: Optional[str] = None, data=None, max_tokens: int = 16384,
                      **kwargs) -> dict:
     """:func:`evaluate_lm` on ``text``, a text file ``data``, or the built-in validation corpus."""
-    max_tokens = check_count("max_tokens", max_tokens)
-    seq_len = kwargs.get("seq_len")
-    seq_len = check_count("seq_len", seq_len) if seq_len is not None else context_limit(model, 1024)
-    budget = max(max_tokens, seq_len)  # at least one window is evaluated, even when it exceeds max_tokens
-    if text is None:
-        text = corpus_text(data, min_chars=(budget + 1) * 8, split="val")
-    # tokenize no more text than the budget needs (bytes per token is at most ~8 for BPE on code)
-    need = (budget + 1) * 8 + 1
-    tokens = encode(tokenizer, text[:need], "evaluation text")
+    tokens, max_tokens, _ = text_tokens(model, tokenizer, text, data, max_tokens, kwargs.get("seq_len"))
     if len(tokens) < 2:
         raise DataError("the evaluation text is too short (fewer than 2 tokens)")
     return evaluate_lm(model, tokens, max_tokens=max_tokens, **kwargs)

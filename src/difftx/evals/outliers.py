@@ -23,8 +23,8 @@ import torch
 
 from ..errors import DataError
 from ..nn.probe import AttentionProbe
-from .common import LogHistogram, TopK, attach, check_count, context_limit, corpus_text, encode, map_batch_size, \
-    model_device, valid_values
+from .common import LogHistogram, TopK, attach, check_count, context_limit, map_batch_size, model_device, \
+    text_tokens, valid_values
 
 TOPS = (1, 2, 3, 10, 100)
 
@@ -121,13 +121,7 @@ def evaluate_outliers(model, tokens, seq_len: Optional[int] = None, max_tokens: 
 
 def evaluate_outliers_text(model, tokenizer, text: Optional[str] = None, data=None, max_tokens: int = 16384,
                            **kwargs) -> dict:
-    max_tokens = check_count("max_tokens", max_tokens)
-    seq_len = kwargs.get("seq_len")
-    seq_len = check_count("seq_len", seq_len) if seq_len is not None else context_limit(model, 1024)
-    budget = max(max_tokens, seq_len)  # at least one window is evaluated, even when it exceeds max_tokens
-    if text is None:
-        text = corpus_text(data, min_chars=(budget + 1) * 8, split="val")
-    tokens = encode(tokenizer, text[: budget * 8 + 1], "evaluation text")
+    tokens, max_tokens, _ = text_tokens(model, tokenizer, text, data, max_tokens, kwargs.get("seq_len"))
     return evaluate_outliers(model, tokens, max_tokens=max_tokens, **kwargs)
 
 

@@ -33,6 +33,8 @@ from typing import Optional
 
 import torch
 
+from ..io import atomic_write_text
+
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-fno-strict-aliasing", "-fPIC", "-shared"]
 _LOCK = threading.Lock()
@@ -122,18 +124,6 @@ def _intact(library: Path, digest: Path) -> bool:
         return False
 
 
-def _write_digest(digest: Path, value: str) -> None:
-    fd, tmp = tempfile.mkstemp(suffix=".sha256", dir=digest.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(value + "\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, digest)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _build(cc: list[str]) -> Path:
     source = _SOURCE.read_bytes()
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -158,7 +148,7 @@ def _build(cc: list[str]) -> Path:
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cc)} failed: {proc.stderr.strip()[-500:]}")
         os.chmod(tmp, 0o755)  # as a compiler leaves a library (mkstemp made it 0600): a shared cache serves all
-        _write_digest(digest, _sha256(Path(tmp)))  # before the library: a reader never finds one without it
+        atomic_write_text(digest, _sha256(Path(tmp)) + "\n")  # before the library: never one without it
         os.replace(tmp, target)  # atomic: concurrent builders never load a partial file
     finally:
         if os.path.exists(tmp):
