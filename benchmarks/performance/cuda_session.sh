@@ -6,13 +6,14 @@
 #
 #   benchmarks/performance/cuda_session.sh OUT_DIR [STEPS]
 #
-# STEPS: a comma list of tests,host,ops,bench,bench-large,variants,variants-flex,host-bench (default: all).
+# STEPS: a comma list of tests,host,ops,bench,bench-large,variants,variants-flex,host-bench,host-share (default: all).
 # host: the native CPU kernels' tests on the GPU machine's own processor (its vector widths, AVX-512 and AMX
-# where it has them, are ones a session's CPU may lack); host-bench: the kernels timed there (bf16, 1 thread).  Needs torch with CUDA;
+# where it has them, are ones a session's CPU may lack); host-bench: the kernels timed there (bf16, 1 thread);
+# host-share: bf16 training's share of the matmul peak on the host CPU, 2 pinned cores then 1.  Needs torch with CUDA;
 # imports difftx from this checkout's src/ (nothing installed).  Logs and results go to OUT_DIR.
 set -uo pipefail
 out=${1:?usage: cuda_session.sh OUT_DIR [STEPS]}
-steps=${2:-tests,host,ops,bench,bench-large,variants,variants-flex,host-bench}
+steps=${2:-tests,host,ops,bench,bench-large,variants,variants-flex,host-bench,host-share}
 cd "$(dirname "$0")/../.."
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -49,5 +50,12 @@ want variants-flex && step variants-flex 130 $py benchmarks/performance/attentio
     --out "$out/variants-flex-8x2048.json"
 want host-bench && DIFFTX_CACHE_DIR=/tmp/difftx-host-cache step host-bench 90 $py benchmarks/performance/native_kernels.py \
     --threads 1 --dtypes bf16,fp32 --repeats 7
-for f in "$out"/bench-*/bench.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
+share() {  # share NAME CORES THREADS: the bf16 training step against the peak measured in the same run
+    DIFFTX_CACHE_DIR=/tmp/difftx-host-cache step "$1" 150 taskset -c "$2" $py -m difftx bench --device cpu \
+        --threads "$3" --dtypes bf16 --arms transformer,diff --no-peers --phases train --no-memory --repeats 5 \
+        --out "$out/$1"
+}
+want host-share && share cpu-share-2t 0,1 2
+want host-share && share cpu-share-1t 2 1
+for f in "$out"/bench-*/bench.md "$out"/cpu-share-*/bench.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
 exit 0
