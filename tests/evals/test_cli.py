@@ -269,3 +269,22 @@ def test_icl_summary_shows_worst_and_best_not_mean_plus_minus_half_margin():
     pt = {"shots": 4, "accuracies": [0.9, 0.9, 0.3], "mean": 0.7, "best": 0.9, "worst": 0.3, "margin": 0.6, "std": 0.28}
     (line,) = _summary("icl", {"tasks": [{"task": "synthetic-6", "curves": {"random": [pt]}}]})
     assert "±" not in line and "0.700" in line and "0.300" in line and "0.900" in line
+
+
+def test_mqar_needs_no_tokenizer_and_text_evals_name_the_missing_one(tmp_path, capsys):
+    """MQAR samples ids from the model's vocabulary, yet ``difftx eval mqar`` (and ``quant --metric mqar``) refused a
+    model directory without a tokenizer.json; an evaluation that encodes text says which file it needs."""
+    import difftx
+    from evals_helpers import tiny_model
+
+    model = difftx.save_model(tiny_model("diff"), tmp_path / "m")  # config.json + model.safetensors only
+    rc, err = _eval(["mqar", "--checkpoint", model, "--out", tmp_path / "o1", "--quiet", "--no-plot",
+                     *SMALL["mqar"]], capsys)
+    assert rc == 0, err
+    assert set(json.loads((tmp_path / "o1" / "mqar.json").read_text())["results"]) == RESULT_KEYS["mqar"]
+    rc, err = _eval(["quant", "--checkpoint", model, "--out", tmp_path / "o2", "--quiet", "--no-plot", "--metric",
+                     "mqar", "--bits", "8", "--metric-opt", "lengths=[32]", "--metric-opt", "samples=2"], capsys)
+    assert rc == 0, err
+    rc, err = _eval(["lm", "--checkpoint", model, "--out", tmp_path / "o3", "--quiet"], capsys)
+    assert rc == 2 and len(err) == 1 and "tokenizer.json" in err[0] and "'difftx eval lm'" in err[0], err
+    assert not (tmp_path / "o3" / "lm.json").exists()

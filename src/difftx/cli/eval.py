@@ -331,7 +331,9 @@ def run(args) -> int:
     if getattr(args, "data", None) is not None:
         read_text_file(args.data)  # a bad --data fails before the checkpoint loads
     device = resolve_device(args.device)
-    model, tok = load_checkpoint(args.checkpoint, device=str(device), what=f"'difftx eval {args.eval_name}'")
+    ids_only = args.eval_name == "mqar" or (args.eval_name == "quant" and args.metric == "mqar")  # no text
+    model, tok = load_checkpoint(args.checkpoint, device=str(device), what=f"'difftx eval {args.eval_name}'",
+                                 tokenizer=not ids_only)
     claim_out(args.out, args.eval_name, force=args.force, plot=not args.no_plot)  # before the evaluation runs
     native.warn_problem(f"difftx eval {args.eval_name}", device)
     _say(args, f"difftx eval {args.eval_name}: {model.config.attention} model, "

@@ -34,12 +34,12 @@ SCHEMA_VERSION = 1
 
 # ----------------------------------------------------------------------------- loading
 def load_checkpoint(path, device: Optional[str] = None, dtype: Optional[torch.dtype] = None,
-                    what: str = "this evaluation"):
+                    what: str = "this evaluation", tokenizer: bool = True):
     """(model, tokenizer) from a difftx model, checkpoint or training-run directory; model in eval mode.
 
-    A model of another domain (a vision model has no tokenizer) is one CheckpointError saying so.
+    A model of another domain (a vision model has no tokenizer) is one CheckpointError saying so.  With
+    ``tokenizer=False`` (an evaluation on token ids only, as ``mqar``) the tokenizer is None and need not exist.
     """
-    from ..data import load_tokenizer
     from ..io import load_model
 
     model = load_model(path, device=device, dtype=dtype)
@@ -48,8 +48,21 @@ def load_checkpoint(path, device: Optional[str] = None, dtype: Optional[torch.dt
     if domain != "lm":
         raise CheckpointError(f"{path}: a {domain} model; {what} needs a language model (a checkpoint of "
                               "'difftx train' without --domain vision)")
-    tokenizer = load_tokenizer(path)
-    return model, tokenizer
+    return model, (saved_tokenizer(path, what) if tokenizer else None)
+
+
+def saved_tokenizer(path, what: str = "this evaluation"):
+    """The tokenizer saved with the model at ``path`` (its ``tokenizer.json``); none is one DataError naming ``what``."""
+    from ..data import load_tokenizer
+    from ..data.tokenizers import TOKENIZER_FILE
+
+    path = Path(path)
+    folder = path.parent if path.is_file() else path  # a model.safetensors path: its directory
+    for name in (TOKENIZER_FILE,):
+        if (folder / name).is_file():
+            return load_tokenizer(folder / name)  # a damaged file: one DataError naming it
+    raise DataError(f"{folder}: no {TOKENIZER_FILE} beside the model; {what} encodes text with the tokenizer the "
+                    "model was trained with (a training run saves it): copy it there or pass the run directory")
 
 
 def model_device(model) -> torch.device:
