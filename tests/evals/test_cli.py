@@ -288,3 +288,19 @@ def test_mqar_needs_no_tokenizer_and_text_evals_name_the_missing_one(tmp_path, c
     rc, err = _eval(["lm", "--checkpoint", model, "--out", tmp_path / "o3", "--quiet"], capsys)
     assert rc == 2 and len(err) == 1 and "tokenizer.json" in err[0] and "'difftx eval lm'" in err[0], err
     assert not (tmp_path / "o3" / "lm.json").exists()
+
+
+def test_an_hf_export_of_a_byte_tokenizer_model_keeps_its_tokenizer_for_the_evals(checkpoint, tmp_path, capsys):
+    """difftx convert exports a byte or char tokenizer as difftx_tokenizer.json (lm-eval reads it); difftx eval
+    looked for tokenizer.json only and refused the export."""
+    from difftx.data import ByteTokenizer
+    from difftx.evals.common import load_checkpoint
+    from difftx.interop import convert_checkpoint
+
+    convert_checkpoint(checkpoint, tmp_path / "hf", dst_format="hf-difftx")
+    assert (tmp_path / "hf" / "difftx_tokenizer.json").is_file() and not (tmp_path / "hf" / "tokenizer.json").exists()
+    model, tok = load_checkpoint(tmp_path / "hf")
+    assert isinstance(tok, ByteTokenizer)
+    rc, err = _eval(["lm", "--checkpoint", tmp_path / "hf", "--out", tmp_path / "out", "--quiet", "--no-plot",
+                     "--data", checkpoint / "haystack.txt", "--max-tokens", "128", "--seq-len", "64"], capsys)
+    assert rc == 0, err

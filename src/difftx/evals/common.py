@@ -52,13 +52,14 @@ def load_checkpoint(path, device: Optional[str] = None, dtype: Optional[torch.dt
 
 
 def saved_tokenizer(path, what: str = "this evaluation"):
-    """The tokenizer saved with the model at ``path`` (its ``tokenizer.json``); none is one DataError naming ``what``."""
+    """The tokenizer saved with the model at ``path``: its ``tokenizer.json``, or the ``difftx_tokenizer.json`` a
+    Hugging Face export keeps for difftx's byte and char tokenizers; none is one DataError naming ``what``."""
     from ..data import load_tokenizer
     from ..data.tokenizers import TOKENIZER_FILE
 
     path = Path(path)
     folder = path.parent if path.is_file() else path  # a model.safetensors path: its directory
-    for name in (TOKENIZER_FILE,):
+    for name in (TOKENIZER_FILE, "difftx_tokenizer.json"):  # the second: interop.hf_io.DIFFTX_TOKENIZER_IN_HF
         if (folder / name).is_file():
             return load_tokenizer(folder / name)  # a damaged file: one DataError naming it
     raise DataError(f"{folder}: no {TOKENIZER_FILE} beside the model; {what} encodes text with the tokenizer the "
