@@ -15,7 +15,7 @@ from difftx.evals.niah import (ANSWER, ANSWER_NEEDLE, NOISE, OTHER_NEEDLE, QUERY
 from evals_helpers import haystack_text, tiny_model
 
 TOK = ByteTokenizer()
-NEEDLE = re.compile(r"The special magic number for ([A-Za-z ]+?) is: (\d+)\. ")
+NEEDLE = re.compile(r"The special magic number for ([A-Za-z ]+?) is: (\d+)\.(?=\s|$)")
 
 
 def builder(**kw):
@@ -43,7 +43,7 @@ def test_needles_answers_and_spans(n, r):
         assert ans == list(range(ans[0], ans[-1] + 1))
         # needle regions decode to needles, noise to haystack sentences only
         needle_text = TOK.decode([t for t, g in zip(s.ids, s.regions) if g in (ANSWER, ANSWER_NEEDLE)])
-        assert needle_text == f"The special magic number for {s.cities[0]} is: {s.numbers[0]}. "
+        assert needle_text == f" The special magic number for {s.cities[0]} is: {s.numbers[0]}."  # leading space
         other = TOK.decode([t for t, g in zip(s.ids, s.regions) if g == OTHER_NEEDLE])
         assert len(NEEDLE.findall(other)) == n - 1
         assert "magic" not in TOK.decode([t for t, g in zip(s.ids, s.regions) if g == NOISE])
@@ -57,7 +57,7 @@ def test_needles_sit_at_sentence_boundaries():
         text = TOK.decode(s.ids)
         for m in NEEDLE.finditer(text):
             before = text[:m.start()]
-            assert before == "" or before.endswith(". ") or before.endswith("\n") or NEEDLE.search(before[-60:])
+            assert before == " " or before.endswith(". ") or before.endswith("\n") or NEEDLE.search(before[-60:])
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
@@ -213,3 +213,33 @@ def test_a_cell_whose_drawn_numbers_do_not_fit_is_skipped_not_fatal():
                       generation=False)
     assert [c["length"] for c in r["cells"]] == [256]
     assert [(s["length"], "do not fit" in s["reason"]) for s in r["skipped"]] == [(need, True)]
+
+
+@pytest.fixture(scope="module")
+def gpt2_style_bpe():
+    """A byte-level BPE with GPT-2's pre-tokenisation (a word's leading space belongs to it: ' 37', ' The')."""
+    pytest.importorskip("tokenizers")
+    from difftx.data.tokenizers import train_bpe
+    from difftx.evals.niah import CITIES
+
+    text = haystack_text() + " The special magic number for Paris is: 12345. 67890 37704" * 4 + " ".join(CITIES)
+    return train_bpe([text], vocab_size=600)
+
+
+@pytest.mark.parametrize("template", ["paper", "short"])
+def test_a_bpe_sample_is_its_text_encoded_whole(gpt2_style_bpe, template):
+    """Pieces were encoded with their trailing whitespace ('... is: ' + '37704' + '. '), so a GPT-2-style BPE gave
+    the needle ' ', '3', '7', ... where the text has ' 37', '7', ... (the answer after the query), and every sentence
+    a lone ' ' token before its 'The'.  From the answer needle on, the sample is now exactly the encoding of its
+    text, so each scored answer is the tokens that follow its prompt and the needle holds the same tokens."""
+    tok = gpt2_style_bpe
+    b = NiahBuilder(tok, text=haystack_text(), template=template)
+    for k, depth in enumerate([0.0, 0.5, 1.0]):
+        s = b.sample(rng_for(11, k), 420, 3, 2, depth=depth)
+        start = s.regions.index(ANSWER_NEEDLE)
+        assert tok.encode(tok.decode(s.ids[start:])) == s.ids[start:]
+        for (a, e), number in zip(s.answers, s.numbers):
+            assert tok.decode(s.ids[a:e]).strip() == number
+            assert tok.encode(tok.decode(s.ids[start:e]))[-(e - a):] == s.ids[a:e]
+        a, e = s.answers[0]
+        assert [t for t, g in zip(s.ids, s.regions) if g == ANSWER] == s.ids[a:e]  # the needle's number = the answer

@@ -12,7 +12,11 @@ The first query's needle (the *answer needle*) sits at the requested depth
 needles, queries included, at random boundaries.  ``length`` is the whole
 sequence in tokens, queries and answers included; the haystack fills what the
 needles and queries leave.  Pieces are tokenized separately and concatenated,
-so every span is known exactly (the attention evaluation uses them).
+so every span is known exactly (the attention evaluation uses them).  Each
+piece starts with the whitespace before it (" The river ... day 3.", " The
+special magic number for CITY is:" + " NUMBER" + "."), as a GPT-2-style BPE
+gives a word its leading space: the concatenation is then the encoding of the
+whole text, and the needle's number has the answer's tokens.
 
 Scoring, per query:
 
@@ -101,21 +105,37 @@ def _template(name_or_text: str) -> str:
 
 
 class Haystack:
-    """A corpus split at sentence boundaries ('.', '!' or '?' before whitespace, or a newline), pre-tokenized."""
+    """A corpus split at sentence boundaries ('.', '!' or '?' before whitespace, or a newline), pre-tokenized.
+
+    A sentence carries the whitespace before it, not after (the first one the text's last, or a space): a
+    GPT-2-style BPE encodes '. The' as '.', ' The', so sentences encoded one by one give the text's tokens.
+    """
 
     def __init__(self, text: str, tokenizer, max_chars: int = 1_000_000):
         text = text[:max_chars]
         cuts = [0] + [m.end() for m in re.finditer(r"[.!?]\s+|\n+", text)] + [len(text)]
-        pieces = [text[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
-        self.sentences = [s for s in (encode(tokenizer, p, "haystack text") for p in pieces) if s]
+        sentences, gap = [], ""
+        for piece in (text[a:b] for a, b in zip(cuts, cuts[1:])):
+            core = piece.rstrip()
+            if core:
+                sentences.append(gap + core)
+                gap = piece[len(core):]
+            else:
+                gap += piece
+        if sentences and not sentences[0][0].isspace():
+            sentences[0] = (gap or " ") + sentences[0]  # what precedes it when the haystack wraps around
+        self.sentences = [s for s in (encode(tokenizer, p, "haystack text") for p in sentences) if s]
         if not self.sentences:
             raise DataError("the haystack corpus is empty")
+        self.space, self.decode = encode(tokenizer, " ", "haystack text"), getattr(tokenizer, "decode", None)
 
     def take(self, rng, n_tokens: int) -> tuple[list[int], list[int]]:
         """``n_tokens`` tokens of whole sentences from a random sentence on, and the sentence boundaries in them.
 
         The excess is cut from the front of the first sentence, so the last
         boundary (depth 100%) is a real sentence end; the first is the start.
+        A cut sentence starts with a space in place of its first token (unless
+        that token starts with whitespace), so a needle before it stays apart.
         """
         i = int(rng.integers(len(self.sentences)))
         ids, ends = [], []
@@ -124,6 +144,9 @@ class Haystack:
             ends.append(len(ids))
             i += 1
         cut = len(ids) - n_tokens
+        k = len(self.space)
+        if cut and 0 < k < n_tokens and not (self.decode and self.decode(ids[cut:cut + 1])[:1].isspace()):
+            ids[cut:cut + k] = self.space
         return ids[cut:], [0] + [e - cut for e in ends if e - cut > 0]
 
 
@@ -154,6 +177,7 @@ class NiahBuilder:
         head = self.template.split("{number}")[0]
         self.query_text = head.rstrip()
         self.answer_gap = head[len(self.query_text):]
+        self.needle_gap = "" if self.template[0].isspace() else " "  # whitespace leads a needle, as a sentence
 
     def check_needles(self, needles: int, what: str = "needles") -> None:
         """ConfigError unless ``needles`` needles can get distinct cities and distinct ``digits``-digit numbers."""
@@ -165,12 +189,19 @@ class NiahBuilder:
                                     f"{numbers} (raise --digits)")
 
     def _needle(self, city: str, number: str) -> tuple[list[int], list[int]]:
-        """Needle tokens and their regions (number tokens marked ANSWER, the rest ANSWER_NEEDLE)."""
-        before, after = self.template.split("{number}")
-        pre = encode(self.tok, before.format(city=city), "needle")
-        num = encode(self.tok, number, "needle number")
-        post = encode(self.tok, after.format(city=city) + " ", "needle")
-        return pre + num + post, [ANSWER_NEEDLE] * len(pre) + [ANSWER] * len(num) + [ANSWER_NEEDLE] * len(post)
+        """Needle tokens and their regions (number tokens marked ANSWER, the rest ANSWER_NEEDLE).
+
+        The number is encoded as the answer is, with the whitespace before it (' 37704': a BPE's ' 37', '7', ...);
+        tokens of that whitespace alone (a byte tokenizer's ' ') are not the number's.
+        """
+        after = self.template.split("{number}")[1]
+        pre = encode(self.tok, self.needle_gap + self.query_text.format(city=city), "needle")
+        num = encode(self.tok, self.answer_gap + number, "needle number")
+        post = encode(self.tok, after.format(city=city).rstrip(), "needle") if after.strip() else []
+        gap = encode(self.tok, self.answer_gap, "needle") if self.answer_gap else []
+        lead = next((i for i, (x, y) in enumerate(zip(num, gap)) if x != y), min(len(num) - 1, len(gap)))
+        return pre + num + post, ([ANSWER_NEEDLE] * (len(pre) + lead) + [ANSWER] * (len(num) - lead)
+                                  + [ANSWER_NEEDLE] * len(post))
 
     def min_length(self, needles: int, queries: int) -> int:
         """Tokens the needles and queries of the longest city names need (the haystack gets the rest)."""
