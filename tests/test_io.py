@@ -54,3 +54,41 @@ def test_a_model_of_mixed_dtypes_loads_back_as_it_was_saved(tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, model(x).logits)
     assert difftx.load_model(tmp_path / "m", dtype="float32").embed.weight.dtype == torch.float32  # still overrides
+
+
+LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+
+
+def test_a_model_loaded_in_bf16_keeps_diff_lambdas_in_float32_as_the_hf_wrapper(tmp_path):
+    """load_model(dtype=bfloat16) cast DIFF's lambda vectors to bf16 (lambda 0.2135 where it is 0.2134), while
+    DifftxForCausalLM.from_pretrained(dtype=bfloat16) keeps them, as the model builds them, in float32: the two
+    gave other logits.  Now load_model keeps them in float32 below float32, and the round trip stays exact."""
+    model = tiny_model()
+    d = difftx.save_model(model, tmp_path / "m")
+    for dtype in (torch.bfloat16, "bfloat16", torch.float16):
+        loaded = difftx.load_model(d, dtype=dtype)
+        for n, p in loaded.named_parameters():
+            want = torch.float32 if n.rsplit(".", 1)[-1] in LAMBDAS else loaded.embed.weight.dtype
+            assert p.dtype == want, (dtype, n, p.dtype)
+    assert {p.dtype for p in difftx.load_model(d, dtype=torch.float64).parameters()} == {torch.float64}
+    bf = difftx.load_model(d, dtype=torch.bfloat16)
+    for n, p in model.named_parameters():  # the lambdas are the saved values, exactly
+        if n.rsplit(".", 1)[-1] in LAMBDAS:
+            assert torch.equal(bf.get_parameter(n), p.detach())
+    again = difftx.load_model(difftx.save_model(bf, tmp_path / "bf"))  # saved and loaded back: the same tensors
+    assert again.state_dict().keys() == bf.state_dict().keys()
+    for k, v in bf.state_dict().items():
+        assert again.state_dict()[k].dtype == v.dtype and torch.equal(again.state_dict()[k], v), k
+    # an all-bf16 directory (model.to(bfloat16), lambdas included) loads with float32 lambdas of the same values
+    allbf = difftx.load_model(difftx.save_model(tiny_model().to(torch.bfloat16), tmp_path / "allbf"))
+    assert {p.dtype for n, p in allbf.named_parameters() if n.rsplit(".", 1)[-1] in LAMBDAS} == {torch.float32}
+    assert allbf.embed.weight.dtype == torch.bfloat16
+    pytest.importorskip("transformers")
+    from difftx.interop.hf import DifftxForCausalLM
+
+    DifftxForCausalLM.from_difftx(model).save_pretrained(tmp_path / "hf")
+    hf = DifftxForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).eval()
+    assert {n: p.dtype for n, p in hf.model.named_parameters()} == {n: p.dtype for n, p in bf.named_parameters()}
+    x = torch.randint(0, 61, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(bf(x).logits, hf(x).logits)

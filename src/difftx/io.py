@@ -31,6 +31,9 @@ FORMAT_VERSION = 1
 DTYPE_KEY = "dtype"  # config.json: the weights' dtype, when they share one
 STORED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                  "float64": torch.float64}
+# DIFF's lambda vectors: float32 in a model of a lower dtype (as DiffAttention builds them, as the trainer and the
+# transformers wrapper keep them); lambda_full computes in float32 from them
+FP32_PARAMETERS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 CHECKPOINTS_DIR = "checkpoints"  # a training run's checkpoints: RUN/checkpoints/step_XXXXXXXX/
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
@@ -236,6 +239,21 @@ def _restore_dtypes(model: torch.nn.Module, state: dict) -> None:
             t.data = t.data.to(s.dtype)
 
 
+def cast_model(model: torch.nn.Module, device=None, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+    """``model.to(device, dtype)``, except that :data:`FP32_PARAMETERS` are never put below float32: in a bf16 or
+    fp16 model they keep their float32 values (ones stored in a lower dtype are upcast, exactly)."""
+    def fp32(name, p):
+        return name.rsplit(".", 1)[-1] in FP32_PARAMETERS and p.is_floating_point()
+
+    before = {n: p.detach() for n, p in model.named_parameters() if fp32(n, p) and p.dtype.itemsize >= 4}
+    if device is not None or dtype is not None:
+        model = model.to(device=device, dtype=dtype)
+    for name, p in model.named_parameters():
+        if fp32(name, p) and p.dtype.itemsize < 4:
+            p.data = before.get(name, p.data).to(device=p.device, dtype=torch.float32)
+    return model
+
+
 def list_checkpoints(run_dir) -> list[Path]:
     """Complete checkpoints of a training run, oldest first.
 
@@ -265,6 +283,7 @@ def load_model(path, device: Optional[str] = None, dtype=None) -> torch.nn.Modul
 
     Other layouts (e.g. a converted Hugging Face directory) load through
     registered resolvers.  Raises CheckpointError with the offending path.
+    In a bf16 or fp16 model DIFF's lambda vectors stay float32 (:data:`FP32_PARAMETERS`).
     """
     from .models import build_model
 
@@ -289,7 +308,7 @@ def load_model(path, device: Optional[str] = None, dtype=None) -> torch.nn.Modul
         for fn in _RESOLVERS:
             model = fn(path, device)
             if model is not None:
-                return model.to(dtype=dtype) if dtype is not None else model
+                return cast_model(model, dtype=dtype) if dtype is not None else model
         raise CheckpointError(
             f"{path}: no difftx model here (need {CONFIG_FILE} with '{FORMAT_KEY}' and {WEIGHTS_FILE}, "
             "or a training run / checkpoint directory)"
@@ -303,7 +322,6 @@ def load_model(path, device: Optional[str] = None, dtype=None) -> torch.nn.Modul
         dtype = STORED_DTYPES.get(stored) if stored != "float32" else None
         if stored is None:  # mixed (e.g. bf16 weights, float32 DIFF lambdas): each tensor in its stored dtype
             _restore_dtypes(model, clean_state_dict(state))
-    if device is not None or dtype is not None:
-        model = model.to(device=device, dtype=dtype)
+    model = cast_model(model, device, dtype)  # lambdas stay float32 in a bf16 model, as the HF wrapper keeps them
     model.eval()
     return model
