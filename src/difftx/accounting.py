@@ -15,6 +15,10 @@ FLOPs count multiply-adds as 2 and include:
 ``context`` defaults to the sequence length (non-causal count, as in the
 PaLM/Chinchilla convention); ``causal=True`` halves the attention term.
 Training FLOPs = 3 x forward.
+
+A vision model's FLOPs per token are its image's over its tokens (the patches,
+plus the CLS token when it pools by it): the patch embedding runs on the patches
+only and the classifier once per image, not on every token.
 """
 
 from __future__ import annotations
@@ -53,11 +57,17 @@ def attention_flops_per_token(cfg, context: float) -> float:
 
 
 def flops_per_token(cfg, seq_len: int | None = None, causal: bool = False, training: bool = False) -> int:
-    """Forward (or training = 3x forward) FLOPs per token at sequence length ``seq_len``."""
+    """Forward (or training = 3x forward) FLOPs per token at sequence length ``seq_len`` (a vision model's: its
+    tokens, the default)."""
     if seq_len is None:
         seq_len = cfg.max_seq_len if cfg.domain == "lm" else cfg.n_patches + (cfg.pooling == "cls")
     context = seq_len / 2 if causal else seq_len  # not rounded: an odd length's half counts too
-    fwd = 2 * matmul_parameters(cfg) + attention_flops_per_token(cfg, context)
+    weights = matmul_parameters(cfg)
+    if cfg.domain == "vision":  # per image: the patch embedding on the patches, the classifier once
+        patch, head = cfg.in_channels * cfg.patch_size ** 2 * cfg.d_model, cfg.d_model * cfg.num_classes
+        tokens = cfg.n_patches + (cfg.pooling == "cls")
+        weights += (patch * cfg.n_patches + head) / tokens - patch - head
+    fwd = 2 * weights + attention_flops_per_token(cfg, context)
     return int(3 * fwd if training else fwd)
 
 

@@ -1,0 +1,111 @@
+"""``difftx.accounting.flops_per_token`` against the FLOPs ``torch.utils.flop_counter`` counts in real passes.
+
+Every matmul runs as an aten op the counter sees: the eager attention backend (the maps materialised, full
+N x N, so the count is the non-causal one) and the native CPU kernels off.  The counter counts a multiply-add
+as 2 FLOPs and a backward as the products autograd runs (about 2x forward), as the accounting does.  The
+conventions the two differ by, each checked exactly below:
+
+* the eager backend (like the CPU's fused kernel) applies DIFF's combined map (A1 - lambda A2) once to the
+  2d-wide value; the accounting counts the standard formulation, each map applied to it (SPEC App. A: two
+  SDPA calls, what runs on CUDA), so it counts one more value product, 2 x N x 2hd per token and layer.
+  The two-call formulation itself (SDPA's math kernel, decomposed into aten products) is counted exactly;
+* a vision model's images get no gradient, so its training pass skips the patch embedding's input
+  gradient: 2 x (patch weights) x patches per image fewer than 3x forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from difftx import ModelConfig
+from difftx.accounting import flops_per_token
+from difftx.models import build_model
+from difftx.nn import native
+
+N = 16  # tokens of a language-model sequence
+
+
+def _addmm_(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
+def counter() -> FlopCounterMode:
+    """A FlopCounterMode that also counts ``addmm_`` (difftx.nn.linear accumulates dx of Q, K, V with it)."""
+    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: _addmm_})
+
+
+@pytest.fixture(autouse=True)
+def _torch_only(monkeypatch):
+    monkeypatch.setattr(native, "ENABLED", False)
+
+
+def counted(cfg, training: bool, variant: str | None = None) -> int:
+    """FLOPs of one forward (+ backward) of one sequence or image, as FlopCounterMode counts them."""
+    model = build_model(cfg).train(training)
+    if variant is not None:
+        model.set_attention_backend("sdpa", variant)
+    if cfg.domain == "lm":
+        x = torch.randint(0, cfg.vocab_size, (1, N))
+    else:
+        x = torch.randn(1, cfg.in_channels, cfg.image_size, cfg.image_size)
+    with sdpa_kernel(SDPBackend.MATH), counter() as fc:
+        if training:
+            model(x).logits.sum().backward()
+        else:
+            with torch.no_grad():
+                model(x)
+    return fc.get_total_flops()
+
+
+def tokens(cfg) -> int:
+    return N if cfg.domain == "lm" else cfg.n_patches + (cfg.pooling == "cls")
+
+
+CONFIGS = {
+    "softmax": ("nano", {}),
+    "softmax-gqa": ("nano", {"n_kv_heads": 2}),
+    "tied-gelu-learned": ("nanogpt", {}),
+    "diff": ("nano", {"attention": "diff"}),
+    "diff2": ("nano", {"attention": "diff2"}),
+    "dnt": ("nano", {"norms": "dnt"}),
+    "diff-dnt": ("nano", {"attention": "diff", "norms": "dnt"}),
+    "post-norm": ("nano", {"norms": "post"}),
+    "vit": ("vit-tiny", {}),
+    "vdnt": ("vdnt-tiny", {}),
+    "diff-vit-mean": ("vit-tiny", {"attention": "diff", "pooling": "mean"}),
+}
+
+
+def expected_difference(cfg, training: bool) -> int:
+    """Accounted minus counted FLOPs of one sequence or image, by the conventions of the module docstring."""
+    n = tokens(cfg)
+    diff = 0
+    if cfg.attention == "diff":  # the second map's value product, 2 x n x (h x 2d) per token and layer
+        diff += 2 * n * (cfg.n_heads * 2 * cfg.head_dim) * cfg.n_layers * n * (3 if training else 1)
+    if cfg.domain == "vision" and training:  # no input gradient through the patch embedding
+        diff += 2 * cfg.in_channels * cfg.patch_size ** 2 * cfg.d_model * cfg.n_patches
+    return diff
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["forward", "training"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_accounting_matches_counted_flops(name, training):
+    preset, overrides = CONFIGS[name]
+    cfg = ModelConfig.from_preset(preset, attn_backend="eager", **overrides)
+    n = tokens(cfg)
+    accounted = flops_per_token(cfg, n, causal=False, training=training) * n
+    got = counted(cfg, training)
+    # flops_per_token is an int: a vision model's per-image terms spread over its tokens round down by < 1 a token
+    slack = n - 1 if cfg.domain == "vision" else 0
+    assert 0 <= got + expected_difference(cfg, training) - accounted <= slack, (accounted, got)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["forward", "training"])
+def test_diff_two_call_formulation_is_counted_exactly(training):
+    """DIFF as two SDPA calls, each map over the 2d-wide value: the accounting's convention, FLOP for FLOP."""
+    cfg = ModelConfig.from_preset("nano", attention="diff")
+    assert counted(cfg, training, variant="2call") == flops_per_token(cfg, N, training=training) * N
+
