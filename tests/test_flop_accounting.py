@@ -109,3 +109,34 @@ def test_diff_two_call_formulation_is_counted_exactly(training):
     cfg = ModelConfig.from_preset("nano", attention="diff")
     assert counted(cfg, training, variant="2call") == flops_per_token(cfg, N, training=training) * N
 
+
+def test_bench_decode_flops_match_a_counted_decode(monkeypatch):
+    """The bench's decode FLOPs per token: each step's token at position p attends to p + 1 keys (the prompt's
+    and the tokens decoded so far, its own included), so decode_tokens steps after a prompt of P tokens average
+    P + (decode_tokens + 1) / 2 keys.  It counted P + decode_tokens // 2: half a token short, or a whole one at
+    an odd count."""
+    from difftx.benchmarking import speed
+
+    monkeypatch.setattr(speed, "matmul_peak", lambda *a, **k: 1e9)  # the peak's timing is not under test
+    bc = speed.BenchConfig(preset="nano", seq_len=16, batch_size=1, repeats=1, warmup=0, dtypes=["fp32"],
+                           arms=["transformer"], peers=False, phases=["decode"], decode_tokens=5, memory=False)
+    n = torch.get_num_threads()
+    try:
+        res = speed.run_bench(bc, log=lambda *_: None)
+    finally:
+        torch.set_num_threads(n)
+    per_token = res["arms"]["transformer"]["by_dtype"]["fp32"]["decode"]["flops_per_token"]
+
+    cfg = ModelConfig.from_preset("nano", attn_backend="eager")
+    arm = speed.Arm("transformer", build_model(cfg).eval(), cfg, peer=False)
+    fc, calls = counter(), []
+
+    def timer() -> float:  # Arm.decode reads the timer just before its first step and just after its last
+        (fc.__enter__ if not calls else fc.__exit__)(*([] if not calls else [None, None, None]))
+        calls.append(1)
+        return 0.0
+
+    with torch.no_grad():
+        arm.decode(torch.randint(0, cfg.vocab_size, (1, 11)), 5, timer)
+    assert len(calls) == 2
+    assert per_token * 5 == fc.get_total_flops()

@@ -489,7 +489,9 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
                 return seconds
 
             times = _interleaved(arms, bc.repeats, bc.warmup, dec, timer)
-            context = prompt.shape[1] + bc.decode_tokens // 2
+            # the token at position p attends to p + 1 keys: the steps after a prompt of P tokens average
+            # P + (decode_tokens + 1) / 2 (not rounded)
+            context = prompt.shape[1] + (bc.decode_tokens + 1) / 2
             for arm in arms:
                 fpt = flops_per_token(arm.cfg, context, causal=False, training=False)
                 rows[arm.name]["decode"] = _speed(times[arm.name], db * bc.decode_tokens, fpt)
