@@ -171,3 +171,20 @@ def test_counts_equal_those_of_the_whole_built_model(preset, overrides):
     tied = cfg.vocab_size * cfg.d_model if cfg.domain == "lm" and cfg.tie_embeddings else 0
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert matmul_parameters(cfg) == linear + tied
+
+
+def test_info_refuses_lengths_the_model_cannot_run(capsys):
+    """FLOPs were reported at any --seq-len: past max_seq_len for learned positions (the model raises there), and
+    at any length for a vision model, which always runs its patches (+ CLS)."""
+    from difftx.cli import main
+
+    for argv, needle in ((["gpt2-124m", "--seq-len", "4096"], "max_seq_len 1024"),
+                         (["nanogpt", "--seq-len", "65"], "max_seq_len 64"),
+                         (["vit-tiny", "--seq-len", "1000"], "17 tokens")):
+        assert main(["info", *argv]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert "--seq-len" in err and needle in err and "\n" not in err, err
+    for argv in (["gpt2-124m", "--seq-len", "1024"], ["vit-tiny", "--seq-len", "17"], ["nano", "--seq-len", "4096"]):
+        assert main(["info", *argv, "--json"]) == 0, argv  # rotary positions have no table to run past
+        assert json.loads(capsys.readouterr().out)["seq_len"] == int(argv[-1])
+

@@ -74,7 +74,14 @@ def resolve_config(name: str, overrides: dict):
 def describe(cfg, seq_len: int | None = None) -> dict:
     from ..accounting import count_parameters, flops_per_token, kv_cache_bytes_per_token, training_memory_floor
 
-    seq = seq_len or (cfg.max_seq_len if cfg.domain == "lm" else cfg.n_patches + (cfg.pooling == "cls"))
+    tokens = cfg.n_patches + (cfg.pooling == "cls")
+    if seq_len and cfg.domain == "vision" and seq_len != tokens:
+        raise ConfigError("--seq-len", f"a vision model runs on its {tokens} tokens (patches"
+                                       f"{' + CLS' if cfg.pooling == 'cls' else ''}), not {seq_len}; leave it out")
+    if seq_len and seq_len > cfg.max_seq_len and cfg.domain == "lm" and cfg.positions in ("learned", "sinusoidal"):
+        raise ConfigError("--seq-len", f"{seq_len} exceeds max_seq_len {cfg.max_seq_len}, where the model's "
+                                       f"{cfg.positions} positions end; raise max_seq_len (--set) or shorten it")
+    seq = seq_len or (cfg.max_seq_len if cfg.domain == "lm" else tokens)
     return {
         "preset": cfg.preset,
         "attention": cfg.attention,
