@@ -188,3 +188,14 @@ def test_info_refuses_lengths_the_model_cannot_run(capsys):
         assert main(["info", *argv, "--json"]) == 0, argv  # rotary positions have no table to run past
         assert json.loads(capsys.readouterr().out)["seq_len"] == int(argv[-1])
 
+
+def test_info_header_names_norm_flags_set_apart_from_the_preset(capsys):
+    """The header named the placement preset only: `--set post_norm=true` on S1 read "norms S1"."""
+    from difftx.cli import main
+
+    for argv, header in ((["--set", "post_norm=true"], "norms S1 + post_norm"),
+                         (["--norms", "post"], "norms post"),
+                         (["--norms", "dnt", "--set", "pre_norm_ffn=true", "--set", "qk_norm=false"],
+                          "norms dnt + pre_norm_ffn - qk_norm")):
+        assert main(["info", "nano", *argv]) == 0
+        assert capsys.readouterr().out.splitlines()[0] == f"nano: softmax attention, lm, {header}"

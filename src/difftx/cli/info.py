@@ -104,6 +104,15 @@ def _memory_floor(one: dict) -> dict:
             "activation_bytes_per_sequence": one["activations"]}
 
 
+def norms_label(cfg) -> str:
+    """The norm placement: its preset's name and the flags set apart from it, e.g. ``S1 + post_norm - qk_norm``."""
+    from ..config import NORM_FLAGS, NORM_PRESETS
+
+    preset = NORM_PRESETS[cfg.norms]
+    differ = [f for f in NORM_FLAGS if getattr(cfg, f) != preset.get(f, False)]
+    return cfg.norms + "".join(f" {'+' if getattr(cfg, f) else '-'} {f}" for f in differ)
+
+
 def _human(n: float) -> str:
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= div:
@@ -148,7 +157,7 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    print(f"{cfg.preset or args.preset}: {cfg.attention} attention, {cfg.domain}, norms {cfg.norms}")
+    print(f"{cfg.preset or args.preset}: {cfg.attention} attention, {cfg.domain}, norms {norms_label(cfg)}")
     print(f"  parameters               {info['params']:>16,}  ({_human(info['params'])})")
     print(f"  non-embedding parameters {info['non_embedding_params']:>16,}")
     print(f"  FLOPs/token (forward)    {info['flops_per_token']:>16,}  at seq_len {info['seq_len']}")
