@@ -8,9 +8,16 @@ FLOPs count multiply-adds as 2 and include:
 * every matrix multiply of the model (2 x the parameters used in a matmul per
   token, the LM head included, embeddings' lookups excluded);
 * attention: per token, 2 x context x (total query-key width + total value width
-  that the maps are applied to), summed over layers.  DIFF computes two maps,
-  each over a 2d-wide value: QK width 2hd, PV width 2 x 2hd, i.e. 1.5x the
-  attention FLOPs of its Transformer twin (SPEC section 1, App. A).
+  that the maps are applied to), summed over layers, as the model's equations
+  have it (model FLOPs, not a kernel's): DIFF's combined map (A1 - lambda A2) is
+  applied to its 2d-wide value once, so QK width 2hd and PV width h x 2d, its
+  Transformer twin's attention FLOPs ("the same parameter count and FLOPs", SPEC
+  section 1); DIFF V2's 2h query heads give QK width 2hd and each pair's combined
+  map its d-wide value once, PV width hd.  Formulations that apply each map to
+  the value on its own do more work than this, and the count does not credit it:
+  DIFF as two SDPA calls (SPEC App. A, the CUDA path) 1.5x the attention FLOPs
+  counted here, V2 over SDPA 4/3x; the CPU's fused kernel and the eager
+  reference do exactly the counted DIFF attention.
 
 ``context`` defaults to the sequence length (non-causal count, as in the
 PaLM/Chinchilla convention); ``causal=True`` halves the attention term.
@@ -59,13 +66,14 @@ def matmul_parameters(cfg) -> int:
 
 
 def attention_flops_per_token(cfg, context: float) -> float:
-    d = cfg.head_dim
+    """The attention maps' FLOPs per token over all layers, ``context`` keys each (module docstring)."""
+    d, h = cfg.head_dim, cfg.n_heads
     if cfg.attention == "softmax":
-        qk, pv = cfg.n_heads * d, cfg.n_heads * d
-    elif cfg.attention == "diff":
-        qk, pv = 2 * cfg.n_heads * d, 2 * cfg.n_heads * 2 * d
-    else:  # diff2: 2h query heads of d
-        qk, pv = 2 * cfg.n_heads * d, 2 * cfg.n_heads * d
+        qk, pv = h * d, h * d
+    elif cfg.attention == "diff":  # two d-wide maps a head; their difference applied once to the 2d-wide value
+        qk, pv = 2 * h * d, h * 2 * d
+    else:  # diff2: 2h query heads of d; a pair's combined map applied once to its d-wide value
+        qk, pv = 2 * h * d, h * d
     return 2 * context * (qk + pv) * cfg.n_layers
 
 

@@ -14,8 +14,8 @@ Repeats are interleaved (A B C, B C A, ... so no arm always runs first) and medi
 reported, with ratios to our Transformer (and to the transformers peers): a speed ratio is
 the median over repeats of the two arms' times in that repeat (:func:`speed_ratio`), its
 range over the repeats in ``ratio_spread_by_dtype``.  Achieved FLOP/s
-use :func:`difftx.accounting.flops_per_token` (DIFF counted as the standard formulation,
-1.5x the Transformer's attention FLOPs) and are compared to the matmul peak measured in the
+use :func:`difftx.accounting.flops_per_token` (the model's FLOPs: DIFF's attention counted as its
+Transformer twin's, whatever a formulation does beyond them is not credited) and are compared to the matmul peak measured in the
 same run: for training, the peak measured again at the start of each repeat (the share is the
 median over repeats of step FLOP/s over that repeat's peak); ``share_of_run_peak`` is against
 the best peak of the whole run.  Peak training memory on the CPU is the high-water mark of live tensor bytes
