@@ -84,6 +84,9 @@ def test_bench_long_context_quick_keeps_explicit_lengths(tmp_path, capsys):
     (["--quick", "--seq-len", "0"], "seq_len"),
     (["--preset", "vit-tiny"], "language-model preset"),
     (["--long-context", "--quick", "--preset", "vit-tiny"], "language-model preset"),
+    # an option the chosen mode does not read is refused, not ignored
+    (["--lengths", "96"], "--lengths: sets the lengths of --long-context only"),
+    (["--quick", "--lengths", "96"], "add --long-context"),
 ])
 def test_bench_bad_input_is_one_line(capsys, tmp_path, args, needle):
     from difftx.cli import main

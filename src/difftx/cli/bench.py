@@ -64,6 +64,9 @@ def run(args) -> int:
     from ..benchmarking import QUICK, BenchConfig, markdown, run_bench, write_results
     from ..io import make_out_dir, refuse_old_results
 
+    if args.lengths is not None and not args.long_context:
+        raise ConfigError("--lengths", "sets the lengths of --long-context only; add --long-context, or give "
+                                       "the speed benchmark's length with --seq-len")
     # --quick's tiny settings, then every option given explicitly on top (validated like any other value)
     sizes = dict(QUICK) if args.quick else {}
     for k in ("preset", "seq_len", "batch_size", "repeats", "warmup", "decode_tokens", "threads"):
