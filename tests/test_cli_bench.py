@@ -87,6 +87,16 @@ def test_bench_long_context_quick_keeps_explicit_lengths(tmp_path, capsys):
     # an option the chosen mode does not read is refused, not ignored
     (["--lengths", "96"], "--lengths: sets the lengths of --long-context only"),
     (["--quick", "--lengths", "96"], "add --long-context"),
+    (["--long-context", "--repeats", "3"], "--repeats: is an option of the speed benchmark"),
+    (["--long-context", "--seq-len", "64"], "--seq-len"),
+    (["--long-context", "--arms", "transformer,diff"], "--arms"),
+    (["--long-context", "--phases", "train"], "--phases"),
+    (["--long-context", "--timer", "cpu"], "--timer"),
+    (["--long-context", "--no-peers"], "--no-peers"),
+    (["--long-context", "--no-memory"], "--no-memory"),
+    (["--long-context", "--foreach-adamw"], "--fused-adamw/--foreach-adamw"),
+    (["--long-context", "--decode-tokens", "8"], "--decode-tokens"),
+    (["--long-context", "--dtypes", "fp32,bf16"], "one dtype"),
 ])
 def test_bench_bad_input_is_one_line(capsys, tmp_path, args, needle):
     from difftx.cli import main
@@ -96,6 +106,17 @@ def test_bench_bad_input_is_one_line(capsys, tmp_path, args, needle):
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("difftx bench: error:")
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_bench_long_context_reads_batch_size(tmp_path):
+    """--batch-size is the long-context batch (it was left at 1 whatever was given)."""
+    from difftx.cli import main
+
+    assert main(["bench", "--long-context", "--quick", "--lengths", "32", "--batch-size", "2",
+                 "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "long_context.json").read_text())
+    assert (res["batch"], res["device"]) == (2, "cpu")
+    assert "batch 2" in (tmp_path / "long_context.md").read_text()
 
 
 def test_bench_seq_len_past_learned_positions_makes_no_out_dir(capsys, tmp_path):

@@ -29,15 +29,15 @@ from .memory import peak_live_bytes
 VARIANTS = ("fused", "4call", "eager")
 
 
-def _inputs(cfg: ModelConfig, n: int, batch: int, dtype: torch.dtype, seed: int = 0):
+def _inputs(cfg: ModelConfig, n: int, batch: int, dtype: torch.dtype, seed: int = 0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     h, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
 
     def t(*shape):
-        return torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
 
     q, k, v = t(batch, 2, h, n, d), t(batch, 2, hk, n, d), t(batch, hk, n, 2 * d)
-    lam = torch.tensor(0.5, requires_grad=True)
+    lam = torch.tensor(0.5, device=device, requires_grad=True)
     return q, k, v, lam
 
 
@@ -58,9 +58,15 @@ def _run(variant: str, q, k, v, lam, scale: float, backward: bool) -> None:
 
 def attention_scaling(lengths: list[int], preset: str = "small", batch: int = 1, dtype: str = "bf16",
                       variants: tuple = VARIANTS, eager_max: int = 4096, backward: bool = True,
-                      log: Callable[[str], None] = print) -> dict:
-    """Seconds and peak bytes per (variant, N); see the module docstring."""
+                      log: Callable[[str], None] = print, device: str = "cpu") -> dict:
+    """Seconds and peak bytes per (variant, N) on ``device``; see the module docstring."""
     cfg = ModelConfig.from_preset(preset, attention="diff")
+    device = torch.device(device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     scale = cfg.head_dim ** -0.5
     rows = []
@@ -68,19 +74,21 @@ def attention_scaling(lengths: list[int], preset: str = "small", batch: int = 1,
         for variant in variants:
             if variant == "eager" and n > eager_max:
                 continue
-            q, k, v, lam = _inputs(cfg, n, batch, torch_dtype)
-            peak, method = peak_live_bytes(lambda: _run(variant, q, k, v, lam, scale, backward))
+            q, k, v, lam = _inputs(cfg, n, batch, torch_dtype, device=device)
+            peak, method = peak_live_bytes(lambda: _run(variant, q, k, v, lam, scale, backward), device)
             for t in (q, k, v, lam):
                 t.grad = None
+            sync()
             t0 = time.perf_counter()
             _run(variant, q, k, v, lam, scale, backward)
+            sync()
             seconds = time.perf_counter() - t0
             row = {"n": n, "variant": variant, "seconds": seconds, "peak_bytes": peak,
                    "peak_bytes_per_token": peak / n, "one_map_fp32_bytes": 4 * n * n}
             rows.append(row)
             log(f"  N={n:6d} {variant:6s} {seconds:8.2f} s  peak {peak / 2**20:9.1f} MiB "
                 f"({peak / n / 1024:.1f} KiB/token)")
-    return {"rows": rows, "preset": preset, "batch": batch, "dtype": dtype, "backward": backward,
+    return {"rows": rows, "preset": preset, "batch": batch, "dtype": dtype, "device": str(device), "backward": backward,
             "heads": cfg.n_heads, "head_dim": cfg.head_dim, "memory_method": method,
             "growth": _growth(rows)}
 
@@ -98,7 +106,7 @@ def _growth(rows: list[dict]) -> dict:
 
 def markdown(result: dict, command: Optional[str] = None) -> str:
     lines = [f"# DIFF attention at long context ({result['preset']} DIFF twin: {result['heads']} heads of "
-             f"d={result['head_dim']}, batch {result['batch']}, {result['dtype']}, "
+             f"d={result['head_dim']}, batch {result['batch']}, {result['dtype']} on {result.get('device', 'cpu')}, "
              f"{'forward + backward' if result['backward'] else 'forward'})", ""]
     if command:
         lines += [f"`{command}`", ""]

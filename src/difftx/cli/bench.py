@@ -34,12 +34,12 @@ def add_parser(sub) -> None:
     p.add_argument("--dtypes", default="auto",
                    help=f"comma list of auto, {', '.join(DTYPES)} (bf16 = autocast; default auto: fp32, and bf16 "
                         "where the CPU/GPU has bf16 matmul hardware)")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
-    p.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
+    p.add_argument("--arms", help=f"comma list of {', '.join(ARMS)} (default: all)")
+    p.add_argument("--phases", help=f"comma list of {', '.join(PHASES)} (default: all)")
     p.add_argument("--no-peers", action="store_true", help="leave out transformers' Llama and DiffLlama")
     p.add_argument("--decode-tokens", type=int, help="tokens generated per decode run (default: 32)")
-    p.add_argument("--timer", choices=["wall", "cpu"], default="wall",
-                   help="wall-clock, or process CPU time (steadier ratios on a shared machine)")
+    p.add_argument("--timer", choices=["wall", "cpu"],
+                   help="wall-clock (default), or process CPU time (steadier ratios on a shared machine)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
@@ -49,7 +49,8 @@ def add_parser(sub) -> None:
     adam.add_argument("--foreach-adamw", dest="fused_adamw", action="store_const", const=False,
                       help="torch's foreach AdamW for every arm instead of the fused kernel")
     p.add_argument("--long-context", action="store_true",
-                   help="instead: DIFF attention time and peak memory at --lengths tokens (fused vs 4call vs eager)")
+                   help="instead: DIFF attention time and peak memory at --lengths tokens (fused vs 4call vs eager; "
+                        "reads --preset, --batch-size (default 1), --dtypes (one), --device, --threads)")
     p.add_argument("--lengths", default=None,
                    help="sequence lengths for --long-context (default: 1024,...,16384; 64,256 with --quick)")
     p.add_argument("--quick", action="store_true",
@@ -60,20 +61,42 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+# options of the speed benchmark that --long-context does not read: (dest, flag)
+SPEED_ONLY = (("seq_len", "--seq-len"), ("repeats", "--repeats"), ("warmup", "--warmup"), ("arms", "--arms"),
+              ("phases", "--phases"), ("no_peers", "--no-peers"), ("decode_tokens", "--decode-tokens"),
+              ("timer", "--timer"), ("no_memory", "--no-memory"), ("fused_adamw", "--fused-adamw/--foreach-adamw"))
+
+
+def _check_mode(args) -> None:
+    """An option the chosen mode never reads is refused (given explicitly; the defaults are None or False)."""
+    if not args.long_context:
+        if args.lengths is not None:
+            raise ConfigError("--lengths", "sets the lengths of --long-context only; add --long-context, or give "
+                                           "the speed benchmark's length with --seq-len")
+        return
+    switches = ("no_peers", "no_memory")  # store_true: False when not given (--foreach-adamw stores False)
+    given = [flag for dest, flag in SPEED_ONLY if (getattr(args, dest) if dest in switches
+                                                   else getattr(args, dest) is not None)]
+    if given:
+        raise ConfigError(given[0], "is an option of the speed benchmark, which --long-context does not run (it "
+                                    "times one attention layer at --lengths); drop it or drop --long-context")
+    if len(_csv(args.dtypes)) > 1:
+        raise ConfigError("--dtypes", f"--long-context measures one dtype; got {args.dtypes!r}: give one of them")
+
+
 def run(args) -> int:
-    from ..benchmarking import QUICK, BenchConfig, markdown, run_bench, write_results
+    from ..benchmarking import ARMS, PHASES, QUICK, BenchConfig, markdown, run_bench, write_results
     from ..io import make_out_dir, refuse_old_results
 
-    if args.lengths is not None and not args.long_context:
-        raise ConfigError("--lengths", "sets the lengths of --long-context only; add --long-context, or give "
-                                       "the speed benchmark's length with --seq-len")
+    _check_mode(args)
     # --quick's tiny settings, then every option given explicitly on top (validated like any other value)
     sizes = dict(QUICK) if args.quick else {}
     for k in ("preset", "seq_len", "batch_size", "repeats", "warmup", "decode_tokens", "threads"):
         if getattr(args, k) is not None:
             sizes[k] = getattr(args, k)
-    bc = BenchConfig(dtypes=_csv(args.dtypes), arms=_csv(args.arms), peers=not args.no_peers,
-                     phases=_csv(args.phases), timer=args.timer, device=args.device, memory=not args.no_memory,
+    bc = BenchConfig(dtypes=_csv(args.dtypes), arms=_csv(args.arms) if args.arms is not None else list(ARMS),
+                     peers=not args.no_peers, phases=_csv(args.phases) if args.phases is not None else list(PHASES),
+                     timer=args.timer or "wall", device=args.device, memory=not args.no_memory,
                      fused_adamw=args.fused_adamw, **sizes)
     default_lengths = "64,256" if args.quick else "1024,2048,4096,8192,16384"
     lengths = _lengths(default_lengths if args.lengths is None else args.lengths) if args.long_context else []
@@ -116,7 +139,9 @@ def _long_context(args, bc, lengths: list, out: Path, command: str) -> int:
     from ..benchmarking import resolve_dtypes
 
     dtype = resolve_dtypes(bc.dtypes, torch.device(bc.device))[-1]  # auto: bf16 where native, else fp32
-    result = attention_scaling(lengths, preset=bc.preset, dtype=dtype, log=lambda s: print(s, file=sys.stderr))
+    batch = {"batch": args.batch_size} if args.batch_size is not None else {}  # default: one sequence
+    result = attention_scaling(lengths, preset=bc.preset, dtype=dtype, device=bc.device,
+                               log=lambda s: print(s, file=sys.stderr), **batch)
     result["command"] = command
     atomic_write_text(out / "long_context.json", json.dumps(result, indent=2) + "\n")
     text = markdown(result, command)
