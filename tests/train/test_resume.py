@@ -133,3 +133,18 @@ def test_resuming_on_a_changed_corpus_is_refused(tmp_path, corpus, train_cli, ca
     corpus.write_text(original)
     assert train_cli("--steps", 4, "--eval-every", 0, "--out", out, "--resume", "auto") == 0
     assert _steps(out)[-1] == "step_00000004"
+
+
+def test_resume_with_a_stop_at_already_passed_is_refused(tmp_path, train_cli, capsys):
+    """--stop-at at or below the step the resumed run stands at trained nothing and exited 0; now one line, exit 2."""
+    out = tmp_path / "run"
+    assert train_cli("--steps", 6, "--stop-at", 4, "--eval-every", 0, "--out", out) == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    for stop in (2, 4):
+        assert train_cli("--steps", 6, "--stop-at", stop, "--eval-every", 0, "--out", out, "--resume", "auto") == 2
+        lines = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.strip()]
+        assert len(lines) == 1 and "stop_at" in lines[0] and "step 4" in lines[0] and "nothing" in lines[0], lines
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing touched
+    assert train_cli("--steps", 6, "--stop-at", 5, "--eval-every", 0, "--out", out, "--resume", "auto") == 0
+    assert (out / "checkpoints" / "step_00000005").is_dir()

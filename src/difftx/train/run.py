@@ -176,6 +176,10 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
         trainer = Trainer(mcfg, tcfg, domain, world, out, run_config, callbacks)
         if resume_ckpt is not None:  # load (and so check) the checkpoint before writing anything
             trainer.resume(resume_ckpt)
+            if tcfg.stop_at is not None and tcfg.stop_at <= trainer.step:
+                raise ConfigError("stop_at", f"{tcfg.stop_at} is not past step {trainer.step}, where the run being "
+                                             "resumed stands, so nothing would train; give a later --stop-at or "
+                                             "drop it")
         if world.is_main:
             make_out_dir(out)
             remove_partial(out)
