@@ -163,3 +163,21 @@ def test_mixing_with_more_model_classes_than_the_data(tmp_path, npz_data):
     assert json.loads((out / "config.json").read_text())["model"]["num_classes"] == 5
     assert train(npz_data, out, "--steps", 3, "--resume", "auto", *args) == 0  # the model's 5 from its config
     assert all(np.isfinite(rows(out, "loss")))
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--eval-batches", "3"], "--eval-batches"),
+    (["--tokenizer", "char"], "--tokenizer"),
+    (["--bpe-vocab-size", "512"], "--bpe-vocab-size"),
+    (["--text-field", "body"], "--text-field"),
+    (["--task-opt", "pairs=4"], "--task-opt"),
+])
+def test_options_a_vision_run_does_not_read_are_refused(tmp_path, npz_data, capsys, args, flag):
+    """These were accepted and ignored (a vision run evaluates its whole splits and reads images)."""
+    out = tmp_path / "run"
+    err = _fails(capsys, 2, flag, "--data", npz_data, *TINY, "--steps", 1, "--eval-every", 0, *args, "--out", out)
+    assert "vision" in err and "drop" in err
+    assert not out.exists()
+    assert train(npz_data, out, "--steps", 1, "--eval-every", 0) == 0  # without it: trains
+    if flag == "--eval-batches":  # a resumed run may change it (the others must match the run's: refused already)
+        _fails(capsys, 2, flag, "--data", npz_data, *TINY, *args, "--out", out, "--resume", "auto")

@@ -151,6 +151,7 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
                                         explicit_train, explicit_model)
             fixed_model |= {"vocab_size", "max_seq_len"}
 
+        _check_unread(tcfg, explicit_train)
         n_micro = tcfg.accumulation(world.world_size)  # checks that --global-batch divides; before any write
         if tcfg.global_batch is not None and "grad_accum" in explicit_train and n_micro != tcfg.grad_accum:
             raise ConfigError("grad_accum", f"{tcfg.grad_accum} disagrees with --global-batch {tcfg.global_batch}, "
@@ -202,6 +203,22 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
         return trainer.fit(resume_ckpt)
     finally:
         shutdown_world(world)
+
+
+def _flag(name: str) -> str:
+    return "--task-opt" if name == "task_options" else "--" + name.replace("_", "-")
+
+
+def _check_unread(tcfg: TrainConfig, explicit: set) -> None:
+    """An explicitly given field that the run's domain never reads is refused, not ignored."""
+    if tcfg.domain == "vision":
+        for name in ("tokenizer", "bpe_vocab_size", "text_field", "task", "task_options"):
+            if name in explicit:
+                raise ConfigError(name, f"is a language-model option and a vision run reads images; drop "
+                                        f"{_flag(name)}")
+        if "eval_batches" in explicit:
+            raise ConfigError("eval_batches", "a vision run evaluates its whole validation and test splits (in "
+                                              "batches of --domain-opt eval_batch_size=N); drop --eval-batches")
 
 
 def _epochs_to_steps(tcfg: TrainConfig, domain, world_size: int) -> TrainConfig:
