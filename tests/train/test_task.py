@@ -88,3 +88,22 @@ def test_validation_batches_are_not_training_batches(name):
     for i in range(3):
         val = task.batch(2, VAL_STEP_BASE + i, 0)[0]
         assert all(not torch.equal(val, task.batch(2, step, 0)[0]) for step in range(4))
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--task", "mqar", "--val-fraction", "0.2"], "--val-fraction"),
+    (["--task", "mqar", "--text-field", "body"], "--text-field"),
+    (["--task-opt", "pairs=4"], "--task-opt"),  # no --task: the built-in corpus, which takes no task options
+])
+def test_options_the_data_source_does_not_read_are_refused(tmp_path, capsys, args, flag):
+    """A synthetic --task generates its data (no corpus to split or read fields of); --task-opt needs a --task.
+    Both were accepted and ignored."""
+    from difftx.cli import main
+
+    out = tmp_path / "run"
+    code = main(["train", *args, "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "64",
+                 "--batch-size", "2", "--steps", "1", "--dtype", "fp32", "--eval-every", "0", "--eval-batches", "1",
+                 "--no-progress", "--threads", "1", "--out", str(out)])
+    lines = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and flag in lines[0] and "drop" in lines[0], lines
+    assert not out.exists()

@@ -210,7 +210,7 @@ def _flag(name: str) -> str:
 
 
 def _check_unread(tcfg: TrainConfig, explicit: set) -> None:
-    """An explicitly given field that the run's domain never reads is refused, not ignored."""
+    """An explicitly given field that the run's domain or data source never reads is refused, not ignored."""
     if tcfg.domain == "vision":
         for name in ("tokenizer", "bpe_vocab_size", "text_field", "task", "task_options"):
             if name in explicit:
@@ -219,6 +219,15 @@ def _check_unread(tcfg: TrainConfig, explicit: set) -> None:
         if "eval_batches" in explicit:
             raise ConfigError("eval_batches", "a vision run evaluates its whole validation and test splits (in "
                                               "batches of --domain-opt eval_batch_size=N); drop --eval-batches")
+    elif tcfg.task is None:
+        if "task_options" in explicit:
+            raise ConfigError("task_options", "are options of a synthetic --task and this run trains on a "
+                                              "corpus; give --task NAME or drop --task-opt")
+    else:
+        for name in ("text_field", "val_fraction"):
+            if name in explicit:
+                raise ConfigError(name, f"reads a corpus, and --task {tcfg.task} generates its data (validation "
+                                        f"batches included); drop {_flag(name)}")
 
 
 def _epochs_to_steps(tcfg: TrainConfig, domain, world_size: int) -> TrainConfig:
