@@ -67,6 +67,10 @@ BAD = [
     (["lm", "--checkpoint", ""], "--checkpoint is empty"),
     (["niah", "--template", "{city} {number} {oops}"], "only '{city}' and '{number}'"),
     (["niah", "--template", "{city} is {number} {"], "only '{city}' and '{number}'"),
+    # an option the evaluation does not read is refused, not ignored
+    (["lm", "--quant-granularity", "row"], "--quant-granularity: sets how --quant-bits"),
+    (["quant", "--metric", "mqar", "--bits", "8", "--max-tokens", "64", "--metric-opt", "lengths=[16]",
+      "--metric-opt", "pairs=[2]", "--metric-opt", "samples=2"], "--max-tokens: is the token budget of --metric lm"),
     pytest.param(["lm-eval", "--tasks", "hellaswag"], "lm-eval",  # the message when the `eval` extra is missing
                  marks=pytest.mark.skipif(importlib.util.find_spec("lm_eval") is not None,
                                           reason="lm-eval is installed (it would fetch hellaswag)")),
@@ -304,3 +308,14 @@ def test_an_hf_export_of_a_byte_tokenizer_model_keeps_its_tokenizer_for_the_eval
     rc, err = _eval(["lm", "--checkpoint", tmp_path / "hf", "--out", tmp_path / "out", "--quiet", "--no-plot",
                      "--data", checkpoint / "haystack.txt", "--max-tokens", "128", "--seq-len", "64"], capsys)
     assert rc == 0, err
+
+
+@pytest.mark.parametrize("metric, opt", [("mqar", "samples=2"), ("icl", "test_examples=2")])
+def test_quant_data_with_a_metric_that_reads_none_is_refused(metric, opt, checkpoint, tmp_path, capsys):
+    """--data was ignored by the mqar and icl metrics (they make their own data); now one line, exit 2."""
+    out = tmp_path / "out"
+    rc = main(["eval", "quant", "--checkpoint", str(checkpoint), "--out", str(out), "--metric", metric, "--bits", "8",
+               "--data", str(checkpoint / "haystack.txt"), "--metric-opt", opt, "--quiet", "--no-plot"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--data" in err[0] and f"--metric {metric}" in err[0], err
+    assert not (out / "quant.json").exists()

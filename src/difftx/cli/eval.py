@@ -84,7 +84,7 @@ def _common(p, corpus: bool = True) -> None:
     p.add_argument("--batch-size", type=_positive, default=None, help="sequences per forward (default: by size)")
     p.add_argument("--quant-bits", type=int, default=None,
                    help="run with attention logits quantized to this many bits (absmax, dynamic)")
-    p.add_argument("--quant-granularity", choices=["head", "row", "tensor"], default="head",
+    p.add_argument("--quant-granularity", choices=["head", "row", "tensor"], default=None,
                    help="what shares one absmax scale when quantizing (default: head)")
     p.add_argument("--no-plot", action="store_true", help="do not write NAME.png")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -160,7 +160,8 @@ def add_parser(sub) -> None:
                    help="bit widths, each 2..32 (default: 16,8,6,4)")
     q.add_argument("--metric", choices=["lm", "niah", "mqar", "icl"], default="lm",
                    help="what to measure at each width (default: lm validation loss)")
-    q.add_argument("--max-tokens", type=_positive, default=4096, help="token budget of the lm metric (default: 4096)")
+    q.add_argument("--max-tokens", type=_positive, default=None,
+                   help="token budget of the lm metric (default: 4096)")
     q.add_argument("--metric-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of the metric's evaluation (repeatable; values parsed as JSON), e.g. "
                         "--metric-opt template=short --metric-opt 'lengths=[128]'")
@@ -239,11 +240,12 @@ def _run_eval(args, model, tok) -> tuple[dict, dict]:
     if name == "quant":
         from ..evals.quant import evaluate_quant
         from .info import parse_overrides
-        opts = {"lm": dict(data=args.data, max_tokens=args.max_tokens), "niah": dict(data=args.data, seed=args.seed),
-                "mqar": dict(seed=args.seed), "icl": dict(seed=args.seed)}[args.metric]
+        opts = {"lm": dict(data=args.data, max_tokens=args.max_tokens or 4096),
+                "niah": dict(data=args.data, seed=args.seed), "mqar": dict(seed=args.seed),
+                "icl": dict(seed=args.seed)}[args.metric]
         opts.update(bs)
         opts.update(parse_overrides(args.metric_opt, "--metric-opt"))
-        s = dict(bits=args.bits, granularity=args.quant_granularity, metric=args.metric, metric_options=opts)
+        s = dict(bits=args.bits, granularity=args.quant_granularity or "head", metric=args.metric, metric_options=opts)
         return evaluate_quant(model, tok, progress=prog, **s), s
     if name == "icl":
         from ..evals.icl import evaluate_icl
@@ -316,6 +318,21 @@ def _run_lm_eval(args) -> int:
     return 0
 
 
+def _check_unread(args) -> None:
+    """An option given explicitly that this evaluation would not read is refused, not ignored."""
+    if args.quant_granularity is not None and args.quant_bits is None and args.eval_name != "quant":
+        raise ConfigError("--quant-granularity", "sets how --quant-bits quantizes; give --quant-bits B too, or "
+                                                 "drop it")
+    if args.eval_name != "quant" or args.metric == "lm":
+        return
+    if args.max_tokens is not None:
+        raise ConfigError("--max-tokens", f"is the token budget of --metric lm; --metric {args.metric} does not "
+                                          "read it (its options go in --metric-opt): drop it")
+    if args.data is not None and args.metric != "niah":
+        raise ConfigError("--data", f"--metric {args.metric} makes its own data and reads no text file; drop --data "
+                                    "(or measure --metric lm or niah)")
+
+
 def run(args) -> int:
     if args.eval_name == "lm-eval":
         return _run_lm_eval(args)
@@ -328,6 +345,7 @@ def run(args) -> int:
         raise ConfigError("--quant-bits", "'difftx eval quant' sweeps --bits itself; leave --quant-bits out")
     if args.quant_bits is not None and not 2 <= args.quant_bits <= 32:
         raise ConfigError("--quant-bits", f"must be between 2 and 32, got {args.quant_bits}")
+    _check_unread(args)
     if getattr(args, "data", None) is not None:
         read_text_file(args.data)  # a bad --data fails before the checkpoint loads
     device = resolve_device(args.device)
@@ -338,7 +356,7 @@ def run(args) -> int:
     native.warn_problem(f"difftx eval {args.eval_name}", device)
     _say(args, f"difftx eval {args.eval_name}: {model.config.attention} model, "
                f"{model.num_parameters() / 1e6:.2f}M parameters, on {device}")
-    with Timer() as t, quantized_logits(model, args.quant_bits, args.quant_granularity) as q:
+    with Timer() as t, quantized_logits(model, args.quant_bits, args.quant_granularity or "head") as q:
         results, settings = _run_eval(args, model, tok)
     doc = envelope(args.eval_name, results, model=model, checkpoint=args.checkpoint, settings=settings,
                    seconds=round(t.seconds, 3), quant=q.describe() if q is not None else None)
