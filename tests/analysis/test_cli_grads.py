@@ -91,6 +91,10 @@ def test_grads_on_diff2_and_softmax_checkpoints_gives_flow_ratios(tmp_path, caps
     (["--lr-msgdw", "inf"], "--lr-msgdw"),
     (["--lr-adamw", "0"], "--lr-adamw"),
     (["--clip", "-1"], "--clip"),
+    (["--lr-sgd", "nan", "--flow-optimizer", "sgd"], "--lr-sgd"),
+    (["--lr-sgd", "0.1"], "--lr-sgd: no study here uses sgd"),  # was accepted and ignored
+    (["--only", "flow", "--lr-msgdw", "0.5"], "--lr-msgdw: no study here uses msgdw"),
+    (["--only", "tails", "--optimizers", "msgdw", "--lr-adamw", "1e-3"], "--lr-adamw: no study here uses adamw"),
     (["--flow-optimizer", "bogus"], "--flow-optimizer"),
     (["--settings", ""], "--settings"),
     (["--settings", " , "], "--settings"),
@@ -173,3 +177,19 @@ def test_grads_with_every_tail_row_diverged_still_reports(tmp_path, capsys, keep
                  "--lr-msgdw", "1e30", "--clip", "0", "--tail-steps", "3", "--force"]) == 0
     assert not list(out.glob("*.png"))
     assert "tails_summary.png: every tail row it would show diverged; the earlier run's" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, lr", [
+    (["--flow-optimizer", "sgd"], 0.3),                        # mSGDW's default: was AdamW's 3e-3
+    (["--flow-optimizer", "sgd", "--lr-msgdw", "0.2"], 0.2),
+    (["--flow-optimizer", "sgd", "--lr-sgd", "0.05"], 0.05),
+    (["--flow-optimizer", "muon", "--lr-adamw", "1e-3"], 1e-3),  # Muon's update is AdamW-matched
+    (["--flow-optimizer", "muon", "--lr-muon", "0.02"], 0.02),
+])
+def test_grads_flow_learning_rate_of_sgd_and_muon(tmp_path, capsys, keep_threads, argv, lr):
+    """The gradient flow of sgd ran at --lr-adamw (and --lr-msgdw was ignored); muon had no option of its own."""
+    if "muon" in argv and not hasattr(torch.optim, "Muon"):
+        pytest.skip("muon needs torch >= 2.9")
+    out = tmp_path / "g"
+    assert main(["grads", "--out", str(out), *TINY, "--only", "flow", "--no-plots", *argv]) == 0
+    assert json.loads((out / "flow.json").read_text())["lr"] == pytest.approx(lr)

@@ -17,6 +17,7 @@ from ..errors import ConfigError, DifftxError
 
 DEFAULT_SETTINGS = "S1,S2,S3,S4,S5,diff"
 RESULT_FILES = ("flow.json", "tails.json", "report.md")  # an earlier run's, kept unless --force
+DEFAULT_LRS = {"adamw": 3e-3, "msgdw": 0.3}  # sgd takes msgdw's, muon adamw's (unless --lr-sgd / --lr-muon)
 TINY = dict(d_model=64, n_layers=2)  # the default model: preset "nano" shrunk to 2 x 64 (4 heads of 16)
 
 
@@ -45,8 +46,11 @@ def add_parser(sub) -> None:
     p.add_argument("--settings", default=DEFAULT_SETTINGS,
                    help=f"norm settings / attention kinds for the tail study ({DEFAULT_SETTINGS}; also dnt, diff-S5)")
     p.add_argument("--optimizers", default="adamw,msgdw", help="optimisers for the tail study (adamw,msgdw)")
-    p.add_argument("--lr-adamw", type=float, default=3e-3, help="AdamW learning rate (3e-3)")
-    p.add_argument("--lr-msgdw", type=float, default=0.3, help="mSGDW learning rate (0.3)")
+    p.add_argument("--lr-adamw", type=float, help=f"AdamW learning rate ({DEFAULT_LRS['adamw']:g})")
+    p.add_argument("--lr-msgdw", type=float, help=f"mSGDW learning rate ({DEFAULT_LRS['msgdw']:g})")
+    p.add_argument("--lr-sgd", type=float, help="SGD learning rate (default: --lr-msgdw's)")
+    p.add_argument("--lr-muon", type=float,
+                   help="Muon learning rate (default: --lr-adamw's; its update is scaled to match AdamW's)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip, 0 for none (1.0, as DNT)")
     p.add_argument("--noise-batches", type=int, default=12, help="mini-batch gradients per noise estimate (12)")
     p.add_argument("--max-noise-entries", type=int, default=8192,
@@ -90,11 +94,27 @@ def _check(args) -> None:
     args.device = str(resolve_device(args.device))
     if args.threads is not None and args.threads < 1:
         raise ConfigError("--threads", f"must be >= 1; got {args.threads}")
-    for flag, value in (("--lr-adamw", args.lr_adamw), ("--lr-msgdw", args.lr_msgdw)):
+    used = ({args.flow_optimizer} if args.only != "tails" else set()) | \
+        (set(_split(args.optimizers)) if args.only != "flow" else set())
+    used |= {base for name, base in (("sgd", "msgdw"), ("muon", "adamw"))  # their defaults are these rates
+             if name in used and getattr(args, f"lr_{name}") is None}
+    for name in OPTIMIZERS:
+        flag, value = f"--lr-{name}", getattr(args, f"lr_{name}")
+        if value is None:
+            continue
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(flag, f"must be a positive finite learning rate; got {value}")
+        if name not in used:
+            raise ConfigError(flag, f"no study here uses {name} (gradient flow: {args.flow_optimizer}, tails: "
+                                    f"{args.optimizers}{'; --only ' + args.only if args.only else ''}); drop it")
     if not (math.isfinite(args.clip) and args.clip >= 0):
         raise ConfigError("--clip", f"must be a finite norm >= 0 (0 for no clipping); got {args.clip}")
+
+
+def lrs(args) -> dict:
+    """Each optimiser's learning rate: the one given, else its default (sgd: mSGDW's, muon: AdamW's)."""
+    out = {name: getattr(args, f"lr_{name}") or DEFAULT_LRS[name] for name in ("adamw", "msgdw")}
+    return {**out, "sgd": args.lr_sgd or out["msgdw"], "muon": args.lr_muon or out["adamw"]}
 
 
 def _split(s: str) -> list[str]:
@@ -196,7 +216,7 @@ class _Study:
         if self.tokens.size < args.seq_len + 2:  # what Batches needs; checked here, before --out is made
             raise ConfigError("--seq-len", f"{args.seq_len} needs at least {args.seq_len + 2} tokens of data, and "
                                            f"the data has {self.tokens.size}; give a shorter --seq-len or more --data")
-        self.lrs = {"adamw": args.lr_adamw, "msgdw": args.lr_msgdw}
+        self.lrs = lrs(args)
         self.report = ["# difftx grads", ""]
         self.written: list[str] = []
         self.plots = None
@@ -235,7 +255,7 @@ def _flow_section(st: _Study) -> None:
     else:
         models = flow.twin_models(st.base, seed=args.seed, paired=not args.unpaired, device=args.device)
     res = flow.run_flow(models, st.batches(args.seed), steps=args.steps, optimizer=args.flow_optimizer,
-                        lr=st.lrs.get(args.flow_optimizer, args.lr_adamw), clip=args.clip)
+                        lr=st.lrs[args.flow_optimizer], clip=args.clip)
     res.update(meta=st.meta, paired=not args.unpaired and not st.loaded, seconds=round(time.perf_counter() - t0, 2))
     st.write_json("flow.json", res)
     table = flow.flow_table(res)
