@@ -164,7 +164,7 @@ def test_bench_keeps_earlier_results_unless_force(capsys, tmp_path, monkeypatch)
     quick = ["--out", tmp_path, "--quick", "--arms", "transformer", "--no-peers", "--phases", "prefill",
              "--no-memory", "--dtypes", "fp32"]
     assert "--force" in _bench_one_line(capsys, quick)
-    assert "--force" in _bench_one_line(capsys, ["--long-context", *quick])
+    assert "--force" in _bench_one_line(capsys, ["--long-context", "--out", tmp_path, "--quick", "--dtypes", "fp32"])
     assert (tmp_path / "bench.json").read_text() == "earlier" and not (tmp_path / "bench.md").exists()
     monkeypatch.setattr(speed, "matmul_peak", lambda *a, **k: 1e9)  # the peak's timing is not under test
     from difftx.cli import main
