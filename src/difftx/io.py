@@ -146,6 +146,37 @@ def load_safetensors(path: Path) -> dict:
         ) from None
 
 
+def is_fp32_parameter(name: str) -> bool:
+    """Whether tensor ``name`` (any prefix: difftx, hf-difftx, DiffLlama, unilm) is one of :data:`FP32_PARAMETERS`."""
+    return name.rsplit(".", 1)[-1] in FP32_PARAMETERS
+
+
+def cast_state(state: dict, dtype: torch.dtype) -> dict:
+    """``state`` with its floating tensors in ``dtype``, except that :data:`FP32_PARAMETERS` are never put below
+    float32 (as :func:`cast_model` keeps them): written as float32, their values are not rounded on disk."""
+    def cast(name, t):
+        if not (torch.is_tensor(t) and t.is_floating_point()):
+            return t
+        if is_fp32_parameter(name) and dtype.itemsize < 4:
+            return t.to(torch.float32)  # exact: an upcast, or float32 kept
+        return t.to(dtype)
+
+    return {k: cast(k, v) for k, v in state.items()}
+
+
+def model_dtype(state: dict) -> Optional[torch.dtype]:
+    """The dtype of the model ``state`` holds: the one dtype of its floating tensors, or, in a bf16 / fp16 model,
+    of those other than :data:`FP32_PARAMETERS` kept in float32.  None if there are none, or several."""
+    floats = {k: v.dtype for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point()}
+    dtypes = set(floats.values())
+    if len(dtypes) > 1:
+        rest = {d for k, d in floats.items() if not is_fp32_parameter(k)}
+        lower = rest.pop() if len(rest) == 1 else None
+        if lower is not None and lower.itemsize < 4 and dtypes == {lower, torch.float32}:
+            return lower  # every float32 tensor is an FP32_PARAMETERS one
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
 def model_config_dict(cfg: ModelConfig) -> dict:
     return {FORMAT_KEY: FORMAT_VERSION, "model": cfg.to_dict()}
 
@@ -161,9 +192,9 @@ def save_model(model: torch.nn.Module, path, extra_config: Optional[dict] = None
     path.mkdir(parents=True, exist_ok=True)
     cfg_dict = model_config_dict(model.config)
     state = clean_state_dict(model.state_dict())
-    floats = {str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}
-    if len(floats) == 1:  # the dtype load_model gives the model back in
-        cfg_dict[DTYPE_KEY] = floats.pop()
+    stored = model_dtype(state)
+    if stored is not None:  # the dtype load_model gives the model back in (DIFF's lambdas float32 below float32)
+        cfg_dict[DTYPE_KEY] = str(stored).removeprefix("torch.")
     if extra_config:
         cfg_dict.update(extra_config)
     save_safetensors(state, path / WEIGHTS_FILE, metadata={"format": "pt"})
@@ -243,7 +274,7 @@ def cast_model(model: torch.nn.Module, device=None, dtype: Optional[torch.dtype]
     """``model.to(device, dtype)``, except that :data:`FP32_PARAMETERS` are never put below float32: in a bf16 or
     fp16 model they keep their float32 values (ones stored in a lower dtype are upcast, exactly)."""
     def fp32(name, p):
-        return name.rsplit(".", 1)[-1] in FP32_PARAMETERS and p.is_floating_point()
+        return is_fp32_parameter(name) and p.is_floating_point()
 
     before = {n: p.detach() for n, p in model.named_parameters() if fp32(n, p) and p.dtype.itemsize >= 4}
     if device is not None or dtype is not None:

@@ -459,3 +459,77 @@ def test_a_model_directorys_weights_file_is_not_taken_for_unilm_modules(capsys, 
     rc, _, err = run_main(capsys, tmp_path / "m" / "model.safetensors", tmp_path / "out")
     _one_error_line(rc, err, "give the directory")
     assert not (tmp_path / "out").exists()
+
+
+LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+
+
+def _is_lambda(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in LAMBDAS
+
+
+def test_a_lower_dtype_conversion_writes_diff_lambdas_in_float32(capsys, tmp_path):
+    """convert --dtype bfloat16 wrote DIFF's lambda vectors in bf16 (rounded on disk), unlike a bf16
+    DifftxForCausalLM's save_pretrained; now every destination keeps them in float32 with the source's values,
+    config.json still names bfloat16, and difftx and transformers read the exact values back."""
+    from safetensors.torch import load_file
+
+    model = difftx_model(attention="diff", n_heads=2, head_norm_weight=False, pairing="halves")
+    src = difftx.save_model(model, tmp_path / "m")
+    want = {n: p.detach() for n, p in model.named_parameters() if _is_lambda(n)}
+    assert any(not torch.equal(v, v.to(torch.bfloat16).float()) for v in want.values())  # bf16 would round them
+    x = tokens(97)
+    for fmt in ("difftx", "hf-difftx", "hf-diffllama"):
+        rc, _, err = run_main(capsys, src, tmp_path / fmt, "--to", fmt, "--dtype", "bfloat16")
+        assert rc == 0, err
+        stored = load_file(tmp_path / fmt / "model.safetensors")
+        assert {k for k, v in stored.items() if v.dtype == torch.float32} == {k for k in stored if _is_lambda(k)}
+        assert {v.dtype for k, v in stored.items() if not _is_lambda(k)} == {torch.bfloat16}, fmt
+        for k, v in stored.items():
+            if _is_lambda(k):
+                assert torch.equal(v, want["layers." + k.split("layers.", 1)[1].replace("self_attn.", "attn.")]), k
+        assert json.loads((tmp_path / fmt / "config.json").read_text())["dtype"] == "bfloat16", fmt
+        loaded = difftx.load_model(tmp_path / fmt, dtype=torch.bfloat16)
+        assert loaded.embed.weight.dtype == torch.bfloat16
+        for n, p in loaded.named_parameters():
+            if _is_lambda(n):
+                assert p.dtype == torch.float32 and torch.equal(p, want[n]), (fmt, n)
+    # the bf16 result converted on without --dtype stays bf16 with its float32 lambdas (it was written float32)
+    rc, _, err = run_main(capsys, tmp_path / "difftx", tmp_path / "again", "--to", "hf-difftx")
+    assert rc == 0, err
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["dtype"] == "bfloat16"
+    again = load_file(tmp_path / "again" / "model.safetensors")
+    for k, v in again.items():
+        assert v.dtype == (torch.float32 if _is_lambda(k) else torch.bfloat16), k
+    pytest.importorskip("transformers")
+    from transformers import DiffLlamaForCausalLM
+
+    from difftx.interop.hf import DifftxForCausalLM
+
+    dx = difftx.load_model(tmp_path / "difftx")
+    for d in ("hf-difftx", "again"):  # the transformers wrapper reads the same model: dtypes and logits
+        hf = DifftxForCausalLM.from_pretrained(tmp_path / d, dtype=torch.bfloat16).eval()
+        assert {n: p.dtype for n, p in hf.model.named_parameters()} == {n: p.dtype for n, p in dx.named_parameters()}
+        with torch.no_grad():
+            assert torch.equal(hf(x).logits, dx(x).logits), d
+    # transformers' DiffLlama keeps its lambdas in the model dtype: it rounds them on loading a bf16 model (as it
+    # would the bf16 file it used to get), and a float32 load now gets the exact values
+    for dtype in (torch.bfloat16, torch.float32):
+        dl = DiffLlamaForCausalLM.from_pretrained(tmp_path / "hf-diffllama", dtype=dtype)
+        for i, layer in enumerate(dl.model.layers):
+            for name in LAMBDAS:
+                assert torch.equal(getattr(layer.self_attn, name), want[f"layers.{i}.attn.{name}"].to(dtype))
+
+
+def test_dtype_with_unilm_modules_is_refused_in_one_line(capsys, tmp_path):
+    """--dtype with a unilm weights file was accepted and ignored (float16 asked, float32 written)."""
+    from safetensors.torch import save_file
+
+    from .test_unilm import official_state
+
+    save_file({f"layers.0.attn.{k}": v for k, v in official_state().items()}, tmp_path / "u.safetensors")
+    rc, _, err = run_main(capsys, tmp_path / "u.safetensors", tmp_path / "out", "--dtype", "float16")
+    _one_error_line(rc, err, "--dtype float16", "unilm", "float32")
+    assert not (tmp_path / "out").exists()
+    rc, _, err = run_main(capsys, tmp_path / "u.safetensors", tmp_path / "out")
+    assert rc == 0, err

@@ -30,8 +30,8 @@ import torch
 
 from ..config import NORM_FLAGS, NORM_PRESETS, ModelConfig
 from ..errors import CheckpointError, ConfigError, DifftxError
-from ..io import (CONFIG_FILE, WEIGHTS_FILE, check_finite, clean_state_dict, is_model_dir, list_checkpoints,
-                  load_safetensors, make_out_dir, read_model_config, save_model)
+from ..io import (CONFIG_FILE, WEIGHTS_FILE, cast_model, cast_state, check_finite, clean_state_dict, is_model_dir,
+                  list_checkpoints, load_safetensors, make_out_dir, model_dtype, read_model_config, save_model)
 from . import hf_io
 from .layouts import relayout
 
@@ -329,7 +329,9 @@ def save_hf(model_or_state, path, fmt: str, cfg: Optional[ModelConfig] = None,
             dtype: Optional[torch.dtype] = None, token_ids: Optional[dict] = None) -> Path:
     """Write a difftx model (or ``state`` + ``cfg``) as a Hugging Face directory of format ``fmt``.
 
-    ``config.json``'s ``dtype`` names the stored weights' dtype (``dtype``, else the state's own);
+    ``config.json``'s ``dtype`` names the stored weights' dtype (``dtype``, else the state's own); below
+    float32, DIFF's lambda vectors are written in float32 (:data:`difftx.io.FP32_PARAMETERS`), as a bf16
+    ``DifftxForCausalLM`` saves them (DiffLlama's loader casts them to its model dtype).
     ``token_ids`` (``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``) go into it as given.
     """
     if isinstance(model_or_state, torch.nn.Module):
@@ -337,17 +339,12 @@ def save_hf(model_or_state, path, fmt: str, cfg: Optional[ModelConfig] = None,
     else:
         state = model_or_state
     hf_config, tensors = difftx_to_hf(cfg, state, fmt)
-    stored = dtype or common_float_dtype(tensors)
+    stored = dtype or model_dtype(tensors)
     if stored is not None:
         hf_config["dtype"] = str(stored).removeprefix("torch.")
+        tensors = cast_state(tensors, stored)
     hf_config.update({k: v for k, v in (token_ids or {}).items() if k in TOKEN_ID_KEYS})
-    return hf_io.write_hf_dir(path, hf_config, tensors, dtype)
-
-
-def common_float_dtype(state: dict) -> Optional[torch.dtype]:
-    """The one floating dtype of ``state``'s floating tensors (None if there are none, or several)."""
-    dtypes = {v.dtype for v in state.values() if torch.is_tensor(v) and v.is_floating_point()}
-    return dtypes.pop() if len(dtypes) == 1 else None
+    return hf_io.write_hf_dir(path, hf_config, tensors)
 
 
 def source_token_ids(src: Path, fmt: str) -> dict:
@@ -426,6 +423,10 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
 
         if dst_format not in (None, "difftx"):
             raise DifftxError("unilm attention modules convert to difftx modules only (--to difftx)")
+        if dtype is not None:  # was ignored: the modules are written, and load back, in float32
+            raise DifftxError(f"--dtype {str(dtype).removeprefix('torch.')}: unilm attention modules are written "
+                              "in float32 (load_attention_modules builds float32 modules); leave --dtype out and "
+                              "cast the loaded modules")
         return convert_unilm_file(src, dst, depth=depth, variant=variant, pairing=pairing, rope_style=rope_style)
     if dst_format is None:
         if detected == "difftx" and not (diff_init or pairing or rope_style):
@@ -437,7 +438,7 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
     if dst.resolve() == src.resolve():
         raise DifftxError(f"{dst}: the destination is the source; pick another directory")
     cfg, state, _ = read_any(src)
-    dtype = dtype or common_float_dtype(state)  # default: the source's dtype
+    dtype = dtype or model_dtype(state)  # default: the source's dtype
     token_ids = source_token_ids(src, detected)
     if diff_init is not None:
         from .llama_to_diff import llama_to_diff
@@ -451,8 +452,8 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
 
         model = build_model(cfg)
         load_state_dict_into(model, state, str(src))
-        if dtype is not None:
-            model = model.to(dtype)
+        if dtype is not None:  # DIFF's lambdas stay float32 below float32
+            model = cast_model(model, dtype=dtype)
         make_out_dir(dst, flag="DST")  # save_model's mkdir would raise a traceback for a path under a file
         save_model(model, dst, extra_config={TOKEN_IDS_KEY: token_ids} if token_ids else None)
     else:
