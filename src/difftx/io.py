@@ -270,6 +270,16 @@ def _restore_dtypes(model: torch.nn.Module, state: dict) -> None:
             t.data = t.data.to(s.dtype)
 
 
+def saved_dtype(model: torch.nn.Module, state: dict, stored) -> Optional[torch.dtype]:
+    """The dtype to give ``model`` (just loaded from ``state``, in float32) back in: the one its config names
+    (``stored``: ``"bfloat16"``, ...; None for ``"float32"``).  When the config names none (a mixed model, e.g.
+    bf16 weights with float32 DIFF lambdas), each tensor gets its dtype in ``state`` here, and None is returned."""
+    if isinstance(stored, str) and stored in STORED_DTYPES:
+        return STORED_DTYPES[stored] if stored != "float32" else None
+    _restore_dtypes(model, state)
+    return None
+
+
 def cast_model(model: torch.nn.Module, device=None, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
     """``model.to(device, dtype)``, except that :data:`FP32_PARAMETERS` are never put below float32: in a bf16 or
     fp16 model they keep their float32 values (ones stored in a lower dtype are upcast, exactly)."""
@@ -348,11 +358,8 @@ def load_model(path, device: Optional[str] = None, dtype=None) -> torch.nn.Modul
     model = build_model(cfg)
     state = load_safetensors(path / WEIGHTS_FILE)
     load_state_dict_into(model, state, str(path / WEIGHTS_FILE))
-    if dtype is None:  # the dtype it was saved in (a bf16 conversion stays bf16); float32 without a note
-        stored = data.get(DTYPE_KEY)
-        dtype = STORED_DTYPES.get(stored) if stored != "float32" else None
-        if stored is None:  # mixed (e.g. bf16 weights, float32 DIFF lambdas): each tensor in its stored dtype
-            _restore_dtypes(model, clean_state_dict(state))
+    if dtype is None:  # the dtype it was saved in (a bf16 conversion stays bf16)
+        dtype = saved_dtype(model, clean_state_dict(state), data.get(DTYPE_KEY))
     model = cast_model(model, device, dtype)  # lambdas stay float32 in a bf16 model, as the HF wrapper keeps them
     model.eval()
     return model

@@ -533,3 +533,52 @@ def test_dtype_with_unilm_modules_is_refused_in_one_line(capsys, tmp_path):
     assert not (tmp_path / "out").exists()
     rc, _, err = run_main(capsys, tmp_path / "u.safetensors", tmp_path / "out")
     assert rc == 0, err
+
+
+def test_load_model_gives_a_hugging_face_directory_back_in_its_stored_dtype(capsys, tmp_path):
+    """load_model of a bf16 hf-difftx / hf-llama export ignored config.json's dtype and loaded float32, while a
+    difftx directory loads in the dtype it was saved in; now both do (config.json's dtype, or transformers' older
+    torch_dtype; each tensor's stored dtype when it names none), and an explicit dtype still wins."""
+    from safetensors.torch import load_file
+
+    model = difftx_model(attention="diff", n_heads=2)
+    src = difftx.save_model(model, tmp_path / "m")
+    for fmt in ("difftx", "hf-difftx"):
+        rc, _, err = run_main(capsys, src, tmp_path / fmt, "--to", fmt, "--dtype", "bfloat16")
+        assert rc == 0, err
+    dx = difftx.load_model(tmp_path / "difftx")
+    hf = difftx.load_model(tmp_path / "hf-difftx")
+    assert {n: p.dtype for n, p in hf.named_parameters()} == {n: p.dtype for n, p in dx.named_parameters()}
+    assert hf.embed.weight.dtype == torch.bfloat16 and hf.layers[0].attn.lambda_q1.dtype == torch.float32
+    for k, v in dx.state_dict().items():
+        assert torch.equal(hf.state_dict()[k], v), k
+    x = tokens(97)
+    with torch.no_grad():
+        assert torch.equal(hf(x).logits, dx(x).logits)
+    assert {p.dtype for p in difftx.load_model(tmp_path / "hf-difftx", dtype="float32").parameters()} == {
+        torch.float32}
+    cfg_path = tmp_path / "hf-difftx" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["torch_dtype"] = cfg.pop("dtype")  # transformers < 5 wrote it so
+    cfg_path.write_text(json.dumps(cfg))
+    assert difftx.load_model(tmp_path / "hf-difftx").embed.weight.dtype == torch.bfloat16
+    del cfg["torch_dtype"]  # no note: each tensor in its stored dtype, as for a difftx directory
+    cfg_path.write_text(json.dumps(cfg))
+    stored = load_file(tmp_path / "hf-difftx" / "model.safetensors")
+    loaded = difftx.load_model(tmp_path / "hf-difftx").state_dict()
+    assert {k: v.dtype for k, v in loaded.items()} == {k[len("model."):]: v.dtype for k, v in stored.items()}
+    pytest.importorskip("transformers")
+    from difftx.interop.hf import DifftxForCausalLM
+
+    wrapped = DifftxForCausalLM.from_pretrained(tmp_path / "hf-difftx", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        assert torch.equal(wrapped(x).logits, dx(x).logits)
+
+
+def test_load_model_gives_a_bf16_llama_directory_back_in_bf16(capsys, llama_dir, tmp_path):
+    model, src = llama_dir
+    rc, _, err = run_main(capsys, difftx.save_model(model, tmp_path / "m"), tmp_path / "bf", "--to", "hf-llama",
+                          "--dtype", "bfloat16")
+    assert rc == 0, err
+    assert {p.dtype for p in difftx.load_model(tmp_path / "bf").parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in difftx.load_model(src).parameters()} == {torch.float32}  # a float32 one stays so

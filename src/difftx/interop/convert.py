@@ -281,17 +281,23 @@ def read_any(path) -> tuple[ModelConfig, dict, str]:
     return cfg, state, fmt
 
 
-def load_hf_model(path, device: Optional[str] = None):
-    """A difftx :class:`~difftx.models.DecoderLM` from a Hugging Face directory (the load_model resolver)."""
-    from ..io import load_state_dict_into
+def load_hf_model(path, device: Optional[str] = None, dtype: Optional[torch.dtype] = None):
+    """A difftx :class:`~difftx.models.DecoderLM` from a Hugging Face directory (the load_model resolver).
+
+    Without ``dtype`` the model comes back in the dtype its ``config.json`` names (``dtype``, or transformers'
+    older ``torch_dtype``), else each tensor in its stored dtype, as :func:`difftx.load_model` gives a difftx
+    directory back; DIFF's lambda vectors stay float32 below float32.
+    """
+    from ..io import load_state_dict_into, saved_dtype
     from ..models import build_model
 
+    hf = hf_io.read_hf_config(path)
     cfg, state = read_hf_as_difftx(path)
     model = build_model(cfg)
     load_state_dict_into(model, state, str(path))
-    if device is not None:
-        model = model.to(device)
-    return model.eval()
+    if dtype is None:
+        dtype = saved_dtype(model, state, hf.get("dtype", hf.get("torch_dtype")))
+    return cast_model(model, device, dtype).eval()
 
 
 def resolve_hf_dir(path: Path, device: Optional[str] = None):
