@@ -92,3 +92,14 @@ def test_a_model_loaded_in_bf16_keeps_diff_lambdas_in_float32_as_the_hf_wrapper(
     x = torch.randint(0, 61, (2, 9))
     with torch.no_grad():
         assert torch.equal(bf(x).logits, hf(x).logits)
+
+
+def test_save_model_to_a_path_that_is_a_file_is_one_difftx_error(tmp_path):
+    """save_model into an existing file (or under one) raised FileExistsError / NotADirectoryError, a traceback from
+    the CLI; now one DifftxError naming the path and the fix, and the file is left as it was."""
+    (tmp_path / "f").write_text("keep")
+    for path, needle in ((tmp_path / "f", "a file of that name exists"), (tmp_path / "f" / "m", "is a file")):
+        with pytest.raises(difftx.DifftxError, match=needle) as e:
+            difftx.save_model(tiny_model(), path)
+        assert str(path) in str(e.value) and "\n" not in str(e.value)
+    assert (tmp_path / "f").read_text() == "keep"

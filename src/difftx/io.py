@@ -188,8 +188,7 @@ def save_model(model: torch.nn.Module, path, extra_config: Optional[dict] = None
         raise ConfigError(None, f"save_model: a {type(model).__name__} is not a difftx model (its config is "
                           f"{type(cfg).__name__}, not difftx.ModelConfig); save the difftx model it holds "
                           "(DifftxForCausalLM: .model; DDP: .module), or use save_pretrained")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    path = make_out_dir(path, flag="save_model")  # a path that is (or is under) a file: one DifftxError
     cfg_dict = model_config_dict(model.config)
     state = clean_state_dict(model.state_dict())
     stored = model_dtype(state)

@@ -460,7 +460,7 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
         load_state_dict_into(model, state, str(src))
         if dtype is not None:  # DIFF's lambdas stay float32 below float32
             model = cast_model(model, dtype=dtype)
-        make_out_dir(dst, flag="DST")  # save_model's mkdir would raise a traceback for a path under a file
+        make_out_dir(dst, flag="DST")  # a path that cannot be a directory: the error names DST, not save_model
         save_model(model, dst, extra_config={TOKEN_IDS_KEY: token_ids} if token_ids else None)
     else:
         save_hf(state, dst, dst_format, cfg=cfg, dtype=dtype, token_ids=token_ids)
