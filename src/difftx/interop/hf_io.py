@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -109,11 +108,10 @@ def read_hf_weights(path) -> dict:
     raise CheckpointError(f"{path}: no weights ({SAFE_FILE}, {SAFE_INDEX} or {BIN_FILE})")
 
 
-def write_hf_dir(path, config: dict, state: dict, dtype: Optional[torch.dtype] = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (atomic files) into directory ``path``."""
+def write_hf_dir(path, config: dict, state: dict) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (atomic files) into directory ``path``, tensors as given (a
+    caller casts them: :func:`difftx.io.cast_state` keeps DIFF's lambdas float32)."""
     path = make_out_dir(path, flag="DST")
-    if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     save_safetensors(state, path / SAFE_FILE, metadata={"format": "pt"})
     atomic_write_text(path / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True))
     return path
