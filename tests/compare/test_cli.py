@@ -56,11 +56,20 @@ def _one_line_error(p) -> str:
     (["--domain", "vision", "--retrieval", "mqar"], "retrieval"),
     (["--retrieval-opt", "pairs=9-2"], "pairs"),
     (["--tokens", "x"], "invalid int"),
+    # an option the study would not read is refused, not ignored
+    (["--tokens", "1000", "--steps", "3"], "--tokens/--steps: are two budgets"),
+    (["--retrieval-tokens", "1000", "--retrieval-steps", "3"], "--retrieval-tokens/--retrieval-steps"),
+    (["--retrieval", "none", "--retrieval-tokens", "1000"], "--retrieval-tokens: is an option of the retrieval"),
+    (["--retrieval", "none", "--retrieval-opt", "pairs=2-4"], "--retrieval-opt: is an option of the retrieval"),
+    (["--retrieval", "none", "--retrieval-samples", "8"], "--retrieval none trains none"),
+    (["--domain", "vision", "--retrieval-seq-len", "32"], "a vision study trains no retrieval task"),
+    (["--domain", "vision", "--outlier-tokens", "512"], "--outlier-tokens: a language-study option"),
+    (["--domain", "vision", "--eval-batches", "2"], "--eval-batches: a vision study evaluates its whole"),
 ])
 def test_bad_input_is_one_line_exit_2(compare, tmp_path, args, needle):
     p = compare( "--out", tmp_path / "out", *args, "--no-progress")
     assert needle in _one_line_error(p)
-    assert not (tmp_path / "out" / "results.json").exists()
+    assert not (tmp_path / "out").exists()
 
 
 def test_bad_input_through_the_real_cli(cli, tmp_path):

@@ -22,6 +22,10 @@ STUDY_FLAGS = ("domain", "preset", "seeds", "seed", "data", "tokenizer", "cache_
                "batch_size", "retrieval", "retrieval_tokens", "retrieval_steps", "retrieval_seq_len",
                "retrieval_batch_size", "schedule", "min_lr_ratio", "grad_clip", "eval_points", "eval_batches",
                "outlier_tokens", "tail_batches", "retrieval_samples", "dtype", "device", "workers", "threads")
+# fields only a retrieval task reads, and fields only a language study reads (a vision run evaluates whole splits)
+RETRIEVAL_FIELDS = ("retrieval_tokens", "retrieval_steps", "retrieval_seq_len", "retrieval_batch_size",
+                    "retrieval_options", "retrieval_samples")
+LM_FIELDS = ("tokenizer", "seq_len", "eval_batches", "outlier_tokens")
 
 
 def add_parser(sub) -> None:
@@ -148,6 +152,28 @@ def explicit_fields(args) -> dict:
     return fields
 
 
+def _flag(name: str) -> str:
+    return "--retrieval-opt" if name == "retrieval_options" else "--" + name.replace("_", "-")
+
+
+def check_unread(fields: dict, study) -> None:
+    """An option given explicitly that the study would not read is refused, not ignored."""
+    for tokens, steps in (("tokens", "steps"), ("retrieval_tokens", "retrieval_steps")):
+        if tokens in fields and steps in fields:
+            raise ConfigError(f"{_flag(tokens)}/{_flag(steps)}", "are two budgets for the same runs, and the steps "
+                                                                 "would win; give one")
+    if study.domain == "vision":
+        for name in (n for n in LM_FIELDS if n in fields):
+            why = ("a vision study evaluates its whole validation and test splits" if name == "eval_batches" else
+                   "a language-study option, and a vision study reads images")
+            raise ConfigError(_flag(name), f"{why}; drop it")
+    if study.retrieval == "none":
+        why, fix = (("a vision study trains no retrieval task", "") if study.domain == "vision" else
+                    ("--retrieval none trains none", " (or give --retrieval mqar or niah)"))
+        for name in (n for n in RETRIEVAL_FIELDS if n in fields):
+            raise ConfigError(_flag(name), f"is an option of the retrieval task, and {why}; drop it{fix}")
+
+
 def _list_arms() -> int:
     from ..compare.arms import DEFAULT_ARMS, MODELS
 
@@ -170,6 +196,7 @@ def run(args) -> int:
     out = Path(args.out or DEFAULT_OUT)
     fields = explicit_fields(args)
     study = resume_config(out, fields) if args.resume else StudyConfig(**fields)
+    check_unread(fields, study)
     if args.resume:  # the study's own command: the one that reproduces it
         command = (load_study(out) or {}).get("command") or "difftx compare"
     elif sys.argv[1:2] == ["compare"]:
