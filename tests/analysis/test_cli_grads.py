@@ -10,8 +10,16 @@ import torch
 import difftx
 from difftx.cli import main
 
-TINY = ["--set", "d_model=32", "--set", "n_layers=1", "--seq-len", "16", "--batch-size", "2", "--steps", "2",
-        "--tail-steps", "2", "--noise-batches", "2", "--max-noise-entries", "64"]
+BASE = ["--set", "d_model=32", "--set", "n_layers=1", "--seq-len", "16", "--batch-size", "2"]
+FLOW = ["--steps", "2"]  # the options of one study only: refused with --only for the other
+TAILS = ["--tail-steps", "2", "--noise-batches", "2", "--max-noise-entries", "64"]
+TINY = BASE + FLOW + TAILS
+
+
+def tiny(argv) -> list[str]:
+    """TINY less what argv's --only skips."""
+    only = argv[argv.index("--only") + 1] if "--only" in argv else None
+    return BASE + (FLOW if only != "tails" else []) + (TAILS if only != "flow" else [])
 
 
 @pytest.fixture
@@ -62,6 +70,25 @@ def test_grads_on_checkpoints(tmp_path, capsys, keep_threads):
     assert not list(out.glob("*.png"))
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--unpaired"], "--unpaired: initialises fresh twins; a --checkpoint is analysed as saved"),
+    (["--settings", "S1"], "--settings: builds fresh models; a --checkpoint is analysed as saved"),
+    (["--optimizers", "msgdw"], "--optimizers: trains the tail study's models, and a --checkpoint is measured"),
+    (["--only", "tails", "--lr-adamw", "1e-3"], "--lr-adamw: no study here uses adamw"),
+])
+def test_grads_fresh_model_options_with_a_checkpoint_are_refused(tmp_path, capsys, keep_threads, argv, needle):
+    """--unpaired and --settings shape fresh models, --optimizers the tail study's training (none for a checkpoint
+    unless --tail-steps N): they were accepted and ignored; now one line, exit 2, nothing written."""
+    difftx.save_model(difftx.build_model(difftx.ModelConfig.from_preset("nano", d_model=32, n_layers=1)),
+                      tmp_path / "m")
+    rc = main(["grads", "--out", str(tmp_path / "o"), "--checkpoint", str(tmp_path / "m"), "--seq-len", "16",
+               "--batch-size", "2", "--noise-batches", "2", "--max-noise-entries", "64", "--no-plots",
+               *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("difftx grads: error:") and needle in err and "\n" not in err, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_grads_on_diff2_and_softmax_checkpoints_gives_flow_ratios(tmp_path, capsys, keep_threads):
     """A DIFF V2 checkpoint with a softmax one is a flow pair, as a fresh diff2 base is (it got no ratio)."""
     cfg = difftx.ModelConfig.from_preset("nano", d_model=32, n_layers=1)
@@ -98,12 +125,25 @@ def test_grads_on_diff2_and_softmax_checkpoints_gives_flow_ratios(tmp_path, caps
     (["--flow-optimizer", "bogus"], "--flow-optimizer"),
     (["--settings", ""], "--settings"),
     (["--settings", " , "], "--settings"),
+    # an option of a study this run skips was accepted and ignored
+    (["--only", "flow", "--tail-steps", "2"], "--tail-steps: is an option of the tail study, and --only flow skips"),
+    (["--only", "flow", "--settings", "S1"], "--settings: is an option of the tail study"),
+    (["--only", "flow", "--optimizers", "adamw"], "--optimizers: is an option of the tail study"),
+    (["--only", "flow", "--noise-batches", "4"], "--noise-batches: is an option of the tail study"),
+    (["--only", "flow", "--seeds", "2"], "--seeds: is an option of the tail study"),
+    (["--only", "tails", "--steps", "2"], "--steps: is an option of the gradient flow, and --only tails skips"),
+    (["--only", "tails", "--flow-optimizer", "sgd"], "--flow-optimizer: is an option of the gradient flow"),
+    (["--only", "tails", "--unpaired"], "--unpaired: is an option of the gradient flow"),
+    (["--tail-steps", "0", "--only", "tails", "--optimizers", "msgdw"], "--optimizers: trains the tail study's"),
+    (["--tail-steps", "0", "--only", "tails", "--clip", "0.5"], "--clip: clips the training steps"),
+    (["--tail-steps", "0", "--only", "tails", "--lr-msgdw", "0.5"], "tails: none (--tail-steps 0)"),
 ])
 def test_grads_bad_input_is_one_line_and_exit_2(tmp_path, capsys, keep_threads, argv, needle):
-    rc = main(["grads", "--out", str(tmp_path / "o"), *TINY, *argv])
+    rc = main(["grads", "--out", str(tmp_path / "o"), *tiny(argv), *argv])
     err = capsys.readouterr().err.strip()
     assert rc == 2
     assert err.startswith("difftx grads: error:") and needle in err and "\n" not in err
+    assert not (tmp_path / "o").exists()
 
 
 def test_grads_command_line_rejects_a_bad_setting(cli, tmp_path):
@@ -115,7 +155,7 @@ def test_grads_command_line_rejects_a_bad_setting(cli, tmp_path):
 
 
 def _grads_error(capsys, out, *argv) -> str:
-    rc = main(["grads", "--out", str(out), *TINY, *map(str, argv)])
+    rc = main(["grads", "--out", str(out), *tiny(argv), *map(str, argv)])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("difftx grads: error:") and "\n" not in err, err
     return err
@@ -146,7 +186,7 @@ def test_grads_keeps_earlier_results_unless_force(tmp_path, capsys, keep_threads
     (out / "report.md").write_text("earlier")
     assert "--force" in _grads_error(capsys, out, "--only", "flow", "--no-plots")
     assert (out / "report.md").read_text() == "earlier" and not (out / "flow.json").exists()
-    rc = main(["grads", "--out", str(out), *TINY, "--only", "flow", "--no-plots", "--force"])
+    rc = main(["grads", "--out", str(out), *tiny(["--only", "flow"]), "--only", "flow", "--no-plots", "--force"])
     assert rc == 0, capsys.readouterr().err
     assert "Gradient flow" in (out / "report.md").read_text() and (out / "flow.json").is_file()
 
@@ -164,8 +204,9 @@ def test_grads_with_every_tail_row_diverged_still_reports(tmp_path, capsys, keep
     """Divergence is recorded, not raised: no figure without rows (a note says so), report.md is written."""
     pytest.importorskip("matplotlib")
     out = tmp_path / "g"
-    rc = main(["grads", "--out", str(out), *TINY, "--only", "tails", "--settings", "S1", "--optimizers", "msgdw",
-               "--lr-msgdw", "1e30", "--clip", "0", "--tail-steps", "3"])
+    argv = [*BASE, *TAILS, "--only", "tails", "--settings", "S1", "--optimizers", "msgdw", "--lr-msgdw", "1e30",
+            "--clip", "0", "--tail-steps", "3"]
+    rc = main(["grads", "--out", str(out), *argv])
     stdout = capsys.readouterr().out
     assert rc == 0
     assert "(1 diverged)" in (out / "report.md").read_text()
@@ -173,8 +214,7 @@ def test_grads_with_every_tail_row_diverged_still_reports(tmp_path, capsys, keep
     assert not list(out.glob("*.png"))
     assert "no tails_hist_msgdw.png" in stdout and "no tails_summary.png" in stdout
     (out / "tails_summary.png").write_bytes(b"an earlier run's figure")  # rerun with --force: no stale figure
-    assert main(["grads", "--out", str(out), *TINY, "--only", "tails", "--settings", "S1", "--optimizers", "msgdw",
-                 "--lr-msgdw", "1e30", "--clip", "0", "--tail-steps", "3", "--force"]) == 0
+    assert main(["grads", "--out", str(out), *argv, "--force"]) == 0
     assert not list(out.glob("*.png"))
     assert "tails_summary.png: every tail row it would show diverged; the earlier run's" in capsys.readouterr().out
 
@@ -191,5 +231,5 @@ def test_grads_flow_learning_rate_of_sgd_and_muon(tmp_path, capsys, keep_threads
     if "muon" in argv and not hasattr(torch.optim, "Muon"):
         pytest.skip("muon needs torch >= 2.9")
     out = tmp_path / "g"
-    assert main(["grads", "--out", str(out), *TINY, "--only", "flow", "--no-plots", *argv]) == 0
+    assert main(["grads", "--out", str(out), *BASE, *FLOW, "--only", "flow", "--no-plots", *argv]) == 0
     assert json.loads((out / "flow.json").read_text())["lr"] == pytest.approx(lr)

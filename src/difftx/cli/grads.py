@@ -37,29 +37,30 @@ def add_parser(sub) -> None:
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a ModelConfig field of the base config (repeatable), e.g. --set n_layers=4")
     p.add_argument("--only", choices=["flow", "tails"], help="run only one of the two studies")
-    p.add_argument("--steps", type=int, default=20, help="gradient-flow optimiser steps after initialisation (20)")
-    p.add_argument("--flow-optimizer", default="adamw", help="optimiser of the gradient-flow runs (adamw)")
+    p.add_argument("--steps", type=int, default=None, help="gradient-flow optimiser steps after initialisation (20)")
+    p.add_argument("--flow-optimizer", default=None, help="optimiser of the gradient-flow runs (adamw)")
     p.add_argument("--unpaired", action="store_true",
                    help="initialise the DIFF and Transformer twins independently (default: shared tensors equal)")
     p.add_argument("--tail-steps", type=int, default=None,
                    help="training steps before the tail measurement (20; 0 for checkpoints: measure as saved)")
-    p.add_argument("--settings", default=DEFAULT_SETTINGS,
+    p.add_argument("--settings", default=None,
                    help=f"norm settings / attention kinds for the tail study ({DEFAULT_SETTINGS}; also dnt, diff-S5)")
-    p.add_argument("--optimizers", default="adamw,msgdw", help="optimisers for the tail study (adamw,msgdw)")
+    p.add_argument("--optimizers", default=None,
+                   help="optimisers for the tail study (adamw,msgdw; none are used with --tail-steps 0)")
     p.add_argument("--lr-adamw", type=float, help=f"AdamW learning rate ({DEFAULT_LRS['adamw']:g})")
     p.add_argument("--lr-msgdw", type=float, help=f"mSGDW learning rate ({DEFAULT_LRS['msgdw']:g})")
     p.add_argument("--lr-sgd", type=float, help="SGD learning rate (default: --lr-msgdw's)")
     p.add_argument("--lr-muon", type=float,
                    help="Muon learning rate (default: --lr-adamw's; its update is scaled to match AdamW's)")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip, 0 for none (1.0, as DNT)")
-    p.add_argument("--noise-batches", type=int, default=12, help="mini-batch gradients per noise estimate (12)")
-    p.add_argument("--max-noise-entries", type=int, default=8192,
+    p.add_argument("--clip", type=float, default=None, help="gradient-norm clip, 0 for none (1.0, as DNT)")
+    p.add_argument("--noise-batches", type=int, default=None, help="mini-batch gradients per noise estimate (12)")
+    p.add_argument("--max-noise-entries", type=int, default=None,
                    help="coordinates sampled per matrix kind for the noise estimate (8192)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per batch (8)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (64)")
     p.add_argument("--data", help="a text file to byte-tokenise (default: the Python standard library source)")
     p.add_argument("--seed", type=int, default=0, help="initialisation and data seed (0)")
-    p.add_argument("--seeds", type=int, default=1,
+    p.add_argument("--seeds", type=int, default=None,
                    help="repeat the tail study over this many seeds (seed, seed+1, ...); tables show mean +- sd (1)")
     p.add_argument("--device", default="cpu", help="torch device (cpu)")
     p.add_argument("--threads", type=int, default=None,
@@ -71,9 +72,52 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+# the options only one study reads (dest: flag); each defaults to None ("not given") and takes DEFAULTS after _check
+FLOW_ONLY = {"steps": "--steps", "flow_optimizer": "--flow-optimizer", "unpaired": "--unpaired"}
+TAILS_ONLY = {"tail_steps": "--tail-steps", "settings": "--settings", "optimizers": "--optimizers",
+              "noise_batches": "--noise-batches", "max_noise_entries": "--max-noise-entries", "seeds": "--seeds"}
+DEFAULTS = dict(steps=20, flow_optimizer="adamw", settings=DEFAULT_SETTINGS, optimizers="adamw,msgdw", clip=1.0,
+                noise_batches=12, max_noise_entries=8192, seeds=1)
+
+
+def _given(args, dest: str) -> bool:
+    return getattr(args, dest) not in (None, False)
+
+
+def _check_unread(args) -> None:
+    """An option given explicitly that no study of this run reads is refused, not ignored."""
+    if args.only is not None:
+        skipped, flags = ("tail study", TAILS_ONLY) if args.only == "flow" else ("gradient flow", FLOW_ONLY)
+        for flag in (flag for dest, flag in flags.items() if _given(args, dest)):
+            raise ConfigError(flag, f"is an option of the {skipped}, and --only {args.only} skips it; drop it (or "
+                                    f"drop --only {args.only})")
+    for dest, what in (("unpaired", "initialises fresh twins"), ("settings", "builds fresh models")):
+        if args.checkpoint and _given(args, dest):
+            raise ConfigError(FLOW_ONLY.get(dest) or TAILS_ONLY[dest], f"{what}; a --checkpoint is analysed as "
+                                                                       "saved, so drop it")
+    if _tail_steps(args) == 0 and args.only != "flow":
+        why = "a --checkpoint is measured as saved unless --tail-steps N" if args.tail_steps is None else \
+            "--tail-steps 0 measures as saved"
+        if args.optimizers is not None:
+            raise ConfigError("--optimizers", f"trains the tail study's models, and {why}; drop it (or give "
+                                              "--tail-steps N)")
+        if args.clip is not None and args.only == "tails":
+            raise ConfigError("--clip", f"clips the training steps, and {why}; drop it")
+
+
+def _tail_steps(args) -> int:
+    """The tail study's training steps: --tail-steps, else 20 for fresh models and 0 (as saved) for checkpoints."""
+    return args.tail_steps if args.tail_steps is not None else 0 if args.checkpoint else 20
+
+
 def _check(args) -> None:
     from ..optim import OPTIMIZERS
 
+    _check_unread(args)
+    tails_train = args.only != "flow" and _tail_steps(args) > 0  # the tail study trains with --optimizers
+    for dest, value in DEFAULTS.items():  # what was not given takes its default (the help says which)
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
     for flag, value, low in (("--steps", args.steps, 0), ("--batch-size", args.batch_size, 1), ("--seeds", args.seeds, 1),
                              ("--seq-len", args.seq_len, 2), ("--noise-batches", args.noise_batches, 2),
                              ("--max-noise-entries", args.max_noise_entries, 16)):
@@ -95,7 +139,7 @@ def _check(args) -> None:
     if args.threads is not None and args.threads < 1:
         raise ConfigError("--threads", f"must be >= 1; got {args.threads}")
     used = ({args.flow_optimizer} if args.only != "tails" else set()) | \
-        (set(_split(args.optimizers)) if args.only != "flow" else set())
+        (set(_split(args.optimizers)) if tails_train else set())
     used |= {base for name, base in (("sgd", "msgdw"), ("muon", "adamw"))  # their defaults are these rates
              if name in used and getattr(args, f"lr_{name}") is None}
     for name in OPTIMIZERS:
@@ -105,8 +149,9 @@ def _check(args) -> None:
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(flag, f"must be a positive finite learning rate; got {value}")
         if name not in used:
+            tails = args.optimizers if tails_train or args.only == "flow" else "none (--tail-steps 0)"
             raise ConfigError(flag, f"no study here uses {name} (gradient flow: {args.flow_optimizer}, tails: "
-                                    f"{args.optimizers}{'; --only ' + args.only if args.only else ''}); drop it")
+                                    f"{tails}{'; --only ' + args.only if args.only else ''}); drop it")
     if not (math.isfinite(args.clip) and args.clip >= 0):
         raise ConfigError("--clip", f"must be a finite norm >= 0 (0 for no clipping); got {args.clip}")
 
@@ -200,7 +245,7 @@ class _Study:
             for _, _, m, _ in self.loaded:
                 _check_seq_len(m.config, args.seq_len)
             self.meta["checkpoints"] = {name: str(path) for name, path, _, _ in self.loaded}
-            self.tail_steps = 0 if args.tail_steps is None else args.tail_steps
+            self.tail_steps = _tail_steps(args)
             _set_threads(args, max(m.num_parameters() for _, _, m, _ in self.loaded))
         else:
             from ..accounting import count_parameters
@@ -210,7 +255,7 @@ class _Study:
             self.settings = [(s, common.setting_config(self.base, s)) for s in _split(args.settings)]
             tokenizer, vocab = None, self.base.vocab_size
             self.meta["base_config"] = self.base.to_dict()
-            self.tail_steps = 20 if args.tail_steps is None else args.tail_steps
+            self.tail_steps = _tail_steps(args)
             _set_threads(args, count_parameters(self.base))
         self.tokens = common.tokenize(text, vocab, tokenizer)
         if self.tokens.size < args.seq_len + 2:  # what Batches needs; checked here, before --out is made
