@@ -178,7 +178,7 @@ def test_unusable_dst_is_one_line_when_only_the_write_fails(tmp_path):
     (tmp_path / "file").write_text("keep")
     model = difftx_model(attention="softmax", n_heads=4)
     difftx.save_model(model, tmp_path / "m")
-    for fn in (lambda d: write_hf_dir(d, {}, {}), lambda d: convert(tmp_path / "m", d, pairing="halves"),
+    for fn in (lambda d: write_hf_dir(d, {}, {}), lambda d: convert(tmp_path / "m", d, rope_style="interleaved"),
                lambda d: convert(tmp_path / "m", d, dst_format="hf-llama")):
         with pytest.raises(difftx.DifftxError, match="DST"):
             fn(tmp_path / "file" / "sub")
@@ -521,18 +521,81 @@ def test_a_lower_dtype_conversion_writes_diff_lambdas_in_float32(capsys, tmp_pat
                 assert torch.equal(getattr(layer.self_attn, name), want[f"layers.{i}.attn.{name}"].to(dtype))
 
 
-def test_dtype_with_unilm_modules_is_refused_in_one_line(capsys, tmp_path):
-    """--dtype with a unilm weights file was accepted and ignored (float16 asked, float32 written)."""
+@pytest.fixture
+def unilm_file(tmp_path):
+    """Official unilm attention modules (layers 0 and 1) in bfloat16."""
     from safetensors.torch import save_file
 
     from .test_unilm import official_state
 
-    save_file({f"layers.0.attn.{k}": v for k, v in official_state().items()}, tmp_path / "u.safetensors")
-    rc, _, err = run_main(capsys, tmp_path / "u.safetensors", tmp_path / "out", "--dtype", "float16")
-    _one_error_line(rc, err, "--dtype float16", "unilm", "float32")
+    state = {f"layers.{i}.self_attn.{k}": v.to(torch.bfloat16) for i in (0, 1)
+             for k, v in official_state(seed=i).items()}
+    save_file(state, tmp_path / "unilm.safetensors")
+    return tmp_path / "unilm.safetensors"
+
+
+@pytest.mark.parametrize("src, argv, needles", [
+    ("unilm", ["--diff-init", "twin"], ["--diff-init", "DIFF attention already"]),
+    ("unilm", ["--verify"], ["--verify", "attention modules"]),  # was refused after DST was written
+    ("diff", ["--to", "hf-llama", "--depth", "2"], ["--depth applies to a unilm weights file"]),
+    ("diff", ["--to", "hf-difftx", "--unilm-variant", "naive"], ["--unilm-variant applies to a unilm"]),
+    ("diff", ["--to", "hf-diffllama", "--pairing", "adjacent"], ["--pairing: --to hf-diffllama has a fixed layout"]),
+    ("diff", ["--to", "hf-diffllama", "--rope-style", "interleaved"], ["--rope-style: --to hf-diffllama"]),
+    ("softmax", ["--to", "hf-llama", "--rope-style", "interleaved"], ["--rope-style: --to hf-llama"]),
+    ("softmax", ["--to", "hf-diffllama", "--diff-init", "exact", "--pairing", "halves"], ["fixed layout"]),
+    ("softmax", ["--pairing", "halves"], ["--pairing lays out DIFF heads", "softmax", "--diff-init"]),
+])
+def test_an_option_the_conversion_does_not_use_is_refused(capsys, tmp_path, unilm_file, src, argv, needles):
+    """--diff-init of a unilm source, --depth / --unilm-variant of any other, and --pairing / --rope-style with a
+    Hugging Face format that fixes its layout (or a result with nothing to lay out) were accepted and ignored; now
+    one line, exit 2, nothing written."""
+    if src != "unilm":
+        difftx.save_model(difftx_model(attention=src, n_heads=2, head_norm_weight=False), tmp_path / src)
+    rc, _, err = run_main(capsys, unilm_file if src == "unilm" else tmp_path / src, tmp_path / "out", *argv)
+    _one_error_line(rc, err, *needles)
     assert not (tmp_path / "out").exists()
-    rc, _, err = run_main(capsys, tmp_path / "u.safetensors", tmp_path / "out")
+
+
+def test_a_unilm_source_is_stored_in_its_dtype_or_in_dtype(capsys, tmp_path, unilm_file):
+    """--dtype was ignored for unilm modules, and they were always stored in float32 (not as the source)."""
+    from safetensors.torch import load_file
+
+    from difftx.interop.unilm import load_attention_modules
+    from .test_unilm import official_state, reference_forward, run_difftx
+
+    for name, argv, dtype in (("same", [], torch.bfloat16), ("half", ["--dtype", "float16"], torch.float16)):
+        rc, _, err = run_main(capsys, unilm_file, tmp_path / name, *argv)
+        assert rc == 0, err
+        stored = load_file(tmp_path / name / "attention.safetensors")  # DIFF's lambdas stay float32
+        assert {k for k, t in stored.items() if t.dtype == torch.float32} == {k for k in stored if _is_lambda(k)}
+        assert {t.dtype for k, t in stored.items() if not _is_lambda(k)} == {dtype}
+        module = load_attention_modules(tmp_path / name)["layers.1.self_attn."]
+        x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(0))
+        sd = {k: v.to(torch.bfloat16).float() for k, v in official_state(seed=1).items()}
+        with torch.no_grad():
+            assert max_diff(run_difftx(module, x), reference_forward(sd, x, 1)) < 0.05
+
+
+def test_an_hf_difftx_result_keeps_the_layout_asked_for(capsys, llama_dir, tmp_path):
+    """--pairing / --rope-style were ignored with --to hf-difftx (and --rope-style with --diff-init too); the
+    result now has the layout asked for and the same function."""
+    _, src = llama_dir
+    difftx.save_model(difftx_model(attention="diff", n_heads=2), tmp_path / "diff")
+    rc, _, err = run_main(capsys, tmp_path / "diff", tmp_path / "hf", "--to", "hf-difftx", "--pairing", "halves",
+                          "--rope-style", "interleaved")
     assert rc == 0, err
+    a, b = difftx.load_model(tmp_path / "diff"), difftx.load_model(tmp_path / "hf")
+    assert (b.config.pairing, b.config.rope_style) == ("halves", "interleaved")
+    x = tokens(a.config.vocab_size)
+    with torch.no_grad():
+        assert max_diff(a(x).logits, b(x).logits) < 1e-5
+    for name, extra in (("plain", []), ("relaid", ["--rope-style", "interleaved"])):
+        rc, _, err = run_main(capsys, src, tmp_path / name, "--to", "hf-difftx", "--diff-init", "twin-zero", *extra)
+        assert rc == 0, err
+    a, b = difftx.load_model(tmp_path / "plain"), difftx.load_model(tmp_path / "relaid")
+    assert (a.config.rope_style, b.config.rope_style) == ("half", "interleaved")
+    with torch.no_grad():
+        assert max_diff(a(x).logits, b(x).logits) < 1e-5
 
 
 def test_load_model_gives_a_hugging_face_directory_back_in_its_stored_dtype(capsys, tmp_path):

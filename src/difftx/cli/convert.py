@@ -34,15 +34,17 @@ def add_parser(sub) -> None:
                    help="destination format (default: difftx; a difftx SRC needs --to unless it is re-laid out or "
                         "given --diff-init)")
     p.add_argument("--pairing", choices=("adjacent", "halves"),
-                   help="DIFF head pairing of a difftx result (rows re-laid out; the function is unchanged)")
+                   help="DIFF head pairing of a difftx or hf-difftx result (rows re-laid out; the function is "
+                        "unchanged; hf-llama / hf-diffllama fix their own)")
     p.add_argument("--rope-style", choices=("half", "interleaved"),
-                   help="RoPE channel order of a difftx result (rows re-laid out; the function is unchanged)")
+                   help="RoPE channel order of a difftx or hf-difftx result (rows re-laid out; the function is "
+                        "unchanged; hf-llama / hf-diffllama fix their own)")
     p.add_argument("--diff-init", choices=DIFF_INIT_MODES,
                    help="turn a softmax (Llama) model into DIFF for continued training: exact (same function, "
                         "2x attention), twin-zero (matched size, half of each head exact), twin (the paper's DIFF)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="store weights in this dtype (default: as the source)")
     p.add_argument("--depth", type=int, help="unilm: 0-based layer index of a module whose key prefix has none")
-    p.add_argument("--unilm-variant", choices=("flash", "naive"), default="flash",
+    p.add_argument("--unilm-variant", choices=("flash", "naive"), default=None,
                    help="unilm: which official file's GQA pairing the weights were trained with (default flash)")
     p.add_argument("--verify", action="store_true",
                    help="read source and result back (Llama / DiffLlama with transformers when installed) and "
@@ -149,12 +151,14 @@ def run(args) -> int:
         raise DifftxError(f"{dst}: directory is not empty; pick a new one or pass --force to overwrite")
     if dst.exists() and dst.resolve() == src.resolve():
         raise DifftxError(f"{dst}: the destination is the source; pick another directory")
+    detected = detect_format(src)
+    if args.verify and detected == "unilm":  # before anything is written
+        raise DifftxError("--verify compares whole models; unilm files hold attention modules (drop --verify)")
     # --force over a model: convert into a new directory beside it, and replace DST only once that succeeded
     target = dst
     if args.force and dst.is_dir() and any(dst.iterdir()):
         _check_overwritable(dst)
         target = Path(tempfile.mkdtemp(prefix=f".{dst.name}.converting-", dir=dst.parent))
-    detected = detect_format(src)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         convert(src, target, args.src_format, args.dst_format, pairing=args.pairing, rope_style=args.rope_style,
@@ -171,7 +175,5 @@ def run(args) -> int:
     to = args.dst_format or "difftx"
     print(f"converted {src} ({detected}) -> {dst} ({to if detected != 'unilm' else 'difftx attention modules'})")
     if args.verify:
-        if detected == "unilm":
-            raise DifftxError("--verify compares whole models; unilm files hold attention modules")
         print(_verify(src, dst, args.diff_init))
     return 0

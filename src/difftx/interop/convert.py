@@ -405,15 +405,17 @@ def _is_hf_tokenizer(path: Path) -> bool:
 
 def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None, *,
             pairing: Optional[str] = None, rope_style: Optional[str] = None, diff_init: Optional[str] = None,
-            dtype: Optional[torch.dtype] = None, depth: Optional[int] = None, variant: str = "flash") -> Path:
+            dtype: Optional[torch.dtype] = None, depth: Optional[int] = None, variant: Optional[str] = None) -> Path:
     """Convert the model at ``src`` into directory ``dst`` (the library side of ``difftx convert``).
 
-    ``pairing`` / ``rope_style`` re-lay a difftx output out (function unchanged);
-    ``diff_init`` turns a softmax (Llama) model into DIFF for continued training
-    (see :mod:`.llama_to_diff`).  ``depth`` / ``variant`` apply to unilm weight
-    files (see :mod:`.unilm`).  Weights keep the source's dtype unless ``dtype`` is given; a
-    Hugging Face source's ``bos/eos/pad_token_id`` and tokenizer files travel with the model
-    (through a difftx directory too, so HF -> difftx -> HF gives them back).  Returns ``dst``.
+    ``pairing`` / ``rope_style`` re-lay a difftx or hf-difftx output out (function unchanged;
+    hf-llama / hf-diffllama fix their own layout); ``diff_init`` turns a softmax (Llama) model
+    into DIFF for continued training (see :mod:`.llama_to_diff`).  ``depth`` / ``variant``
+    (default ``flash``) apply to unilm weight files only (see :mod:`.unilm`).  An option the
+    conversion would not use is refused, not ignored.  Weights keep the source's dtype unless
+    ``dtype`` is given; a Hugging Face source's ``bos/eos/pad_token_id`` and tokenizer files
+    travel with the model (through a difftx directory too, so HF -> difftx -> HF gives them
+    back).  Returns ``dst``.
     """
     src, dst = Path(src), Path(dst)
     detected = detect_format(src)
@@ -429,11 +431,14 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
 
         if dst_format not in (None, "difftx"):
             raise DifftxError("unilm attention modules convert to difftx modules only (--to difftx)")
-        if dtype is not None:  # was ignored: the modules are written, and load back, in float32
-            raise DifftxError(f"--dtype {str(dtype).removeprefix('torch.')}: unilm attention modules are written "
-                              "in float32 (load_attention_modules builds float32 modules); leave --dtype out and "
-                              "cast the loaded modules")
-        return convert_unilm_file(src, dst, depth=depth, variant=variant, pairing=pairing, rope_style=rope_style)
+        if diff_init is not None:
+            raise DifftxError("--diff-init turns a softmax model into DIFF, and unilm modules are DIFF attention "
+                              "already; drop it")
+        return convert_unilm_file(src, dst, depth=depth, variant=variant or "flash", pairing=pairing,
+                                  rope_style=rope_style, dtype=dtype)
+    for flag, value in (("--depth", depth), ("--unilm-variant", variant)):
+        if value is not None:
+            raise DifftxError(f"{flag} applies to a unilm weights file, and {src} is a {detected} model; drop it")
     if dst_format is None:
         if detected == "difftx" and not (diff_init or pairing or rope_style):
             raise DifftxError("converting a difftx model needs --to (hf-llama, hf-diffllama or hf-difftx), "
@@ -441,6 +446,10 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
         dst_format = "difftx"
     if dst_format not in FORMATS:
         raise DifftxError(f"unknown --to {dst_format!r}; one of {', '.join(FORMATS)}")
+    if dst_format in ("hf-llama", "hf-diffllama") and (pairing or rope_style):
+        raise DifftxError(f"--{'pairing' if pairing else 'rope-style'}: --to {dst_format} has a fixed layout (DIFF "
+                          "heads paired by halves, RoPE half); drop it (or keep a layout with --to difftx or "
+                          "hf-difftx)")
     if dst.resolve() == src.resolve():
         raise DifftxError(f"{dst}: the destination is the source; pick another directory")
     cfg, state, _ = read_any(src)
@@ -450,9 +459,14 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
         from .llama_to_diff import llama_to_diff
 
         cfg, state = llama_to_diff(cfg, state, mode=diff_init, pairing=pairing or "adjacent")
+    if pairing and cfg.attention != "diff":
+        raise DifftxError(f"--pairing lays out DIFF heads, and the result has {cfg.attention} attention (no pairs); "
+                          "drop it" + (" (or add --diff-init)" if cfg.attention == "softmax" else ""))
+    if rope_style and cfg.positions != "rope":
+        raise DifftxError(f"--rope-style orders rotary channels, and the model has {cfg.positions} positions; drop it")
+    if pairing or rope_style:  # a difftx or hf-difftx result keeps the layout asked for
+        cfg, state = relayout(state, cfg, pairing=pairing, rope_style=rope_style)
     if dst_format == "difftx":
-        if pairing or rope_style:
-            cfg, state = relayout(state, cfg, pairing=pairing, rope_style=rope_style)
         from ..io import load_state_dict_into
         from ..models import build_model
 

@@ -31,8 +31,8 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
-from ..io import (atomic_write_text, load_safetensors, load_state_dict_into, make_out_dir, save_safetensors,
-                  torch_load_weights_only)
+from ..io import (atomic_write_text, cast_state, load_safetensors, load_state_dict_into, make_out_dir, model_dtype,
+                  save_safetensors, torch_load_weights_only)
 from .layouts import relayout
 
 LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
@@ -162,18 +162,21 @@ def depth_from_prefix(prefix: str) -> Optional[int]:
 
 def convert_unilm_file(src, dst, depth: Optional[int] = None, rope_theta: float = 10000.0,
                        variant: str = "flash", pairing: Optional[str] = None,
-                       rope_style: Optional[str] = None) -> Path:
+                       rope_style: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> Path:
     """Convert every official attention module in weights file ``src`` into directory ``dst``.
 
     Writes ``attention.safetensors`` (difftx names under each module's prefix) and
     ``attention.json`` (per prefix: difftx layer and ModelConfig); read them back
     with :func:`load_attention_modules`.  The depth of each module is taken from
     the first number in its prefix (``layers.3.self_attn.`` -> 3) or ``depth``.
+    Weights are stored in ``dtype``, else in the modules' own dtype (float32 if they mix several).
     """
     src, dst = Path(src), Path(dst)
     modules = split_modules(read_weights_file(src))
     if not modules:
         raise CheckpointError(f"{src}: no official DIFF attention module (q_proj.weight + lambda_q1 ...) inside")
+    if dtype is None:  # the modules' own (bf16 weights with float32 lambdas: bf16), else float32
+        dtype = model_dtype({f"{p}{k}": v for p, state in modules.items() for k, v in state.items()}) or torch.float32
     tensors, index = {}, {}
     for prefix, state in sorted(modules.items()):
         layer_depth = depth if depth is not None else depth_from_prefix(prefix)
@@ -182,7 +185,7 @@ def convert_unilm_file(src, dst, depth: Optional[int] = None, rope_theta: float 
                                   "(lambda_init depends on it); pass --depth")
         module, cfg = load_unilm_attention(state, layer_depth, rope_theta, variant, pairing, rope_style,
                                            source=f"{src} (module '{prefix or '<root>'}')")
-        tensors.update({prefix + k: v for k, v in module.state_dict().items()})
+        tensors.update({prefix + k: v for k, v in cast_state(module.state_dict(), dtype).items()})  # lambdas fp32
         index[prefix] = {"layer": layer_depth + 1, "model": cfg.to_dict()}
     make_out_dir(dst, flag="DST")
     save_safetensors(tensors, dst / MODULES_WEIGHTS, metadata={"format": "pt"})
