@@ -319,3 +319,16 @@ def test_quant_data_with_a_metric_that_reads_none_is_refused(metric, opt, checkp
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--data" in err[0] and f"--metric {metric}" in err[0], err
     assert not (out / "quant.json").exists()
+
+
+@pytest.mark.parametrize("name, needle", [("lm", "'eval lm'"), ("outliers", "'eval outliers'"),
+                                          ("quant", "'eval quant --metric lm'")])
+def test_a_seed_for_an_eval_that_samples_nothing_is_refused(name, needle, checkpoint, tmp_path, capsys):
+    """--seed was accepted and ignored by lm, outliers and quant's lm metric (they read the text in order); now
+    one line, exit 2, before the checkpoint loads; the evaluations that sample still take it (mqar above)."""
+    out = tmp_path / "out"
+    rc = main(["eval", name, "--checkpoint", str(checkpoint), "--out", str(out), "--data",
+               str(checkpoint / "haystack.txt"), *SMALL[name], "--seed", "1", "--quiet", "--no-plot"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("difftx eval: error: --seed:") and needle in err[0], err
+    assert "samples nothing" in err[0] and not out.exists()

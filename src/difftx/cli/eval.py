@@ -80,7 +80,8 @@ def _common(p, corpus: bool = True) -> None:
     p.add_argument("--checkpoint", required=True, help="model, checkpoint or training-run directory")
     p.add_argument("--out", required=True, help="directory for NAME.json (and NAME.png)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
-    p.add_argument("--seed", type=int, default=0, help="seed for sampled data (default: 0)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed for sampled data (default: 0; lm, outliers and quant's lm metric sample nothing)")
     p.add_argument("--batch-size", type=_positive, default=None, help="sequences per forward (default: by size)")
     p.add_argument("--quant-bits", type=int, default=None,
                    help="run with attention logits quantized to this many bits (absmax, dynamic)")
@@ -212,6 +213,7 @@ def _run_eval(args, model, tok) -> tuple[dict, dict]:
     """(results, settings) of the chosen evaluation."""
     name, prog = args.eval_name, not args.quiet
     bs = {"batch_size": args.batch_size} if args.batch_size else {}
+    seed = 0 if args.seed is None else args.seed
     if name == "lm":
         from ..evals.lm import evaluate_lm_text
         s = dict(data=args.data, seq_len=args.seq_len, max_tokens=args.max_tokens, ar_max_freq=args.ar_max_freq, **bs)
@@ -219,19 +221,19 @@ def _run_eval(args, model, tok) -> tuple[dict, dict]:
     if name == "niah":
         from ..evals.niah import evaluate_niah
         s = dict(grid=args.grid, lengths=args.lengths, depths=_depths(args.depths), samples=args.samples,
-                 digits=args.digits, template=args.template, data=args.data, seed=args.seed,
+                 digits=args.digits, template=args.template, data=args.data, seed=seed,
                  generation=not args.no_generation, **bs)
         return evaluate_niah(model, tok, progress=prog, **s), s
     if name == "mqar":
         from ..evals.mqar import evaluate_mqar
         s = dict(lengths=args.lengths, pairs=args.pairs, samples=args.samples, vocab=args.vocab,
-                 power_a=args.power_a, seed=args.seed, **bs)
+                 power_a=args.power_a, seed=seed, **bs)
         return evaluate_mqar(model, progress=prog, **s), s
     if name == "attention":
         from ..evals.attention import evaluate_attention
         s = dict(depths=_depths(args.depths), length=args.length, needles=args.needles, samples=args.samples,
                  digits=args.digits, template=args.template, normalize=args.normalize, data=args.data,
-                 seed=args.seed, **bs)
+                 seed=seed, **bs)
         return evaluate_attention(model, tok, progress=prog, **s), s
     if name == "outliers":
         from ..evals.outliers import evaluate_outliers_text
@@ -241,8 +243,7 @@ def _run_eval(args, model, tok) -> tuple[dict, dict]:
         from ..evals.quant import evaluate_quant
         from .info import parse_overrides
         opts = {"lm": dict(data=args.data, max_tokens=args.max_tokens or 4096),
-                "niah": dict(data=args.data, seed=args.seed), "mqar": dict(seed=args.seed),
-                "icl": dict(seed=args.seed)}[args.metric]
+                "niah": dict(data=args.data, seed=seed), "mqar": dict(seed=seed), "icl": dict(seed=seed)}[args.metric]
         opts.update(bs)
         opts.update(parse_overrides(args.metric_opt, "--metric-opt"))
         s = dict(bits=args.bits, granularity=args.quant_granularity or "head", metric=args.metric, metric_options=opts)
@@ -250,7 +251,7 @@ def _run_eval(args, model, tok) -> tuple[dict, dict]:
     if name == "icl":
         from ..evals.icl import evaluate_icl
         s = dict(tasks=args.tasks, shots=args.shots, seeds=args.seeds, arrangements=args.arrangements,
-                 test_examples=args.test_examples, max_len=args.max_len, seed=args.seed, text_key=args.text_key,
+                 test_examples=args.test_examples, max_len=args.max_len, seed=seed, text_key=args.text_key,
                  label_key=args.label_key, **bs)
         return evaluate_icl(model, tok, progress=prog, **s), s
     raise DifftxError(f"unknown evaluation {name!r}")  # pragma: no cover - argparse rejects it first
@@ -323,6 +324,11 @@ def _check_unread(args) -> None:
     if args.quant_granularity is not None and args.quant_bits is None and args.eval_name != "quant":
         raise ConfigError("--quant-granularity", "sets how --quant-bits quantizes; give --quant-bits B too, or "
                                                  "drop it")
+    if args.seed is not None and (args.eval_name in ("lm", "outliers") or
+                                  (args.eval_name == "quant" and args.metric == "lm")):
+        what = "'eval quant --metric lm'" if args.eval_name == "quant" else f"'eval {args.eval_name}'"
+        raise ConfigError("--seed", f"{what} reads its text in order and samples nothing, so a seed changes "
+                                    "nothing; drop it")
     if args.eval_name != "quant" or args.metric == "lm":
         return
     if args.max_tokens is not None:
