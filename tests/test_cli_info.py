@@ -66,6 +66,21 @@ def test_info_bad_input(cli, capsys):
     assert "unrecognized" in _one_line_error(run("info", "small", "--bogus"))
 
 
+@pytest.mark.parametrize("argv, flag", [(["small"], "PRESET"), (["--attention", "diff"], "--attention"),
+                                        (["--norms", "S5"], "--norms"), (["--seq-len", "64"], "--seq-len"),
+                                        (["--set", "n_layers=3", "--json"], "--set")])
+def test_info_list_refuses_what_it_would_ignore(capsys, argv, flag):
+    """--list printed the preset names whatever PRESET, --attention, --norms, --seq-len or --set said; now one
+    line, exit 2, nothing printed on stdout."""
+    from difftx.cli import main
+
+    rc = main(["info", "--list", *argv])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 2 and out == "" and len(lines) == 1, (out, err)
+    assert lines[0].startswith("difftx info: error: --list") and f"reads no {flag}" in lines[0]
+
+
 def test_info_bad_config_file_and_preset_override(capsys, tmp_path):
     from difftx.cli import main
 

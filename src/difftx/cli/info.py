@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
                                    "included) and KV-cache bytes per token for a preset, a config JSON or a "
                                    "model directory.")
     p.add_argument("preset", nargs="?", help="preset name, config .json file or model directory")
-    p.add_argument("--list", action="store_true", help="list preset names and exit")
+    p.add_argument("--list", action="store_true", help="list preset names and exit (with --json at most)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--attention", choices=["softmax", "diff", "diff2"],
                    help="convert the preset to its matched twin of this attention kind")
@@ -128,6 +128,12 @@ def run(args) -> int:
     from ..presets import PRESETS
 
     if args.list:
+        given = [flag for flag, value in (("PRESET", args.preset), ("--attention", args.attention),
+                                          ("--norms", args.norms), ("--seq-len", args.seq_len), ("--set", args.set))
+                 if value not in (None, [])]
+        if given:
+            raise DifftxError(f"--list lists the preset names only and reads no {given[0]}; drop it (or drop --list "
+                              "to describe one model)")
         if args.json:
             print(json.dumps([{"name": p.name, "group": p.group, "description": p.description}
                               for p in PRESETS.values()], indent=2))
