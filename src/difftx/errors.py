@@ -13,6 +13,14 @@ class DifftxError(ValueError):
     """A problem with the user's input; the message names it and the fix."""
 
 
+def option_flag(name: str) -> str:
+    """The command-line flag of config field ``name``: ``seq_len`` -> ``--seq-len``; a ``*_options`` dict is given
+    as repeated ``KEY=VALUE`` flags, ``task_options`` -> ``--task-opt``."""
+    if name.endswith("_options"):
+        name = name[: -len("_options")] + "_opt"
+    return "--" + name.replace("_", "-")
+
+
 class ConfigError(DifftxError):
     """An invalid model, training or evaluation configuration.
 

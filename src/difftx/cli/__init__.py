@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 
-from ..errors import DifftxError
+from ..errors import DifftxError, option_flag
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if not argv else 2
     for name in PATH_ARGS:  # Path("") is the current directory: an empty path is a mistake, not "here"
         if getattr(args, name, None) == "":
-            flag = name.upper() if name in ("src", "dst") else "--" + name.replace("_", "-")
+            flag = name.upper() if name in ("src", "dst") else option_flag(name)
             what = "a name or a path" if name == "tokenizer" else "a path"
             parser.exit(2, f"difftx {args.command}: error: {flag} is empty; give {what} (see --help)\n")
     if args.command not in ("info", "convert"):  # the commands that train, evaluate or benchmark

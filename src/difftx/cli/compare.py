@@ -13,7 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, option_flag
 
 DEFAULT_OUT = "runs/compare"
 
@@ -152,26 +152,22 @@ def explicit_fields(args) -> dict:
     return fields
 
 
-def _flag(name: str) -> str:
-    return "--retrieval-opt" if name == "retrieval_options" else "--" + name.replace("_", "-")
-
-
 def check_unread(fields: dict, study) -> None:
     """An option given explicitly that the study would not read is refused, not ignored."""
     for tokens, steps in (("tokens", "steps"), ("retrieval_tokens", "retrieval_steps")):
         if tokens in fields and steps in fields:
-            raise ConfigError(f"{_flag(tokens)}/{_flag(steps)}", "are two budgets for the same runs, and the steps "
-                                                                 "would win; give one")
+            raise ConfigError(f"{option_flag(tokens)}/{option_flag(steps)}",
+                              "are two budgets for the same runs, and the steps would win; give one")
     if study.domain == "vision":
         for name in (n for n in LM_FIELDS if n in fields):
             why = ("a vision study evaluates its whole validation and test splits" if name == "eval_batches" else
                    "a language-study option, and a vision study reads images")
-            raise ConfigError(_flag(name), f"{why}; drop it")
+            raise ConfigError(option_flag(name), f"{why}; drop it")
     if study.retrieval == "none":
         why, fix = (("a vision study trains no retrieval task", "") if study.domain == "vision" else
                     ("--retrieval none trains none", " (or give --retrieval mqar or niah)"))
         for name in (n for n in RETRIEVAL_FIELDS if n in fields):
-            raise ConfigError(_flag(name), f"is an option of the retrieval task, and {why}; drop it{fix}")
+            raise ConfigError(option_flag(name), f"is an option of the retrieval task, and {why}; drop it{fix}")
 
 
 def _list_arms() -> int:

@@ -26,7 +26,7 @@ import torch
 
 from ..accounting import count_parameters
 from ..config import ModelConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, option_flag
 from ..io import CHECKPOINTS_DIR, CONFIG_FILE, FORMAT_KEY, FORMAT_VERSION, atomic_write_text, make_out_dir
 from ..nn import native
 from ..runtime import SLOW_BF16, keep_freed_memory, native_bf16_matmul
@@ -205,17 +205,13 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
         shutdown_world(world)
 
 
-def _flag(name: str) -> str:
-    return "--task-opt" if name == "task_options" else "--" + name.replace("_", "-")
-
-
 def _check_unread(tcfg: TrainConfig, explicit: set) -> None:
     """An explicitly given field that the run's domain or data source never reads is refused, not ignored."""
     if tcfg.domain == "vision":
         for name in ("tokenizer", "bpe_vocab_size", "text_field", "task", "task_options"):
             if name in explicit:
                 raise ConfigError(name, f"is a language-model option and a vision run reads images; drop "
-                                        f"{_flag(name)}")
+                                        f"{option_flag(name)}")
         if "eval_batches" in explicit:
             raise ConfigError("eval_batches", "a vision run evaluates its whole validation and test splits (in "
                                               "batches of --domain-opt eval_batch_size=N); drop --eval-batches")
@@ -227,7 +223,7 @@ def _check_unread(tcfg: TrainConfig, explicit: set) -> None:
         for name in ("text_field", "val_fraction"):
             if name in explicit:
                 raise ConfigError(name, f"reads a corpus, and --task {tcfg.task} generates its data (validation "
-                                        f"batches included); drop {_flag(name)}")
+                                        f"batches included); drop {option_flag(name)}")
 
 
 def _epochs_to_steps(tcfg: TrainConfig, domain, world_size: int) -> TrainConfig:
