@@ -2,7 +2,7 @@
 
     python benchmarks/performance/cpu_step_profile.py [--arms transformer,diff] [--dtype bf16] [--threads 2]
 
-The bench's training step (``difftx bench``: small preset, 4 x 512 tokens, AdamW, bf16 autocast), a warm-up
+The bench's training step (``difftx bench``: small preset, 4 x 512 tokens unless ``--batch-size``, AdamW, bf16 autocast), a warm-up
 step, then ``--steps`` profiled ones; prints the top ``--top`` operators with their share of the step, and the
 share of the step in matrix products (aten::mm, addmm, addmm_, bmm, baddbmm; the native attention kernel's own products count as the rest) against the rest.
 """
@@ -27,10 +27,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--top", type=int, default=22)
+    ap.add_argument("--batch-size", type=int, default=4, help="sequences of 512 tokens per step (default: 4)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_memory()
-    bc = BenchConfig(arms=args.arms.split(","), peers=False)
+    bc = BenchConfig(arms=args.arms.split(","), peers=False, batch_size=args.batch_size)
     device = torch.device("cpu")
     g = torch.Generator().manual_seed(0)
     for arm in build_arms(bc, device):
@@ -43,7 +44,7 @@ def main() -> None:
         rows = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
         total = sum(e.self_cpu_time_total for e in rows)
         gemm = sum(e.self_cpu_time_total for e in rows if e.key in GEMM)
-        print(f"\n## {arm.name}, {args.dtype}, {args.threads} threads: {total / 1e3 / args.steps:.0f} ms a step "
+        print(f"\n## {arm.name}, {args.dtype}, {args.threads} threads, {bc.batch_size} x {bc.seq_len} tokens: {total / 1e3 / args.steps:.0f} ms a step "
               f"(self CPU time), matrix products {100 * gemm / total:.1f}%\n")
         print("| operator | calls a step | ms a step | share |\n|---|---:|---:|---:|")
         for e in sorted(rows, key=lambda e: -e.self_cpu_time_total)[: args.top]:
