@@ -1,6 +1,7 @@
 """Bad input gives one clear line and exit 2, and overwrites nothing; the default run's wiring."""
 
 import hashlib
+import json
 import subprocess
 import sys
 
@@ -47,6 +48,10 @@ def _bad_inputs(tmp_path, corpus):
         "flag as a string": (["--set", "tie_embeddings=no"], "tie_embeddings: must be true or false"),
         "nan lambda": (["--set", "lambda_init=nan"], "lambda_init: must be 'schedule' or a finite number"),
         "preset by --set": (["--set", "preset=5"], "preset: is the name of the preset"),
+        "momentum with muon": (["--optimizer", "muon", "--momentum", "0.9"],  # 0.9 is the default: was ignored
+                               "--momentum is read by msgdw and sgd, and this run trains with muon"),
+        "betas with msgdw": (["--optimizer", "msgdw", "--betas", "0.9,0.95"],
+                             "--betas is read by adamw and muon, and this run trains with msgdw"),
     }
 
 
@@ -63,6 +68,14 @@ def test_bad_input_one_line_exit_2_nothing_overwritten(tmp_path, corpus, existin
             assert resume or message in err, (name, err)  # resuming may refuse the changed flag first
             assert not (tmp_path / f"new-{name}").exists(), name
     assert _snapshot(existing_run) == before
+
+
+def test_a_recipes_optimizer_fields_do_not_refuse_another_optimizer(tmp_path, train_cli):
+    """Only the user's own flags are checked against the optimiser: nanogpt-char's AdamW betas stay quiet when
+    --optimizer msgdw replaces its AdamW."""
+    assert train_cli("--recipe", "nanogpt-char", "--optimizer", "msgdw", "--steps", 1, "--eval-every", 0,
+                     "--out", tmp_path / "run") == 0
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["optimizer"] == "msgdw"
 
 
 def test_empty_out_is_refused_not_the_current_directory(tmp_path, corpus, train_cli, capsys, monkeypatch):

@@ -128,6 +128,22 @@ def _list_recipes() -> int:
     return 0
 
 
+# the optimiser fields each optimiser reads (Muon's AdamW, for the parameters it does not orthogonalise, reads
+# betas and eps; its own momentum is fixed at 0.95, Nesterov)
+_OPTIMIZER_READS = {"adamw": {"betas", "eps"}, "muon": {"betas", "eps"}, "msgdw": {"momentum", "nesterov"},
+                    "sgd": {"momentum", "nesterov"}}
+
+
+def _check_optimizer_flags(given, optimizer: str) -> None:
+    """A flag of another optimiser is refused, not ignored (``--momentum 0.9`` with Muon, ``--betas`` with msgdw)."""
+    reads = _OPTIMIZER_READS.get(optimizer)
+    for name in ("betas", "eps", "momentum", "nesterov"):
+        if reads is not None and name in given and name not in reads:
+            users = " and ".join(o for o, r in _OPTIMIZER_READS.items() if name in r)
+            raise DifftxError(f"--{name} is read by {users}, and this run trains with {optimizer}; "
+                              f"drop --{name} (or choose an --optimizer that reads it)")
+
+
 def run(args) -> int:
     if args.list_recipes:
         return _list_recipes()
@@ -139,6 +155,8 @@ def run(args) -> int:
     model_kw = {f: getattr(args, f) for f in MODEL_FLAGS if getattr(args, f, None) is not None}
     model_kw.update(_kv(args.set, "--set") or {})
     tcfg, mcfg = resolve_configs(args.recipe, train_kw, model_kw, args.preset)
+    if args.resume is None:  # a resumed run trains with its saved optimiser; a changed flag is refused there
+        _check_optimizer_flags(train_kw, tcfg.optimizer)
     if args.out is None:
         if args.resume == "auto":
             raise DifftxError("--resume auto continues the run in --out; give --out DIR")
