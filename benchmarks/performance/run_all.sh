@@ -9,8 +9,18 @@ shift || true
 HERE=$(cd "$(dirname "$0")" && pwd)
 export PYTHONPATH="$HERE/../../src${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
+# the long-context run reads --preset, --batch-size, --dtypes, --device, --threads (and --force); it refuses the
+# speed options (--timer, --repeats, ...), which go to the first run only
+lc=()
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+    case ${args[i]} in
+        --preset | --batch-size | --dtypes | --device | --threads) lc+=("${args[i]}" "${args[i + 1]:-}"); i=$((i + 1)) ;;
+        --preset=* | --batch-size=* | --dtypes=* | --device=* | --threads=* | --force) lc+=("${args[i]}") ;;
+    esac
+done
 python -m difftx bench --out "$OUT" "$@"
-python -m difftx bench --long-context --out "$OUT" "$@"   # bf16 where the CPU has bf16 hardware, else fp32
+python -m difftx bench --long-context --out "$OUT" ${lc[@]+"${lc[@]}"}   # bf16 where the CPU has bf16 hardware, else fp32
 python "$HERE/attention_variants.py" --out "$OUT/attention_variants.json" | tee "$OUT/attention_variants.md"
 python "$HERE/native_kernels.py" --threads 1 | tee "$OUT/native_kernels.md"
 echo "results in $OUT"
