@@ -15,12 +15,15 @@ lc=()
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
     case ${args[i]} in
-        --preset | --batch-size | --dtypes | --device | --threads) lc+=("${args[i]}" "${args[i + 1]:-}"); i=$((i + 1)) ;;
+        --preset | --batch-size | --dtypes | --device | --threads)
+            lc+=("${args[i]}" "${args[i + 1]:-}")
+            i=$((i + 1)) ;;
         --preset=* | --batch-size=* | --dtypes=* | --device=* | --threads=* | --force) lc+=("${args[i]}") ;;
     esac
 done
 python -m difftx bench --out "$OUT" "$@"
-python -m difftx bench --long-context --out "$OUT" ${lc[@]+"${lc[@]}"}   # bf16 where the CPU has bf16 hardware, else fp32
+# bf16 where the CPU has bf16 hardware, else fp32
+python -m difftx bench --long-context --out "$OUT" ${lc[@]+"${lc[@]}"}
 python "$HERE/attention_variants.py" --out "$OUT/attention_variants.json" | tee "$OUT/attention_variants.md"
 python "$HERE/native_kernels.py" --threads 1 | tee "$OUT/native_kernels.md"
 echo "results in $OUT"
