@@ -30,6 +30,23 @@ def test_exact_resume_matches_one_run(tmp_path, train_cli):
     assert state["step"] == 8 and state["tokens_seen"] == 8 * 4 * 16
 
 
+def _rows(run):
+    """metrics.jsonl without its timing fields."""
+    return [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s", "elapsed")}
+            for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_stop_off_the_log_interval_leaves_the_metrics_of_one_run(tmp_path, train_cli):
+    """--stop-at 4 with --log-every 3 also logged step 4's training row, which the run in one go does not have (nor
+    a run stopped at step 4 by SIGTERM): the resumed metrics.jsonl had a row too many."""
+    common = ["--steps", 8, "--log-every", 3, "--eval-every", 4, "--diag-every", 0]
+    assert train_cli(*common, "--out", tmp_path / "full") == 0
+    assert train_cli(*common, "--out", tmp_path / "half", "--stop-at", 4) == 0
+    assert train_cli(*common, "--out", tmp_path / "half", "--resume", "auto") == 0
+    assert [r["step"] for r in _rows(tmp_path / "full") if "loss" in r] == [3, 6, 8]  # the interval and the end
+    assert _rows(tmp_path / "half") == _rows(tmp_path / "full")
+
+
 def test_run_directory_contract(tmp_path, train_cli):
     out = tmp_path / "run"
     assert train_cli("--steps", 4, "--checkpoint-every", 1, "--keep-last", 2, "--eval-every", 2, "--out", out) == 0

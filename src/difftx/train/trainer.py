@@ -261,7 +261,8 @@ class Trainer:
                 row.update(tokens_per_s=rate, elapsed=round(self.elapsed, 3))
                 progress.update(row["loss"], row["lr"], row["grad_norm"], rate)
                 step = self.step
-                if step % cfg.log_every == 0 or "lambdas" in row or step == stop_at:
+                # the run's last step, not a --stop-at one: a stopped and resumed run logs what one run logs
+                if step % cfg.log_every == 0 or "lambdas" in row or step == cfg.steps:
                     logger.log(row)
                 for cb in self.callbacks:
                     if hasattr(cb, "on_step_end"):
