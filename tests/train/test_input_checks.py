@@ -67,6 +67,7 @@ def test_log_every_zero_refused_and_zero_intervals_mean_off(tmp_path, train_cli,
     (["--epochs", "0"], "epochs: must be a finite number > 0; got 0"),
     (["--epochs", "1", "--warmup-epochs", "nan"], "warmup_epochs: must be a finite number >= 0; got nan"),
     (["--steps", "3", "--warmup-epochs", "1"], "warmup_epochs: needs --epochs"),
+    (["--epochs", "1", "--warmup-epochs", "0.5"], "warmup: give the warmup in steps"),  # beside train_cli's --warmup 1
     (["--steps", "3", "--domain-opt", "bogus=1"], "the lm domain takes no options (got bogus)"),
     (["--steps", "3", "--optimizer", "muon", "--momentum", "0.5"], "momentum: Muon keeps its own momentum"),
     (["--steps", "3", "--optimizer", "muon", "--nesterov"], "nesterov: Muon keeps its own momentum"),
@@ -78,13 +79,16 @@ def test_epochs_and_domain_options_checked(tmp_path, train_cli, capsys, flags, m
 
 
 def test_recipe_epochs_give_way_to_steps_and_warmup():
-    """--steps and --warmup beat a recipe's epochs and warmup_epochs (both dropped, not half-kept)."""
+    """--steps and --warmup beat a recipe's epochs and warmup_epochs (both dropped, not half-kept); --warmup alone
+    beats its warmup_epochs (it was ignored, and the run's own command then could not resume it)."""
     from difftx.train import resolve_configs
 
     tcfg, _ = resolve_configs("vit-tiny-adamw", train=dict(steps=10, warmup=2))
     assert (tcfg.steps, tcfg.warmup, tcfg.epochs, tcfg.warmup_epochs) == (10, 2, None, None)
     tcfg, _ = resolve_configs("vit-tiny-adamw", train=dict(steps=40))
     assert tcfg.epochs is None and tcfg.warmup_epochs is None and tcfg.warmup == 3  # 3 of 40 epochs -> 3 of 40 steps
+    tcfg, _ = resolve_configs("vit-tiny-adamw", train=dict(warmup=2))  # --warmup beats its warmup epochs too
+    assert (tcfg.epochs, tcfg.warmup, tcfg.warmup_epochs) == (40, 2, None)
 
 
 def test_a_saved_config_with_the_old_ignored_warmup_epochs_still_loads():

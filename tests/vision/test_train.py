@@ -139,6 +139,16 @@ def test_resume_with_other_data_is_refused(tmp_path, npz_data, capsys):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
 
 
+def test_an_explicit_warmup_beside_the_recipes_epochs_is_kept_and_the_run_resumes(tmp_path, npz_data):
+    """The digits recipe's warmup epochs silently replaced an explicit --warmup of an --epochs run, so the run's own
+    command with --resume auto was refused (its --warmup disagreed with the saved one)."""
+    out, common = tmp_path / "run", ["--epochs", 1, "--warmup", 1, "--eval-every", 0, *NO_AUGMENT]
+    assert train(npz_data, out, *common, "--stop-at", 2) == 0
+    assert train(npz_data, out, *common, "--resume", "auto") == 0
+    saved = json.loads((out / "config.json").read_text())["train"]
+    assert (saved["warmup"], saved["warmup_epochs"]) == (1, None) and rows(out, "step")[-1] == saved["steps"] > 2
+
+
 def test_default_vision_run_uses_the_digits_recipe():
     from difftx.train import resolve_configs
 

@@ -50,6 +50,7 @@ def resolve_configs(recipe: Optional[str] = None, train: Optional[dict] = None, 
     """TrainConfig and ModelConfig from defaults < recipe < the explicit ``train`` / ``model`` fields.
 
     ``domain_options`` / ``task_options`` merge key by key (``--domain-opt mixup=0`` turns one recipe option off).
+    An explicit ``warmup`` (steps) replaces a recipe's ``warmup_epochs``; beside an explicit one it is refused.
     """
     train, model = dict(train or {}), dict(model or {})
     if recipe is None and train.get("domain") == "vision":
@@ -62,12 +63,17 @@ def resolve_configs(recipe: Optional[str] = None, train: Optional[dict] = None, 
             train["warmup_epochs"] = None
             if "warmup" not in train:
                 train["warmup"] = round(r.train["warmup_epochs"] / r.train["epochs"] * train["steps"])
+    if r is not None and r.train.get("warmup_epochs") is not None and train.get("warmup") is not None \
+            and "warmup_epochs" not in train:  # an explicit --warmup beats a recipe's warmup epochs (it was ignored)
+        train["warmup_epochs"] = None
     if train.get("grad_accum") is not None and "global_batch" not in train:
         train["global_batch"] = None  # an explicit --grad-accum beats a recipe's global batch (which would set it)
     for key in ("domain_options", "task_options"):  # option dicts merge: the recipe's < the explicit ones
         if r is not None and r.train.get(key) and key in train:
             train[key] = {**r.train[key], **(train[key] or {})}
     tcfg = TrainConfig(**{**(r.train if r else {}), **train})
+    if train.get("warmup") is not None and tcfg.warmup_epochs is not None:  # one would be ignored
+        raise ConfigError("warmup", "give the warmup in steps (--warmup) or in epochs (--warmup-epochs), not both")
     preset = preset or (r.preset if r else DEFAULT_PRESET)
     overrides = {**(r.model if r else {}), **model}
     if tcfg.seq_len is not None and "max_seq_len" not in model:
