@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 import difftx
@@ -45,6 +46,51 @@ def test_a_stop_off_the_log_interval_leaves_the_metrics_of_one_run(tmp_path, tra
     assert train_cli(*common, "--out", tmp_path / "half", "--resume", "auto") == 0
     assert [r["step"] for r in _rows(tmp_path / "full") if "loss" in r] == [3, 6, 8]  # the interval and the end
     assert _rows(tmp_path / "half") == _rows(tmp_path / "full")
+
+
+def _optimizer_state(run):
+    ckpt = sorted((run / "checkpoints").glob("step_*"))[-1]
+    return torch.load(ckpt / "optimizer.pt", weights_only=True)
+
+
+def _same(a, b, where="optimizer"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}/{i}")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("flags, how", [
+    (["--optimizer", "msgdw", "--lr", 0.05, "--norms", "dnt"], "stop"),
+    (["--optimizer", "sgd", "--nesterov", "--lr", 0.05, "--attention", "diff2", "--log-every", 4], "stop"),
+    (["--optimizer", "muon", "--lr", 0.02, "--schedule", "linear", "--warmup", 3, "--min-lr", 1e-4], "stop"),
+    (["--dtype", "bf16", "--grad-accum", 2, "--set", "dropout=0.1", "--grad-clip", 0.1], "stop"),
+    (["--set", "dropout=0.1", "--checkpoint-every", 2, "--keep-last", 2], "older checkpoint into a new --out"),
+], ids=["msgdw-dnt", "sgd-nesterov-diff2-log4", "muon-linear-stop-in-warmup", "bf16-accum-dropout-clip", "fork"])
+def test_exact_resume_across_optimizers_precision_accumulation_and_forks(tmp_path, train_cli, flags, how):
+    """Stopped at step 2 (or resumed from the one-go run's older step-4 checkpoint into a new directory), a run ends
+    as it does in one go: metrics rows, weights and optimizer state (momentum buffers, Muon's and AdamW's state, the RNG
+    of dropout across micro-batches)."""
+    common = ["--steps", 5, "--eval-every", 3, "--diag-every", 3, *flags]
+    full, other = tmp_path / "full", tmp_path / "other"
+    assert train_cli(*common, "--out", full) == 0
+    if how == "stop":
+        assert train_cli(*common, "--out", other, "--stop-at", 2) == 0
+        assert train_cli(*common, "--out", other, "--resume", "auto") == 0
+    else:
+        assert train_cli(*common, "--out", other, "--resume", full / "checkpoints" / "step_00000004") == 0
+    assert _rows(other) == _rows(full)
+    a, b = _weights(full), _weights(other)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _same(_optimizer_state(full), _optimizer_state(other))
 
 
 def test_run_directory_contract(tmp_path, train_cli):
