@@ -68,6 +68,7 @@ def test_log_every_zero_refused_and_zero_intervals_mean_off(tmp_path, train_cli,
     (["--epochs", "1", "--warmup-epochs", "nan"], "warmup_epochs: must be a finite number >= 0; got nan"),
     (["--steps", "3", "--warmup-epochs", "1"], "warmup_epochs: needs --epochs"),
     (["--epochs", "1", "--warmup-epochs", "0.5"], "warmup: give the warmup in steps"),  # beside train_cli's --warmup 1
+    (["--epochs", "1e308"], "epochs: 1e+308 epochs of"),  # finite, but not as a count of steps (a traceback before)
     (["--steps", "3", "--domain-opt", "bogus=1"], "the lm domain takes no options (got bogus)"),
     (["--steps", "3", "--optimizer", "muon", "--momentum", "0.5"], "momentum: Muon keeps its own momentum"),
     (["--steps", "3", "--optimizer", "muon", "--nesterov"], "nesterov: Muon keeps its own momentum"),

@@ -237,6 +237,11 @@ def _epochs_to_steps(tcfg: TrainConfig, domain, world_size: int) -> TrainConfig:
     per_epoch = domain.steps_per_epoch(global_batch)
     if per_epoch is None:
         raise ConfigError("epochs", f"the {tcfg.domain} domain does not know its dataset size; give --steps")
+    for name in ("epochs", "warmup_epochs"):  # finite, but the product may not be (1e308 epochs): no step count
+        value = getattr(tcfg, name)
+        if value is not None and not math.isfinite(value * per_epoch):
+            raise ConfigError(name, f"{value:g} epochs of {per_epoch:.4g} steps each are more steps than can be "
+                                    f"counted; give fewer {option_flag(name)}")
     steps = max(1, math.ceil(tcfg.epochs * per_epoch))
     warmup = round((tcfg.warmup_epochs or 0) * per_epoch) if tcfg.warmup_epochs is not None else tcfg.warmup
     return tcfg.replace(steps=steps, warmup=warmup)
