@@ -118,6 +118,18 @@ def test_train_refuses_a_run_that_cannot_fit_and_writes_nothing(tmp_path, train_
     assert (out / "config.json").is_file()
 
 
+def test_a_step_whose_samples_cannot_fit_is_refused_before_anything_is_written(tmp_path, train_cli, capsys, free):
+    """A step draws all its micro-batches' samples before the first one runs: --grad-accum 10^11 asked numpy for
+    TiBs there and crashed with a traceback (past the model's floor, which counts one micro-batch)."""
+    free(1 << 30)  # the tiny model and its micro-batch fit
+    out = tmp_path / "run"
+    assert train_cli("--steps", 2, "--grad-accum", 10 ** 11, "--out", out) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("difftx train: error: not enough memory: a step draws all its 400,000,000,000 sequences") \
+        and err.count("\n") == 1, err
+    assert "lower --grad-accum or --global-batch" in err and not out.exists()
+
+
 def test_a_resume_that_cannot_fit_changes_nothing(tmp_path, train_cli, capsys, free):
     out = tmp_path / "run"
     assert train_cli("--steps", 2, "--eval-every", 0, "--out", out) == 0

@@ -118,6 +118,28 @@ def on_rank0(world, check):
     return verdict[1]
 
 
+def step_samples_bytes(mcfg, tcfg, world_size: int) -> int:
+    """A floor on the CPU memory of one step's samples in one process, all drawn before its first micro-batch runs
+    (the domains' ``train_batches``): the int64 window offsets (or image order) of the whole global batch, and the
+    process's own rows, each an int64 input and target of ``seq_len`` tokens or a float32 image."""
+    rows = tcfg.batch_size * tcfg.accumulation(world_size)
+    per_row = 2 * 8 * tcfg.seq_len if mcfg.domain == "lm" else 4 * mcfg.in_channels * mcfg.image_size ** 2
+    return rows * per_row + 8 * rows * world_size
+
+
+def require_samples_fit(need: int, rows: int, domain: str, copies: int = 1) -> None:
+    """Raise InsufficientMemory when ``copies`` processes' step samples (``need`` bytes each) exceed the CPU's free
+    memory: a step of ``--grad-accum 10**11`` asked numpy for TiBs, past the model's floor (one micro-batch)."""
+    free = free_memory("cpu") if enabled() else None
+    if free is None or need * copies <= free:
+        return
+    what = "sequences" if domain == "lm" else "images"
+    raise InsufficientMemory(
+        f"not enough memory: a step draws all its {rows:,} {what} at once, at least {gib(need * copies)} in the "
+        f"CPU's memory before its first micro-batch runs, and {gib(free)} is free; lower --grad-accum or "
+        f"--global-batch (or --batch-size); or set {ENV}=0 to try anyway")
+
+
 def check_run(world, mcfg, tcfg, parallel: str) -> str | None:
     """The memory check of one ``difftx train`` run (all its processes): a warning line or None."""
     from .trainer import autocast_dtype
@@ -126,6 +148,13 @@ def check_run(world, mcfg, tcfg, parallel: str) -> str | None:
                       world.world_size if parallel == "fsdp" else 1)
     shrink = "lower --batch-size (--grad-accum keeps the batch per step)" + (" or --seq-len" if tcfg.domain == "lm"
                                                                                else "")
-    return on_rank0(world, lambda: require_fit(floor, world.device, "this run", shrink,
-                                               copies=host_processes(world.device)))
+    samples = step_samples_bytes(mcfg, tcfg, world.world_size)
+    rows = tcfg.batch_size * tcfg.accumulation(world.world_size) * world.world_size
+
+    def check():
+        warning = require_fit(floor, world.device, "this run", shrink, copies=host_processes(world.device))
+        require_samples_fit(samples, rows, mcfg.domain, copies=host_processes("cpu"))
+        return warning
+
+    return on_rank0(world, check)
 
