@@ -83,6 +83,14 @@ def keep_freed_memory() -> bool:
     return _applied
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one, else the CPU count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return os.cpu_count() or 1
+
+
 def free_memory(device) -> int | None:
     """Bytes that new tensors on ``device`` can still get; None where that is unknown.
 

@@ -88,6 +88,29 @@ def test_empty_out_is_refused_not_the_current_directory(tmp_path, corpus, train_
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+@pytest.mark.parametrize("command, args", [
+    ("train", ["--steps", "1"]), ("bench", ["--quick"]), ("grads", ["--only", "flow"]),
+    ("compare", ["--steps", "1", "--seeds", "1", "--arms", "transformer:adamw", "--retrieval", "none"]),
+])
+def test_more_threads_than_cpus_is_one_line(tmp_path, capsys, command, args):
+    """--threads 10^11 overflowed torch.set_num_threads (a ValueError traceback); 100000 crashed OpenMP (a
+    segfault, after train had written its run directory).  More threads than this process's CPUs are refused
+    before anything runs, by the dispatcher, for every command that has --threads."""
+    import os
+
+    from difftx.cli import main
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    out = tmp_path / "out"
+    for n in (10 ** 11, cpus + 1):
+        with pytest.raises(SystemExit) as e:
+            main([command, "--out", str(out), *args, "--threads", str(n)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err == (f"difftx {command}: error: --threads {n} is more than the {cpus} CPUs "
+                                             f"this process can use; give at most {cpus} (see --help)\n"), err
+    assert not out.exists()
+
+
 def test_unknown_flag(capsys):
     from difftx.cli import main
 

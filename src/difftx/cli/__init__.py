@@ -71,6 +71,14 @@ def main(argv: list[str] | None = None) -> int:
             flag = name.upper() if name in ("src", "dst") else option_flag(name)
             what = "a name or a path" if name == "tokenizer" else "a path"
             parser.exit(2, f"difftx {args.command}: error: {flag} is empty; give {what} (see --help)\n")
+    threads = getattr(args, "threads", None)  # train, bench, grads, compare: torch threads per process
+    if threads is not None:
+        from ..runtime import usable_cpus
+
+        cpus = usable_cpus()
+        if threads > cpus:  # they only wait on each other; 10^11 overflows torch, 100000 crashes OpenMP
+            parser.exit(2, f"difftx {args.command}: error: --threads {threads} is more than the {cpus} CPUs this "
+                           f"process can use; give at most {cpus} (see --help)\n")
     if args.command not in ("info", "convert"):  # the commands that train, evaluate or benchmark
         from ..runtime import keep_freed_memory
 

@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import threading
@@ -155,10 +154,9 @@ def check_inputs(study: StudyConfig) -> None:
 
 # ----------------------------------------------------------------------------- execution
 def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS, Windows
-        return os.cpu_count() or 1
+    from ..runtime import usable_cpus
+
+    return usable_cpus()
 
 
 def resolve_workers(study: StudyConfig, n_jobs: int, device_type: str, distributed: bool) -> tuple[int, Optional[int]]:
