@@ -111,6 +111,23 @@ def test_more_threads_than_cpus_is_one_line(tmp_path, capsys, command, args):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["train", "--steps", "1", "--preset", ""], "--preset"), (["train", "--steps", "1", "--recipe", ""], "--recipe"),
+    (["grads", "--only", "flow", "--preset", ""], "--preset"), (["info", "nano", "--norms", ""], "--norms"),
+])
+def test_an_empty_name_is_refused_not_the_default(tmp_path, capsys, argv, flag):
+    """--preset '', --recipe '' and --norms '' were taken as not given: train and grads ran the default preset (and
+    no recipe), info described nano's own norms.  An empty name is a mistake, refused like an empty path."""
+    from difftx.cli import main
+
+    out = ["--out", str(tmp_path / "out")] if argv[0] != "info" else []
+    with pytest.raises(SystemExit) as e:
+        main(argv + out)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == f"difftx {argv[0]}: error: {flag} is empty; give a name (see --help)\n", err
+    assert not (tmp_path / "out").exists()
+
+
 def test_unknown_flag(capsys):
     from difftx.cli import main
 

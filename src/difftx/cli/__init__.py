@@ -27,8 +27,9 @@ SUBCOMMANDS = {
 }
 
 
-# the path arguments of the subcommands
+# the path arguments of the subcommands, and the name options whose "" would read as "not given" (the default)
 PATH_ARGS = ("out", "data", "checkpoint", "resume", "src", "dst", "cache_dir", "tokenizer")
+NAME_ARGS = ("preset", "recipe", "norms")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -66,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None) or not hasattr(args, "func"):
         parser.print_help()
         return 0 if not argv else 2
-    for name in PATH_ARGS:  # Path("") is the current directory: an empty path is a mistake, not "here"
-        if getattr(args, name, None) == "":
+    for name in PATH_ARGS + NAME_ARGS:  # Path("") is the current directory: an empty path is a mistake, not "here"
+        if getattr(args, name, None) == "" and not (args.command == "info" and name == "preset"):  # info: its own
             flag = name.upper() if name in ("src", "dst") else option_flag(name)
-            what = "a name or a path" if name == "tokenizer" else "a path"
+            what = "a name or a path" if name == "tokenizer" else "a name" if name in NAME_ARGS else "a path"
             parser.exit(2, f"difftx {args.command}: error: {flag} is empty; give {what} (see --help)\n")
     threads = getattr(args, "threads", None)  # train, bench, grads, compare: torch threads per process
     if threads is not None:
