@@ -70,6 +70,9 @@ def test_log_every_zero_refused_and_zero_intervals_mean_off(tmp_path, train_cli,
     (["--epochs", "1", "--warmup-epochs", "0.5"], "warmup: give the warmup in steps"),  # beside train_cli's --warmup 1
     (["--epochs", "1e308"], "epochs: 1e+308 epochs of"),  # finite, but not as a count of steps (a traceback before)
     (["--steps", "3", "--domain-opt", "bogus=1"], "the lm domain takes no options (got bogus)"),
+    # accepted and ignored before: the tokenizer here is char, the corpus a .txt file
+    (["--steps", "3", "--bpe-vocab-size", "300"], "bpe_vocab_size: sizes the vocabulary of --tokenizer bpe"),
+    (["--steps", "3", "--text-field", "body"], "text_field: names the field of JSONL records or a dataset column"),
     (["--steps", "3", "--optimizer", "muon", "--momentum", "0.5"], "momentum: Muon keeps its own momentum"),
     (["--steps", "3", "--optimizer", "muon", "--nesterov"], "nesterov: Muon keeps its own momentum"),
 ])
@@ -77,6 +80,18 @@ def test_epochs_and_domain_options_checked(tmp_path, train_cli, capsys, flags, m
     assert train_cli(*flags, "--out", tmp_path / "new") == 2
     assert message in _one_line(capsys)
     assert not (tmp_path / "new").exists()
+
+
+def test_a_recipes_bpe_vocab_size_is_not_refused_under_another_tokenizer():
+    """--bpe-vocab-size is refused when the tokenizer is not bpe, but a recipe's own value, kept when --tokenizer
+    overrides the recipe's bpe, is not the user's to drop."""
+    from difftx.train import resolve_configs
+    from difftx.train.run import _check_unread
+
+    tcfg, _ = resolve_configs("diff-3b", dict(tokenizer="byte"))
+    _check_unread(tcfg, {"tokenizer", "bpe_vocab_size"})  # the recipe's fields count as explicit
+    with pytest.raises(DifftxError, match="bpe_vocab_size: sizes the vocabulary of --tokenizer bpe"):
+        _check_unread(tcfg.replace(bpe_vocab_size=512), {"tokenizer", "bpe_vocab_size"})
 
 
 def test_recipe_epochs_give_way_to_steps_and_warmup():

@@ -170,6 +170,10 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
         domain = get_domain(tcfg, world)
         show = tcfg.progress if tcfg.progress is not None else sys.stderr.isatty()
         domain.prepare(source, progress=show and world.is_main)
+        corpus = getattr(domain, "corpus", None)
+        if "text_field" in explicit_train and corpus is not None and all(s.kind == "text" for s in corpus.sources):
+            raise ConfigError("text_field", f"names the field of JSONL records or a dataset column, and "
+                                            f"{corpus.description} is plain text; drop --text-field")
         mcfg = mcfg.replace(**domain.model_overrides(mcfg, frozenset(fixed_model))) if source is None else mcfg
         domain.model_overrides(mcfg, frozenset(fixed_model | {"vocab_size"}))  # the final check
         if tcfg.epochs is not None and source is None:
@@ -221,7 +225,15 @@ def _check_unread(tcfg: TrainConfig, explicit: set) -> None:
         if "eval_batches" in explicit:
             raise ConfigError("eval_batches", "a vision run evaluates its whole validation and test splits (in "
                                               "batches of --domain-opt eval_batch_size=N); drop --eval-batches")
-    elif tcfg.task is None:
+        return
+    if "bpe_vocab_size" in explicit and tcfg.tokenizer != "bpe":
+        from .recipes import RECIPES
+
+        recipe = RECIPES.get(tcfg.recipe) if tcfg.recipe else None  # a recipe's fields count as explicit: its
+        if recipe is None or recipe.train.get("bpe_vocab_size") != tcfg.bpe_vocab_size:  # own is not the user's
+            raise ConfigError("bpe_vocab_size", f"sizes the vocabulary of --tokenizer bpe, and this run's tokenizer "
+                                                f"is {tcfg.tokenizer}; drop --bpe-vocab-size (or give --tokenizer bpe)")
+    if tcfg.task is None:
         if "task_options" in explicit:
             raise ConfigError("task_options", "are options of a synthetic --task and this run trains on a "
                                               "corpus; give --task NAME or drop --task-opt")
