@@ -37,7 +37,7 @@ import torch
 from ..errors import ConfigError
 from ..nn.probe import AttentionProbe
 from .common import (attach, batches, check_count, check_depths, hard_limit, map_batch_size, model_device, pad_right,
-                     rng_for, task_context)
+                     require_memory, rng_for, task_context)
 from .niah import DEPTHS, REGION_NAMES, NiahBuilder, NiahSample
 
 NORMALIZATIONS = ("l1", "rowsum", "positive", "none")
@@ -155,6 +155,8 @@ def evaluate_attention(model, tokenizer, depths: Sequence[float] = DEPTHS, lengt
     if length < need:
         raise ConfigError("length", f"{length} tokens cannot hold {needles} needle(s) and a query ({need} tokens); "
                                     "pass a longer --length, fewer --needles or --template short")
+    require_memory(model, samples, length, f"{samples:,} sample(s) of {length:,} tokens", "pass a shorter --length "
+                   "or fewer --samples")
     by_depth = []
     for di, d in enumerate(depths):
         ss = [builder.sample(rng_for(seed, 0xA77, di, k), length, needles, 1, d) for k in range(samples)]

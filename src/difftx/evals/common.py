@@ -26,7 +26,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from ..errors import CheckpointError, ConfigError, DataError
+from ..errors import CheckpointError, ConfigError, DataError, InsufficientMemory
 from ..nn.probe import AttentionProbe, attach_probe
 
 SCHEMA_VERSION = 1
@@ -99,6 +99,28 @@ def predictions(model, ids: torch.Tensor, **kwargs) -> torch.Tensor:
     for start, logits in logit_chunks(model, ids, **kwargs):
         out[:, start:start + logits.shape[1]] = logits.argmax(-1)
     return out
+
+
+def require_memory(model, sequences: int, length: int, what: str, fix: str, per_token: int = 16) -> None:
+    """InsufficientMemory, one line, when an evaluation's floor cannot fit in the free memory (the rule of the
+    training check, :mod:`difftx.train.memory_check`; ``DIFFTX_MEMORY_CHECK=0`` skips it): ``sequences`` inputs of
+    ``length`` tokens built at once on the CPU, ``per_token`` bytes a token (int64 ids and targets, or regions),
+    and one sequence's float32 residual stream on the model's device.  Without it ``--lengths 10**11`` grew a
+    haystack until the machine ran out of memory, or crashed with numpy's ArrayMemoryError traceback."""
+    from ..train import memory_check
+
+    if not memory_check.enabled():
+        return
+    built, hidden = sequences * length * per_token, length * int(model.config.d_model) * 4
+    device = model_device(model)
+    needs = [("cpu", built + hidden)] if device.type == "cpu" else [("cpu", built), (device, hidden)]
+    for where, need in needs:
+        free = memory_check.free_memory(where)
+        if free is not None and need > free:
+            place = "the CPU" if where == "cpu" else str(where)
+            raise InsufficientMemory(f"not enough memory: {what} need at least {memory_check.gib(need)} on {place} "
+                                     f"and {memory_check.gib(free)} is free; {fix}; or set {memory_check.ENV}=0 to "
+                                     "try anyway")
 
 
 def model_summary(model) -> dict:

@@ -29,7 +29,7 @@ import torch
 from ..data.tasks import register_task
 from ..errors import ConfigError
 from .common import (batches, check_count, check_list, check_options, hard_limit, model_device, parse_range,
-                     predictions, rng_for)
+                     predictions, require_memory, rng_for)
 
 DEFAULT_LENGTHS = (64, 128, 256)
 DEFAULT_PAIRS = (4, 8, 16, 32)
@@ -119,6 +119,8 @@ def evaluate_mqar(model, lengths: Sequence[int] = DEFAULT_LENGTHS, pairs: Sequen
             if why:
                 skipped.append({"seq_len": L, "pairs": D, "reason": why})
                 continue
+            require_memory(model, samples, L, f"{samples:,} sequence(s) of {L:,} tokens", "pass shorter --lengths or "
+                           "fewer --samples")
             x, y = mqar_batch(rng_for(seed, L, D, 0x3A5), samples, L, D, vocab, power_a, random_non_queries)
             c, t = mqar_accuracy(model, x, y, batch_size)
             cells.append({"seq_len": L, "pairs": D, "accuracy": c / t, "queries": t})

@@ -46,7 +46,8 @@ import torch
 from ..data.tasks import register_task
 from ..errors import ConfigError, DataError
 from .common import (batches, check_count, check_depths, check_list, check_options, corpus_text, encode, hard_limit,
-                     map_batch_size, model_device, pad_left, pad_right, parse_range, predictions, rng_for, task_context)
+                     map_batch_size, model_device, pad_left, pad_right, parse_range, predictions, require_memory,
+                     rng_for, task_context)
 
 CITIES = (
     "Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Cairo", "Delhi", "Madrid", "Berlin", "Rome", "Vienna", "Prague",
@@ -334,6 +335,9 @@ def evaluate_niah(model, tokenizer, grid=DEFAULT_GRID, lengths: Optional[Sequenc
                 skipped.append({"needles": n, "queries": r, "length": length,
                                 "reason": f"needs at least {need} tokens"})
                 continue
+            n_built = samples * len(depths)
+            require_memory(model, n_built, length, f"{n_built:,} sample(s) of {length:,} tokens", "pass shorter "
+                           "--lengths, fewer --samples or fewer --depths")
             try:  # min_length is exact for a byte tokenizer; a BPE tokenizes numbers and cities to varying lengths
                 built = [[builder.sample(rng_for(seed, ci, li, di, k), length, n, r, d) for k in range(samples)]
                          for di, d in enumerate(depths)]
