@@ -226,3 +226,17 @@ def test_a_corrupt_config_in_the_checkpoint_names_the_file(run4, train_cli, caps
     err = _one_line(capsys)
     assert str(path) in err and "corrupt" in err, err
     assert _snapshot(run4) == before
+
+
+def test_a_checkpoint_of_another_format_is_not_resumed(run4, train_cli, capsys):
+    """A checkpoint whose config.json has another difftx_format (a newer difftx's) was resumed as if it were this
+    one's, and the run rewritten in format 1; loading the same checkpoint (difftx eval, load_model) refuses it."""
+    path = run4 / "checkpoints" / "step_00000004" / "config.json"
+    config = json.loads(path.read_text())
+    config["difftx_format"] = 99
+    path.write_text(json.dumps(config))
+    before = _snapshot(run4)
+    assert train_cli("--steps", 6, "--out", run4, "--resume", "auto") == 2
+    err = _one_line(capsys)
+    assert f"{path}: difftx_format 99, but this difftx reads format 1" in err, err
+    assert _snapshot(run4) == before

@@ -106,6 +106,9 @@ def _merge_resumed(saved: dict, source: Path, tcfg: TrainConfig, mcfg: ModelConf
             or not isinstance(saved.get("model"), dict):
         raise ConfigError(None, f"{source / CONFIG_FILE}: not a difftx training run config (no 'train'/'model' "
                                 "objects); the file is corrupt")
+    if saved.get(FORMAT_KEY, FORMAT_VERSION) != FORMAT_VERSION:  # as io.load_model refuses the same checkpoint
+        raise ConfigError(None, f"{source / CONFIG_FILE}: {FORMAT_KEY} {saved[FORMAT_KEY]!r}, but this difftx reads "
+                                f"format {FORMAT_VERSION}; use the difftx version that wrote it")
     try:
         old_t, old_m = TrainConfig.from_dict(saved["train"]), ModelConfig.from_dict(saved["model"])
     except (ConfigError, TypeError, ValueError, AttributeError) as e:  # hand-edited or damaged: not the user's flags
