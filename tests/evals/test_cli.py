@@ -334,28 +334,30 @@ def test_a_seed_for_an_eval_that_samples_nothing_is_refused(name, needle, checkp
     assert "samples nothing" in err[0] and not out.exists()
 
 
-@pytest.mark.parametrize("args", [
-    ["mqar", "--lengths", str(10 ** 11), "--pairs", "4"],  # numpy's ArrayMemoryError traceback before
-    ["mqar", "--lengths", "64", "--pairs", "4", "--samples", "2"],  # with 1 KiB free, as the next two
-    ["niah", "--lengths", "320", "--grid", "N1R1", "--depths", "50", "--samples", "1"],  # with 1 KiB free
-    ["attention", "--length", "160", "--depths", "50", "--samples", "1"],
+@pytest.mark.parametrize("args, real", [
+    (["mqar", "--lengths", str(10 ** 11), "--pairs", "4"], True),  # numpy's ArrayMemoryError traceback before
+    (["icl", "--test-examples", str(10 ** 11), "--shots", "1"], True),  # the same
+    (["mqar", "--lengths", "64", "--pairs", "4", "--samples", "2"], False),  # with 1 KiB free, as the next two
+    (["niah", "--lengths", "320", "--grid", "N1R1", "--depths", "50", "--samples", "1"], False),
+    (["attention", "--length", "160", "--depths", "50", "--samples", "1"], False),
 ])
-def test_inputs_that_cannot_fit_are_refused_before_they_are_built(args, checkpoint, tmp_path, capsys, monkeypatch):
+def test_inputs_that_cannot_fit_are_refused_before_they_are_built(args, real, checkpoint, tmp_path, capsys,
+                                                                  monkeypatch):
     """--lengths 10^11 grew niah's haystack (and attention's) until the machine ran out of memory, and crashed mqar
-    with numpy's ArrayMemoryError traceback: the inputs an evaluation builds at once, and one sequence's hidden
-    states, are checked against the free memory first (DIFFTX_MEMORY_CHECK=0 skips it, as for training)."""
+    (and icl's --test-examples) with numpy's ArrayMemoryError traceback: the inputs an evaluation builds at once,
+    and one sequence's hidden states, are checked against the free memory first (DIFFTX_MEMORY_CHECK=0 skips it, as
+    for training)."""
     from difftx.train import memory_check
 
-    small = args[1:3] != ["--lengths", str(10 ** 11)]
     free_memory = memory_check.free_memory
-    monkeypatch.setattr(memory_check, "free_memory", lambda device: 1024 if small else free_memory(device))
-    data = [] if args[0] == "mqar" else ["--data", str(checkpoint / "haystack.txt")]
+    monkeypatch.setattr(memory_check, "free_memory", lambda device: free_memory(device) if real else 1024)
+    data = ["--data", str(checkpoint / "haystack.txt")] if args[0] in ("niah", "attention") else []
     out = tmp_path / "out"
     rc = main(["eval", *args, "--checkpoint", str(checkpoint), "--out", str(out), "--quiet", "--no-plot", *data])
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("difftx eval: error: not enough memory: ") and err.count("\n") == 1
+    assert rc == 2 and err.startswith("difftx eval: error: not enough memory: ") and err.count("\n") == 1, err
     assert "DIFFTX_MEMORY_CHECK=0" in err and not (out / f"{args[0]}.json").exists()
     monkeypatch.setenv("DIFFTX_MEMORY_CHECK", "0")  # the way out the message names
-    if small:
+    if not real:
         assert main(["eval", *args, "--checkpoint", str(checkpoint), "--out", str(out), "--quiet", "--no-plot",
                      *data]) == 0

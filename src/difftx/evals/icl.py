@@ -33,7 +33,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import ConfigError, DataError
-from .common import batches, check_count, check_list, encode, hard_limit, model_device, pad_left, rng_for, task_context
+from .common import (batches, check_count, check_list, encode, hard_limit, model_device, pad_left, require_memory,
+                     rng_for, task_context)
 
 ARRANGEMENTS = ("random", "alternating")
 _CONS, _VOWELS = "bdfgklmnprstvz", "aeiou"
@@ -313,6 +314,8 @@ def evaluate_icl(model, tokenizer, tasks: Sequence[str] = ("synthetic-6",),
     if not arrangements:
         raise ConfigError("arrangements", f"must name at least one of {ARRANGEMENTS}")
     seeds, test_examples = check_count("seeds", seeds), check_count("test_examples", test_examples)
+    require_memory(model, test_examples, 1, f"{test_examples:,} test examples per task", "pass fewer "
+                   "--test-examples", per_token=128)  # an example (its text and object) holds ~175 bytes
     batch_size = check_count("batch_size", batch_size)
     if shots is not None:
         shots = check_list("shots", shots, 0)
