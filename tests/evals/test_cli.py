@@ -361,3 +361,21 @@ def test_inputs_that_cannot_fit_are_refused_before_they_are_built(args, real, ch
     if not real:
         assert main(["eval", *args, "--checkpoint", str(checkpoint), "--out", str(out), "--quiet", "--no-plot",
                      *data]) == 0
+
+
+@pytest.mark.parametrize("flag", ["--text-key", "--label-key"])
+def test_jsonl_keys_with_only_synthetic_tasks_are_refused(flag, checkpoint, tmp_path, capsys):
+    """--text-key and --label-key name the fields of a JSONL task; with synthetic tasks only they were accepted and
+    ignored.  Now one line, exit 2, before the checkpoint loads (a JSONL task still reads them)."""
+    out = tmp_path / "out"
+    rc = main(["eval", "icl", "--checkpoint", str(checkpoint), "--out", str(out), *SMALL["icl"], flag, "body",
+               "--quiet", "--no-plot"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"difftx eval: error: {flag}:") and "drop" in err[0], err
+    assert not out.exists()
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text("".join(json.dumps({"body": f"w{i % 7} w{i}", "label": f"c{i % 2}", "tag": f"c{i % 2}"}) + "\n"
+                             for i in range(40)))
+    key = ["--text-key", "body"] if flag == "--text-key" else ["--text-key", "body", "--label-key", "tag"]
+    assert main(["eval", "icl", "--checkpoint", str(checkpoint), "--out", str(out), "--tasks", str(tasks), *key,
+                 "--shots", "1", "--seeds", "1", "--test-examples", "4", "--quiet", "--no-plot"]) == 0

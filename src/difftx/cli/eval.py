@@ -180,8 +180,8 @@ def add_parser(sub) -> None:
     q.add_argument("--test-examples", type=_positive, default=16, help="test inputs per task (default: 16)")
     q.add_argument("--max-len", type=_positive, default=None, 
                    help="prompt length limit (default: max_seq_len within 256..1024)")
-    q.add_argument("--text-key", default="text", help="JSONL text field (default: text)")
-    q.add_argument("--label-key", default="label", help="JSONL label field (default: label)")
+    q.add_argument("--text-key", default=None, help="JSONL text field (default: text)")
+    q.add_argument("--label-key", default=None, help="JSONL label field (default: label)")
 
     q = ev.add_parser("lm-eval", help=EVALS["lm-eval"], description=EVALS["lm-eval"])
     q.add_argument("--checkpoint", required=True, help="model, checkpoint or training-run directory")
@@ -251,8 +251,9 @@ def _run_eval(args, model, tok) -> tuple[dict, dict]:
     if name == "icl":
         from ..evals.icl import evaluate_icl
         s = dict(tasks=args.tasks, shots=args.shots, seeds=args.seeds, arrangements=args.arrangements,
-                 test_examples=args.test_examples, max_len=args.max_len, seed=seed, text_key=args.text_key,
-                 label_key=args.label_key, **bs)
+                 test_examples=args.test_examples, max_len=args.max_len, seed=seed,
+                 text_key="text" if args.text_key is None else args.text_key,
+                 label_key="label" if args.label_key is None else args.label_key, **bs)
         return evaluate_icl(model, tok, progress=prog, **s), s
     raise DifftxError(f"unknown evaluation {name!r}")  # pragma: no cover - argparse rejects it first
 
@@ -329,6 +330,11 @@ def _check_unread(args) -> None:
         what = "'eval quant --metric lm'" if args.eval_name == "quant" else f"'eval {args.eval_name}'"
         raise ConfigError("--seed", f"{what} reads its text in order and samples nothing, so a seed changes "
                                     "nothing; drop it")
+    if args.eval_name == "icl" and all(t.startswith("synthetic-") for t in args.tasks):
+        for flag, value in (("--text-key", args.text_key), ("--label-key", args.label_key)):
+            if value is not None:
+                raise ConfigError(flag, f"names a field of a JSONL task's records, and {','.join(args.tasks)} "
+                                        "generates its examples; drop it (or give a JSONL file in --tasks)")
     if args.eval_name != "quant" or args.metric == "lm":
         return
     if args.max_tokens is not None:
