@@ -82,6 +82,9 @@ def test_bench_long_context_quick_keeps_explicit_lengths(tmp_path, capsys):
     (["--quick", "--preset", "nope"], "preset"),  # --quick no longer hides explicit values
     (["--quick", "--repeats", "-1"], "repeats"),
     (["--quick", "--seq-len", "0"], "seq_len"),
+    # torch's allocator error as a traceback before (a batch of 10^11 x 32 tokens, or of 2 x 10^11)
+    (["--quick", "--seq-len", str(10 ** 11)], "not enough memory: the 5 arms' fp32 weights"),
+    (["--quick", "--batch-size", str(10 ** 11)], "lower --batch-size or --seq-len"),
     (["--preset", "vit-tiny"], "language-model preset"),
     (["--long-context", "--quick", "--preset", "vit-tiny"], "language-model preset"),
     # an option the chosen mode does not read is refused, not ignored

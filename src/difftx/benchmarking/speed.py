@@ -124,6 +124,36 @@ class BenchConfig:
             raise ConfigError("seq_len", f"{self.seq_len} exceeds the preset's max_seq_len {base.max_seq_len}")
 
 
+    def check_memory(self) -> None:
+        """InsufficientMemory, one line, when the side-by-side run's floor cannot fit in the device's free memory
+        (the rule of the training check, :mod:`difftx.train.memory_check`; ``DIFFTX_MEMORY_CHECK=0`` skips it): every
+        arm's fp32 weights, the batch's int64 inputs and targets, and one arm's fp32 logits of the batch (its train
+        step and its prefill compute them all; decoding, its prompt's).  A --seq-len or --batch-size of 10**11
+        crashed with torch's allocator error as a traceback.  Call after :meth:`validate`."""
+        from ..accounting import count_parameters
+        from ..errors import InsufficientMemory
+        from ..train import memory_check
+
+        if not memory_check.enabled():
+            return
+        base = ModelConfig.from_preset(self.preset)
+        cfgs = [ModelConfig.from_preset(self.preset, max_seq_len=max(base.max_seq_len, self.seq_len), **ARMS[a])
+                for a in self.arms]
+        weights = 4 * sum(count_parameters(c) for c in cfgs)
+        tokens = self.batch_size * self.seq_len
+        scored = tokens if {"train", "prefill"} & set(self.phases) else \
+            (self.decode_batch or self.batch_size) * (self.seq_len - self.decode_tokens)
+        need = weights + 16 * tokens + 4 * scored * max(c.vocab_size for c in cfgs)
+        free = memory_check.free_memory(self.device)
+        if free is not None and need > free:
+            where = "the CPU" if torch.device(self.device).type == "cpu" else self.device
+            raise InsufficientMemory(
+                f"not enough memory: the {len(cfgs)} arms' fp32 weights ({memory_check.gib(weights)}), a batch of "
+                f"{self.batch_size:,} x {self.seq_len:,} tokens and its logits need at least {memory_check.gib(need)} "
+                f"on {where} and {memory_check.gib(free)} is free; lower --batch-size or --seq-len (or give fewer "
+                f"--arms); or set {memory_check.ENV}=0 to try anyway")
+
+
 def resolve_dtypes(dtypes: list, device: torch.device) -> list:
     """``auto`` -> fp32, plus bf16 where the device multiplies bf16 in hardware
     (:func:`difftx.runtime.native_bf16_matmul`); explicit names stay, in order, once each."""

@@ -103,6 +103,7 @@ def run(args) -> int:
     bc.validate()  # every bad value is one line before anything runs or is written
     if not args.long_context:
         bc.check_seq_len()
+        bc.check_memory()
     out = Path(args.out)
     refuse_old_results(out, LONG_CONTEXT_FILES if args.long_context else RESULT_FILES, args.force)
     make_out_dir(out)
