@@ -123,7 +123,6 @@ class BenchConfig:
         if self.seq_len > base.max_seq_len and base.positions in ("learned", "sinusoidal"):
             raise ConfigError("seq_len", f"{self.seq_len} exceeds the preset's max_seq_len {base.max_seq_len}")
 
-
     def check_memory(self) -> None:
         """InsufficientMemory, one line, when the side-by-side run's floor cannot fit in the device's free memory
         (the rule of the training check, :mod:`difftx.train.memory_check`; ``DIFFTX_MEMORY_CHECK=0`` skips it): every
