@@ -137,6 +137,8 @@ def test_grads_on_diff2_and_softmax_checkpoints_gives_flow_ratios(tmp_path, caps
     (["--tail-steps", "0", "--only", "tails", "--optimizers", "msgdw"], "--optimizers: trains the tail study's"),
     (["--tail-steps", "0", "--only", "tails", "--clip", "0.5"], "--clip: clips the training steps"),
     (["--tail-steps", "0", "--only", "tails", "--lr-msgdw", "0.5"], "tails: none (--tail-steps 0)"),
+    # numpy's 745 GiB allocation error as a traceback, after --out was made
+    (["--batch-size", str(10 ** 11)], "not enough memory: the largest model's training step"),
 ])
 def test_grads_bad_input_is_one_line_and_exit_2(tmp_path, capsys, keep_threads, argv, needle):
     rc = main(["grads", "--out", str(tmp_path / "o"), *tiny(argv), *argv])

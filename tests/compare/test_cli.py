@@ -49,6 +49,13 @@ def _one_line_error(p) -> str:
     (["--lr", "adamw"], "KEY=LR"),
     (["--lr", "lion=1e-3"], "neither an optimiser"),
     (["--lr-sweep", "adamw=1e-3:x"], "expects a number"),
+    # "" (or only commas) read as "not given": the default rates ran, or no sweep at all
+    (["--lr", ""], "KEY=LR"),
+    (["--lr", ","], "KEY=LR"),
+    (["--lr", "=3e-3"], "KEY=LR"),
+    (["--lr-sweep", ""], "OPT=LR:LR"),
+    (["--lr-sweep", " , "], "OPT=LR:LR"),
+    (["--lr-sweep", "=1e-3"], "OPT=LR:LR"),
     (["--preset", "vit-tiny"], "vision model"),
     (["--preset", "no-such-preset"], "preset"),
     (["--set", "d_model=-3"], "d_model"),

@@ -109,9 +109,12 @@ def _number(text: str, flag: str) -> float:
 def parse_lr(items: list[str]) -> dict:
     out = {}
     for item in items:
-        for part in (x.strip() for x in item.split(",") if x.strip()):
+        parts = [x.strip() for x in item.split(",") if x.strip()]
+        if not parts:  # "" read as "no rates given" ran the defaults
+            raise ConfigError("--lr", f"expects KEY=LR (an optimizer or an arm id), e.g. adamw=3e-3; got {item!r}")
+        for part in parts:
             key, sep, value = part.partition("=")
-            if not sep:
+            if not sep or not key.strip():
                 raise ConfigError("--lr", f"expects KEY=LR (an optimizer or an arm id), e.g. adamw=3e-3; got {part!r}")
             out[key.strip()] = _number(value, "--lr")
     return out
@@ -125,9 +128,13 @@ def parse_sweep(text: str | None):
 
         return {k: list(v) for k, v in DEFAULT_SWEEP.items()}
     out = {}
-    for part in (x.strip() for x in text.split(",") if x.strip()):
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts:  # "" read as "no grid given" ran no sweep; the flag alone gives the default grids
+        raise ConfigError("--lr-sweep", f"expects OPT=LR:LR:..., e.g. adamw=1e-3:3e-3, or no value for the "
+                                        f"default grids; got {text!r}")
+    for part in parts:
         key, sep, grid = part.partition("=")
-        if not sep or not grid:
+        if not sep or not grid or not key.strip():
             raise ConfigError("--lr-sweep", f"expects OPT=LR:LR:..., e.g. adamw=1e-3:3e-3; got {part!r}")
         out[key.strip()] = [_number(x, "--lr-sweep") for x in grid.split(":")]
     return out

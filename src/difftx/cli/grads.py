@@ -261,6 +261,10 @@ class _Study:
         if self.tokens.size < args.seq_len + 2:  # what Batches needs; checked here, before --out is made
             raise ConfigError("--seq-len", f"{args.seq_len} needs at least {args.seq_len + 2} tokens of data, and "
                                            f"the data has {self.tokens.size}; give a shorter --seq-len or more --data")
+        configs = [m.config for _, _, m, _ in self.loaded] or \
+            [self.base, self.base.twin("softmax" if self.base.attention != "softmax" else "diff")] + \
+            [c for _, c in self.settings]
+        _check_memory(args, configs)
         self.lrs = lrs(args)
         self.report = ["# difftx grads", ""]
         self.written: list[str] = []
@@ -367,6 +371,18 @@ def _tails_section(st: _Study) -> None:
                       + ("; the earlier run's figure of that name was removed" if removed else ""))
             else:
                 st.written.append(name)
+
+
+def _check_memory(args, configs) -> None:
+    """InsufficientMemory, one line, when the largest model's training step at --batch-size x --seq-len cannot fit
+    in the device's free memory (the training check's floor, :mod:`difftx.train.memory_check`; the two studies
+    train their models one at a time).  --batch-size 10**11 asked numpy for 745 GiB of window offsets: a
+    traceback."""
+    from ..train import memory_check
+
+    floors = [memory_check.training_memory_floor(c, args.batch_size, args.seq_len) for c in configs]
+    memory_check.require_fit(max(floors, key=lambda f: f["total"]), args.device, "the largest model's training step",
+                             "lower --batch-size or --seq-len")
 
 
 def run(args) -> int:
