@@ -17,7 +17,7 @@ One optimizer step:
 
 Mixed precision is bf16 autocast with fp32 weights (the models keep lambda,
 softmax statistics and norms in fp32).  Randomness: the model is initialised
-from ``seed`` on every process; after that each process's torch RNG is seeded
+from ``seed`` on every process; after that each process's torch, Python and NumPy RNGs are seeded
 with ``seed + rank``; data windows are drawn from ``(seed, step)``.
 """
 
@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import re
 import signal
 import time
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError, DifftxError
@@ -102,6 +104,8 @@ class Trainer:
                                          betas=cfg.betas, momentum=cfg.momentum, nesterov=cfg.nesterov, eps=cfg.eps,
                                          decay_all=cfg.decay_all)
         torch.manual_seed(cfg.seed + world.rank)  # runtime randomness (dropout) differs per process
+        random.seed(cfg.seed + world.rank)  # and user callbacks' or future code's draws repeat run to run
+        np.random.seed((cfg.seed + world.rank) % 2 ** 32)
         self.step = 0
         self.tokens_seen = 0
         self.samples_seen = 0
