@@ -100,6 +100,8 @@ def test_bench_long_context_quick_keeps_explicit_lengths(tmp_path, capsys):
     (["--long-context", "--foreach-adamw"], "--fused-adamw/--foreach-adamw"),
     (["--long-context", "--decode-tokens", "8"], "--decode-tokens"),
     (["--long-context", "--dtypes", "fp32,bf16"], "one dtype"),
+    (["--long-context", "--compile"], "--compile"),
+    (["--quick", "--compile", "--warmup", "0"], "warmup: must be at least 1 with compile"),
 ])
 def test_bench_bad_input_is_one_line(capsys, tmp_path, args, needle):
     from difftx.cli import main
@@ -420,3 +422,35 @@ def test_bench_counts_concurrent_matmuls_only_on_a_wall_clock(tmp_path, monkeypa
     assert asked and set(asked) == {workers}
     header = (tmp_path / "bench.md").read_text()
     assert ("one-thread ones at once" in header) == (workers > 1)
+
+
+@pytest.mark.slow
+def test_bench_compiled_arms_compute_the_eager_loss_and_record_it(tmp_path):
+    """--compile: each arm's training forward goes through torch.compile (the peers' too) and gives its eager loss
+    and gradients; decoding calls the model itself; bench.json and bench.md say it was compiled (~90 s)."""
+    import torch
+
+    from difftx.benchmarking import BenchConfig, markdown, run_bench
+    from difftx.benchmarking.speed import build_arms
+
+    bc = BenchConfig(preset="nano", seq_len=32, batch_size=2, arms=["transformer", "diff"], peers=False,
+                     compile=True, decode_tokens=4)
+    bc.validate()
+    x = torch.randint(0, 64, (2, 32))
+    for arm, eager in zip(build_arms(bc, torch.device("cpu")),
+                          build_arms(BenchConfig(preset="nano", seq_len=32, batch_size=2, arms=["transformer", "diff"],
+                                                 peers=False), torch.device("cpu"))):
+        assert arm.forward is not arm.model and eager.forward is eager.model
+        losses = []
+        for a in (arm, eager):
+            loss = a.loss(x, x.roll(-1, 1))
+            loss.backward()
+            losses.append((loss.item(), [p.grad.clone() for p in a.model.parameters()]))
+        assert losses[0][0] == pytest.approx(losses[1][0], rel=1e-5, abs=1e-6), arm.name
+        for g1, g2 in zip(losses[0][1], losses[1][1]):
+            torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-5)
+    res = run_bench(BenchConfig(preset="nano", seq_len=32, batch_size=2, repeats=1, arms=["transformer", "diff"],
+                                peers=False, dtypes=["fp32"], decode_tokens=4, compile=True, memory=False),
+                    log=lambda s: None)
+    assert res["bench_config"]["compile"] is True and res["ratios"]["diff_over_transformer_train"] > 0
+    assert "Compiled (`torch.compile`) for training and prefill" in markdown(res)

@@ -6,7 +6,9 @@
 #
 #   benchmarks/performance/cuda_session.sh OUT_DIR [STEPS]
 #
-# STEPS: a comma list of tests,host,ops,bench,bench-large,variants,variants-flex,host-bench,host-share (default: all).
+# STEPS: a comma list of tests,host,ops,bench,bench-large,variants,variants-flex,host-bench,host-share (default: all),
+# and bench-compile (not in the default): transformer and diff at 4 x 512, training and prefill, torch.compile'd
+# against eager in the same call (eager first).
 # host: the native CPU kernels' tests on the GPU machine's own processor (its vector widths, AVX-512 and AMX
 # where it has them, are ones a session's CPU may lack); host-bench: the kernels timed there (bf16, 1 thread);
 # host-share: bf16 training's share of the matmul peak on the host CPU, 2 pinned cores then 1.  Needs torch with CUDA;
@@ -41,6 +43,11 @@ want host && TAIL=15 DIFFTX_CACHE_DIR=/tmp/difftx-host-cache step host 120 $py -
     --timeout 100 -rfE
 want ops && step ops 60 $py benchmarks/performance/cuda_ops.py --out "$out/cuda-ops.json"
 want bench && step bench 80 $py -m difftx bench --device cuda --out "$out/bench-small" --repeats 5
+if want bench-compile; then  # the same two arms and options, eager then compiled (the warmup compiles, untimed)
+    pair="--device cuda --arms transformer,diff --no-peers --phases train,prefill --repeats 5"
+    step bench-eager-pair 90 $py -m difftx bench $pair --out "$out/bench-eager-pair"
+    step bench-compile 420 $py -m difftx bench $pair --compile --out "$out/bench-compile"
+fi
 want bench-large && step bench-large 80 $py -m difftx bench --device cuda --out "$out/bench-16x2048" --repeats 3 \
     --batch-size 16 --seq-len 2048 --decode-tokens 32
 want variants && step variants 80 $py benchmarks/performance/attention_variants.py --device cuda --preset small \

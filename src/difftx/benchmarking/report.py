@@ -23,6 +23,7 @@ def markdown(results: dict) -> str:
              "", f"{env['cpu']} ({env['threads']} threads), torch {env['torch']}"
              + (f", transformers {env['transformers']}" if "transformers" in env else "")
              + f"; {bc['repeats']} interleaved repeats, medians, `{bc['timer']}` time."
+             + (" Compiled (`torch.compile`) for training and prefill; decoding eager." if bc.get("compile") else "")
              + (f" Native CPU kernels: {_native(env['native_kernels'])}." if "native_kernels" in env else ""),
              ""]
     arms = results["arms"]

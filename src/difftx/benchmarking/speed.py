@@ -10,6 +10,9 @@ Phases, each per dtype (fp32, bf16 autocast):
 * ``decode``: greedy decoding of ``decode_tokens`` tokens after a prompt of
   ``seq_len - decode_tokens``, with the KV cache (the prompt's prefill is not timed).
 
+``compile``: every arm's forward (peers' too) goes through ``torch.compile`` for training and prefill, compiled in
+the untimed warmup runs (at least one); decoding stays eager (each step's cache length would be a new shape).
+
 Repeats are interleaved (A B C, B C A, ... so no arm always runs first) and medians
 reported, with ratios to our Transformer (and to the transformers peers): a speed ratio is
 the median over repeats of the two arms' times in that repeat (:func:`speed_ratio`), its
@@ -75,6 +78,7 @@ class BenchConfig:
     device: str = "cpu"
     memory: bool = True
     fused_adamw: Optional[bool] = None  # None: build_optimizer's default (fused); False: foreach, for every arm
+    compile: bool = False  # torch.compile every arm's forward for training and prefill (decoding stays eager)
     seed: int = 0
 
     def validate(self) -> None:
@@ -107,6 +111,9 @@ class BenchConfig:
                 raise ConfigError(name, f"must be at least 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise ConfigError("warmup", f"must be 0 or more, got {self.warmup}")
+        if self.compile and self.warmup < 1 and {"train", "prefill"} & set(self.phases):
+            raise ConfigError("warmup", "must be at least 1 with compile: the first run of each phase compiles, and "
+                                        "would be timed")
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads", f"must be at least 1, got {self.threads}")
         if "decode" in self.phases and self.decode_tokens >= self.seq_len:
@@ -172,13 +179,15 @@ class Arm:
     """One model behind a uniform interface: loss, logits, decoding, its KV cache size."""
 
     def __init__(self, name: str, model: torch.nn.Module, cfg: ModelConfig, peer: bool,
-                 fused_adamw: Optional[bool] = None):
+                 fused_adamw: Optional[bool] = None, compile: bool = False):
         self.name, self.model, self.cfg, self.peer = name, model, cfg, peer
+        # the forward of training and prefill: compiled, or the model itself (decode always calls the model)
+        self.forward = torch.compile(model) if compile else model
         self.optimizer = build_optimizer(model, "adamw", lr=1e-4, weight_decay=0.1, fused=fused_adamw)
         self.params = sum(p.numel() for p in model.parameters())
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(ids) if not self.peer else self.model(input_ids=ids, use_cache=False)
+        out = self.forward(ids) if not self.peer else self.forward(input_ids=ids, use_cache=False)
         return out.logits
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -268,12 +277,14 @@ def build_arms(bc: BenchConfig, device: torch.device) -> list[Arm]:
     for name in bc.arms:
         torch.manual_seed(bc.seed)
         cfg = ModelConfig.from_preset(bc.preset, max_seq_len=max(base.max_seq_len, bc.seq_len), **ARMS[name])
-        arms.append(Arm(name, build_model(cfg).to(device), cfg, peer=False, fused_adamw=bc.fused_adamw))
+        arms.append(Arm(name, build_model(cfg).to(device), cfg, peer=False, fused_adamw=bc.fused_adamw,
+                        compile=bc.compile))
     if bc.peers and transformers_available() and peers_match(base):
         for peer, twin in PEERS.items():
             cfg = ModelConfig.from_preset(bc.preset, max_seq_len=max(base.max_seq_len, bc.seq_len), **ARMS[twin])
             torch.manual_seed(bc.seed)
-            arms.append(Arm(peer, _hf_model(peer, cfg).to(device), cfg, peer=True, fused_adamw=bc.fused_adamw))
+            arms.append(Arm(peer, _hf_model(peer, cfg).to(device), cfg, peer=True, fused_adamw=bc.fused_adamw,
+                            compile=bc.compile))
     return arms
 
 
@@ -473,7 +484,8 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
     prompt = x[:db, : n - bc.decode_tokens] if db <= b else torch.randint(
         0, arms[0].cfg.vocab_size, (db, n - bc.decode_tokens), device=device)
     log(f"difftx bench: {len(arms)} arms ({', '.join(a.name for a in arms)}), preset {bc.preset}, "
-        f"batch {b} x {n} tokens, {bc.repeats} interleaved repeats, {torch.get_num_threads()} threads")
+        f"batch {b} x {n} tokens, {bc.repeats} interleaved repeats, {torch.get_num_threads()} threads"
+        + (", compiled (training and prefill; the warmup compiles)" if bc.compile else ""))
 
     # the cores' peak: k one-thread matmuls at once count too, where they can be timed (wall clock, a CPU)
     workers = torch.get_num_threads() if device.type == "cpu" and bc.timer == "wall" else 1

@@ -48,6 +48,9 @@ def add_parser(sub) -> None:
                       help="torch's fused AdamW kernel for every arm (the default where torch has it, the CPU included)")
     adam.add_argument("--foreach-adamw", dest="fused_adamw", action="store_const", const=False,
                       help="torch's foreach AdamW for every arm instead of the fused kernel")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every arm's forward (peers' too) for training and prefill, in the untimed "
+                        "warmup; decoding stays eager")
     p.add_argument("--long-context", action="store_true",
                    help="instead: DIFF attention time and peak memory at --lengths tokens (fused vs 4call vs eager; "
                         "reads --preset, --batch-size (default 1), --dtypes (one), --device, --threads)")
@@ -64,7 +67,8 @@ def add_parser(sub) -> None:
 # options of the speed benchmark that --long-context does not read: (dest, flag)
 SPEED_ONLY = (("seq_len", "--seq-len"), ("repeats", "--repeats"), ("warmup", "--warmup"), ("arms", "--arms"),
               ("phases", "--phases"), ("no_peers", "--no-peers"), ("decode_tokens", "--decode-tokens"),
-              ("timer", "--timer"), ("no_memory", "--no-memory"), ("fused_adamw", "--fused-adamw/--foreach-adamw"))
+              ("timer", "--timer"), ("no_memory", "--no-memory"), ("fused_adamw", "--fused-adamw/--foreach-adamw"),
+              ("compile", "--compile"))
 
 
 def _check_mode(args) -> None:
@@ -74,7 +78,7 @@ def _check_mode(args) -> None:
             raise ConfigError("--lengths", "sets the lengths of --long-context only; add --long-context, or give "
                                            "the speed benchmark's length with --seq-len")
         return
-    switches = ("no_peers", "no_memory")  # store_true: False when not given (--foreach-adamw stores False)
+    switches = ("no_peers", "no_memory", "compile")  # store_true: False when not given (--foreach-adamw stores False)
     given = [flag for dest, flag in SPEED_ONLY if (getattr(args, dest) if dest in switches
                                                    else getattr(args, dest) is not None)]
     if given:
@@ -97,7 +101,7 @@ def run(args) -> int:
     bc = BenchConfig(dtypes=_csv(args.dtypes), arms=_csv(args.arms) if args.arms is not None else list(ARMS),
                      peers=not args.no_peers, phases=_csv(args.phases) if args.phases is not None else list(PHASES),
                      timer=args.timer or "wall", device=args.device, memory=not args.no_memory,
-                     fused_adamw=args.fused_adamw, **sizes)
+                     fused_adamw=args.fused_adamw, compile=args.compile, **sizes)
     default_lengths = "64,256" if args.quick else "1024,2048,4096,8192,16384"
     lengths = _lengths(default_lengths if args.lengths is None else args.lengths) if args.long_context else []
     bc.validate()  # every bad value is one line before anything runs or is written
