@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from difftx import ModelConfig, build_model
 from difftx.nn import backends, fused, native
 from difftx.nn.attention import make_attention
+from difftx.nn.cache import KVCache
 from difftx.nn.mask import AttnMask
 from difftx.nn.rope import RotaryEmbedding
 
@@ -256,6 +257,53 @@ def test_variant_choice():
     assert backends.resolve_diff_variant("auto", cpu) == "fused"
     assert backends.resolve_diff_variant("auto", cpu, dropout_p=0.1) == "2call"
     assert backends.resolve_diff_variant("sdpa", cpu) == "2call"
+    for variant in ("fused", "4call"):  # no dropout of their own: 2call, not a silently undropped forward
+        assert backends.resolve_diff_variant(variant, cpu) == variant
+        assert backends.resolve_diff_variant(variant, cpu, dropout_p=0.1) == "2call"
+    for resolve in (backends.resolve_v2_variant, backends.resolve_softmax_variant):
+        assert resolve("fused", q, dropout_p=0.1) == "sdpa"
+
+
+@pytest.mark.parametrize("attention", ["softmax", "diff", "diff2"])
+@pytest.mark.parametrize("variant", ["auto", "fused", "sdpa", "2call", "4call"])
+def test_attention_dropout_is_applied_by_every_variant(attention, variant):
+    torch.manual_seed(0)
+    cfg = ModelConfig(attention=attention, d_model=32, n_layers=1, n_heads=2, dropout=0.5, attn_backend="sdpa")
+    m = make_attention(cfg, 1)
+    m.diff_variant = variant
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_style).cos_sin(torch.arange(6))
+    mask = AttnMask(causal=True, n_q=6, n_k=6)
+    torch.manual_seed(1)
+    a = m(x, rope, mask)
+    torch.manual_seed(2)
+    assert not torch.allclose(a, m(x, rope, mask))  # was: fused and 4call dropped nothing
+    torch.manual_seed(1)
+    assert torch.equal(a, m(x, rope, mask))
+    m.eval()
+    with torch.no_grad():
+        ref = m(x, rope, mask)
+        m.diff_variant = "2call" if attention == "diff" else "sdpa"
+        torch.testing.assert_close(m(x, rope, mask), ref)
+
+
+@pytest.mark.parametrize("attention", ["diff", "diff2"])
+def test_a_decoding_step_in_training_mode_applies_attention_dropout(attention):
+    torch.manual_seed(0)
+    cfg = ModelConfig(attention=attention, d_model=32, n_layers=1, n_heads=2, dropout=0.5)
+    m = make_attention(cfg, 1)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_style)
+    x = torch.randn(1, 5, 32)
+    outs = []
+    for seed in (1, 2):
+        cache = KVCache(1, 1, 8)
+        with torch.no_grad():
+            m(x[:, :4], rope.cos_sin(torch.arange(4)), AttnMask(causal=True, n_q=4, n_k=4), cache)
+            cache.advance(4)
+            torch.manual_seed(seed)
+            outs.append(m(x[:, 4:], rope.cos_sin(torch.arange(4, 5)), AttnMask(causal=True, n_q=1, n_k=5, q_start=4),
+                          cache))
+    assert not torch.allclose(*outs)  # was: DIFF V2's native decoding step dropped nothing
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -365,7 +365,7 @@ class DiffV2Attention(AttentionBase):
         b, _, n, d = q.shape
         qs = q.view(b, self.n_heads, 2, n, d).transpose(1, 2)  # heads 2i, 2i+1 -> maps 1, 2
         ks = k[:, None].expand(b, 2, *k.shape[1:])  # both maps over the one set of keys (a view)
-        if (backend == "sdpa" and self.diff_variant in ("auto", "fused", "2call", "4call") and n == 1
+        if (backend == "sdpa" and self.diff_variant in ("auto", "fused", "2call", "4call") and n == 1 and p == 0.0
                 and cache is not None and cache.length > 0 and not torch.is_grad_enabled()
                 and backends.native_diff_decode_ok(qs, ks, v, mask, _out_dtype(x))):
             # a decoding step: both maps over the cache's keys and the combine in one native pass

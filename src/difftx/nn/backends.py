@@ -148,13 +148,14 @@ def resolve_diff_variant(variant: str, device: torch.device, dropout_p: float = 
       Python loop of torch ops) 2-3x in fp32, 17-33x in bf16.  Also the only formulation
       with attention dropout, one dropout mask per map as in the reference.
     * ``4call``: four SDPA calls of width d (2x), for kernels that need equal widths.
+
+    With attention dropout every variant, ``fused`` and ``4call`` too, runs as ``2call``: the others have no
+    dropout (``4call`` would need one mask for both halves of a map's value).
     """
-    if variant == "sdpa":
+    if variant == "sdpa" or (dropout_p > 0 and variant in ("auto", "fused", "4call")):
         return "2call"
     if variant != "auto":
         return variant
-    if dropout_p > 0:
-        return "2call"
     return "fused" if device.type == "cpu" else "2call"
 
 
@@ -177,9 +178,10 @@ def _cpu_fused_wins(q: torch.Tensor, dropout_p: float) -> bool:
 
 def resolve_softmax_variant(variant: str, q: torch.Tensor, dropout_p: float = 0.0) -> str:
     """Softmax attention: ``sdpa`` or ``fused`` (the one-map case of the fused kernel); ``auto``:
-    fused where it was measured faster (:func:`_cpu_fused_wins`)."""
+    fused where it was measured faster (:func:`_cpu_fused_wins`).  With attention dropout: ``sdpa``
+    (the fused kernel has no dropout)."""
     if variant in ("fused", "sdpa"):
-        return variant
+        return "sdpa" if dropout_p > 0 else variant
     if variant not in ("auto", "2call", "4call"):
         raise ValueError(f"unknown softmax attention variant {variant!r}; one of auto, fused, sdpa")
     return "fused" if _cpu_fused_wins(q, dropout_p) else "sdpa"
@@ -188,9 +190,10 @@ def resolve_softmax_variant(variant: str, q: torch.Tensor, dropout_p: float = 0.
 def resolve_v2_variant(variant: str, q: torch.Tensor, dropout_p: float = 0.0) -> str:
     """DIFF V2: ``fused`` (the per-token lambda combines the two maps before one d-wide value
     product) or ``sdpa`` (one call over the 2h query heads, then the combine); ``auto``: fused where
-    it was measured faster (:func:`_cpu_fused_wins`)."""
+    it was measured faster (:func:`_cpu_fused_wins`).  With attention dropout: ``sdpa`` (the fused
+    kernel has no dropout)."""
     if variant in ("fused", "sdpa"):
-        return variant
+        return "sdpa" if dropout_p > 0 else variant
     if variant not in ("auto", "2call", "4call"):
         raise ValueError(f"unknown DIFF V2 variant {variant!r}; one of auto, fused, sdpa")
     return "fused" if _cpu_fused_wins(q, dropout_p) else "sdpa"
