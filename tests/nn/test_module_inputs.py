@@ -40,6 +40,32 @@ def test_a_mask_for_another_length_is_refused(kind, backend):
     assert attn(x, _rope(cfg, 5), AttnMask(causal=True, n_q=5, n_k=5)).shape == x.shape
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rope_table_for_another_shape_is_refused(kind):
+    attn, cfg = _attn(kind)
+    x, mask = torch.randn(2, 5, 32), AttnMask(causal=True, n_q=5, n_k=5)
+    half = cfg.head_dim // 2
+    other_dim = RotaryEmbedding(cfg.head_dim * 2).cos_sin(torch.arange(5))
+    for rope in (_rope(cfg, 7), _rope(cfg, 3), other_dim, _rope(cfg, 5)[0], (torch.zeros(3, 1, 5, half),) * 2):
+        with pytest.raises(ValueError, match=rf"rope must be \(cos, sin\), each \(batch or 1, 1, tokens=5, "
+                                             rf"head_dim/2={half}\)"):  # was: a broadcasting error in RoPE
+            attn(x, rope, mask)
+    positions = torch.arange(5).expand(2, 5)  # per-sequence positions: (B, 1, N, d/2)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_style).cos_sin(positions)
+    torch.testing.assert_close(attn(x, rope, mask), attn(x, _rope(cfg, 5), mask))
+
+
+def test_rotary_embedding_arguments_are_checked():
+    for bad in (7, 0, -4, 8.0, True):
+        with pytest.raises(ValueError, match="even head_dim"):
+            RotaryEmbedding(bad)
+    for theta in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="positive finite theta"):  # was: NaN angles
+            RotaryEmbedding(8, theta)
+    with pytest.raises(ValueError, match="'half' or 'interleaved'"):
+        RotaryEmbedding(8, style="neox")
+
+
 def test_mask_fields_are_checked():
     with pytest.raises(ValueError, match="use .bool"):
         AttnMask(causal=True, n_q=4, n_k=4, key_valid=torch.ones(2, 4, dtype=torch.long))

@@ -63,11 +63,21 @@ class AttentionBase(nn.Module):
             self.q_norm = self.k_norm = None
 
     # helpers ----------------------------------------------------------------
-    def _check(self, x: torch.Tensor, mask: AttnMask, cache) -> None:
+    def _check(self, x: torch.Tensor, rope, mask: AttnMask, cache) -> None:
         if not isinstance(mask, AttnMask):
             raise TypeError(f"{type(self).__name__}: mask must be a difftx.nn.mask.AttnMask, e.g. "
                             f"AttnMask(causal=True, n_q=N, n_k=N); got {type(mask).__name__}")
         mask.check(x, self.d_model, cache.length if cache is not None else 0)
+        if rope is not None and self.rope_style is not None:
+            n, half = x.shape[1], self.head_dim // 2
+            if not (isinstance(rope, (tuple, list)) and len(rope) == 2 and all(
+                    isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[0] in (1, x.shape[0])
+                    and t.shape[1] == 1 and t.shape[2:] == (n, half) for t in rope)):
+                got = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in rope] \
+                    if isinstance(rope, (tuple, list)) else type(rope).__name__
+                raise ValueError(f"{type(self).__name__}: rope must be (cos, sin), each (batch or 1, 1, tokens={n}, "
+                                 f"head_dim/2={half}), for the positions of this input's {n} tokens: "
+                                 f"RotaryEmbedding({self.head_dim}).cos_sin(positions); got {got}")
 
     @staticmethod
     def _qk_norm(p: torch.Tensor, norm: Optional[nn.Module], d: int) -> torch.Tensor:
@@ -169,7 +179,7 @@ class SoftmaxAttention(AttentionBase):
         self.out_proj = Linear(h * d, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
-        self._check(x, mask, cache)
+        self._check(x, rope, mask, cache)
         d = self.head_dim
         qp, kp, vp = project(_autocast_input(x), (self.q_proj, self.k_proj, self.v_proj))
         q = self._qk(_heads(self._qk_norm(qp, self.q_norm, d), self.n_heads, d), rope)
@@ -267,7 +277,7 @@ class DifferentialAttention(AttentionBase):
         return v.view(b, t, 2, hk, d).permute(0, 3, 1, 2, 4).reshape(b, hk, t, 2 * d)
 
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
-        self._check(x, mask, cache)
+        self._check(x, rope, mask, cache)
         b, t, _ = x.shape
         d, h, hk = self.head_dim, self.n_heads, self.n_kv_heads
         # QK-norm and RoPE act per d-wide component head: one call covers both maps.
@@ -348,7 +358,7 @@ class DiffV2Attention(AttentionBase):
         self.last_lambda: Optional[torch.Tensor] = None
 
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
-        self._check(x, mask, cache)
+        self._check(x, rope, mask, cache)
         d = self.head_dim
         qp, kp, vp = project(_autocast_input(x), (self.q_proj, self.k_proj, self.v_proj))
         q = self._qk(_heads(self._qk_norm(qp, self.q_norm, d), 2 * self.n_heads, d), rope)

@@ -23,8 +23,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float = 10000.0, style: str = "half"):
         super().__init__()
-        if head_dim % 2:
-            raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim!r}")
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (0 < theta < float("inf")):
+            raise ValueError(f"rotary embeddings need a positive finite theta, got {theta!r}")
+        if style not in ("half", "interleaved"):
+            raise ValueError(f"rotary style must be 'half' or 'interleaved', got {style!r}")
         self.head_dim = head_dim
         self.theta = theta
         self.style = style
