@@ -66,6 +66,15 @@ def test_rotary_embedding_arguments_are_checked():
         RotaryEmbedding(8, style="neox")
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_layer_index_is_checked(kind):
+    cfg = ModelConfig(attention=kind, d_model=32, n_layers=2, n_heads=2, vocab_size=50)
+    for layer in (0, -1, 1.5, True, "2"):  # was: softmax and diff2 took 0 and -1, diff took 1.5 and True
+        with pytest.raises(ValueError, match="layer is the 1-based layer index"):
+            make_attention(cfg, layer)
+    assert make_attention(cfg, 2).layer == 2
+
+
 def test_mask_fields_are_checked():
     with pytest.raises(ValueError, match="use .bool"):
         AttnMask(causal=True, n_q=4, n_k=4, key_valid=torch.ones(2, 4, dtype=torch.long))

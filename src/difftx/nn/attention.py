@@ -45,6 +45,9 @@ class AttentionBase(nn.Module):
 
     def __init__(self, cfg, layer: int):
         super().__init__()
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 1:
+            raise ValueError(f"{type(self).__name__}: layer is the 1-based layer index (an int >= 1; it picks "
+                             f"the layer's KV-cache slot and DIFF's lambda_init); got {layer!r}")
         self.layer = layer  # 1-based, as in the paper
         self.d_model = cfg.d_model
         self.n_heads = cfg.n_heads
