@@ -287,6 +287,15 @@ def test_attention_dropout_is_applied_by_every_variant(attention, variant):
         torch.testing.assert_close(m(x, rope, mask), ref)
 
 
+@pytest.mark.parametrize("attention", ["softmax", "diff", "diff2"])
+def test_a_cache_without_a_slot_for_the_layer_is_refused(attention):
+    cfg = ModelConfig(attention=attention, d_model=32, n_layers=3, n_heads=2)
+    m = make_attention(cfg, 3)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_style).cos_sin(torch.arange(4))
+    with pytest.raises(ValueError, match="made for 2 layers has no slot for layer 3"):  # was: an IndexError
+        m(torch.randn(1, 4, 32), rope, AttnMask(causal=True, n_q=4, n_k=4), KVCache(2, 1, 8))
+
+
 @pytest.mark.parametrize("attention", ["diff", "diff2"])
 def test_a_decoding_step_in_training_mode_applies_attention_dropout(attention):
     torch.manual_seed(0)

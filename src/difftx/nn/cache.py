@@ -34,6 +34,9 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's k, v (B, H, n, d) for ``layer`` (0-based); return all keys/values so far."""
+        if not 0 <= layer < self.n_layers:
+            raise ValueError(f"KV cache made for {self.n_layers} layers has no slot for layer {layer + 1} (1-based); "
+                             f"make it with n_layers >= the number of attention layers")
         n = k.shape[2]
         end = self.length + n
         if end > self.max_len:
