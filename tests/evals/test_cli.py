@@ -142,7 +142,7 @@ def test_bad_numbers_are_refused_before_use(args, flag, checkpoint, tmp_path, ca
     out = tmp_path / "out"
     rc, err = _eval([*args, "--checkpoint", checkpoint, "--out", out, "--no-plot", "--quiet"], capsys)
     assert rc == 2 and len(err) == 1 and flag in err[0]
-    assert not out.exists() or not any(out.iterdir())
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("args, flag", [
@@ -158,7 +158,7 @@ def test_empty_lists_are_refused(args, flag, checkpoint, tmp_path, capsys):
     out = tmp_path / "out"
     rc, err = _eval([*args, "--checkpoint", checkpoint, "--out", out, "--no-plot", "--quiet"], capsys)
     assert rc == 2 and len(err) == 1 and flag in err[0] and "non-empty" in err[0]
-    assert not out.exists() or not any(out.iterdir())
+    assert not out.exists()
 
 
 def test_library_refuses_bad_power_a_and_bits(checkpoint):
@@ -379,3 +379,28 @@ def test_jsonl_keys_with_only_synthetic_tasks_are_refused(flag, checkpoint, tmp_
     key = ["--text-key", "body"] if flag == "--text-key" else ["--text-key", "body", "--label-key", "tag"]
     assert main(["eval", "icl", "--checkpoint", str(checkpoint), "--out", str(out), "--tasks", str(tasks), *key,
                  "--shots", "1", "--seeds", "1", "--test-examples", "4", "--quiet", "--no-plot"]) == 0
+
+
+@pytest.mark.parametrize("args", [
+    ["niah", "--grid", "x", "--lengths", "320"], ["niah", "--lengths", "40"], ["niah", "--digits", "13"],
+    ["attention", "--depths=-5", "--length", "160"], ["attention", "--template", "x", "--length", "160"],
+    ["mqar", "--vocab", "100000", "--lengths", "64", "--pairs", "4"], ["mqar", "--pairs", "100", "--lengths", "64"],
+    ["lm", "--seq-len", str(10 ** 11)], ["outliers", "--seq-len", str(10 ** 11)],
+    ["quant", "--metric-opt", "x", "--bits", "8"], ["icl", "--arrangements", "x"], ["icl", "--tasks", "x"],
+    pytest.param(["lm-eval", "--tasks", "hellaswag"], marks=pytest.mark.skipif(
+        importlib.util.find_spec("lm_eval") is not None, reason="lm-eval is installed (it would fetch hellaswag)")),
+])
+def test_a_refused_evaluation_creates_no_out_directory(args, checkpoint, tmp_path, capsys):
+    """An evaluation checks most of its options once it runs, after --out was claimed: a refused run left an empty
+    --out directory (and its new parents) behind.  Now they are removed again; an existing --out stays."""
+    data = ["--data", str(checkpoint / "haystack.txt")] if args[0] in ("lm", "niah", "attention", "outliers", "quant") \
+        else []
+    extra = [] if args[0] == "lm-eval" else ["--no-plot", "--quiet", *data]
+    out = tmp_path / "new" / "out"
+    rc, err = _eval([*args, "--checkpoint", checkpoint, "--out", out, *extra], capsys)
+    assert rc == 2 and len(err) == 1 and err[0].startswith("difftx eval: error:"), err
+    assert not (tmp_path / "new").exists()
+    out.mkdir(parents=True)
+    (out / "keep.txt").write_text("keep me")
+    rc, err = _eval([*args, "--checkpoint", checkpoint, "--out", out, *extra], capsys)
+    assert rc == 2 and len(err) == 1 and (out / "keep.txt").read_text() == "keep me"

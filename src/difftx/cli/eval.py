@@ -9,8 +9,10 @@ with its attention logits quantized (``difftx.evals.quant``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import math
+from pathlib import Path
 
 from ..errors import ConfigError, DifftxError
 
@@ -306,18 +308,45 @@ def _run_lm_eval(args) -> int:
 
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise ConfigError("--num-fewshot", f"must be 0 or more, got {args.num_fewshot}")
+    new = _new_dirs(args.out)
     claim_out(args.out, "lm-eval", force=args.force, plot=False)  # before the harness runs: a bad --out fails fast
     kwargs = {k: v for k, v in dict(num_fewshot=args.num_fewshot, limit=args.limit, batch_size=args.batch_size,
                                     device=args.device, seed=args.seed).items() if v is not None}
-    with Timer() as t:
-        try:
-            results = run_lm_eval(args.checkpoint, args.tasks, **kwargs)
-        except ImportError as e:
-            raise DifftxError(f"lm-eval is not available ({e}); install it with: pip install 'difftx[eval]'") from None
-    doc = envelope("lm-eval", results if isinstance(results, dict) else {"results": results},
-                   checkpoint=args.checkpoint, settings={"tasks": args.tasks, **kwargs}, seconds=t.seconds)
-    print(f"wrote {write_result(args.out, 'lm-eval', doc)}")
+    with _unclaim_on_failure(new):
+        with Timer() as t:
+            try:
+                results = run_lm_eval(args.checkpoint, args.tasks, **kwargs)
+            except ImportError as e:
+                raise DifftxError(f"lm-eval is not available ({e}); install it with: pip install 'difftx[eval]'") \
+                    from None
+        doc = envelope("lm-eval", results if isinstance(results, dict) else {"results": results},
+                       checkpoint=args.checkpoint, settings={"tasks": args.tasks, **kwargs}, seconds=t.seconds)
+        print(f"wrote {write_result(args.out, 'lm-eval', doc)}")
     return 0
+
+
+def _new_dirs(out) -> list:
+    """The directories that making ``out`` creates (it and its missing parents), deepest first."""
+    path, new = Path(out), []
+    while not path.exists() and not path.is_symlink() and path != path.parent:
+        new.append(path)
+        path = path.parent
+    return new
+
+
+@contextlib.contextmanager
+def _unclaim_on_failure(new: list):
+    """A refused (or failed) evaluation leaves no output directory behind: the ones ``claim_out`` made for it are
+    removed again while they are still empty (an evaluation checks most of its options only once it runs)."""
+    try:
+        yield
+    except BaseException:
+        for d in new:
+            try:
+                d.rmdir()  # only an empty directory; one holding anything (a result, a plot) stays
+            except OSError:
+                break
+        raise
 
 
 def _check_unread(args) -> None:
@@ -364,15 +393,17 @@ def run(args) -> int:
     ids_only = args.eval_name == "mqar" or (args.eval_name == "quant" and args.metric == "mqar")  # no text
     model, tok = load_checkpoint(args.checkpoint, device=str(device), what=f"'difftx eval {args.eval_name}'",
                                  tokenizer=not ids_only)
+    new = _new_dirs(args.out)
     claim_out(args.out, args.eval_name, force=args.force, plot=not args.no_plot)  # before the evaluation runs
     native.warn_problem(f"difftx eval {args.eval_name}", device)
     _say(args, f"difftx eval {args.eval_name}: {model.config.attention} model, "
                f"{model.num_parameters() / 1e6:.2f}M parameters, on {device}")
-    with Timer() as t, quantized_logits(model, args.quant_bits, args.quant_granularity or "head") as q:
-        results, settings = _run_eval(args, model, tok)
-    doc = envelope(args.eval_name, results, model=model, checkpoint=args.checkpoint, settings=settings,
-                   seconds=round(t.seconds, 3), quant=q.describe() if q is not None else None)
-    path = write_result(args.out, args.eval_name, doc)
+    with _unclaim_on_failure(new):
+        with Timer() as t, quantized_logits(model, args.quant_bits, args.quant_granularity or "head") as q:
+            results, settings = _run_eval(args, model, tok)
+        doc = envelope(args.eval_name, results, model=model, checkpoint=args.checkpoint, settings=settings,
+                       seconds=round(t.seconds, 3), quant=q.describe() if q is not None else None)
+        path = write_result(args.out, args.eval_name, doc)
     for line in _summary(args.eval_name, doc["results"]):
         print(line)
     print(f"wrote {path} ({t.seconds:.1f} s)")
