@@ -404,3 +404,18 @@ def test_a_refused_evaluation_creates_no_out_directory(args, checkpoint, tmp_pat
     (out / "keep.txt").write_text("keep me")
     rc, err = _eval([*args, "--checkpoint", checkpoint, "--out", out, *extra], capsys)
     assert rc == 2 and len(err) == 1 and (out / "keep.txt").read_text() == "keep me"
+
+
+def test_icl_shots_past_what_fits_name_the_most_that_fit(checkpoint, tmp_path, capsys):
+    """--shots 1000 where a few demonstrations fit said 'not even one demonstration fits'; now it names how many fit
+    and the fix.  Too short a --max-len for even one still says so, and names --max-len."""
+    out = tmp_path / "out"
+    common = ["icl", "--checkpoint", checkpoint, "--out", out, "--seeds", "1", "--test-examples", "2", "--quiet",
+              "--no-plot"]
+    rc, err = _eval([*common, "--shots", "1000"], capsys)
+    assert rc == 2 and len(err) == 1 and "not even one" not in err[0], err
+    fit = int(err[0].split("at most ")[1].split()[0])
+    assert fit >= 1 and f"pass --shots up to {fit}" in err[0] and "--max-len" in err[0] and not out.exists()
+    assert _eval([*common, "--shots", str(fit)], capsys)[0] == 0
+    rc, err = _eval([*common, "--shots", "1", "--max-len", "8", "--out", tmp_path / "o2"], capsys)
+    assert rc == 2 and len(err) == 1 and "not even one demonstration fits" in err[0] and "--max-len" in err[0]

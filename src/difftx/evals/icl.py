@@ -279,9 +279,15 @@ def evaluate_task(model, tokenizer, task: ClassificationTask, shots: Optional[Se
     shots = [int(k) for k in shots]
     skipped = [{"shots": k, "reason": f"does not fit in {max_len} tokens (at most {fit} shots)"}
                for k in shots if k > fit]
-    shots = [k for k in shots if k <= fit]
+    asked, shots = shots, [k for k in shots if k <= fit]
     if not shots:
-        raise DataError(f"{task.name}: not even one demonstration fits in {max_len} tokens beside the test input")
+        longer = hard_limit(model) is None or max_len < hard_limit(model)  # --max-len can give more room
+        if fit:  # --shots 5 where 4 fit was "not even one demonstration fits"
+            raise ConfigError("shots", f"{task.name}: at most {fit} demonstration(s) fit in {max_len} tokens beside "
+                                       f"the test input, and {min(asked)} were asked for; pass --shots up to {fit}"
+                                       + (" or a longer --max-len" if longer else ""))
+        raise DataError(f"{task.name}: not even one demonstration fits in {max_len} tokens beside the test input"
+                        + ("; pass a longer --max-len" if longer else ""))
     curves = {a: [] for a in arrangements}
     for k in shots:
         demos = pool[:k]
