@@ -153,3 +153,39 @@ def test_bad_metric_options_are_one_line(metric, opt, message, checkpoint, tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("difftx eval") and message in err[0]
     assert not (tmp_path / "o" / "quant.json").exists()
+
+
+@pytest.mark.parametrize("metric, opt, flags, message", [
+    ("lm", "data=0", [], "data: must be the path"),             # was TypeError traceback (Path(0))
+    ("lm", 'data=""', [], "data: must be the path"),            # was the current directory read as the corpus
+    ("lm", "text=0", [], "text: must be the evaluation text"),  # was TypeError traceback (slicing an int)
+    ("niah", "grid=0", [], "grid: must be cells"),              # was TypeError: 'int' object is not iterable
+    ("niah", "grid=[1]", [], "grid: must be cells"),            # was TypeError: cannot unpack
+    ("niah", "seed=null", [], "seed: must be an integer"),      # was TypeError traceback in rng_for
+    ("niah", 'generation="no"', [], "generation: must be true or false"),  # was read as true
+    ("niah", 'digits="x"', [], "digits: must be an integer"),   # was ValueError traceback
+    ("niah", "template=[]", [], "template"),                    # was TypeError: unhashable type: 'list'
+    ("mqar", 'seed="x"', [], "seed: must be an integer"),       # was ValueError traceback
+    ("mqar", "random_non_queries=1", [], "random_non_queries: must be true or false"),
+    ("icl", "seed=1e308", [], "seed: must be an integer"),      # was OverflowError traceback
+    ("icl", "arrangements=1", [], "arrangements: must be a name or a list"),  # was TypeError traceback
+    ("lm", "model=0", [], "--metric-opt: model is --checkpoint's own"),      # was TypeError: multiple values
+    ("icl", "tokenizer=0", [], "--metric-opt: tokenizer is --checkpoint's own"),
+    # the same setting given twice: the --metric-opt value silently won over the option
+    ("mqar", "seed=4", ["--seed", "3"], "seed= and --seed both set"),
+    ("lm", "max_tokens=100", ["--max-tokens", "256"], "max_tokens= and --max-tokens both set"),
+    ("lm", "data=null", ["--data", "{haystack}"], "data= and --data both set"),
+    ("lm", 'text="hello world"', ["--data", "{haystack}"], "text= and --data both set"),
+    ("icl", "batch_size=2", ["--batch-size", "4"], "batch_size= and --batch-size both set"),
+])
+def test_metric_options_of_the_wrong_type_or_set_twice_are_one_line(metric, opt, flags, message, checkpoint,
+                                                                      tmp_path, capsys):
+    from difftx.cli import main
+
+    flags = [f.replace("{haystack}", str(checkpoint / "haystack.txt")) for f in flags]
+    out = tmp_path / "o"
+    rc = main(["eval", "quant", "--checkpoint", str(checkpoint), "--out", str(out), "--bits", "8", "--metric", metric,
+               "--metric-opt", opt, *flags, "--no-plot", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("difftx eval: error:") and message in err[0], err
+    assert not out.exists()

@@ -364,6 +364,8 @@ def _check_unread(args) -> None:
             if value is not None:
                 raise ConfigError(flag, f"names a field of a JSONL task's records, and {','.join(args.tasks)} "
                                         "generates its examples; drop it (or give a JSONL file in --tasks)")
+    if args.eval_name == "quant":
+        _check_metric_options(args)
     if args.eval_name != "quant" or args.metric == "lm":
         return
     if args.max_tokens is not None:
@@ -372,6 +374,28 @@ def _check_unread(args) -> None:
     if args.data is not None and args.metric != "niah":
         raise ConfigError("--data", f"--metric {args.metric} makes its own data and reads no text file; drop --data "
                                     "(or measure --metric lm or niah)")
+
+
+# --metric-opt keys that an option of 'eval quant' sets too: (key, dest, flag)
+METRIC_OPT_FLAGS = (("data", "data", "--data"), ("text", "data", "--data"),
+                    ("max_tokens", "max_tokens", "--max-tokens"), ("seed", "seed", "--seed"),
+                    ("batch_size", "batch_size", "--batch-size"))
+
+
+def _check_metric_options(args) -> None:
+    """--metric-opt model=... was a TypeError traceback, and a key an option of its own also sets (--metric-opt
+    seed=4 --seed 3) silently overrode that option; both are refused before the checkpoint loads."""
+    from .info import parse_overrides
+
+    opts = parse_overrides(args.metric_opt, "--metric-opt")
+    for key in ("model", "tokenizer"):
+        if key in opts:
+            raise ConfigError("--metric-opt", f"{key} is --checkpoint's own, not an option of the {args.metric} "
+                                              f"metric; drop {key}=")
+    for key, dest, flag in METRIC_OPT_FLAGS:
+        if key in opts and getattr(args, dest) is not None:
+            raise ConfigError("--metric-opt", f"{key}= and {flag} both set what the {args.metric} metric reads, and "
+                                              f"{key}= would silently win; give one of them")
 
 
 def run(args) -> int:

@@ -36,8 +36,8 @@ import torch
 
 from ..errors import ConfigError
 from ..nn.probe import AttentionProbe
-from .common import (attach, batches, check_count, check_depths, hard_limit, map_batch_size, model_device, pad_right,
-                     require_memory, rng_for, task_context)
+from .common import (attach, batches, check_count, check_depths, check_seed, hard_limit, map_batch_size, model_device,
+                     pad_right, require_memory, rng_for, task_context)
 from .niah import DEPTHS, REGION_NAMES, NiahBuilder, NiahSample
 
 NORMALIZATIONS = ("l1", "rowsum", "positive", "none")
@@ -141,7 +141,7 @@ def evaluate_attention(model, tokenizer, depths: Sequence[float] = DEPTHS, lengt
     """Table 3: share of attention on the answer and on the noise context, per depth, per layer and averaged."""
     if normalize not in NORMALIZATIONS:
         raise ConfigError("normalize", f"must be one of {NORMALIZATIONS}, got {normalize!r}")
-    depths = check_depths(depths)
+    depths, seed = check_depths(depths), check_seed(seed)
     samples = check_count("samples", samples)
     if batch_size is not None:
         batch_size = check_count("batch_size", batch_size)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sysconfig
 import time
 from pathlib import Path
@@ -185,6 +186,8 @@ def corpus_text(path=None, min_chars: int = 200_000, split: str = "val") -> str:
     characters; ``split="train"`` the first 90%.
     """
     if path is not None:
+        if not isinstance(path, (str, os.PathLike)) or not str(path).strip():  # Path("") is the current directory
+            raise ConfigError("data", f"must be the path of a text file, got {path!r}")
         p = Path(path)
         if p.is_file() and p.suffix != ".jsonl":
             return read_text_file(p)
@@ -382,6 +385,20 @@ def check_count(name: str, value, lo: int = 1) -> int:
     return int(value)
 
 
+def check_seed(value, name: str = "seed") -> int:
+    """``value`` as an int seed (not a bool, a float or null: --metric-opt seed=null was a TypeError traceback)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(name, f"must be an integer, got {value!r}")
+    return int(value)
+
+
+def check_flag(name: str, value) -> bool:
+    """``value`` as a bool: true or false, not a string or a number read as either (generation="no" was true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigError(name, f"must be true or false, got {value!r}")
+    return bool(value)
+
+
 def check_list(name: str, values, lo: float = 1, hi: float = math.inf, kind=int) -> list:
     """A non-empty list of numbers in [lo, hi] (ints when ``kind`` is int), else ConfigError."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
@@ -412,6 +429,8 @@ def text_tokens(model, tokenizer, text: Optional[str], data, max_tokens: int, se
     as the budget needs (at most ~8 bytes a token for BPE on code).  At least one whole window is read, even when
     ``max_tokens`` is below it."""
     max_tokens = check_count("max_tokens", max_tokens)
+    if text is not None and not isinstance(text, str):
+        raise ConfigError("text", f"must be the evaluation text itself, got {text!r}")
     seq_len = check_count("seq_len", seq_len) if seq_len is not None else context_limit(model, 1024)
     chars = (max(max_tokens, seq_len) + 1) * 8
     if text is None:

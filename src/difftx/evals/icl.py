@@ -33,8 +33,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import ConfigError, DataError
-from .common import (batches, check_count, check_list, encode, hard_limit, model_device, pad_left, require_memory,
-                     rng_for, task_context)
+from .common import (batches, check_count, check_list, check_seed, encode, hard_limit, model_device, pad_left,
+                     require_memory, rng_for, task_context)
 
 ARRANGEMENTS = ("random", "alternating")
 _CONS, _VOWELS = "bdfgklmnprstvz", "aeiou"
@@ -315,6 +315,10 @@ def evaluate_icl(model, tokenizer, tasks: Sequence[str] = ("synthetic-6",),
         tasks = [tasks]
     if isinstance(arrangements, str):
         arrangements = [arrangements]
+    for name, values in (("tasks", tasks), ("arrangements", arrangements)):  # arrangements=1 was a TypeError
+        if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) for v in values):
+            raise ConfigError(name, f"must be a name or a list of names, got {values!r}")
+    seed = check_seed(seed)
     if not tasks:
         raise ConfigError("tasks", "must name at least one task")
     if not arrangements:

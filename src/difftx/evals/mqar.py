@@ -28,8 +28,8 @@ import torch
 
 from ..data.tasks import register_task
 from ..errors import ConfigError
-from .common import (batches, check_count, check_list, check_options, hard_limit, model_device, parse_range,
-                     predictions, require_memory, rng_for)
+from .common import (batches, check_count, check_flag, check_list, check_options, check_seed, hard_limit, model_device,
+                     parse_range, predictions, require_memory, rng_for)
 
 DEFAULT_LENGTHS = (64, 128, 256)
 DEFAULT_PAIRS = (4, 8, 16, 32)
@@ -108,6 +108,7 @@ def evaluate_mqar(model, lengths: Sequence[int] = DEFAULT_LENGTHS, pairs: Sequen
     power_a = check_power_a(power_a)
     lengths, pairs = check_list("lengths", lengths), check_list("pairs", pairs)
     samples, batch_size = check_count("samples", samples), check_count("batch_size", batch_size)
+    seed, random_non_queries = check_seed(seed), check_flag("random_non_queries", random_non_queries)
     vocab = check_count("vocab", vocab, 2) if vocab is not None else int(model.config.vocab_size)
     if vocab > model.config.vocab_size:
         raise ConfigError("vocab", f"{vocab} exceeds the model's vocabulary ({model.config.vocab_size})")

@@ -45,9 +45,9 @@ import torch
 
 from ..data.tasks import register_task
 from ..errors import ConfigError, DataError
-from .common import (batches, check_count, check_depths, check_list, check_options, corpus_text, encode, hard_limit,
-                     map_batch_size, model_device, pad_left, pad_right, parse_range, predictions, require_memory,
-                     rng_for, task_context)
+from .common import (batches, check_count, check_depths, check_flag, check_list, check_options, check_seed,
+                     corpus_text, encode, hard_limit, map_batch_size, model_device, pad_left, pad_right, parse_range,
+                     predictions, require_memory, rng_for, task_context)
 
 CITIES = (
     "Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Cairo", "Delhi", "Madrid", "Berlin", "Rome", "Vienna", "Prague",
@@ -74,8 +74,12 @@ REGION_NAMES = ("noise", "answer", "answer_needle", "other_needles", "query")
 
 def parse_grid(spec) -> list[tuple[int, int]]:
     """'N1R1,N2R2' (or [(1, 1), (2, 2)]) -> [(1, 1), (2, 2)]."""
-    if not isinstance(spec, str):
-        return [(int(n), int(r)) for n, r in spec]
+    if not isinstance(spec, str):  # --metric-opt grid=0 or grid=[1] was a TypeError traceback
+        pair = lambda c: isinstance(c, (list, tuple)) and len(c) == 2 and \
+            all(isinstance(x, int) and not isinstance(x, bool) for x in c)  # noqa: E731
+        if not isinstance(spec, (list, tuple)) or not all(pair(c) for c in spec):
+            raise ConfigError("grid", f"must be cells like 'N1R1,N2R2' or [[needles, queries], ...], got {spec!r}")
+        spec = ",".join(f"N{n}R{r}" for n, r in spec)  # and checked as the text is
     out = []
     for item in spec.split(","):
         m = re.fullmatch(r"\s*N(\d+)\s*R(\d+)\s*", item, flags=re.I)
@@ -91,7 +95,7 @@ def parse_grid(spec) -> list[tuple[int, int]]:
 
 
 def _template(name_or_text: str) -> str:
-    t = TEMPLATES.get(name_or_text, name_or_text)
+    t = TEMPLATES.get(name_or_text, name_or_text) if isinstance(name_or_text, str) else name_or_text
     if not isinstance(t, str) or "{city}" not in t or "{number}" not in t or t.index("{city}") > t.index("{number}"):
         raise ConfigError("template", f"needle template {t!r} needs '{{city}}' before '{{number}}' "
                                       f"(or a name: {', '.join(TEMPLATES)})")
@@ -168,12 +172,14 @@ class NiahBuilder:
 
     def __init__(self, tokenizer, text: Optional[str] = None, data=None, template: str = "paper", digits: int = 5,
                  split: str = "val"):
-        digits = int(digits)
+        digits = check_count("digits", digits)  # digits=1.5 was read as 1, digits="x" a traceback
         if not 1 <= digits <= 12:
             raise ConfigError("digits", f"must be between 1 and 12, got {digits}")
         self.tok = tokenizer
         self.template = _template(template)
         self.digits = digits
+        if text is not None and not isinstance(text, str):
+            raise ConfigError("text", f"must be the haystack text itself, got {text!r}")
         self.haystack = Haystack(text if text is not None else corpus_text(data, split=split), tokenizer)
         head = self.template.split("{number}")[0]
         self.query_text = head.rstrip()
@@ -314,6 +320,7 @@ def evaluate_niah(model, tokenizer, grid=DEFAULT_GRID, lengths: Optional[Sequenc
     grid = parse_grid(grid)
     if not grid:
         raise ConfigError("grid", "must list at least one N x R cell")
+    seed, generation = check_seed(seed), check_flag("generation", generation)
     samples = check_count("samples", samples)
     depths = check_depths(depths)
     if batch_size is not None:
