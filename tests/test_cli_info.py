@@ -214,3 +214,17 @@ def test_info_header_names_norm_flags_set_apart_from_the_preset(capsys):
                           "norms dnt + pre_norm_ffn - qk_norm")):
         assert main(["info", "nano", *argv]) == 0
         assert capsys.readouterr().out.splitlines()[0] == f"nano: softmax attention, lm, {header}"
+
+
+@pytest.mark.parametrize("argv", [["info", "nano", "--set", "n_layers=2", "--set", "n_layers=3"],
+                                  ["info", "nano", "--set", "dropout=0.1", "--set", " dropout =0.2", "--json"]])
+def test_a_field_set_twice_is_refused_not_overridden(capsys, argv):
+    """--set n_layers=2 --set n_layers=3 described 3 layers and dropped the first value (the same parser reads
+    grads' and compare's --set, eval quant's --metric-opt and train's --task-opt); now one line, exit 2."""
+    from difftx.cli import main
+
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 2 and out == "" and len(lines) == 1, (out, err)
+    assert lines[0].startswith("difftx info: error: --set sets ") and "twice" in lines[0] and "give it once" in lines[0]

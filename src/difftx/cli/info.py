@@ -33,6 +33,9 @@ def parse_overrides(items: list[str], flag: str = "--set") -> dict:
         k, eq, v = item.partition("=")
         if not eq or not k.strip():
             raise DifftxError(f"{flag} expects FIELD=VALUE, got {item!r}")
+        if k.strip() in out:  # --set n_layers=2 --set n_layers=4 silently dropped the first
+            raise DifftxError(f"{flag} sets {k.strip()} twice ({k.strip()}={out[k.strip()]!r} and {item.strip()!r}); "
+                              "give it once")
         try:
             out[k.strip()] = json.loads(v)
         except json.JSONDecodeError:
