@@ -139,6 +139,9 @@ def test_grads_on_diff2_and_softmax_checkpoints_gives_flow_ratios(tmp_path, caps
     (["--tail-steps", "0", "--only", "tails", "--lr-msgdw", "0.5"], "tails: none (--tail-steps 0)"),
     # numpy's 745 GiB allocation error as a traceback, after --out was made
     (["--batch-size", str(10 ** 11)], "not enough memory: the largest model's training step"),
+    (["--seed", "-1"], "--seed: must be >= 0"),  # numpy's ValueError traceback, after --out was made
+    # the sampled gradient entries grew with every noise batch until the process ran out of memory
+    (["--noise-batches", str(10 ** 11)], "not enough memory: 100,000,000,000 noise batches"),
 ])
 def test_grads_bad_input_is_one_line_and_exit_2(tmp_path, capsys, keep_threads, argv, needle):
     rc = main(["grads", "--out", str(tmp_path / "o"), *tiny(argv), *argv])
@@ -235,3 +238,20 @@ def test_grads_flow_learning_rate_of_sgd_and_muon(tmp_path, capsys, keep_threads
     out = tmp_path / "g"
     assert main(["grads", "--out", str(out), *BASE, *FLOW, "--only", "flow", "--no-plots", *argv]) == 0
     assert json.loads((out / "flow.json").read_text())["lr"] == pytest.approx(lr)
+
+
+def test_grads_many_seeds_are_not_listed_up_front(tmp_path, capsys, keep_threads, monkeypatch):
+    """--seeds 10^11 built the list of 10^11 seeds first: a MemoryError traceback after --out was made.  Many seeds
+    take long (one tail study each), and the first one starts at once."""
+    from difftx.analysis import tail_study
+
+    class Started(Exception):
+        pass
+
+    def first(*a, seed, **k):
+        raise Started(seed)
+
+    monkeypatch.setattr(tail_study, "run_tail_study", first)
+    with pytest.raises(Started, match="^5$"):
+        main(["grads", "--out", str(tmp_path / "o"), *tiny(["--only", "tails"]), "--only", "tails", "--seed", "5",
+              "--seeds", str(10 ** 11)])

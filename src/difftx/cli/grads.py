@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import ConfigError, DifftxError
+from ..errors import ConfigError, DifftxError, InsufficientMemory
 
 DEFAULT_SETTINGS = "S1,S2,S3,S4,S5,diff"
 RESULT_FILES = ("flow.json", "tails.json", "report.md")  # an earlier run's, kept unless --force
@@ -125,6 +125,8 @@ def _check(args) -> None:
             raise ConfigError(flag, f"must be >= {low}; got {value}")
     if args.tail_steps is not None and args.tail_steps < 0:
         raise ConfigError("--tail-steps", f"must be >= 0; got {args.tail_steps}")
+    if args.seed < 0:  # numpy's seeds are non-negative: --seed -1 was its ValueError traceback after --out was made
+        raise ConfigError("--seed", f"must be >= 0; got {args.seed}")
     for flag, names in (("--flow-optimizer", [args.flow_optimizer]), ("--optimizers", _split(args.optimizers))):
         for name in names:
             if name not in OPTIMIZERS:
@@ -328,7 +330,7 @@ def _tails_section(st: _Study) -> None:
     from ..analysis import common, tail_study
 
     args, t0 = st.args, time.perf_counter()
-    seeds = list(range(args.seed, args.seed + args.seeds))
+    seeds = range(args.seed, args.seed + args.seeds)  # a list of --seeds 10^11 was a MemoryError traceback
     res = None
     for seed in seeds:
         if st.loaded:
@@ -345,7 +347,7 @@ def _tails_section(st: _Study) -> None:
             res = r
         else:
             res["rows"] += r["rows"]
-    res.update(meta=st.meta, seeds=seeds, seconds=round(time.perf_counter() - t0, 2))
+    res.update(meta=st.meta, seeds=list(seeds), seconds=round(time.perf_counter() - t0, 2))
     st.write_json("tails.json", res)
     print(f"heavy tails ({st.tail_steps} steps, {args.noise_batches} noise batches, {len(seeds)} seed(s), "
           f"{res['seconds']} s):")
@@ -383,6 +385,20 @@ def _check_memory(args, configs) -> None:
     floors = [memory_check.training_memory_floor(c, args.batch_size, args.seq_len) for c in configs]
     memory_check.require_fit(max(floors, key=lambda f: f["total"]), args.device, "the largest model's training step",
                              "lower --batch-size or --seq-len")
+    if args.only == "flow" or not memory_check.enabled():
+        return
+    # the tail study keeps --max-noise-entries sampled entries of each matrix kind from every one of --noise-batches
+    # gradients, on the CPU, and stacks them (a second copy): --noise-batches 10^11 grew them until it crashed
+    from ..accounting import count_parameters
+    from ..analysis.tail_study import KIND_ORDER
+
+    entries = min(args.max_noise_entries, max(count_parameters(c) for c in configs)) * len(KIND_ORDER)
+    need, free = args.noise_batches * entries * 8 * 2, memory_check.free_memory("cpu")
+    if free is not None and need > free:
+        raise InsufficientMemory(f"not enough memory: {args.noise_batches:,} noise batches x up to {entries:,} sampled "
+                                 f"gradient entries need at least {memory_check.gib(need)} on the CPU and "
+                                 f"{memory_check.gib(free)} is free; pass fewer --noise-batches or "
+                                 f"--max-noise-entries; or set {memory_check.ENV}=0 to try anyway")
 
 
 def run(args) -> int:
