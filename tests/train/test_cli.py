@@ -229,3 +229,29 @@ def test_the_summary_is_printed_by_rank_0_only(tmp_path, monkeypatch, capsys):
         monkeypatch.setenv("RANK", rank)
         assert main(["train", "--out", str(tmp_path / "run"), "--steps", "4"]) == 0
         assert ("difftx train: step 4/4" in capsys.readouterr().out) is printed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--steps", "1", "--out", " "], "--out is blank (' '); give a path"),
+    (["grads", "--only", "flow", "--out", "  "], "--out is blank ('  '); give a path"),
+    (["bench", "--quick", "--out", "\t"], "--out is blank ('\\t'); give a path"),
+    (["eval", "mqar", "--checkpoint", "{ck}", "--out", " "], "--out is blank (' '); give a path"),
+    (["convert", "{ck}", " ", "--to", "hf-difftx"], "DST is blank (' '); give a path"),
+    (["train", "--steps", "1", "--preset", " ", "--out", "o"], "--preset is blank (' '); give a name"),
+])
+def test_a_blank_path_or_name_is_refused(tmp_path, capsys, monkeypatch, argv, message):
+    """--out ' ' (and convert's DST ' ') made a directory named ' ' in the current directory and wrote the run
+    there; a blank value is a mistake, refused like an empty one."""
+    import difftx
+    from difftx.cli import main
+
+    (tmp_path / "ck").mkdir()
+    cfg = difftx.ModelConfig.from_preset("nano", n_layers=1, d_model=32)
+    difftx.save_model(difftx.build_model(cfg), tmp_path / "ck")
+    monkeypatch.chdir(tmp_path)
+    argv = [a.replace("{ck}", str(tmp_path / "ck")) for a in argv]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == f"difftx {argv[0]}: error: {message} (see --help)\n", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]

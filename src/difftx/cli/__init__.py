@@ -68,10 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if not argv else 2
     for name in PATH_ARGS + NAME_ARGS:  # Path("") is the current directory: an empty path is a mistake, not "here"
-        if getattr(args, name, None) == "" and not (args.command == "info" and name == "preset"):  # info: its own
+        value = getattr(args, name, None)  # and --out ' ' made a directory named ' ': blank is a mistake too
+        if isinstance(value, str) and not value.strip() and not (args.command == "info" and name == "preset"):
             flag = name.upper() if name in ("src", "dst") else option_flag(name)
             what = "a name or a path" if name == "tokenizer" else "a name" if name in NAME_ARGS else "a path"
-            parser.exit(2, f"difftx {args.command}: error: {flag} is empty; give {what} (see --help)\n")
+            blank = "is empty" if value == "" else f"is blank ({value!r})"
+            parser.exit(2, f"difftx {args.command}: error: {flag} {blank}; give {what} (see --help)\n")
     threads = getattr(args, "threads", None)  # train, bench, grads, compare: torch threads per process
     if threads is not None:
         from ..runtime import usable_cpus
