@@ -102,6 +102,15 @@ def test_bench_long_context_quick_keeps_explicit_lengths(tmp_path, capsys):
     (["--long-context", "--dtypes", "fp32,bf16"], "one dtype"),
     (["--long-context", "--compile"], "--compile"),
     (["--quick", "--compile", "--warmup", "0"], "warmup: must be at least 1 with compile"),
+    (["--quick", "--compile", "--phases", "decode"], "--compile: compiles the train and prefill phases"),
+    # an option of a phase --phases leaves out was accepted and ignored
+    (["--quick", "--phases", "train", "--decode-tokens", "8"], "--decode-tokens: is read by the decode phase"),
+    (["--quick", "--phases", "prefill,decode", "--no-memory"], "--no-memory: is read by the train phase"),
+    (["--quick", "--phases", "prefill", "--foreach-adamw"], "--foreach-adamw: is read by the train phase"),
+    (["--quick", "--phases", "decode", "--fused-adamw"], "--fused-adamw: is read by the train phase"),
+    # torch's allocator error as a traceback, after --out was made
+    (["--quick", "--long-context", "--lengths", str(10 ** 11)], "not enough memory: 1 sequence(s) of 100,000,000,000"),
+    (["--quick", "--long-context", "--lengths", "64", "--batch-size", str(10 ** 11)], "a smaller --batch-size"),
 ])
 def test_bench_bad_input_is_one_line(capsys, tmp_path, args, needle):
     from difftx.cli import main
@@ -167,7 +176,7 @@ def test_bench_keeps_earlier_results_unless_force(capsys, tmp_path, monkeypatch)
     for name in ("bench.json", "long_context.json"):
         (tmp_path / name).write_text("earlier")
     quick = ["--out", tmp_path, "--quick", "--arms", "transformer", "--no-peers", "--phases", "prefill",
-             "--no-memory", "--dtypes", "fp32"]
+             "--dtypes", "fp32"]
     assert "--force" in _bench_one_line(capsys, quick)
     assert "--force" in _bench_one_line(capsys, ["--long-context", "--out", tmp_path, "--quick", "--dtypes", "fp32"])
     assert (tmp_path / "bench.json").read_text() == "earlier" and not (tmp_path / "bench.md").exists()

@@ -37,12 +37,12 @@ def add_parser(sub) -> None:
     p.add_argument("--arms", help=f"comma list of {', '.join(ARMS)} (default: all)")
     p.add_argument("--phases", help=f"comma list of {', '.join(PHASES)} (default: all)")
     p.add_argument("--no-peers", action="store_true", help="leave out transformers' Llama and DiffLlama")
-    p.add_argument("--decode-tokens", type=int, help="tokens generated per decode run (default: 32)")
+    p.add_argument("--decode-tokens", type=int, help="tokens generated per decode run (the decode phase; default: 32)")
     p.add_argument("--timer", choices=["wall", "cpu"],
                    help="wall-clock (default), or process CPU time (steadier ratios on a shared machine)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    p.add_argument("--no-memory", action="store_true", help="skip the train phase's peak-memory measurement")
     adam = p.add_mutually_exclusive_group()
     adam.add_argument("--fused-adamw", dest="fused_adamw", action="store_const", const=True, default=None,
                       help="torch's fused AdamW kernel for every arm (the default where torch has it, the CPU included)")
@@ -77,6 +77,13 @@ def _check_mode(args) -> None:
         if args.lengths is not None:
             raise ConfigError("--lengths", "sets the lengths of --long-context only; add --long-context, or give "
                                            "the speed benchmark's length with --seq-len")
+        phases = _csv(args.phases) if args.phases is not None else None
+        adamw = None if args.fused_adamw is None else "--fused-adamw" if args.fused_adamw else "--foreach-adamw"
+        for flag, given, phase in (("--decode-tokens", args.decode_tokens is not None, "decode"),
+                                   ("--no-memory", args.no_memory, "train"), (adamw, adamw is not None, "train")):
+            if given and phases is not None and phase not in phases:  # --phases train --decode-tokens 64 ran
+                raise ConfigError(flag, f"is read by the {phase} phase, and --phases {args.phases} leaves it out; "
+                                        f"drop it (or add {phase} to --phases)")
         return
     switches = ("no_peers", "no_memory", "compile")  # store_true: False when not given (--foreach-adamw stores False)
     given = [flag for dest, flag in SPEED_ONLY if (getattr(args, dest) if dest in switches
@@ -108,6 +115,10 @@ def run(args) -> int:
     if not args.long_context:
         bc.check_seq_len()
         bc.check_memory()
+    else:
+        from ..benchmarking.long_context import check_memory
+
+        check_memory(lengths, bc.preset, args.batch_size or 1, _long_context_dtype(bc), bc.device)
     out = Path(args.out)
     refuse_old_results(out, LONG_CONTEXT_FILES if args.long_context else RESULT_FILES, args.force)
     make_out_dir(out)
@@ -132,6 +143,14 @@ def _lengths(text: str) -> list[int]:
     return lengths
 
 
+def _long_context_dtype(bc) -> str:
+    import torch
+
+    from ..benchmarking import resolve_dtypes
+
+    return resolve_dtypes(bc.dtypes, torch.device(bc.device))[-1]  # auto: bf16 where native, else fp32
+
+
 def _long_context(args, bc, lengths: list, out: Path, command: str) -> int:
     import json
 
@@ -141,9 +160,7 @@ def _long_context(args, bc, lengths: list, out: Path, command: str) -> int:
     from ..io import atomic_write_text
 
     torch.set_num_threads(bc.threads or torch.get_num_threads())
-    from ..benchmarking import resolve_dtypes
-
-    dtype = resolve_dtypes(bc.dtypes, torch.device(bc.device))[-1]  # auto: bf16 where native, else fp32
+    dtype = _long_context_dtype(bc)
     batch = {"batch": args.batch_size} if args.batch_size is not None else {}  # default: one sequence
     result = attention_scaling(lengths, preset=bc.preset, dtype=dtype, device=bc.device,
                                log=lambda s: print(s, file=sys.stderr), **batch)
