@@ -118,3 +118,17 @@ def test_a_single_task_or_arrangement_may_be_a_string():
     r = evaluate_icl(tiny_model("diff"), TOK, tasks="synthetic-6", arrangements="random", shots=[1], seeds=1,
                      test_examples=2)
     assert [t["task"] for t in r["tasks"]] == ["synthetic-6"] and list(r["tasks"][0]["curves"]) == ["random"]
+
+
+def test_max_len_past_learned_positions_is_refused_not_cut():
+    """--max-len 1000 on a model whose learned positions end at 256 was silently cut to 256 (as --length of the
+    attention evaluation is refused); now one ConfigError naming the limit.  Up to the limit it is read as given."""
+    from difftx.errors import ConfigError
+
+    model, tok = tiny_model("diff", positions="learned"), ByteTokenizer()
+    with pytest.raises(ConfigError, match=r"max_len: 1000 exceeds max_seq_len=256 .*--max-len up to 256"):
+        evaluate_icl(model, tok, shots=[1], seeds=1, test_examples=2, max_len=1000)
+    with pytest.raises(ConfigError, match="max_len: must be an integer"):
+        evaluate_icl(model, tok, shots=[1], seeds=1, test_examples=2, max_len=200.5)
+    r = evaluate_icl(model, tok, shots=[1], seeds=1, test_examples=2, max_len=200)
+    assert r["tasks"][0]["max_shots_that_fit"] >= 1

@@ -261,9 +261,13 @@ def evaluate_task(model, tokenizer, task: ClassificationTask, shots: Optional[Se
                   seeds: int = 3, arrangements: Sequence[str] = ARRANGEMENTS, max_len: Optional[int] = None,
                   seed: int = 0, batch_size: int = 16, progress: bool = False) -> dict:
     pb = PromptBuilder(tokenizer, task)
-    max_len = int(max_len or task_context(model))
-    if hard_limit(model) is not None:
-        max_len = min(max_len, hard_limit(model))
+    hard = hard_limit(model)
+    if max_len is not None:  # --max-len 1000 on a model with learned positions up to 64 was silently 64
+        max_len = check_count("max_len", max_len)
+        if hard is not None and max_len > hard:
+            raise ConfigError("max_len", f"{max_len} exceeds max_seq_len={hard} of a model with "
+                                         f"{model.config.positions} positions; pass --max-len up to {hard}")
+    max_len = max_len or task_context(model)
     longest_query = max(len(pb.query(ex)) for ex in task.test)
     pool = balanced_demos(task, len(task.train), seed)
     used, fit = 0, 0
@@ -281,7 +285,7 @@ def evaluate_task(model, tokenizer, task: ClassificationTask, shots: Optional[Se
                for k in shots if k > fit]
     asked, shots = shots, [k for k in shots if k <= fit]
     if not shots:
-        longer = hard_limit(model) is None or max_len < hard_limit(model)  # --max-len can give more room
+        longer = hard is None or max_len < hard  # --max-len can give more room
         if fit:  # --shots 5 where 4 fit was "not even one demonstration fits"
             raise ConfigError("shots", f"{task.name}: at most {fit} demonstration(s) fit in {max_len} tokens beside "
                                        f"the test input, and {min(asked)} were asked for; pass --shots up to {fit}"
