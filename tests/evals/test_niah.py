@@ -243,3 +243,15 @@ def test_a_bpe_sample_is_its_text_encoded_whole(gpt2_style_bpe, template):
             assert tok.encode(tok.decode(s.ids[start:e]))[-(e - a):] == s.ids[a:e]
         a, e = s.answers[0]
         assert [t for t, g in zip(s.ids, s.regions) if g == ANSWER] == s.ids[a:e]  # the needle's number = the answer
+
+
+def test_lengths_all_past_learned_positions_name_the_limit_not_longer_lengths():
+    """--lengths 1000 on a model whose learned positions end at 256 said 'pass longer --lengths'; now the fix is
+    --lengths up to max_seq_len.  Too short lengths still ask for longer ones."""
+    from difftx.errors import DataError
+
+    model, tok = tiny_model("diff", positions="learned"), ByteTokenizer()
+    with pytest.raises(DataError, match=r"longer than max_seq_len=256 .*; pass --lengths up to 256$"):
+        evaluate_niah(model, tok, lengths=[1000], grid="N1R1", samples=1, text=haystack_text())
+    with pytest.raises(DataError, match="pass longer --lengths"):
+        evaluate_niah(model, tok, lengths=[40], grid="N1R1", samples=1, text=haystack_text())

@@ -356,9 +356,10 @@ def evaluate_niah(model, tokenizer, grid=DEFAULT_GRID, lengths: Optional[Sequenc
             for d, ss in zip(depths, built):
                 cells.append(({"needles": n, "queries": r, "length": length, "depth": float(d)}, ss))
     if not cells:
+        fix = f"pass --lengths up to {hard}" if hard is not None and min(lengths) > hard else \
+            "pass longer --lengths, a smaller --grid or --template short"  # (not "longer" past max_seq_len)
         raise DataError(f"no N x R cell fits the lengths {lengths} (e.g. {skipped[0]['reason']} for "
-                        f"N{skipped[0]['needles']}R{skipped[0]['queries']}); pass longer --lengths, a smaller "
-                        "--grid or --template short")
+                        f"N{skipped[0]['needles']}R{skipped[0]['queries']}); {fix}")
     for cell, ss in cells:
         bs = batch_size or map_batch_size(model.config.n_heads, cell["length"], cap=16)
         tf = score_teacher_forced(model, ss, bs)
