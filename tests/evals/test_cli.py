@@ -419,3 +419,18 @@ def test_icl_shots_past_what_fits_name_the_most_that_fit(checkpoint, tmp_path, c
     assert _eval([*common, "--shots", str(fit)], capsys)[0] == 0
     rc, err = _eval([*common, "--shots", "1", "--max-len", "8", "--out", tmp_path / "o2"], capsys)
     assert rc == 2 and len(err) == 1 and "not even one demonstration fits" in err[0] and "--max-len" in err[0]
+
+
+def test_force_without_a_figure_removes_the_earlier_runs_figure(checkpoint, tmp_path, capsys):
+    """--force --no-plot wrote the new NAME.json and kept the earlier run's NAME.png beside it, a figure of another
+    result; it is removed now (and said so).  Without --force nothing of an earlier run is touched."""
+    out = tmp_path / "out"
+    args = ["mqar", "--checkpoint", checkpoint, "--out", out, *SMALL["mqar"], "--quiet"]
+    out.mkdir()
+    (out / "mqar.png").write_bytes(b"an earlier figure")
+    assert _eval([*args, "--no-plot"], capsys)[0] == 0  # no --force: an unclaimed figure stays
+    assert (out / "mqar.png").read_bytes() == b"an earlier figure"
+    capsys.readouterr()
+    assert main(["eval", *map(str, args), "--no-plot", "--force"]) == 0
+    assert not (out / "mqar.png").exists() and (out / "mqar.json").exists()
+    assert f"removed {out / 'mqar.png'}" in capsys.readouterr().out

@@ -431,9 +431,14 @@ def run(args) -> int:
     for line in _summary(args.eval_name, doc["results"]):
         print(line)
     print(f"wrote {path} ({t.seconds:.1f} s)")
+    png = path.with_suffix(".png")
+    stale = args.force and png.exists()  # --force --no-plot kept the earlier run's figure beside this run's JSON
+    if stale:
+        png.unlink()
     if not args.no_plot:
-        png = path.with_suffix(".png")
         _plot(args.eval_name, doc["results"], png)
         if png.exists():
             print(f"wrote {png}")
+    if stale and not png.exists():
+        print(f"removed {png}: the earlier run's figure (--force), which would misstate this result")
     return 0
