@@ -8,7 +8,8 @@
 #
 # STEPS: a comma list of tests,host,ops,bench,bench-large,variants,variants-flex,host-bench,host-share (default: all),
 # and bench-compile (not in the default): transformer and diff at 4 x 512, training and prefill, torch.compile'd
-# against eager in the same call (eager first).
+# against eager in the same call (eager first); host-share-compile: the host's bf16 training share on 2 pinned
+# cores, eager then compiled (the inductor's fused elementwise code around the same GEMMs and attention kernel).
 # host: the native CPU kernels' tests on the GPU machine's own processor (its vector widths, AVX-512 and AMX
 # where it has them, are ones a session's CPU may lack); host-bench: the kernels timed there (bf16, 1 thread);
 # host-share: bf16 training's share of the matmul peak on the host CPU, 2 pinned cores then 1.  Needs torch with CUDA;
@@ -63,6 +64,12 @@ share() {  # share NAME CORES THREADS: the bf16 training step against the peak m
         --out "$out/$1"
 }
 want host-share && share cpu-share-2t 0,1 2
+if want host-share-compile; then
+    share cpu-share-eager-2t 0,1 2
+    DIFFTX_CACHE_DIR=/tmp/difftx-host-cache step cpu-share-compiled-2t 240 taskset -c 0,1 $py -m difftx bench \
+        --device cpu --threads 2 --dtypes bf16 --arms transformer,diff --no-peers --phases train --no-memory \
+        --repeats 5 --compile --out "$out/cpu-share-compiled-2t"
+fi
 want host-share && share cpu-share-1t 2 1
 for f in "$out"/bench-*/bench.md "$out"/cpu-share-*/bench.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
 exit 0
