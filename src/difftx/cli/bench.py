@@ -80,8 +80,8 @@ def _check_mode(args) -> None:
         phases = _csv(args.phases) if args.phases is not None else None
         adamw = None if args.fused_adamw is None else "--fused-adamw" if args.fused_adamw else "--foreach-adamw"
         if args.compile and phases is not None and not {"train", "prefill"} & set(phases):
-            raise ConfigError("--compile", f"compiles the train and prefill phases (decoding stays eager), and --phases "
-                                           f"{args.phases} leaves both out; drop --compile or add a phase")
+            raise ConfigError("--compile", f"compiles the train and prefill phases (decoding stays eager), and "
+                                           f"--phases {args.phases} leaves both out; drop --compile or add a phase")
         for flag, given, phase in (("--decode-tokens", args.decode_tokens is not None, "decode"),
                                    ("--no-memory", args.no_memory, "train"), (adamw, adamw is not None, "train")):
             if given and phases is not None and phase not in phases:  # --phases train --decode-tokens 64 ran
