@@ -850,3 +850,16 @@ def test_combine_under_torch_func_and_double_backward():
     (dl,) = torch.autograd.grad(backends.combine(o1, o2, lam).pow(2).sum(), lam, create_graph=True)
     (d2,) = torch.autograd.grad(dl, lam)
     assert torch.allclose(d2, 2 * (o2 * o2).sum())
+
+
+@pytest.mark.parametrize("attention, variant", [("softmax", "sdpa"), ("diff", "2call"), ("diff2", "sdpa")])
+def test_a_compiled_model_is_one_graph_where_attention_is_torchs(attention, variant):
+    """Under torch.compile the native norm and RoPE passes step aside for torch ops (as the Linear and Block fast
+    paths do): a model whose attention is SDPA traces as one graph.  The norm's native pass broke the graph at
+    every RMSNorm (and past dynamo's recompile limit on a small preset), RoPE's at the kernels' lock."""
+    torch.manual_seed(0)
+    m = build_model(ModelConfig(attention=attention, d_model=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=16))
+    m.set_attention_backend("sdpa", variant)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(m)(torch.randint(0, 64, (2, 16)))
+    assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]

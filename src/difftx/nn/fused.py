@@ -722,7 +722,8 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gain: 
         # Off the CPU, torch's fused RMSNorm kernels (CUDA: one launch each way, not ~8 and ~10); on the CPU for
         # decoding-sized calls without autograd, where the fewest ops win.
         if (x.device.type != "cpu" or (x.numel() <= SMALL_NORM and not grad_wanted(x, weight))
-                or functorch_active()):  # torch.func cannot transform the autograd Function below
+                or traced()):  # torch.func cannot transform the autograd Function below; a compiled graph fuses
+            # torch's ops itself (the native pass broke the graph at every norm, recompiling past dynamo's limit)
             w = None if weight is None else weight.to(cd)
             w = w * gain if (w is not None and gain != 1.0) else w
             y = torch.nn.functional.rms_norm(x.to(cd), (x.shape[-1],), w, eps)
