@@ -222,3 +222,26 @@ def test_diffllama_config_without_rms_norm_eps_uses_diffllamas_default(tmp_path)
     x = tokens(97)
     with torch.no_grad():
         assert max_diff(model(x).logits, hf(x).logits) < TOL
+
+
+@pytest.mark.parametrize("kind", ["llama", "diffllama"])
+def test_tied_config_with_a_different_lm_head_keeps_the_head(tmp_path, kind):
+    """config.json ties the embeddings but the checkpoint holds an lm_head.weight of other values: transformers
+    loads that head untied; the conversion used to drop it and tie (logits off by ~3)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    hf_llama(kind, tie=True).save_pretrained(tmp_path / "hf")
+    sd = load_file(tmp_path / "hf" / "model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    sd["lm_head.weight"] = 0.1 * torch.randn(sd["model.embed_tokens.weight"].shape, generator=g)
+    save_file(sd, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    ref_model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    x = tokens(97)
+    with torch.no_grad():
+        ref = ref_model(x).logits
+        convert(tmp_path / "hf", tmp_path / "dx")
+        model = difftx.load_model(tmp_path / "dx")
+        assert not model.config.tie_embeddings
+        assert max_diff(model(x).logits, ref) < TOL
+        assert max_diff(difftx.load_model(tmp_path / "hf")(x).logits, ref) < TOL

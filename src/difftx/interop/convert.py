@@ -255,9 +255,13 @@ def read_hf_as_difftx(path) -> tuple[ModelConfig, dict]:
         shapes = expected_shapes(cfg)
         return cfg, map_and_check(state, [(k, k) for k in shapes], shapes, str(path))
     cfg = _llama_like_config(hf, src, diff=fmt == "hf-diffllama")
+    raw = hf_io.read_hf_weights(path)
+    head, embed = raw.get("lm_head.weight"), raw.get("model.embed_tokens.weight")
+    if cfg.tie_embeddings and head is not None and embed is not None and head.shape == embed.shape \
+            and not torch.equal(head, embed):  # a head of its own despite the config: transformers keeps it untied
+        cfg = cfg.replace(tie_embeddings=False)
     ignore = ("lm_head.weight",) if cfg.tie_embeddings else ()
-    state = map_and_check(hf_io.read_hf_weights(path), llama_key_pairs(cfg), expected_shapes(cfg), str(path),
-                          ignore=ignore)
+    state = map_and_check(raw, llama_key_pairs(cfg), expected_shapes(cfg), str(path), ignore=ignore)
     return cfg, state
 
 
