@@ -165,3 +165,19 @@ def test_lambdas_of_seeds_that_recorded_none():
     assert corpus_arm(runs, "lm")["lambdas"] == [None, None]
     runs = [{"job": {"seed": 0}, "lambdas": [0.2, None]}, {"job": {"seed": 1}, "lambdas": [0.4, 0.5]}]
     assert corpus_arm(runs, "lm")["lambdas"] == pytest.approx([0.3, 0.5])
+
+
+def test_lr_sweep_never_chooses_a_non_finite_loss():
+    """A sweep run whose final validation loss is NaN (the last update broke the weights after the trainer's
+    finiteness check) loses: it was kept as the best lr when it came first, since NaN < x is False.  Read back
+    from job.json (a resumed study) the same NaN is null and lost, so resuming changed the chosen lr."""
+    from difftx.compare.jobs import sweep_plan
+    from difftx.compare.results import choose_lrs
+
+    study = StudyConfig(arms=["transformer:adamw"], steps=4, retrieval="none", lr_sweep={"adamw": [1e-3, 2e-3, 4e-3]})
+    jobs = sweep_plan(study)
+    losses = [float("nan"), 2.5, 2.0]
+    results = {j.key: {"final": {"val_loss": v}, "diverged": False} for j, v in zip(jobs, losses)}
+    assert choose_lrs(study, jobs, results) == {"transformer-adamw": 4e-3}
+    results[jobs[2].key]["final"]["val_loss"] = float("inf")
+    assert choose_lrs(study, jobs, results) == {"transformer-adamw": 2e-3}

@@ -69,12 +69,14 @@ def compare(a: Optional[dict], b: Optional[dict], higher_is_better: bool) -> Opt
 
 # ----------------------------------------------------------------------------- sweep
 def choose_lrs(study: StudyConfig, jobs: list[Job], results: dict) -> dict[str, float]:
-    """Per arm, the sweep's lr with the lowest final validation loss (diverged runs lose)."""
+    """Per arm, the sweep's lr with the lowest final validation loss (diverged runs, and non-finite losses, lose)."""
     best: dict[str, tuple[float, float]] = {}
     for job in jobs:
         r = results[job.key]
         loss = (r.get("final") or {}).get("val_loss")
-        score = loss if (loss is not None and not r.get("diverged")) else math.inf
+        # a NaN loss compares False with everything: as a score it would keep (or be kept by) the first lr seen
+        ok = loss is not None and math.isfinite(loss) and not r.get("diverged")
+        score = loss if ok else math.inf
         if job.arm.id not in best or score < best[job.arm.id][0]:
             best[job.arm.id] = (score, job.lr)
     return {arm: lr for arm, (_, lr) in best.items()}
