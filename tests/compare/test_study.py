@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 
 import pytest
 import torch
@@ -181,3 +182,29 @@ def test_lr_sweep_never_chooses_a_non_finite_loss():
     assert choose_lrs(study, jobs, results) == {"transformer-adamw": 4e-3}
     results[jobs[2].key]["final"]["val_loss"] = float("inf")
     assert choose_lrs(study, jobs, results) == {"transformer-adamw": 2e-3}
+
+
+def test_a_value_a_finished_run_did_not_measure_is_not_called_diverged():
+    """A GPU run has no CPU rate and a job resumed after its last step trained none in its last process: the
+    report called such seeds "diverged" (every arm's tok/CPU-s of a GPU study read "diverged")."""
+    from difftx.compare.results import corpus_arm
+
+    def run(seed, diverged=False, cuda=False, steps=8):
+        r = {"job": {"seed": seed, "steps": 8}, "diverged": diverged,
+             "curve": {"tokens_per_step": 64.0, "train": [], "val": [[8, 2.0, None]]},
+             "train": {"cpu_s": 2.0, "steps": steps}, "throughput": {"per_s": 100.0, "unit": "tok"},
+             "memory": {"state_bytes": 1, "step_bytes": 1, "total_bytes": 2,
+                        "method": "torch.cuda.max_memory_allocated" if cuda else "profiler"}}
+        if not diverged:
+            r["final"] = {"val_loss": 2.0 + seed / 10}
+        return r
+
+    gpu = corpus_arm([run(0, cuda=True), run(1, cuda=True)], "lm")
+    assert gpu["throughput_cpu"]["n"] == 0 and ms(gpu["throughput_cpu"]) == "-"
+    resumed = corpus_arm([run(0), run(1, steps=0)], "lm")
+    assert ms(resumed["throughput_cpu"]) == f"{num(256.0)} (1 not measured)"
+    assert ms(resumed["val_loss"]) == f"{num(2.05)} ± {num(statistics.stdev([2.0, 2.1]))}"
+    lost = corpus_arm([run(0), run(1, diverged=True)], "lm")
+    assert ms(lost["val_loss"]) == f"{num(2.0)} (1 diverged)"
+    assert ms(corpus_arm([run(0, diverged=True), run(1, diverged=True)], "lm")["val_loss"]) == "diverged"
+    assert ms(stat([1.0, None])) == f"{num(1.0)} (1 diverged)"  # results.json of older versions: as before

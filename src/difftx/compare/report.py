@@ -28,13 +28,18 @@ def sig(x: Optional[float], digits: int = 3) -> str:
 
 
 def ms(s: Optional[dict], f=num) -> str:
-    """mean ± sd (or the mean alone with one seed); '-' when not measured; 'diverged' when no seed finished."""
+    """mean ± sd (or the mean alone with one seed); '-' when not measured; 'diverged' when every seed diverged.
+
+    Seeds without a value are named: diverged (their run did) or not measured (a finished run without it)."""
     if s is None:
         return "-"
+    missing = s.get("missing") or 0
+    div = min(missing, s.get("diverged", missing))  # results.json of older versions: every lost value diverged
+    lost = ", ".join([f"{div} diverged"] * bool(div) + [f"{missing - div} not measured"] * bool(missing - div))
     if s["n"] == 0:
-        return "diverged" if s.get("missing") else "-"
+        return "diverged" if div and div == missing else f"- ({lost})" if div else "-"
     text = f(s["mean"]) if s["sd"] is None else f"{f(s['mean'])} ± {f(s['sd'])}"
-    return text + (f" ({s['missing']} diverged)" if s.get("missing") else "")
+    return text + (f" ({lost})" if missing else "")
 
 
 def mib(x: Optional[float]) -> str:

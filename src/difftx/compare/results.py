@@ -32,14 +32,19 @@ PAPER_NUMBERS = {
 }
 
 
-def stat(values: list) -> Optional[dict]:
-    """Mean, sample sd, min, max over the finite values; None values (diverged runs) are counted apart."""
-    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+def stat(values: list, diverged: Optional[list] = None) -> Optional[dict]:
+    """Mean, sample sd, min, max over the finite values; None values (diverged runs) are counted apart.
+
+    ``diverged``: per value, whether its run diverged.  Given, ``diverged`` counts the missing values of diverged
+    runs, so that a value a finished run did not measure (a GPU run's CPU rate) is not reported as a divergence."""
+    ok = [v is not None and math.isfinite(float(v)) for v in values]
+    vals = [float(v) for v, good in zip(values, ok) if good]
     missing = len(values) - len(vals)
+    lost = {} if diverged is None else {"diverged": sum(bool(d) for d, good in zip(diverged, ok) if not good)}
     if not vals:
-        return {"mean": None, "sd": None, "min": None, "max": None, "n": 0, "missing": missing, "values": []}
+        return {"mean": None, "sd": None, "min": None, "max": None, "n": 0, "missing": missing, **lost, "values": []}
     return {"mean": statistics.fmean(vals), "sd": statistics.stdev(vals) if len(vals) > 1 else None,
-            "min": min(vals), "max": max(vals), "n": len(vals), "missing": missing, "values": vals}
+            "min": min(vals), "max": max(vals), "n": len(vals), "missing": missing, **lost, "values": vals}
 
 
 def compare(a: Optional[dict], b: Optional[dict], higher_is_better: bool) -> Optional[dict]:
@@ -138,12 +143,13 @@ def _per_cpu_s(run: dict) -> Optional[float]:
 
 
 def corpus_arm(runs: list[dict], domain: str) -> dict:
-    s = lambda *path: stat([_get(r, *path) for r in runs])  # noqa: E731
+    flags = [bool(r.get("diverged")) for r in runs]
+    s = lambda *path: stat([_get(r, *path) for r in runs], flags)  # noqa: E731
     res = {"seeds": [r["job"]["seed"] for r in runs], "diverged": sum(bool(r.get("diverged")) for r in runs),
            "val_loss": s("final", "val_loss"), "curve": _curve(runs),
            "throughput": s("throughput", "per_s"), "unit": next((_get(r, "throughput", "unit") for r in runs
                                                                 if _get(r, "throughput", "unit")), None),
-           "train_cpu_s": s("train", "cpu_s"), "throughput_cpu": stat([_per_cpu_s(r) for r in runs]),
+           "train_cpu_s": s("train", "cpu_s"), "throughput_cpu": stat([_per_cpu_s(r) for r in runs], flags),
            "memory": {k: s("memory", k) for k in ("state_bytes", "step_bytes", "total_bytes")},
            "memory_method": next((_get(r, "memory", "method") for r in runs if _get(r, "memory", "method")), None)}
     if domain == "vision":
@@ -168,13 +174,15 @@ def corpus_arm(runs: list[dict], domain: str) -> dict:
 def retrieval_arm(runs: list[dict]) -> dict:
     cells = list(dict.fromkeys(c for r in runs for c in (_get(r, "retrieval", "cells") or {})))
     regions = list(dict.fromkeys(k for r in runs for k in (_get(r, "attention", "mean") or {})))
-    return {"seeds": [r["job"]["seed"] for r in runs], "diverged": sum(bool(r.get("diverged")) for r in runs),
-            "val_loss": stat([_get(r, "final", "val_loss") for r in runs]),
-            "cells": {c: stat([_get(r, "retrieval", "cells", c) for r in runs]) for c in cells},
-            "overall": stat([_get(r, "retrieval", "overall") for r in runs]),
-            "attention": {k: stat([_get(r, "attention", "mean", k) for r in runs]) for k in regions},
-            "throughput": stat([_get(r, "throughput", "per_s") for r in runs]),
-            "memory_total_bytes": stat([_get(r, "memory", "total_bytes") for r in runs])}
+    flags = [bool(r.get("diverged")) for r in runs]
+    s = lambda *path: stat([_get(r, *path) for r in runs], flags)  # noqa: E731
+    return {"seeds": [r["job"]["seed"] for r in runs], "diverged": sum(flags),
+            "val_loss": s("final", "val_loss"),
+            "cells": {c: s("retrieval", "cells", c) for c in cells},
+            "overall": s("retrieval", "overall"),
+            "attention": {k: s("attention", "mean", k) for k in regions},
+            "throughput": s("throughput", "per_s"),
+            "memory_total_bytes": s("memory", "total_bytes")}
 
 
 # ----------------------------------------------------------------------------- the questions
