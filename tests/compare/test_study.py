@@ -208,3 +208,30 @@ def test_a_value_a_finished_run_did_not_measure_is_not_called_diverged():
     assert ms(lost["val_loss"]) == f"{num(2.0)} (1 diverged)"
     assert ms(corpus_arm([run(0, diverged=True), run(1, diverged=True)], "lm")["val_loss"]) == "diverged"
     assert ms(stat([1.0, None])) == f"{num(1.0)} (1 diverged)"  # results.json of older versions: as before
+
+
+def test_an_arm_whose_runs_all_diverged_stays_in_the_outlier_and_tail_tables():
+    """Its runs have no measurements: the arm was left out of the activation-outlier and gradient-tail tables
+    without a word (docs/compare.md: a diverged run is reported as diverged, not dropped)."""
+    from difftx.compare.report import outliers_section, tails_section
+    from difftx.compare.results import corpus_arm
+
+    def run(seed, diverged):
+        r = {"job": {"seed": seed, "steps": 8}, "diverged": diverged}
+        if not diverged:
+            r["outliers"] = {k: {"top1": 9.0, "top10": 5.0, "median": 1.0}
+                             for k in ("attention_logits", "hidden_states")}
+            r["tails"] = {"entries": {"all": {"q99_9_over_q50": 20.0, "hill": 2.0}},
+                          "noise": {"all": {"alpha_mohammadi": 1.7}}}
+        return r
+
+    res = {"arms": {"transformer-adamw": {"label": "T"}, "dnt-adamw": {"label": "D"}},
+           "corpus": {"transformer-adamw": corpus_arm([run(0, False), run(1, False)], "lm"),
+                      "dnt-adamw": corpus_arm([run(0, True), run(1, True)], "lm")}}
+    tables = (outliers_section(res), tails_section(res, "entries_q99_9_over_q50"), tails_section(res, "noise_alpha"))
+    for table in tables:
+        assert "| T | 9" in table or "| T | 20" in table or "| T | 1.7" in table, table
+        assert any(line.startswith("| D | diverged |") for line in table.splitlines()), table
+    res["corpus"]["dnt-adamw"]["diverged"] = 0  # a vision study measures no outliers: still no table
+    res["corpus"]["transformer-adamw"].pop("outliers")
+    assert outliers_section(res) is None

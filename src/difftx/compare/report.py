@@ -187,10 +187,11 @@ def outliers_section(res: dict) -> Optional[str]:
     for a, c in res["corpus"].items():
         o = c.get("outliers")
         if not o:
+            rows += [[res["arms"][a]["label"]] + ["diverged"] * 6] if c.get("diverged") else []  # not dropped
             continue
         rows.append([res["arms"][a]["label"]] + [ms(o[k][q], sig) for k in ("attention_logits", "hidden_states")
                                                  for q in ("top1", "top10", "median")])
-    if not rows:
+    if not any(c.get("outliers") for c in res["corpus"].values()):
         return None
     return table(["arm", "logit top-1", "logit top-10", "logit median", "hidden top-1", "hidden top-10",
                   "hidden median"], rows)
@@ -200,8 +201,9 @@ def tails_section(res: dict, key: str) -> Optional[str]:
     kinds = list(dict.fromkeys(k for c in res["corpus"].values() for k in (c.get("tails") or {}).get(key, {})))
     if not kinds:
         return None
-    rows = [[res["arms"][a]["label"]] + [ms(c["tails"][key].get(k), sig) for k in kinds]
-            for a, c in res["corpus"].items() if c.get("tails")]
+    rows = [[res["arms"][a]["label"]] + [ms(c["tails"][key].get(k), sig) if c.get("tails") else "diverged"
+                                         for k in kinds]
+            for a, c in res["corpus"].items() if c.get("tails") or c.get("diverged")]  # an arm that diverged: said
     return table(["arm"] + kinds, rows)
 
 
