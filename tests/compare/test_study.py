@@ -250,3 +250,24 @@ def test_equal_arms_are_rarely_called_different(seeds):
     calls = [compare(stat(list(a)), stat(list(b)), False)["verdict"] != "no clear difference"
              for a, b in rng.standard_normal((4000, 2, seeds))]
     assert np.mean(calls) < 0.065
+
+
+@pytest.mark.parametrize("s1_msgdw, answer", [
+    ([2.0, 2.1], "yes"),  # mSGDW clearly worse with the Transformer's norms, matched with DNT's
+    ([1.0, 1.1], "not DNT's doing (mSGDW matches AdamW without DNT too)"),  # was "yes"
+])
+def test_dnt_is_credited_only_when_msgdw_needs_it(s1_msgdw, answer):
+    from difftx.compare.results import PAPER_NUMBERS, questions
+
+    study = StudyConfig(arms=["transformer:adamw", "transformer:msgdw", "dnt:adamw", "dnt:msgdw"], seeds=2)
+    loss = {"transformer-adamw": [1.0, 1.1], "transformer-msgdw": s1_msgdw, "dnt-adamw": [1.0, 1.1],
+            "dnt-msgdw": [1.02, 1.12]}
+    corpus = {arm: {"val_loss": stat(v), "throughput": stat([1.0, 1.0]), "throughput_cpu": stat([1.0, 1.0]),
+                    "memory": {"total_bytes": stat([1.0, 1.0])}} for arm, v in loss.items()}
+    q = questions(study, corpus, None)
+    assert q["dnt_msgdw_matches_adamw"]["answer"] == answer
+    from difftx.compare.report import answers
+
+    line = next(a for a in answers({"questions": q, "domain": "lm", "arms": {a: {"label": a} for a in loss},
+                                    "papers": PAPER_NUMBERS}) if "mSGDW match" in a)
+    assert f"AdamW? {answer[0].upper()}{answer[1:]}.**" in line  # names kept (str.capitalize lowered "DNT", "mSGDW")

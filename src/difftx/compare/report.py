@@ -64,6 +64,11 @@ def _label(res: dict, arm: str) -> str:
     return res["arms"][arm]["label"]
 
 
+def _upper_first(text: str) -> str:
+    """The answer opening a sentence: str.capitalize would lower the rest ("DNT", "mSGDW")."""
+    return text[:1].upper() + text[1:]
+
+
 def _comparison_line(res: dict, row: dict, what: str, f=num) -> str:
     if not row or row.get("delta") is None and row.get("verdict") is None:
         return f"{what}: not measured"
@@ -90,7 +95,7 @@ def answers(res: dict) -> list[str]:
     if "diff_vs_transformer" in q:
         d = q["diff_vs_transformer"]
         parts = [_comparison_line(res, r, f"{METRIC_NAMES.get(r['metric'], r['metric'])} Δ") for r in d["rows"]]
-        out.append(f"**Does DIFF beat the Transformer here? {d['answer'].capitalize()}.** "
+        out.append(f"**Does DIFF beat the Transformer here? {_upper_first(d['answer'])}.** "
                    f"{_label(res, d['a'])} minus {_label(res, d['b'])}: " + "; ".join(parts) + ".")
     if "dnt_msgdw_matches_adamw" in q:
         d = q["dnt_msgdw_matches_adamw"]
@@ -106,7 +111,7 @@ def answers(res: dict) -> list[str]:
             p = res["papers"]["dnt_val_loss_124m"]
             paper = (f"DNT paper, 124M on OpenWebText: GPT-2 {p['gpt2-msgdw'] - p['gpt2-adamw']:+.3f}, "
                      f"L-DNT {p['ldnt-msgdw'] - p['ldnt-adamw']:+.3f}")
-        out.append(f"**Does DNT let mSGDW match AdamW? {d['answer'].capitalize()}.** " + "; ".join(parts) +
+        out.append(f"**Does DNT let mSGDW match AdamW? {_upper_first(d['answer'])}.** " + "; ".join(parts) +
                    f". ({paper}.)")
     cost = q.get("cost")
     if cost:

@@ -262,7 +262,10 @@ def questions(study: StudyConfig, corpus: dict, retrieval: Optional[dict]) -> di
         if dnt_gap is None or dnt_gap.get("verdict") is None:
             answer = "not measured"
         elif _verdict(dnt_gap["verdict"]) in ("better", "no clear difference"):
-            answer = "yes"
+            base_gap = _verdict((gaps.get(base) or {}).get("verdict"))
+            # matching AdamW with the Transformer's norms too is no evidence for DNT: "yes" read as DNT's doing
+            answer = "not DNT's doing (mSGDW matches AdamW without DNT too)" \
+                if base_gap in ("better", "no clear difference") else "yes"
         elif _verdict(dnt_gap["verdict"]) == "worse":
             answer = "no"
         else:
