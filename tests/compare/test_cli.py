@@ -166,6 +166,8 @@ def test_lr_sweep_picks_each_arms_best_lr_and_reuses_its_run(compare, corpus, tm
         best = min(rows, key=lambda r: r["val_loss"])
         assert sweep["chosen"][arm] == best["lr"]
     assert "## Learning-rate sweep" in (out / "report.md").read_text()
+    # the chosen run is reused as seed 0: its loss is the grid's best on the same data, and the report says so
+    assert "biased in its favour" in (out / "report.md").read_text()
     assert (out / "lr_sweep.png").exists()
 
 

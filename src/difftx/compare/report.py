@@ -346,8 +346,12 @@ def render(res: dict, pictures: tuple = ()) -> str:
           res["papers"]["dnt_memory_table2"] + "."]
     sw = sweep_section(res)
     if sw:
+        seed = res["lr_sweep"]["seed"]
+        reused = (f" The chosen run is the arm's seed-{seed} run: that seed's validation loss above is the best of the "
+                  "grid on the same data, so a swept arm's mean is biased in its favour (the other seeds' are not; "
+                  "compare arms swept alike)." if not vision else "")
         L += ["", "## Learning-rate sweep", "", f"Final validation loss of each arm at each learning rate (corpus, "
-              f"seed {res['lr_sweep']['seed']}); bold: the lr the study used.", "", sw, pic("lr_sweep.png", "lr sweep")]
+              f"seed {seed}); bold: the lr the study used." + reused, "", sw, pic("lr_sweep.png", "lr sweep")]
     L += ["", "## Every comparison", "", verdicts_section(res), "", "## Reproduce", "",
           f"    {res['command']}", "", "Rerunning with the same seeds reproduces every number here except the timings "
           "(throughput, CPU and wall time), which depend on the machine and its load, given the same torch version "
