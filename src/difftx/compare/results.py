@@ -5,9 +5,10 @@ a :func:`stat` (mean, sample standard deviation, min, max, the values).  A
 comparison of two arms (:func:`compare`) calls a difference *clear* only when
 it is larger than the seed spread, the larger of the two arms' ranges over
 seeds (max - min), times :data:`SPREAD_FACTOR` at two seeds; otherwise it is
-"no clear difference".  With one seed there is no spread and no verdict.  A run without a value (it diverged, or was not
-measured) is not dropped as if the arm had fewer seeds: its arm is the worse
-one, and the verdict says how many of its runs it lost.
+"no clear difference".  With one seed there is no spread and no verdict.  A run
+without a value (it diverged, or was not measured) is not dropped as if the arm
+had fewer seeds: its arm is the worse one, and the verdict says how many of its
+runs it lost.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ PAPER_NUMBERS = {
 # The bar a difference must clear, in seed spreads, by the seeds per arm: two arms of equal performance with normal
 # seed noise are then called different about 5% of the time or less (simulated, 2 x 10^6 pairs: the mean difference
 # against the larger of the two ranges exceeds 1x the spread 21.7% of the time at 2 seeds, 2.43x 5%; 4.9% at 1x with 3
-# seeds, 1.1% with 4).  Two seeds alone called a third of a spread's noise a difference one time in five.
+# seeds, 1.1% with 4).  At two seeds the bare spread called equal arms different one time in five.
 SPREAD_FACTOR = {2: 2.5}
 
 
