@@ -121,6 +121,25 @@ def test_scoring_alignment_with_oracles():
     assert all(g == [True, True] for g in score_generation(RetrievalOracle(), TOK, samples, 4))
 
 
+class LateOracle(RetrievalOracle):
+    """Emits three filler tokens before the number: found within its answer + 3 tokens, not + 2."""
+
+    def generate(self, ids, max_new_tokens, attention_mask=None, **kw):
+        out = super().generate(ids, max_new_tokens + 3, attention_mask)
+        n, filler = ids.shape[1], torch.tensor(TOK.encode("...")).expand(len(ids), 3)
+        return torch.cat((ids, filler, out[:, n:]), 1)[:, :n + max_new_tokens]
+
+
+def test_generation_score_does_not_depend_on_the_batch():
+    """A query's generation budget was its batch's longest answer + 2 tokens, so a short answer batched with a long
+    one (a BPE's numbers differ in length) was read further, and scored differently, than alone (--batch-size)."""
+    short = NiahBuilder(TOK, text=haystack_text(), digits=2).sample(rng_for(4, 0), 300, 1, 1, depth=0.5)
+    long = NiahBuilder(TOK, text=haystack_text(), digits=6).sample(rng_for(4, 1), 300, 1, 1, depth=0.5)
+    alone = score_generation(LateOracle(), TOK, [short, long], 1)
+    assert alone == [[False], [False]]  # an answer + 2 tokens cannot hold "..." + the answer
+    assert score_generation(LateOracle(), TOK, [short, long], 2) == alone
+
+
 def test_evaluate_niah_tiny_model_runs_and_skips_cells_that_do_not_fit():
     r = evaluate_niah(tiny_model("diff"), TOK, grid="N1R1,N4R2", lengths=[128, 256], depths=[0.0, 1.0], samples=2,
                       text=haystack_text())

@@ -296,13 +296,17 @@ def score_generation(model, tokenizer, samples: Sequence[NiahSample], batch_size
     found: dict[tuple[int, int], bool] = {}
     for chunk in batches(jobs, batch_size):
         prompts = [samples[i].ids[:samples[i].answers[j][0]] for i, j in chunk]
-        n_new = max(b - a for i, j in chunk for a, b in [samples[i].answers[j]]) + extra_tokens
+        # each query's own budget (its answer's tokens + extra_tokens), not its batch's longest: what a query is
+        # scored on must not depend on the other queries in its batch (--batch-size)
+        own = [b - a + extra_tokens for i, j in chunk for a, b in [samples[i].answers[j]]]
         ids, mask = pad_left(prompts)
+        n_new = max(own)
         if hard_limit(model) is not None:  # learned positions: stay inside max_seq_len
+            own = [max(1, min(n, hard_limit(model) - len(p))) for n, p in zip(own, prompts)]
             n_new = max(1, min(n_new, hard_limit(model) - ids.shape[1]))
         out = model.generate(ids.to(device), max_new_tokens=n_new, do_sample=False, attention_mask=mask.to(device))
         for row, (i, j) in enumerate(chunk):
-            text = tokenizer.decode(out[row, ids.shape[1]:].tolist())
+            text = tokenizer.decode(out[row, ids.shape[1]:ids.shape[1] + own[row]].tolist())
             found[(i, j)] = samples[i].numbers[j] in text
     return [[found[(i, j)] for j in range(len(s.answers))] for i, s in enumerate(samples)]
 
