@@ -8,7 +8,7 @@
 #
 # STEPS: a comma list of tests,host,ops,bench,bench-large,variants,variants-flex,host-bench,host-share (default: all),
 # and bench-compile (not in the default): transformer and diff at 4 x 512, training and prefill, torch.compile'd
-# against eager in the same call (eager first); host-share-compile: the host's bf16 training share on 2 pinned
+# against eager in the same call (eager first), bench-compile-large the same at 16 x 2048; host-share-compile: the host's bf16 training share on 2 pinned
 # cores, eager then compiled (the inductor's fused elementwise code around the same GEMMs and attention kernel).
 # host: the native CPU kernels' tests on the GPU machine's own processor (its vector widths, AVX-512 and AMX
 # where it has them, are ones a session's CPU may lack); host-bench: the kernels timed there (bf16, 1 thread);
@@ -48,6 +48,12 @@ if want bench-compile; then  # the same two arms and options, eager then compile
     pair="--device cuda --arms transformer,diff --no-peers --phases train,prefill --repeats 5"
     step bench-eager-pair 90 $py -m difftx bench $pair --out "$out/bench-eager-pair"
     step bench-compile 420 $py -m difftx bench $pair --compile --out "$out/bench-compile"
+fi
+if want bench-compile-large; then  # the same at 16 x 2048, where the GPU is busy rather than waiting on launches
+    pair="--device cuda --arms transformer,diff --no-peers --phases train,prefill --repeats 3 --batch-size 16"
+    pair="$pair --seq-len 2048"
+    step bench-eager-pair-16x2048 90 $py -m difftx bench $pair --out "$out/bench-eager-pair-16x2048"
+    step bench-compile-16x2048 240 $py -m difftx bench $pair --compile --out "$out/bench-compile-16x2048"
 fi
 want bench-large && step bench-large 80 $py -m difftx bench --device cuda --out "$out/bench-16x2048" --repeats 3 \
     --batch-size 16 --seq-len 2048 --decode-tokens 32
