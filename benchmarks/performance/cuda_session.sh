@@ -8,8 +8,8 @@
 #
 # STEPS: a comma list of tests,host,ops,bench,bench-large,variants,variants-flex,host-bench,host-share (default: all),
 # and bench-compile (not in the default): transformer and diff at 4 x 512, training and prefill, torch.compile'd
-# against eager in the same call (eager first), bench-compile-large the same at 16 x 2048; host-share-compile: the host's bf16 training share on 2 pinned
-# cores, eager then compiled (the inductor's fused elementwise code around the same GEMMs and attention kernel).
+# against eager in the same call (eager first), bench-compile-large the same at 16 x 2048; host-share-compile:
+# the host's bf16 training share on 2 pinned cores, eager then compiled.
 # host: the native CPU kernels' tests on the GPU machine's own processor (its vector widths, AVX-512 and AMX
 # where it has them, are ones a session's CPU may lack); host-bench: the kernels timed there (bf16, 1 thread);
 # host-share: bf16 training's share of the matmul peak on the host CPU, 2 pinned cores then 1.  Needs torch with CUDA;
