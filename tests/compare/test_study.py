@@ -206,6 +206,9 @@ def test_a_value_a_finished_run_did_not_measure_is_not_called_diverged():
     assert gpu["throughput_cpu"]["n"] == 0 and ms(gpu["throughput_cpu"]) == "-"
     resumed = corpus_arm([run(0), run(1, steps=0)], "lm")
     assert ms(resumed["throughput_cpu"]) == f"{num(256.0)} (1 not measured)"
+    # the resumed run's CPU time is its last process's only: not the run's (it read 2.0 s for the whole run)
+    assert ms(resumed["train_cpu_s"]) == f"{num(2.0)} (1 not measured)"
+    assert ms(corpus_arm([run(0), run(1, steps=3)], "lm")["train_cpu_s"]) == f"{num(2.0)} (1 not measured)"
     assert ms(resumed["val_loss"]) == f"{num(2.05)} ± {num(statistics.stdev([2.0, 2.1]))}"
     lost = corpus_arm([run(0), run(1, diverged=True)], "lm")
     assert ms(lost["val_loss"]) == f"{num(2.0)} (1 diverged)"
