@@ -166,7 +166,8 @@ def corpus_arm(runs: list[dict], domain: str) -> dict:
            "val_loss": s("final", "val_loss"), "curve": _curve(runs),
            "throughput": s("throughput", "per_s"), "unit": next((_get(r, "throughput", "unit") for r in runs
                                                                 if _get(r, "throughput", "unit")), None),
-           "train_cpu_s": stat([_whole_run_cpu_s(r) for r in runs], flags), "throughput_cpu": stat([_per_cpu_s(r) for r in runs], flags),
+           "train_cpu_s": stat([_whole_run_cpu_s(r) for r in runs], flags),
+           "throughput_cpu": stat([_per_cpu_s(r) for r in runs], flags),
            "memory": {k: s("memory", k) for k in ("state_bytes", "step_bytes", "total_bytes")},
            "memory_method": next((_get(r, "memory", "method") for r in runs if _get(r, "memory", "method")), None)}
     if domain == "vision":
