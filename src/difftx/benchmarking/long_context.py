@@ -62,21 +62,14 @@ def check_memory(lengths: list[int], preset: str = "small", batch: int = 1, dtyp
     preset's DIFF twin, ``batch`` sequences in ``dtype``) cannot fit in the device's free memory (the rule of the
     training check; ``DIFFTX_MEMORY_CHECK=0`` skips it).  --lengths 10**11 crashed with torch's allocator error as
     a traceback, after --out was made."""
-    from ..errors import InsufficientMemory
     from ..train import memory_check
 
-    if not memory_check.enabled():
-        return
     cfg = ModelConfig.from_preset(preset, attention="diff")
     n, size = max(lengths), {"fp32": 4, "bf16": 2}[dtype]
     need = 2 * size * batch * n * cfg.head_dim * (2 * cfg.n_heads + 4 * cfg.n_kv_heads)  # inputs and gradients
-    free = memory_check.free_memory(device)
-    if free is not None and need > free:
-        where = "the CPU" if torch.device(device).type == "cpu" else str(device)
-        raise InsufficientMemory(f"not enough memory: {batch:,} sequence(s) of {n:,} tokens of one {preset} DIFF "
-                                 f"attention layer's inputs and gradients need at least {memory_check.gib(need)} on "
-                                 f"{where} and {memory_check.gib(free)} is free; pass shorter --lengths or a smaller "
-                                 f"--batch-size; or set {memory_check.ENV}=0 to try anyway")
+    memory_check.require_bytes(need, device, f"{batch:,} sequence(s) of {n:,} tokens of one {preset} DIFF attention "
+                                             "layer's inputs and gradients",
+                               "pass shorter --lengths or a smaller --batch-size")
 
 
 def attention_scaling(lengths: list[int], preset: str = "small", batch: int = 1, dtype: str = "bf16",

@@ -137,10 +137,9 @@ class BenchConfig:
         step and its prefill compute them all; decoding, its prompt's).  A --seq-len or --batch-size of 10**11
         crashed with torch's allocator error as a traceback.  Call after :meth:`validate`."""
         from ..accounting import count_parameters
-        from ..errors import InsufficientMemory
         from ..train import memory_check
 
-        if not memory_check.enabled():
+        if not memory_check.enabled():  # skips building the arms' configs too
             return
         base = ModelConfig.from_preset(self.preset)
         cfgs = [ModelConfig.from_preset(self.preset, max_seq_len=max(base.max_seq_len, self.seq_len), **ARMS[a])
@@ -150,14 +149,10 @@ class BenchConfig:
         scored = tokens if {"train", "prefill"} & set(self.phases) else \
             (self.decode_batch or self.batch_size) * (self.seq_len - self.decode_tokens)
         need = weights + 16 * tokens + 4 * scored * max(c.vocab_size for c in cfgs)
-        free = memory_check.free_memory(self.device)
-        if free is not None and need > free:
-            where = "the CPU" if torch.device(self.device).type == "cpu" else self.device
-            raise InsufficientMemory(
-                f"not enough memory: the {len(cfgs)} arms' fp32 weights ({memory_check.gib(weights)}), a batch of "
-                f"{self.batch_size:,} x {self.seq_len:,} tokens and its logits need at least {memory_check.gib(need)} "
-                f"on {where} and {memory_check.gib(free)} is free; lower --batch-size or --seq-len (or give fewer "
-                f"--arms); or set {memory_check.ENV}=0 to try anyway")
+        memory_check.require_bytes(need, self.device, f"the {len(cfgs)} arms' fp32 weights ({memory_check.gib(weights)}"
+                                                      f"), a batch of {self.batch_size:,} x {self.seq_len:,} tokens "
+                                                      "and its logits",
+                                   "lower --batch-size or --seq-len (or give fewer --arms)")
 
 
 def resolve_dtypes(dtypes: list, device: torch.device) -> list:

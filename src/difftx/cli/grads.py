@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import ConfigError, DifftxError, InsufficientMemory
+from ..errors import ConfigError, DifftxError
 
 DEFAULT_SETTINGS = "S1,S2,S3,S4,S5,diff"
 RESULT_FILES = ("flow.json", "tails.json", "report.md")  # an earlier run's, kept unless --force
@@ -393,12 +393,9 @@ def _check_memory(args, configs) -> None:
     from ..analysis.tail_study import KIND_ORDER
 
     entries = min(args.max_noise_entries, max(count_parameters(c) for c in configs)) * len(KIND_ORDER)
-    need, free = args.noise_batches * entries * 8 * 2, memory_check.free_memory("cpu")
-    if free is not None and need > free:
-        raise InsufficientMemory(f"not enough memory: {args.noise_batches:,} noise batches x up to {entries:,} sampled "
-                                 f"gradient entries need at least {memory_check.gib(need)} on the CPU and "
-                                 f"{memory_check.gib(free)} is free; pass fewer --noise-batches or "
-                                 f"--max-noise-entries; or set {memory_check.ENV}=0 to try anyway")
+    memory_check.require_bytes(args.noise_batches * entries * 8 * 2, "cpu",
+                               f"{args.noise_batches:,} noise batches x up to {entries:,} sampled gradient entries",
+                               "pass fewer --noise-batches or --max-noise-entries")
 
 
 def run(args) -> int:

@@ -27,7 +27,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from ..errors import CheckpointError, ConfigError, DataError, InsufficientMemory
+from ..errors import CheckpointError, ConfigError, DataError
 from ..nn.probe import AttentionProbe, attach_probe
 
 SCHEMA_VERSION = 1
@@ -116,12 +116,7 @@ def require_memory(model, sequences: int, length: int, what: str, fix: str, per_
     device = model_device(model)
     needs = [("cpu", built + hidden)] if device.type == "cpu" else [("cpu", built), (device, hidden)]
     for where, need in needs:
-        free = memory_check.free_memory(where)
-        if free is not None and need > free:
-            place = "the CPU" if where == "cpu" else str(where)
-            raise InsufficientMemory(f"not enough memory: {what} need at least {memory_check.gib(need)} on {place} "
-                                     f"and {memory_check.gib(free)} is free; {fix}; or set {memory_check.ENV}=0 to "
-                                     "try anyway")
+        memory_check.require_bytes(need, where, what, fix)
 
 
 def model_summary(model) -> dict:

@@ -127,6 +127,18 @@ def step_samples_bytes(mcfg, tcfg, world_size: int) -> int:
     return rows * per_row + 8 * rows * world_size
 
 
+def require_bytes(need: int, device, what: str, fix: str) -> None:
+    """Raise InsufficientMemory when ``need`` bytes exceed ``device``'s free memory: the one-off checks of the
+    evaluations, the bench and grads (a training run's own floor: :func:`require_fit`).  ``what`` names the plural
+    that needs them ("1 sequence(s) of ... tokens"), ``fix`` the flags that shrink it."""
+    free = free_memory(device) if enabled() else None
+    if free is None or need <= free:
+        return
+    where = "the CPU" if torch.device(device).type == "cpu" else str(device)
+    raise InsufficientMemory(f"not enough memory: {what} need at least {gib(need)} on {where} and {gib(free)} is "
+                             f"free; {fix}; or set {ENV}=0 to try anyway")
+
+
 def require_samples_fit(need: int, rows: int, domain: str, copies: int = 1) -> None:
     """Raise InsufficientMemory when ``copies`` processes' step samples (``need`` bytes each) exceed the CPU's free
     memory: a step of ``--grad-accum 10**11`` asked numpy for TiBs, past the model's floor (one micro-batch)."""
