@@ -33,3 +33,19 @@ def test_lr_source_names_the_sweep_only_for_swept_optimisers():
     lrs = {"transformer-adamw": 2e-3, "transformer-sgd": 0.3}  # choose_lrs picks for every arm of the sweep plan
     assert lr_source(study, arms["transformer-adamw"], lrs) == "--lr-sweep"
     assert lr_source(study, arms["transformer-sgd"], lrs) == "default"
+
+
+def test_an_arm_whose_every_seed_diverged_reads_diverged_in_the_retrieval_tables():
+    from difftx.compare.report import attention_section, retrieval_section
+    from difftx.compare.results import retrieval_arm
+
+    ok = [{"job": {"seed": s}, "final": {"val_loss": 1.0 + s}, "retrieval": {"cells": {"n=1": 0.5 + s / 10},
+           "overall": 0.5}, "attention": {"mean": {"answer": 0.2, "noise": 0.1}}} for s in (0, 1)]
+    lost = [{"job": {"seed": s}, "diverged": True} for s in (0, 1)]
+    res = {"arms": {"a": {"label": "A"}, "b": {"label": "B"}},
+           "retrieval": {"cells": ["n=1"], "arms": {"a": retrieval_arm(ok), "b": retrieval_arm(lost)}}}
+    for section in (retrieval_section(res), attention_section(res)):
+        b_row = [line for line in section.splitlines() if line.startswith("| B |")][0]
+        cells = [c.strip() for c in b_row.strip("|").split("|")][1:]
+        assert cells and all(c == "diverged" for c in cells), section
+        assert "| A | 0.5" in section or "| A | 0.2" in section

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from difftx.compare import StudyConfig
 from difftx.compare.jobs import plan, train_config
-from difftx.compare.results import _per_cpu_s
+from difftx.compare.report import _jobs_cpu
+from difftx.compare.results import _per_cpu_s, continued_jobs
 from difftx.compare.worker import run_job
 from difftx.train import train
 
@@ -27,3 +28,8 @@ def test_a_resumed_job_counts_only_the_steps_it_trained(tmp_path, corpus):
     fresh = run_job(study, job, tmp_path / "fresh")
     assert fresh["train"]["steps"] == 8
     assert _per_cpu_s(fresh) == tps * 8 / fresh["train"]["cpu_s"]
+    # the study's header: its CPU total misses the interrupted process's time, and says so
+    assert continued_jobs({"a": res, "b": fresh}) == 1 and continued_jobs({"b": fresh}) == 0
+    total = res["train"]["cpu_s"] + fresh["train"]["cpu_s"]
+    assert _jobs_cpu({"jobs_cpu_s": total, "jobs_continued": 1}).startswith(f"at least {total:.0f} s (1 job continued")
+    assert _jobs_cpu({"jobs_cpu_s": total}) == f"{total:.0f} s"  # a results.json of an older version

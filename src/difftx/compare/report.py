@@ -178,10 +178,17 @@ def quality_section(res: dict) -> str:
     return table(head, rows)
 
 
+def _arm_ms(x: dict, s: Optional[dict], f=num) -> str:
+    """``ms`` for an arm's column, which an arm whose every seed diverged has no entry in: said, not '-'."""
+    if s is None and x.get("diverged") and x["diverged"] == len(x.get("seeds") or ()):
+        return "diverged"
+    return ms(s, f)
+
+
 def retrieval_section(res: dict) -> str:
     r = res["retrieval"]
     head = ["arm"] + r["cells"] + ["overall", "task val loss"]
-    rows = [[res["arms"][a]["label"]] + [ms(x["cells"].get(c), lambda v: num(v, 3)) for c in r["cells"]] +
+    rows = [[res["arms"][a]["label"]] + [_arm_ms(x, x["cells"].get(c), lambda v: num(v, 3)) for c in r["cells"]] +
             [ms(x["overall"], lambda v: num(v, 3)), ms(x["val_loss"])] for a, x in r["arms"].items()]
     return table(head, rows)
 
@@ -189,7 +196,7 @@ def retrieval_section(res: dict) -> str:
 def attention_section(res: dict) -> str:
     r = res["retrieval"]
     regions = list(dict.fromkeys(k for x in r["arms"].values() for k in x["attention"]))
-    rows = [[res["arms"][a]["label"]] + [ms(x["attention"].get(k), lambda v: num(v, 3)) for k in regions]
+    rows = [[res["arms"][a]["label"]] + [_arm_ms(x, x["attention"].get(k), lambda v: num(v, 3)) for k in regions]
             for a, x in r["arms"].items()]
     return table(["arm"] + regions, rows)
 
@@ -264,6 +271,16 @@ def verdicts_section(res: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- the report
+def _jobs_cpu(t: dict) -> str:
+    """The jobs' training CPU seconds; a lower bound when some continued after an interruption (their earlier
+    processes' time is not recorded), which the line says."""
+    n = t.get("jobs_continued") or 0
+    if not n:
+        return f"{t['jobs_cpu_s']:.0f} s"
+    return (f"at least {t['jobs_cpu_s']:.0f} s ({n} job{'s' if n > 1 else ''} continued after an interruption; "
+            f"{'their' if n > 1 else 'its'} earlier processes' CPU time is not recorded)")
+
+
 def render(res: dict, pictures: tuple = ()) -> str:
     """The whole report.  ``pictures``: PNG file names present beside it."""
     pic = lambda name, alt: f"\n![{alt}]({name})\n" if name in pictures else ""  # noqa: E731
@@ -274,7 +291,7 @@ def render(res: dict, pictures: tuple = ()) -> str:
         procs += f", {t['threads_per_worker']} thread(s) each"
     L = [f"# difftx compare: {'vision' if vision else 'language'} study", "",
          f"Command: `{res['command']}`  ",
-         f"Wall time: {t['wall_s']:.0f} s ({procs}); training CPU time of all jobs: {t['jobs_cpu_s']:.0f} s"
+         f"Wall time: {t['wall_s']:.0f} s ({procs}); training CPU time of all jobs: {_jobs_cpu(t)}"
          + (f"; CPU time of the whole study (all processes): {t['process_cpu_s']:.0f} s" if t.get("process_cpu_s")
             else "") + ".  ",
          "Every number below is in `results.json`; each is the mean ± sample standard deviation over "

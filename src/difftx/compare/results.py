@@ -159,6 +159,11 @@ def _whole_run_cpu_s(run: dict) -> Optional[float]:
     return _get(run, "train", "cpu_s") if steps is None or steps == run["job"]["steps"] else None
 
 
+def continued_jobs(results: dict) -> int:
+    """How many jobs continued after an interruption: their earlier processes' CPU time is not in ``jobs_cpu_s``."""
+    return sum(_get(r, "train", "cpu_s") is not None and _whole_run_cpu_s(r) is None for r in results.values())
+
+
 def corpus_arm(runs: list[dict], domain: str) -> dict:
     flags = [bool(r.get("diverged")) for r in runs]
     s = lambda *path: stat([_get(r, *path) for r in runs], flags)  # noqa: E731
@@ -340,7 +345,8 @@ def build_results(study: StudyConfig, jobs: list[Job], results: dict, sweep: lis
             "questions": questions(study, corpus, retrieval), "lr_sweep": sweep_section(study, sweep, sweep_results, lrs),
             "spread_factor": {str(n): f for n, f in SPREAD_FACTOR.items()},  # the verdicts' bar, for the report
             "papers": PAPER_NUMBERS, "timing": {**timing, "jobs_cpu_s": round(sum(
-                (r.get("train") or {}).get("cpu_s", 0.0) for r in results.values()), 1)}}
+                (r.get("train") or {}).get("cpu_s", 0.0) for r in results.values()), 1),
+                "jobs_continued": continued_jobs(results)}}
 
 
 def lr_source(study: StudyConfig, arm: Arm, lrs: dict) -> str:
