@@ -143,8 +143,12 @@ def test_verify_reads_a_hugging_face_source_with_transformers(capsys, llama_dir,
 
     monkeypatch.setattr(conv, "read_hf_as_difftx", off_by_a_bit)
     rc, out, err = run_main(capsys, src, tmp_path / "bad", "--verify")
-    assert rc == 0, err
+    assert rc == 1 and sum("verification failed" in line for line in err.splitlines()) == 1, err
     assert float(re.search(r"max \|logit difference\| (\S+)", out).group(1)) > 1e-3
+    assert "over the tolerance" in out and (tmp_path / "bad" / "config.json").is_file()  # kept for inspection
+    # rounding the weights or changing the function: the numbers are printed, not judged
+    rc, out, err = run_main(capsys, src, tmp_path / "bf16", "--verify", "--dtype", "bfloat16")
+    assert rc == 0 and "not judged (--dtype bfloat16 rounds the weights)" in out, err
 
 
 def test_corrupt_config_json_of_a_hugging_face_dir_is_named(capsys, llama_dir, tmp_path):

@@ -47,8 +47,9 @@ def add_parser(sub) -> None:
     p.add_argument("--unilm-variant", choices=("flash", "naive"), default=None,
                    help="unilm: which official file's GQA pairing the weights were trained with (default flash)")
     p.add_argument("--verify", action="store_true",
-                   help="read source and result back (Llama / DiffLlama with transformers when installed) and "
-                        "print their max logit difference on random tokens")
+                   help="read source and result back (Llama / DiffLlama with transformers when installed), "
+                        "print their max logit difference on random tokens and exit 1 when a conversion that "
+                        "keeps the function and the precision misses it by more than 1e-3 of the largest logit")
     p.add_argument("--force", action="store_true", help="overwrite a DST that already holds a model")
     p.set_defaults(func=run)
 
@@ -70,7 +71,13 @@ def _read_back(path: Path):
     return load_model(path).float(), "difftx"
 
 
-def _verify(src: Path, dst: Path, diff_init) -> str:
+VERIFY_RTOL = 1e-3  # of the source's largest |logit|: two libraries' float32 sums differ ~1e-6 of it
+
+
+def _verify(src: Path, dst: Path, diff_init, dtype) -> tuple[str, bool]:
+    """(the line to print, whether the result passed).  A conversion that keeps the function (no ``--diff-init``
+    or ``exact``) and the weights' precision (no ``--dtype`` below float32) must reproduce the source's logits
+    within VERIFY_RTOL of their largest magnitude; otherwise the numbers are printed and not judged."""
     import torch
 
     (a, ra), (b, rb) = _read_back(src), _read_back(dst)
@@ -85,7 +92,13 @@ def _verify(src: Path, dst: Path, diff_init) -> str:
         kl = torch.nn.functional.kl_div(lb.log_softmax(-1), la.log_softmax(-1), log_target=True,
                                         reduction="none").sum(-1).mean()
         msg += f", KL(source || result) {float(kl):.4g} nats/token"
-    return msg
+    if diff_init not in (None, "exact") or dtype not in (None, "float32"):
+        why = f"--diff-init {diff_init} changes the function" if diff_init not in (None, "exact") else \
+            f"--dtype {dtype} rounds the weights"
+        return msg + f"; not judged ({why})", True
+    tol = VERIFY_RTOL * max(1.0, float(la.abs().max()))
+    ok = bool((la - lb).abs().max() <= tol)  # NaN fails
+    return msg + (f"; within the tolerance {tol:.3g}" if ok else f"; over the tolerance {tol:.3g}"), ok
 
 
 def _check_dst_path(dst: Path) -> None:
@@ -175,5 +188,12 @@ def run(args) -> int:
     to = args.dst_format or "difftx"
     print(f"converted {src} ({detected}) -> {dst} ({to if detected != 'unilm' else 'difftx attention modules'})")
     if args.verify:
-        print(_verify(src, dst, args.diff_init))
+        line, ok = _verify(src, dst, args.diff_init, args.dtype)
+        print(line)
+        if not ok:
+            import sys
+
+            print(f"difftx convert: verification failed: the result in {dst} does not compute the source's logits "
+                  "(kept for inspection); please report it with both models' config.json", file=sys.stderr)
+            return 1
     return 0
