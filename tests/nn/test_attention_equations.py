@@ -126,7 +126,8 @@ def test_diff_attention_flex_forward(pairing, rope_style, h, h_kv, padded):
 def test_flex_takes_one_key_valid_row_for_the_whole_batch(attention, causal):
     """AttnMask accepts key_valid with one row for every sequence (as the dense mask broadcasts it); flex's block
     mask indexed that row by the batch index (IndexError for batch > 1)."""
-    cfg = ModelConfig(attention=attention, d_model=24, n_heads=2, n_kv_heads=1, head_dim=6, n_layers=2)
+    cfg = ModelConfig(attention=attention, d_model=24, n_heads=2, n_kv_heads=1, head_dim=6, n_layers=2,
+                      positions="none")
     m = _module(cfg, layer=2)
     x = torch.randn(3, 5, cfg.d_model, dtype=torch.float64)
     mask = AttnMask(causal=causal, n_q=5, n_k=5, key_valid=torch.tensor([[False, True, True, False, True]]))

@@ -55,6 +55,20 @@ def test_a_rope_table_for_another_shape_is_refused(kind):
     torch.testing.assert_close(attn(x, rope, mask), attn(x, _rope(cfg, 5), mask))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_rope_tables_missing_or_unused_are_refused(kind):
+    """A module built with positions='rope' called with rope=None ran with no positions at all, and one built
+    without RoPE ignored the tables it was given: both silently computed something else."""
+    x, mask = torch.randn(2, 5, 32), AttnMask(causal=True, n_q=5, n_k=5)
+    attn, cfg = _attn(kind)
+    with pytest.raises(ValueError, match=r"positions='rope', so rope=\(cos, sin\) is required"):
+        attn(x, None, mask)
+    plain, _ = _attn(kind, positions="none")
+    with pytest.raises(ValueError, match="module built without RoPE"):
+        plain(x, _rope(cfg, 5), mask)
+    assert plain(x, None, mask).shape == x.shape
+
+
 def test_rotary_embedding_arguments_are_checked():
     for bad in (7, 0, -4, 8.0, True):
         with pytest.raises(ValueError, match="even head_dim"):

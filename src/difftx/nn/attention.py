@@ -71,7 +71,14 @@ class AttentionBase(nn.Module):
             raise TypeError(f"{type(self).__name__}: mask must be a difftx.nn.mask.AttnMask, e.g. "
                             f"AttnMask(causal=True, n_q=N, n_k=N); got {type(mask).__name__}")
         mask.check(x, self.d_model, cache.length if cache is not None else 0)
-        if rope is not None and self.rope_style is not None:
+        if (rope is None) != (self.rope_style is None):  # silently no positions, or tables that do nothing
+            raise ValueError(
+                f"{type(self).__name__}: built with positions='rope', so rope=(cos, sin) is required: "
+                f"RotaryEmbedding({self.head_dim}).cos_sin(positions) (or build it with positions='none')"
+                if rope is None else
+                f"{type(self).__name__}: rope tables given to a module built without RoPE (its positions are not "
+                "'rope'); pass rope=None, or build it with positions='rope'")
+        if rope is not None:
             n, half = x.shape[1], self.head_dim // 2
             if not (isinstance(rope, (tuple, list)) and len(rope) == 2 and all(
                     isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[0] in (1, x.shape[0])

@@ -19,7 +19,10 @@ from .linear import grad_wanted, traced
 class RotaryEmbedding(nn.Module):
     """Angles position * theta^(-2i/d).  No buffers: the frequencies are computed in their own
     dtype and kept per dtype and device outside the state dict, so casting the model never degrades
-    them.  Computed in float32 (exactly as transformers' LLaMA does) or in float64 for float64 models."""
+    them.  Computed in float32 (exactly as transformers' LLaMA does) or in float64 for float64 models.
+
+    The tables are the same for both ``style`` s: an attention module rotates its queries and keys in its own
+    config's ``rope_style``; ``style`` here is recorded for display only."""
 
     def __init__(self, head_dim: int, theta: float = 10000.0, style: str = "half"):
         super().__init__()
