@@ -156,6 +156,18 @@ def test_reference_diff_bridge_refuses_blocks_it_cannot_represent(field, value):
         bridge.diff_block_config(block)
 
 
+@pytest.mark.parametrize("flags", [dict(mid_norm_ffn=True), dict(post_norm=True)])
+def test_reference_diff_bridge_refuses_norms_beyond_the_pre_norm_layout(flags):
+    """A MidNorm after the FFN or PostNorms (norms='S1' with a flag on) have no place in the reference block: it
+    computed the block without them, another block than the library's; refused, naming the flag."""
+    import difftx
+    from difftx.nn.block import Block
+
+    cfg = difftx.ModelConfig(attention="diff", d_model=16, n_layers=1, n_heads=2, head_dim=4, ffn_dim=24, **flags)
+    with pytest.raises(ValueError, match=f"{next(iter(flags))}="):
+        bridge.diff_block_config(Block(cfg, layer=1))
+
+
 def _appendix_problem(rng, n=5, D=6, d=3):
     W = {k: rng.normal(size=(D, d)) for k in ("WQ1", "WQ2", "WK1", "WK2")}
     W["WV"], W["WO"] = rng.normal(size=(D, 2 * d)), rng.normal(size=(2 * d, D))

@@ -39,6 +39,10 @@ def diff_block_config(block) -> DiffBlockConfig:
         raise ValueError("the reference DIFF block has no GQA: need attention='diff' and n_kv_heads == n_heads")
     if block.attn_norm is None or block.ffn_norm is None or a.q_norm is not None or block.attn_mid_norm is not None:
         raise ValueError("the reference DIFF block is the paper's pre-norm layout (norms='S1')")
+    post = block.attn_post_norm is not None or block.ffn_post_norm is not None
+    for flag, on in (("mid_norm_ffn", block.ffn_mid_norm is not None), ("post_norm", post)):  # flags beyond S1
+        if on:
+            raise ValueError(f"the reference DIFF block is the paper's pre-norm layout (norms='S1'): need {flag}=False")
     if not isinstance(block.attn_norm, RMSNorm):
         raise ValueError(f"the reference DIFF block uses RMSNorm: need norm='rms', not "
                          f"{type(block.attn_norm).__name__}")
