@@ -255,3 +255,24 @@ def test_grads_many_seeds_are_not_listed_up_front(tmp_path, capsys, keep_threads
     with pytest.raises(Started, match="^5$"):
         main(["grads", "--out", str(tmp_path / "o"), *tiny(["--only", "tails"]), "--only", "tails", "--seed", "5",
               "--seeds", str(10 ** 11)])
+
+
+def test_grads_on_a_checkpoint_with_dropout_is_a_function_of_seed(tmp_path, capsys, keep_threads):
+    """A checkpoint's dropout masks came from whatever state torch's RNG was in (fresh models are built seeded):
+    the same --seed gave other numbers, and seed 1 of --seeds 2 was not the run of --seed 1."""
+    difftx.save_model(difftx.build_model(difftx.ModelConfig.from_preset("nano", d_model=32, n_layers=1, dropout=0.3)),
+                      tmp_path / "m")
+    argv = ["--checkpoint", str(tmp_path / "m"), "--seq-len", "16", "--batch-size", "2", "--steps", "2",
+            "--noise-batches", "2", "--max-noise-entries", "64", "--no-plots"]
+
+    def run(name, rng_state, *extra):
+        torch.manual_seed(rng_state)  # what earlier work in the process (or another process) left behind
+        assert main(["grads", "--out", str(tmp_path / name), *argv, *extra]) == 0, capsys.readouterr().err
+        flow, tails = (json.loads((tmp_path / name / f).read_text()) for f in ("flow.json", "tails.json"))
+        return flow["models"]["m"]["loss"], [(r["seed"], r["noise"]["all"], r["entries"]["all"]["rms"])
+                                             for r in tails["rows"]]
+
+    a, b = run("a", 1, "--seed", "1"), run("b", 2, "--seed", "1")
+    assert a == b
+    two = run("c", 3, "--seeds", "2")
+    assert two[1][1] == a[1][0] and two[1][0] != two[1][1]

@@ -211,6 +211,19 @@ def _load_checkpoints(paths: list[str], device: str):
     return loaded
 
 
+def _seed_torch(seed: int) -> None:
+    """Seed torch's RNG (dropout masks) as :func:`difftx.analysis.common.build` does for a fresh model."""
+    import torch
+
+    torch.manual_seed(seed)
+
+
+def _seeded(seed: int, model):
+    """``model`` (a loaded checkpoint), with torch's RNG seeded as for a fresh model of that seed."""
+    _seed_torch(seed)
+    return model
+
+
 def _set_threads(args, n_params: int) -> None:
     import torch
 
@@ -298,6 +311,7 @@ def _flow_section(st: _Study) -> None:
 
     args, t0 = st.args, time.perf_counter()
     if st.loaded:
+        _seed_torch(args.seed)  # fresh twins are built seeded; checkpoints' dropout masks follow --seed too
         kinds = sorted(m.config.attention for _, _, m, _ in st.loaded)
         if kinds in (["diff", "softmax"], ["diff2", "softmax"]):  # DIFF (V1 or V2, as for a fresh base) and softmax
             models = {("transformer" if m.config.attention == "softmax" else "diff"): m for _, _, m, _ in st.loaded}
@@ -334,7 +348,8 @@ def _tails_section(st: _Study) -> None:
     res = None
     for seed in seeds:
         if st.loaded:
-            candidates = [(name, (lambda p=path: load_model(p, device=args.device))) for name, path, _, _ in st.loaded]
+            candidates = [(name, (lambda p=path, sd=seed: _seeded(sd, load_model(p, device=args.device))))
+                          for name, path, _, _ in st.loaded]
         else:
             candidates = [(s, (lambda c=c, sd=seed: common.build(c, sd, args.device))) for s, c in st.settings]
         r = tail_study.run_tail_study(
