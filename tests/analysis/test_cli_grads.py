@@ -276,3 +276,10 @@ def test_grads_on_a_checkpoint_with_dropout_is_a_function_of_seed(tmp_path, caps
     assert a == b
     two = run("c", 3, "--seeds", "2")
     assert two[1][1] == a[1][0] and two[1][0] != two[1][1]
+
+
+def test_grads_vision_domain_from_set_names_set_not_preset(tmp_path, capsys, keep_threads):
+    """--set domain=vision was reported as '--preset: None is a vision model', naming a flag not given."""
+    err = _grads_error(capsys, tmp_path / "o", "--set", "domain=vision")
+    assert err.startswith("difftx grads: error: --set: domain=vision") and "None" not in err, err
+    assert not (tmp_path / "o").exists()

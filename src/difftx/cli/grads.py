@@ -181,6 +181,9 @@ def _base_config(args):
     except TypeError as e:
         raise DifftxError(str(e)) from None
     if cfg.domain != "lm":
+        if "domain" in overrides:  # no --preset given, or --set overrode its domain
+            raise ConfigError("--set", f"domain={cfg.domain} makes a {cfg.domain} model; difftx grads studies "
+                                       "language models: drop it")
         raise ConfigError("--preset", f"{args.preset!r} is a {cfg.domain} model; difftx grads studies language models")
     return cfg
 
