@@ -283,3 +283,37 @@ def test_grads_vision_domain_from_set_names_set_not_preset(tmp_path, capsys, kee
     err = _grads_error(capsys, tmp_path / "o", "--set", "domain=vision")
     assert err.startswith("difftx grads: error: --set: domain=vision") and "None" not in err, err
     assert not (tmp_path / "o").exists()
+
+
+def _char_model(path, text: str = "abcdefghij klmnopqrstuvwxyz\n"):
+    """A byte-sized model (vocab 256) saved with a char tokenizer: byte ids fit it too, so only the ids differ."""
+    from difftx.data.tokenizers import CharTokenizer
+
+    difftx.save_model(difftx.build_model(difftx.ModelConfig.from_preset("nano", d_model=32, n_layers=1)), path)
+    CharTokenizer(text).save(path)
+    return path
+
+
+def test_grads_reads_the_tokenizer_beside_a_safetensors_checkpoint(tmp_path, capsys, keep_threads):
+    """--checkpoint DIR/model.safetensors (which load_model takes) read the weights file as the tokenizer, failed,
+    and studied the model on byte ids instead of its own tokenizer's, silently."""
+    model = _char_model(tmp_path / "m")
+    argv = ["--only", "flow", "--seq-len", "16", "--batch-size", "2", "--steps", "1", "--no-plots"]
+    losses = []
+    for name, ckpt in (("dir", model), ("file", model / "model.safetensors")):
+        assert main(["grads", "--out", str(tmp_path / name), "--checkpoint", str(ckpt), *argv]) == 0
+        (only,) = json.loads((tmp_path / name / "flow.json").read_text())["models"].values()
+        losses.append(only["loss"])
+    assert losses[0] == losses[1]
+
+
+def test_grads_damaged_tokenizer_is_one_line_not_byte_tokens(tmp_path, capsys, keep_threads):
+    """A tokenizer.json that does not parse was taken as 'no tokenizer': the model was studied on byte ids."""
+    model = _char_model(tmp_path / "m")
+    (model / "tokenizer.json").write_text("{not json")
+    rc = main(["grads", "--out", str(tmp_path / "o"), "--checkpoint", str(model), "--only", "flow", "--seq-len", "16",
+               "--batch-size", "2", "--steps", "1", "--no-plots"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("difftx grads: error:") and "\n" not in err, err
+    assert "tokenizer.json" in err and "not valid JSON" in err, err
+    assert not (tmp_path / "o").exists()

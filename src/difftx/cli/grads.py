@@ -195,18 +195,18 @@ def _check_seq_len(cfg, seq_len: int) -> None:
 
 def _load_checkpoints(paths: list[str], device: str):
     from .. import load_model
-    from ..data.tokenizers import load_tokenizer
-    from ..errors import DataError
+    from ..evals.common import saved_tokenizer
 
     loaded = []
     for i, path in enumerate(paths):
         model = load_model(path, device=device)
         if model.config.domain != "lm":
             raise ConfigError("--checkpoint", f"{path} is a {model.config.domain} model; grads studies language models")
-        try:
-            tok = load_tokenizer(path)
-        except DataError:
-            tok = None
+        # the tokenizer saved beside the model (a model.safetensors path: its folder's), or byte ids when there is
+        # none; a damaged one is one DataError naming it, not byte ids in its place
+        folder = Path(path).parent if Path(path).is_file() else Path(path)
+        tok = saved_tokenizer(path, "difftx grads") if any(
+            (folder / name).is_file() for name in ("tokenizer.json", "difftx_tokenizer.json")) else None
         name = Path(path).resolve().name or f"model{i}"
         if any(name == n for n, *_ in loaded):
             name = f"{name}-{i}"
