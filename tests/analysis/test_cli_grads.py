@@ -317,3 +317,18 @@ def test_grads_damaged_tokenizer_is_one_line_not_byte_tokens(tmp_path, capsys, k
     assert rc == 2 and err.startswith("difftx grads: error:") and "\n" not in err, err
     assert "tokenizer.json" in err and "not valid JSON" in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_grads_checkpoints_with_different_tokenizers_are_refused(tmp_path, capsys, keep_threads):
+    """Every model sees the same token ids, and they came from the first checkpoint's tokenizer: a second model
+    with another tokenizer was studied on ids that mean other text to it, silently."""
+    char = _char_model(tmp_path / "char")
+    byte = tmp_path / "byte"
+    difftx.save_model(difftx.build_model(difftx.ModelConfig.from_preset("nano", d_model=32, n_layers=1)), byte)
+    for first, second in ((byte, char), (char, byte)):
+        rc = main(["grads", "--out", str(tmp_path / "o"), "--checkpoint", str(first), "--checkpoint", str(second),
+                   "--only", "flow", "--seq-len", "16", "--batch-size", "2", "--steps", "1", "--no-plots"])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and err.startswith("difftx grads: error: --checkpoint:") and "\n" not in err, err
+        assert "tokenizer" in err and str(char) in err and str(byte) in err, err
+        assert not (tmp_path / "o").exists()

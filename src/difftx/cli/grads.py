@@ -214,6 +214,23 @@ def _load_checkpoints(paths: list[str], device: str):
     return loaded
 
 
+def _check_same_tokenizer(loaded) -> None:
+    """Every model of a run sees the same token ids, the first checkpoint's tokenizer's: a checkpoint saved with
+    another tokenizer (no tokenizer.json: byte ids) is refused."""
+    from ..data.tokenizers import ByteTokenizer
+
+    def fingerprint(tok):
+        return (tok or ByteTokenizer()).fingerprint()
+
+    (_, first, _, tok0), *rest = loaded
+    for _, path, _, tok in rest:
+        if fingerprint(tok) != fingerprint(tok0):
+            kinds = [t.kind if t is not None else "byte ids, no tokenizer.json" for t in (tok0, tok)]
+            raise ConfigError("--checkpoint", f"{first} and {path} were saved with different tokenizers ({kinds[0]}; "
+                                              f"{kinds[1]}), and every model here reads the same token ids: study "
+                                              "them in separate runs")
+
+
 def _seed_torch(seed: int) -> None:
     """Seed torch's RNG (dropout masks) as :func:`difftx.analysis.common.build` does for a fresh model."""
     import torch
@@ -259,6 +276,7 @@ class _Study:
                 raise ConfigError("--set", "overrides the config of a fresh model; a --checkpoint is analysed as "
                                            "saved, so drop --set (or drop --checkpoint to study a new model)")
             tokenizer = self.loaded[0][3]  # a checkpoint's own tokenizer.json, if it has one
+            _check_same_tokenizer(self.loaded)
             vocab = min(m.config.vocab_size for _, _, m, _ in self.loaded)
             for _, _, m, _ in self.loaded:
                 _check_seq_len(m.config, args.seq_len)
