@@ -133,3 +133,14 @@ def test_tokenize_checks_the_vocabulary():
         common.tokenize("hello", 100)
     with pytest.raises(DataError, match="not found"):
         common.load_text("/nonexistent/file.txt")
+
+
+def test_median_ratios_skip_a_diverged_steps_nan():
+    """The step a run diverged at gives NaN ratios; statistics.median sorted them in anywhere, so the 'early' ratio
+    depended on where the NaN stood (1.0 or 2.0 for the same three values)."""
+    def step(v):
+        return {"all": {"W_Q": v}, "layers": [{"W_Q": v}], "total": v}
+
+    for order in ([1.0, 2.0, math.nan], [math.nan, 1.0, 2.0], [2.0, math.nan, 1.0]):
+        med = flow._median_ratios([step(v) for v in order])
+        assert med["all"]["W_Q"] == med["layers"][0]["W_Q"] == med["total"] == 1.5, (order, med)

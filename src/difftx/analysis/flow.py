@@ -21,6 +21,7 @@ groups independent; ``lambda`` is its lambda projection.
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Optional
 
@@ -61,12 +62,12 @@ def _ratios(num: dict, den: dict) -> dict:
 
 
 def _median_ratios(per_step: list[dict]) -> dict:
-    """Median over steps of each ratio (robust to the odd noisy batch)."""
+    """Median over steps of each ratio (robust to the odd noisy batch); a diverged step's NaN is left out."""
     if not per_step:
         return {}
 
     def med(values):
-        values = [v for v in values if v is not None]
+        values = [v for v in values if v is not None and math.isfinite(v)]
         return statistics.median(values) if values else None
 
     groups = list(per_step[0]["all"])
