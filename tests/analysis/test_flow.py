@@ -144,3 +144,11 @@ def test_median_ratios_skip_a_diverged_steps_nan():
     for order in ([1.0, 2.0, math.nan], [math.nan, 1.0, 2.0], [2.0, math.nan, 1.0]):
         med = flow._median_ratios([step(v) for v in order])
         assert med["all"]["W_Q"] == med["layers"][0]["W_Q"] == med["total"] == 1.5, (order, med)
+
+
+def test_flow_table_of_a_diverged_run_does_not_label_its_last_norms_as_the_last_step(batches):
+    res = flow.run_flow({"m": common.build(BASE, 0)}, batches, steps=4, optimizer="msgdw", lr=1e30, clip=0.0)
+    m = res["models"]["m"]
+    assert m["diverged"] and len(m["grad_norms"]) < 5
+    row = next(line for line in flow.flow_table(res).splitlines() if line.startswith("| m | W_Q |"))
+    assert f"diverged at step {len(m['grad_norms']) - 1}" in row, row

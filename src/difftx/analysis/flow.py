@@ -116,9 +116,11 @@ def flow_table(result: dict) -> str:
         lines = ["| model | group | " + " | ".join(f"step {s}" for s in (0, result["steps"])) + " |",
                  "|---|---|---|---|"]
         for name, m in models.items():
+            reached = len(m["grad_norms"]) - 1  # a diverged run stopped before step K: say which step it shows
+            at = f" (diverged at step {reached})" if reached < result["steps"] else ""
             for g, v in m["grad_norms"][0]["all"].items():
                 last = m["grad_norms"][-1]["all"].get(g)
-                lines.append(f"| {name} | {g} | {v:.3g} | {last:.3g} |")
+                lines.append(f"| {name} | {g} | {v:.3g} | {last:.3g}{at} |")
         return "\n".join(lines)
     r, d0, t0 = result["ratio"], models["diff"]["grad_norms"][0], models["transformer"]["grad_norms"][0]
     n_layers = len(r["init"]["layers"])
