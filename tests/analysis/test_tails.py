@@ -106,6 +106,11 @@ def test_log_histogram_bins_and_shift():
     assert len(h["fraction"]) == len(h["log10_edges"]) - 1
     assert h["zero_fraction"] == pytest.approx(100 / 10100)
     assert sum(h["fraction"]) + h["zero_fraction"] == pytest.approx(1.0)
+    # entries outside the bins' 1e-14..1e2 range were dropped without a word; they are counted apart now
+    far = tails.log_histogram(np.array([1e-20, 1e-16, 1e-3, 1e3, 1e5, 0.0, 50.0]))
+    assert far["below_fraction"] == pytest.approx(2 / 7) and far["above_fraction"] == pytest.approx(2 / 7)
+    assert sum(far["fraction"]) + far["zero_fraction"] + far["below_fraction"] + far["above_fraction"] \
+        == pytest.approx(1.0)
     h10 = tails.log_histogram(x * 10.0)  # one decade = 5 bins of 0.2 dex
     assert np.argmax(h10["fraction"]) - np.argmax(h["fraction"]) == 5
 

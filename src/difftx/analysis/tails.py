@@ -124,13 +124,17 @@ def mohammadi_alpha(x, m: Optional[int] = None, shuffle: bool = True, seed: int 
 
 
 def log_histogram(x, edges: np.ndarray = HIST_EDGES) -> dict:
-    """Fractions of the non-zero |x| in log10 bins (``edges`` in log10 units), plus the zero fraction."""
+    """Fractions of the non-zero |x| in log10 bins (``edges`` in log10 units), plus the zero fraction and the
+    fractions below the first edge and above the last (they sum to 1 with the bins')."""
     a = np.abs(_flat(x))
     nz = a[a > 0]
-    counts, _ = np.histogram(np.log10(nz), bins=edges) if nz.size else (np.zeros(len(edges) - 1), None)
+    logs = np.log10(nz)
+    counts, _ = np.histogram(logs, bins=edges) if nz.size else (np.zeros(len(edges) - 1), None)
     total = max(a.size, 1)
     return {"log10_edges": [round(float(e), 6) for e in edges], "fraction": (counts / total).tolist(),
-            "zero_fraction": float((a.size - nz.size) / total)}
+            "zero_fraction": float((a.size - nz.size) / total),
+            "below_fraction": float(np.count_nonzero(logs < edges[0]) / total),
+            "above_fraction": float(np.count_nonzero(logs > edges[-1]) / total)}
 
 
 def entry_stats(x, k_frac: float = 0.01) -> dict:
