@@ -152,3 +152,15 @@ def test_flow_table_of_a_diverged_run_does_not_label_its_last_norms_as_the_last_
     assert m["diverged"] and len(m["grad_norms"]) < 5
     row = next(line for line in flow.flow_table(res).splitlines() if line.startswith("| m | W_Q |"))
     assert f"diverged at step {len(m['grad_norms']) - 1}" in row, row
+
+
+def test_the_pair_table_names_the_steps_its_early_ratio_covers(batches):
+    """A pair where one model diverged: the early ratio is a median over the steps both reached, which the header
+    said were steps 1-K whatever happened."""
+    diff = BASE.replace(attention="diff", n_heads=BASE.n_heads // 2)
+    models = {"diff": common.build(diff, 0), "transformer": common.build(BASE, 0)}
+    res = flow.run_flow(models, batches, steps=4, optimizer="msgdw", lr=1e30, clip=0.0)
+    k = len(res["ratio"]["per_step"]) - 1
+    assert k < 4
+    header = flow.flow_table(res).splitlines()[0]
+    assert f"ratio steps 1-{k} (of 4: a model diverged)" in header, header

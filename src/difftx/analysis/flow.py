@@ -124,7 +124,9 @@ def flow_table(result: dict) -> str:
         return "\n".join(lines)
     r, d0, t0 = result["ratio"], models["diff"]["grad_norms"][0], models["transformer"]["grad_norms"][0]
     n_layers = len(r["init"]["layers"])
-    head = ["group", "Transformer at init", "DIFF at init", "ratio at init", f"ratio steps 1-{result['steps']}"]
+    k = len(r["per_step"]) - 1  # the steps both models reached: fewer than asked when one diverged
+    early = f"ratio steps 1-{k}" + (f" (of {result['steps']}: a model diverged)" if k < result["steps"] else "")
+    head = ["group", "Transformer at init", "DIFF at init", "ratio at init", early]
     head += [f"L{i + 1} at init" for i in range(n_layers)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
