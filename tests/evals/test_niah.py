@@ -274,3 +274,16 @@ def test_lengths_all_past_learned_positions_name_the_limit_not_longer_lengths():
         evaluate_niah(model, tok, lengths=[1000], grid="N1R1", samples=1, text=haystack_text())
     with pytest.raises(DataError, match="pass longer --lengths"):
         evaluate_niah(model, tok, lengths=[40], grid="N1R1", samples=1, text=haystack_text())
+
+
+def test_generation_score_at_the_learned_position_limit_does_not_depend_on_the_batch():
+    """With learned positions a batch's new tokens were capped by its longest prompt, so a short prompt batched
+    with one near max_seq_len was read for fewer tokens, and scored differently, than alone."""
+    b = NiahBuilder(TOK, text=haystack_text(), digits=5)
+    short, long = b.sample(rng_for(6, 0), 200, 1, 1, depth=0.5), b.sample(rng_for(6, 1), 300, 1, 1, depth=0.5)
+    oracle = RetrievalOracle()
+    oracle.config = SimpleNamespace(n_heads=1, vocab_size=256, positions="learned",
+                                    max_seq_len=long.answers[0][0] + 1)  # room for one new token after the long one
+    alone = score_generation(oracle, TOK, [short, long], 1)
+    assert alone == [[True], [False]]
+    assert score_generation(oracle, TOK, [short, long], 2) == alone

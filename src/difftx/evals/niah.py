@@ -299,15 +299,20 @@ def score_generation(model, tokenizer, samples: Sequence[NiahSample], batch_size
         # each query's own budget (its answer's tokens + extra_tokens), not its batch's longest: what a query is
         # scored on must not depend on the other queries in its batch (--batch-size)
         own = [b - a + extra_tokens for i, j in chunk for a, b in [samples[i].answers[j]]]
+        hard = hard_limit(model)
+        if hard is not None:  # learned positions: each query stays inside max_seq_len from its own prompt
+            own = [max(1, min(n, hard - len(p))) for n, p in zip(own, prompts)]
         ids, mask = pad_left(prompts)
-        n_new = max(own)
-        if hard_limit(model) is not None:  # learned positions: stay inside max_seq_len
-            own = [max(1, min(n, hard_limit(model) - len(p))) for n, p in zip(own, prompts)]
-            n_new = max(1, min(n_new, hard_limit(model) - ids.shape[1]))
+        n_new = max(own) if hard is None else max(1, min(max(own), hard - ids.shape[1]))
         out = model.generate(ids.to(device), max_new_tokens=n_new, do_sample=False, attention_mask=mask.to(device))
         for row, (i, j) in enumerate(chunk):
-            text = tokenizer.decode(out[row, ids.shape[1]:ids.shape[1] + own[row]].tolist())
-            found[(i, j)] = samples[i].numbers[j] in text
+            if own[row] > n_new:  # the batch's longest prompt left it fewer tokens than its own: alone, as batch 1
+                alone = torch.tensor([prompts[row]], dtype=torch.long, device=device)
+                new = model.generate(alone, max_new_tokens=own[row], do_sample=False,
+                                     attention_mask=torch.ones_like(alone))[0, alone.shape[1]:]
+            else:
+                new = out[row, ids.shape[1]:ids.shape[1] + own[row]]
+            found[(i, j)] = samples[i].numbers[j] in tokenizer.decode(new.tolist())
     return [[found[(i, j)] for j in range(len(s.answers))] for i, s in enumerate(samples)]
 
 
