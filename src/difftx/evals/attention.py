@@ -101,8 +101,10 @@ class AllocationProbe(AttentionProbe):
 
 
 def _query_rows(samples: Sequence[NiahSample]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows predicting the first answer's tokens: a-1 .. b-2."""
-    rows = [list(range(s.answers[0][0] - 1, s.answers[0][1] - 1)) for s in samples]
+    """Rows predicting the first answer's number tokens: a-1+lead .. b-2, where ``lead`` counts the answer's leading
+    whitespace-only tokens (a byte tokenizer's ' ': predicting it retrieves nothing)."""
+    rows = [list(range(s.answers[0][0] - 1 + s.meta.get("answer_lead", [0])[0], s.answers[0][1] - 1))
+            for s in samples]
     q = max(len(r) for r in rows)
     idx = torch.tensor([r + [r[-1]] * (q - len(r)) for r in rows], dtype=torch.long)
     w = torch.tensor([[1] * len(r) + [0] * (q - len(r)) for r in rows], dtype=torch.long)

@@ -205,10 +205,15 @@ class NiahBuilder:
         pre = encode(self.tok, self.needle_gap + self.query_text.format(city=city), "needle")
         num = encode(self.tok, self.answer_gap + number, "needle number")
         post = encode(self.tok, after.format(city=city).rstrip(), "needle") if after.strip() else []
-        gap = encode(self.tok, self.answer_gap, "needle") if self.answer_gap else []
-        lead = next((i for i, (x, y) in enumerate(zip(num, gap)) if x != y), min(len(num) - 1, len(gap)))
+        lead = self._lead(num)
         return pre + num + post, ([ANSWER_NEEDLE] * (len(pre) + lead) + [ANSWER] * (len(num) - lead)
                                   + [ANSWER_NEEDLE] * len(post))
+
+    def _lead(self, num: list[int]) -> int:
+        """How many leading tokens of an encoded ``answer_gap + number`` are the whitespace's alone (a byte
+        tokenizer's ' '; none for a BPE's ' 37'): never the whole number."""
+        gap = encode(self.tok, self.answer_gap, "needle") if self.answer_gap else []
+        return next((i for i, (x, y) in enumerate(zip(num, gap)) if x != y), min(len(num) - 1, len(gap)))
 
     def min_length(self, needles: int, queries: int) -> int:
         """Tokens the needles and queries of the longest city names need (the haystack gets the rest)."""
@@ -266,7 +271,8 @@ class NiahBuilder:
             regions += [QUERY] * len(a)
         assert len(ids) == length, (len(ids), length)
         return NiahSample(ids, regions, answers, numbers[:queries], cities, d, needles,
-                          {"answer_needle_at": answer_at / budget if budget else 0.0})
+                          {"answer_needle_at": answer_at / budget if budget else 0.0,
+                           "answer_lead": [self._lead(a) for _, a in qa]})  # whitespace-only tokens of each answer
 
 
 # ----------------------------------------------------------------------------- scoring
