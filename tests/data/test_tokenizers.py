@@ -151,3 +151,22 @@ def test_a_byte_level_tokenizer_that_adds_a_prefix_space_is_encoded_whole():
     tok = HFTokenizer(raw)
     for segment in (3, 17, 64):
         assert tok.encode_array(text, segment=segment).tolist() == tok.encode(text), segment
+
+
+def test_bpe_segments_are_cut_where_encoding_splits_pre_tokens_next_to_a_special_token(tmp_path, monkeypatch):
+    """Encoding takes added tokens out of the text before pre-tokenizing the rest: "<|endoftext|>'s" is
+    '<|endoftext|>' + "'s".  The cut was taken from the pre-tokenizer run on the raw text ('<|', 'endoftext',
+    "|>'", 's'), between "'" and 's', so the segmented encoding (and the shard) differed from encode()."""
+    pytest.importorskip("tokenizers")
+    from difftx.data import corpus as corpus_mod
+    from difftx.data.corpus import resolve_corpus
+    from difftx.data.shards import prepare_tokens
+
+    text = "".join(f"Tom's dog {i}\n<|endoftext|>'s tale\n\n<|endoftext|>ok then\n" for i in range(40))
+    tok = train_bpe(iter([text]), 300)
+    for segment in (1, 5, 20, 64):
+        assert tok.encode_array(text, segment=segment).tolist() == tok.encode(text), segment
+    monkeypatch.setattr(corpus_mod, "PIECE_BYTES", 64)
+    (tmp_path / "stories.txt").write_text(text)
+    data = prepare_tokens(resolve_corpus(str(tmp_path / "stories.txt")), tok, tmp_path / "cache", progress=False)
+    assert data.tokens.tolist() == tok.encode(text) + [tok.eos_id]

@@ -32,10 +32,11 @@ from ..errors import DataError
 from .corpus import Corpus
 from .tokenizers import Tokenizer
 
-SHARD_FORMAT = 3  # 2: pieces and BPE segments cut at pre-token boundaries (1 could cut a whitespace run);
+SHARD_FORMAT = 4  # 2: pieces and BPE segments cut at pre-token boundaries (1 could cut a whitespace run);
 # 3: a piece with no boundary after its last newline but its end waits for the next (2 cut it there), and no
 # cut falls inside a special token written in the text (2 could split a literal "<|endoftext|>"), nor anywhere in
-# the text of a tokenizer without a pre-tokenizer (2 cut after newlines: Llama 2's Prepend normalizer added tokens)
+# the text of a tokenizer without a pre-tokenizer (2 cut after newlines: Llama 2's Prepend normalizer added tokens);
+# 4: cuts at the pre-token boundaries encoding makes around a special token (3 cut "<|endoftext|>'s" after the "'")
 TOKENS_FILE = "tokens.bin"
 MANIFEST_FILE = "manifest.json"
 

@@ -197,12 +197,21 @@ class HFTokenizer(Tokenizer):
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
+    def _pre_token_starts(self, window: str) -> list[int]:
+        """Where the pre-tokens of ``window`` start as encoding splits it: added tokens are taken out of the text
+        first and each piece between them pre-tokenized alone (the pre-tokenizer on the raw text splits
+        "<|endoftext|>'s" as '|>\'' + 's', where encoding keeps "'s" whole)."""
+        enc = self.tok.encode(window, add_special_tokens=False)
+        words = enc.word_ids
+        return [start for k, (start, _) in enumerate(enc.offsets)
+                if k == 0 or words[k] is None or words[k] != words[k - 1]]
+
     def cut(self, text: str, pos: int) -> int:
         """A pre-token boundary after the first newline from ``pos`` on: the window from that newline is
-        pre-tokenized alone and the first boundary is taken that is not the window's first (that pre-token may
-        merge with what came before the newline, as ':' + '\n' or spaces + newlines) and not right after
-        whitespace (a whitespace pre-token's end depends on what follows it: '  \n\n' + '\n' + 'def' in the
-        text, '  \n\n\n' at a segment's end).  No such boundary in 4096 characters: just after the newline.
+        encoded alone (:meth:`_pre_token_starts`) and the first boundary is taken that is not the window's first
+        (that pre-token may merge with what came before the newline, as ':' + '\n' or spaces + newlines) and not
+        right after whitespace (a whitespace pre-token's end depends on what follows it: '  \n\n' + '\n' + 'def'
+        in the text, '  \n\n\n' at a segment's end).  No such boundary in 4096 characters: just after the newline.
         Without a pre-tokenizer, or with a normalizer that prepends to every input: ``len(text)`` (no cut)."""
         nl = text.find("\n", pos)
         if nl < 0 or not self._cuttable:
@@ -211,7 +220,7 @@ class HFTokenizer(Tokenizer):
         if pre is not None:
             for width in (256, 4096):  # a short window almost always holds such a boundary
                 window = text[nl:nl + width]
-                for _, (start, _) in pre.pre_tokenize_str(window)[2:]:
+                for start in self._pre_token_starts(window)[2:]:
                     if not window[start - 1].isspace() and not self._inside_added_token(text, nl + start):
                         return nl + start
             if nl + 4096 >= len(text):
