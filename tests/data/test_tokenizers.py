@@ -170,3 +170,23 @@ def test_bpe_segments_are_cut_where_encoding_splits_pre_tokens_next_to_a_special
     (tmp_path / "stories.txt").write_text(text)
     data = prepare_tokens(resolve_corpus(str(tmp_path / "stories.txt")), tok, tmp_path / "cache", progress=False)
     assert data.tokens.tolist() == tok.encode(text) + [tok.eos_id]
+
+
+def test_a_vocabulary_with_unused_ids_sizes_the_model_past_its_largest_id(tmp_path):
+    """A tokenizer.json whose ids leave gaps ('</s>' at 9 in a vocabulary of 4 entries): vocab_size was the
+    number of entries, so the EOS written between documents (never range-checked) was past the model's
+    embedding.  vocab_size is the largest id + 1: every id the tokenizer or the shard holds is below it."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from difftx.data.corpus import resolve_corpus
+    from difftx.data.shards import prepare_tokens
+
+    hf = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2, "</s>": 9}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    assert tok.eos_id == 9 and tok.vocab_size == 10
+    (tmp_path / "a.txt").write_text("hello world\n" * 10)
+    data = prepare_tokens(resolve_corpus(str(tmp_path / "a.txt")), tok, tmp_path / "cache", progress=False)
+    assert data.tokens.tolist() == ([1, 2] * 10) + [9] and int(data.tokens.max()) < tok.vocab_size

@@ -143,7 +143,10 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, tok):
         self.tok = tok
-        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        # the largest id + 1 (the model's embedding rows): a vocabulary may leave ids unused, and counting its
+        # entries then left the largest ids (an EOS among them) past the embedding
+        self.vocab_size = max(tok.get_vocab_size(with_added_tokens=True),
+                              max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
         self.eos_id = next((i for i in map(tok.token_to_id, self.EOS_NAMES) if i is not None), None)
         self.bos_id = next((i for i in map(tok.token_to_id, self.BOS_NAMES) if i is not None), None)
         self._json = tok.to_str()
