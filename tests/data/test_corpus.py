@@ -101,3 +101,15 @@ def test_saved_hugging_face_dataset(tmp_path):
     assert [t for t, _ in resolve_corpus(str(tmp_path / "dd"), text_field="content").pieces()] == ["first doc",
                                                                                                 "second doc"]
     assert resolve_corpus(str(tmp_path / "ds"), text_field="content").fingerprint() == fp
+
+
+@pytest.mark.parametrize("name", ["notes [draft].txt", "what?.txt", "a*b.txt"])
+def test_an_existing_path_with_glob_characters_is_that_file(tmp_path, name):
+    """A file whose name holds '[', '?' or '*' was taken for a glob pattern: '[draft]' matches one character,
+    so --data 'notes [draft].txt' failed with 'the pattern matches no files' (or read other files)."""
+    (tmp_path / name).write_text("the right text\n")
+    (tmp_path / "notes d.txt").write_text("another file\n")
+    (tmp_path / "whatx.txt").write_text("another file\n")
+    (tmp_path / "a-long-b.txt").write_text("another file\n")
+    c = resolve_corpus(str(tmp_path / name))
+    assert [s.path.name for s in c.sources] == [name] and _texts(c) == "the right text\n"

@@ -252,7 +252,7 @@ def resolve_corpus(data: Optional[str], text_field: str = "text") -> Corpus:
     """Turn ``--data`` into a :class:`Corpus`; raises DataError naming a missing, empty or binary path."""
     if data is None or data == "builtin":
         return builtin_corpus()
-    if any(c in data for c in "*?["):
+    if any(c in data for c in "*?[") and not Path(data).expanduser().exists():  # 'notes [draft].txt' is a file
         matches = [Path(p) for p in globlib.glob(data, recursive=True)]
         if not matches:
             raise DataError(f"--data {data!r}: the pattern matches no files")
