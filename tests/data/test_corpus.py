@@ -113,3 +113,12 @@ def test_an_existing_path_with_glob_characters_is_that_file(tmp_path, name):
     (tmp_path / "a-long-b.txt").write_text("another file\n")
     c = resolve_corpus(str(tmp_path / name))
     assert [s.path.name for s in c.sources] == [name] and _texts(c) == "the right text\n"
+
+
+def test_a_home_relative_glob_is_expanded(tmp_path, monkeypatch):
+    """--data '~/books/*.txt' (quoted, or after '=', so no shell expands it) matched no files; a plain path
+    expanded '~'."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "a.txt").write_text("alpha\n")
+    assert _texts(resolve_corpus("~/books/*.txt")) == "alpha\n"

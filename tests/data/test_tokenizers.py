@@ -190,3 +190,12 @@ def test_a_vocabulary_with_unused_ids_sizes_the_model_past_its_largest_id(tmp_pa
     (tmp_path / "a.txt").write_text("hello world\n" * 10)
     data = prepare_tokens(resolve_corpus(str(tmp_path / "a.txt")), tok, tmp_path / "cache", progress=False)
     assert data.tokens.tolist() == ([1, 2] * 10) + [9] and int(data.tokens.max()) < tok.vocab_size
+
+
+def test_a_home_relative_tokenizer_path_is_expanded(tmp_path, monkeypatch):
+    """--tokenizer=~/tok/tokenizer.json (no shell expands a '~' after '=') was 'not byte, char, bpe or an existing
+    tokenizer.json', where --data expands it."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    CharTokenizer.from_text("abc").save(tmp_path / "tok")
+    assert build_tokenizer("~/tok/tokenizer.json").encode("cab") == [2, 0, 1]
+    assert build_tokenizer("~/tok").encode("cab") == [2, 0, 1]

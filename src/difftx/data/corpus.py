@@ -24,6 +24,7 @@ from __future__ import annotations
 import glob as globlib
 import hashlib
 import json
+import os
 import sys
 import sysconfig
 from dataclasses import dataclass, field
@@ -253,7 +254,7 @@ def resolve_corpus(data: Optional[str], text_field: str = "text") -> Corpus:
     if data is None or data == "builtin":
         return builtin_corpus()
     if any(c in data for c in "*?[") and not Path(data).expanduser().exists():  # 'notes [draft].txt' is a file
-        matches = [Path(p) for p in globlib.glob(data, recursive=True)]
+        matches = [Path(p) for p in globlib.glob(os.path.expanduser(data), recursive=True)]
         if not matches:
             raise DataError(f"--data {data!r}: the pattern matches no files")
         paths = [f for m in matches for f in ([m] if m.is_file() else sorted(m.rglob("*")))]

@@ -317,7 +317,7 @@ def build_tokenizer(spec: str, texts: Optional[Callable[[], Iterable[str]]] = No
         if cached is not None:
             tok.save(cached)
         return tok
-    path = Path(spec)
+    path = Path(spec).expanduser()  # '~' as --data takes it (no shell expands '--tokenizer=~/...')
     if not path.exists():
         raise DataError(f"--tokenizer {spec!r}: not byte, char, bpe or an existing tokenizer.json / directory")
     return load_tokenizer(path)
