@@ -199,3 +199,12 @@ def test_a_home_relative_tokenizer_path_is_expanded(tmp_path, monkeypatch):
     CharTokenizer.from_text("abc").save(tmp_path / "tok")
     assert build_tokenizer("~/tok/tokenizer.json").encode("cab") == [2, 0, 1]
     assert build_tokenizer("~/tok").encode("cab") == [2, 0, 1]
+
+
+def test_every_tokenizer_decodes_targets_with_the_ignore_index():
+    """Targets mark unscored positions with -100; byte and char decoding skip ids outside the vocabulary, the
+    bpe one raised OverflowError on a negative id."""
+    pytest.importorskip("tokenizers")
+    for tok in (ByteTokenizer(), CharTokenizer.from_text(TEXT), train_bpe(iter([TEXT]), 300)):
+        ids = tok.encode("Speak, speak.")
+        assert tok.decode([-100, -100] + ids + [-100, tok.vocab_size]) == "Speak, speak.", tok.kind

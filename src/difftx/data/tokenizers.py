@@ -242,7 +242,9 @@ class HFTokenizer(Tokenizer):
         return np.asarray(ids, dtype=np.int64)
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+        # ids outside the vocabulary are skipped, as by the byte and char tokenizers (a negative one, the -100
+        # of unscored targets, was an OverflowError)
+        return self.tok.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size], skip_special_tokens=False)
 
     def to_dict(self) -> dict:
         return json.loads(self._json)
