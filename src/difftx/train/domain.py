@@ -189,13 +189,15 @@ class LMDomain(Domain):
                 "sources": len(m["sources"]), "tokenizer": tok}
 
     def model_overrides(self, model_cfg, fixed: frozenset = frozenset()) -> dict:
-        vocab = self.tokenizer.vocab_size
+        vocab, whose = self.tokenizer.vocab_size, f"{self.tokenizer.kind} tokenizer's"
+        task_vocab = int(getattr(self.task, "vocab", 0) or 0)  # a task drawing its own ids (mqar's vocab option)
+        if task_vocab > vocab:
+            vocab, whose = task_vocab, f"{self.cfg.task} task's"
         if "vocab_size" not in fixed:
             return {"vocab_size": vocab}
         if model_cfg.vocab_size < vocab:
             raise ConfigError("vocab_size", f"the model's vocabulary ({model_cfg.vocab_size}) is smaller than the "
-                                            f"{self.tokenizer.kind} tokenizer's ({vocab}); raise --vocab-size or "
-                                            f"drop it to use {vocab}")
+                                            f"{whose} ({vocab}); raise --vocab-size or drop it to use {vocab}")
         return {}
 
     def save_artifacts(self, path: Path) -> None:
