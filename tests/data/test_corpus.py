@@ -122,3 +122,15 @@ def test_a_home_relative_glob_is_expanded(tmp_path, monkeypatch):
     (tmp_path / "books").mkdir()
     (tmp_path / "books" / "a.txt").write_text("alpha\n")
     assert _texts(resolve_corpus("~/books/*.txt")) == "alpha\n"
+
+
+def test_a_glob_matching_a_directory_leaves_its_hidden_files_out(tmp_path):
+    """--data DIR leaves hidden files and folders out (.git, .cache); a glob matching DIR read them all (a
+    repository's .git/config, HEAD and hook scripts became training text)."""
+    (tmp_path / "books" / ".git").mkdir(parents=True)
+    (tmp_path / "books" / ".git" / "config").write_text("[core]\n")
+    (tmp_path / "books" / ".notes.txt").write_text("private\n")
+    (tmp_path / "books" / "a.txt").write_text("alpha\n")
+    as_dir = resolve_corpus(str(tmp_path / "books"))
+    as_glob = resolve_corpus(str(tmp_path / "book*"))
+    assert [s.path for s in as_glob.sources] == [s.path for s in as_dir.sources] == [tmp_path / "books" / "a.txt"]

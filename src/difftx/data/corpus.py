@@ -249,6 +249,11 @@ def builtin_corpus() -> Corpus:
     return corpus
 
 
+def _visible(folder: Path) -> list[Path]:
+    """What is below ``folder``, less hidden files and folders (.git, .cache) and what is in them."""
+    return [p for p in folder.rglob("*") if not any(part.startswith(".") for part in p.relative_to(folder).parts)]
+
+
 def resolve_corpus(data: Optional[str], text_field: str = "text") -> Corpus:
     """Turn ``--data`` into a :class:`Corpus`; raises DataError naming a missing, empty or binary path."""
     if data is None or data == "builtin":
@@ -257,7 +262,7 @@ def resolve_corpus(data: Optional[str], text_field: str = "text") -> Corpus:
         matches = [Path(p) for p in globlib.glob(os.path.expanduser(data), recursive=True)]
         if not matches:
             raise DataError(f"--data {data!r}: the pattern matches no files")
-        paths = [f for m in matches for f in ([m] if m.is_file() else sorted(m.rglob("*")))]
+        paths = [f for m in matches for f in ([m] if m.is_file() else _visible(m))]
         return _collect(paths, f"--data {data!r}", text_field)
     path = Path(data).expanduser()
     if not path.exists():
@@ -265,8 +270,7 @@ def resolve_corpus(data: Optional[str], text_field: str = "text") -> Corpus:
     if path.is_dir():
         if _is_hf_dataset_dir(path):
             return Corpus([Source(path, "hf", text_field)], f"Hugging Face dataset {path}")
-        visible = [p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts)]
-        return _collect(visible, str(path), text_field)
+        return _collect(_visible(path), str(path), text_field)
     src = _file_source(path, text_field)
     _check_not_empty(src)
     why = binary_reason(path) if src.kind == "text" else None
