@@ -485,6 +485,17 @@ def test_the_cache_dir_expands_a_home_tilde(monkeypatch, tmp_path):
     assert native._cache_dir() == tmp_path / "kernels"
 
 
+def test_either_cache_variable_moves_the_whole_cache(monkeypatch, tmp_path):
+    """The kernels read DIFFTX_CACHE_DIR and the token shards DIFFTX_CACHE: setting one moved half the cache."""
+    from difftx.data.shards import default_cache_dir
+
+    for var, other in (("DIFFTX_CACHE", "DIFFTX_CACHE_DIR"), ("DIFFTX_CACHE_DIR", "DIFFTX_CACHE")):
+        monkeypatch.delenv(other, raising=False)
+        monkeypatch.setenv(var, str(tmp_path / var))
+        assert native._cache_dir() == default_cache_dir() == tmp_path / var
+        monkeypatch.delenv(var)
+
+
 def test_an_unwritable_cache_dir_falls_back_to_torch_and_says_what_to_set(monkeypatch, tmp_path):
     """A cache path that cannot be a directory (here a file; a read-only home is the same) leaves the torch
     path with a status that names the directory and DIFFTX_CACHE_DIR."""

@@ -42,9 +42,11 @@ MANIFEST_FILE = "manifest.json"
 
 
 def default_cache_dir() -> Path:
-    """``$DIFFTX_CACHE``, else ``$XDG_CACHE_HOME/difftx``, else ``~/.cache/difftx``."""
-    if os.environ.get("DIFFTX_CACHE"):
-        return Path(os.environ["DIFFTX_CACHE"]).expanduser()
+    """``$DIFFTX_CACHE``, else ``$DIFFTX_CACHE_DIR`` (the kernels' variable: either moves the whole cache), else
+    ``$XDG_CACHE_HOME/difftx``, else ``~/.cache/difftx``."""
+    for var in ("DIFFTX_CACHE", "DIFFTX_CACHE_DIR"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "difftx"
 

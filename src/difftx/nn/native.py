@@ -54,8 +54,9 @@ def _enabled_by_env() -> bool:
 
 
 def _cache_dir() -> Path:
-    if os.environ.get("DIFFTX_CACHE_DIR"):
-        return Path(os.environ["DIFFTX_CACHE_DIR"]).expanduser()  # "~/x" is a home path, not ./~/x
+    for var in ("DIFFTX_CACHE_DIR", "DIFFTX_CACHE"):  # the token shards' variable too: either moves the whole cache
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()  # "~/x" is a home path, not ./~/x
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "difftx"
 
