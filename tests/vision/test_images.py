@@ -77,6 +77,21 @@ def test_image_folder_grey_and_rgb(tmp_path):
     assert d.splits is None
 
 
+def test_16_bit_grey_images_beside_rgb_keep_their_range(tmp_path):
+    """A 16-bit grey image in a folder that also holds RGB images was converted to RGB by Pillow, which clips its
+    values at 255: every pixel above 255 of 65535 came out 1.0.  It is read by its own range, as in a grey folder."""
+    from PIL import Image
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    Image.fromarray(np.full((8, 8), 40000, dtype=np.uint16)).save(tmp_path / "a" / "0.png")
+    Image.fromarray(np.full((8, 8, 3), 100, dtype=np.uint8)).save(tmp_path / "b" / "0.png")
+    d = load_image_set(str(tmp_path))
+    assert d.images.shape == (2, 3, 8, 8)
+    np.testing.assert_allclose(d.images[0], 40000 / 65535, rtol=1e-6)  # grey: the same value in R, G and B
+    np.testing.assert_allclose(d.images[1], 100 / 255, rtol=1e-6)
+
+
 def test_image_folder_with_given_splits(tmp_path):
     write_folder(tmp_path / "ds" / "train", n_per_class=10)
     write_folder(tmp_path / "ds" / "test", n_per_class=2)

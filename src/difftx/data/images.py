@@ -233,15 +233,16 @@ def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
 
 
 def _pixels(im, grey: bool) -> np.ndarray:
-    """A Pillow image as float32 (C, H, W) in [0, 1] (16-bit and float images by their own range)."""
-    if grey:
+    """A Pillow image as float32 (C, H, W) in [0, 1] (16-bit and float images by their own range; a grey image in a
+    colour set has its grey in R, G and B: Pillow's own conversion to RGB clips 16-bit values at 255)."""
+    if im.mode in _GREY_MODES:
         if im.mode in ("I", "I;16", "I;16B", "I;16L"):
             a = np.asarray(im, dtype=np.float32) / 65535.0
         elif im.mode == "F":
             a = np.asarray(im, dtype=np.float32)
         else:
             a = np.asarray(im.convert("L"), dtype=np.float32) / 255.0
-        return a[None]
+        return a[None] if grey else np.repeat(a[None], 3, axis=0)
     return np.asarray(im.convert("RGB"), dtype=np.float32).transpose(2, 0, 1) / 255.0
 
 
