@@ -213,7 +213,8 @@ def precheck(args) -> None:
         model = {f: getattr(args, f) for f in cli.MODEL_FLAGS if getattr(args, f, None) is not None}
         model.update(cli._kv(args.set, "--set") or {})
         tcfg, _ = resolve_configs(args.recipe, train, model, args.preset)
-        _check_unread(tcfg, set(train) | (set(cli.get_recipe_fields(args.recipe)) if args.recipe else set()))
+        recipe_fields = set(cli.get_recipe_fields(args.recipe)) if args.recipe else set()
+        _check_unread(tcfg, set(train) | recipe_fields, set(model))
         if tcfg.domain == "vision":
             from difftx.train.vision import parse_options
 

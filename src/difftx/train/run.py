@@ -160,7 +160,7 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
                                         explicit_train, explicit_model)
             fixed_model |= {"vocab_size", "max_seq_len"}
 
-        _check_unread(tcfg, explicit_train)
+        _check_unread(tcfg, explicit_train, set(explicit_model))
         n_micro = tcfg.accumulation(world.world_size)  # checks that --global-batch divides; before any write
         if tcfg.global_batch is not None and "grad_accum" in explicit_train and n_micro != tcfg.grad_accum:
             raise ConfigError("grad_accum", f"{tcfg.grad_accum} disagrees with --global-batch {tcfg.global_batch}, "
@@ -218,11 +218,11 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
         shutdown_world(world)
 
 
-def _check_unread(tcfg: TrainConfig, explicit: set) -> None:
+def _check_unread(tcfg: TrainConfig, explicit: set, explicit_model: set = frozenset()) -> None:
     """An explicitly given field that the run's domain or data source never reads is refused, not ignored."""
     if tcfg.domain == "vision":
-        for name in ("tokenizer", "bpe_vocab_size", "text_field", "task", "task_options"):
-            if name in explicit:
+        for name in ("tokenizer", "bpe_vocab_size", "text_field", "task", "task_options", "seq_len", "vocab_size"):
+            if name in explicit or name in explicit_model:
                 raise ConfigError(name, f"is a language-model option and a vision run reads images; drop "
                                         f"{option_flag(name)}")
         if "eval_batches" in explicit:
