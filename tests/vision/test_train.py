@@ -88,6 +88,20 @@ def test_train_vision_arm(tmp_path, npz_data):
     assert 0 <= r["test_acc"] <= 1 and r["cpu_s"] > 0 and r["images_per_s"] > 0
 
 
+def test_train_vision_arm_refuses_a_language_model_before_writing(tmp_path, npz_data):
+    """A language-model config went through the data checks and into training (writing the run directory), to fail
+    at the first step with the decoder's ValueError about token ids."""
+    from difftx import ModelConfig
+    from difftx.errors import ConfigError
+    from difftx.train.vision import train_vision_arm
+
+    out = tmp_path / "run"
+    match = r"domain: the model \('nano'\) is a lm model but the run's domain is 'vision'"
+    with pytest.raises(ConfigError, match=match) as e:
+        train_vision_arm(ModelConfig.from_preset("nano"), steps=1, data=str(npz_data), threads=1, out=out)
+    assert "\n" not in str(e.value) and not out.exists()
+
+
 # ---------------------------------------------------------------------- bad input: one line, exit 2
 def _fails(capsys, code, match, *argv):
     assert main(["train", *map(str, argv)]) == code

@@ -160,6 +160,9 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
                                         explicit_train, explicit_model)
             fixed_model |= {"vocab_size", "max_seq_len"}
 
+        if mcfg.domain != tcfg.domain:  # resolve_configs checks this; a caller's own pair of configs may not match
+            raise ConfigError("domain", f"the model ({mcfg.preset or 'custom'!r}) is a {mcfg.domain} model but the "
+                                        f"run's domain is {tcfg.domain!r}; give a {tcfg.domain} model config")
         _check_unread(tcfg, explicit_train, set(explicit_model))
         n_micro = tcfg.accumulation(world.world_size)  # checks that --global-batch divides; before any write
         if tcfg.global_batch is not None and "grad_accum" in explicit_train and n_micro != tcfg.grad_accum:
