@@ -140,11 +140,10 @@ class VisionDomain(Domain):
             raise ConfigError("num_classes", f"the model has {model_cfg.num_classes} classes but the data's labels "
                                              f"go up to {self.n_classes - 1} (out of range); drop --set num_classes "
                                              f"or set it to at least {self.n_classes}")
-        for k in ("image_size", "in_channels"):
+        for k, fix in (("image_size", ", or resize with --domain-opt resize=N"), ("in_channels", "")):
             if k in fixed and getattr(model_cfg, k) != want[k]:
                 raise ConfigError(k, f"is {getattr(model_cfg, k)} but the data's images are {c}x{h}x{h} "
-                                     f"(channels x height x width); drop --set {k}, or resize with "
-                                     "--domain-opt resize=N")
+                                     f"(channels x height x width); drop --set {k}{fix}")
         # --set num_classes may give the model more classes than the data has: soft targets span the model's.  The
         # trainer's last call passes the model it trains (a resumed run's from its config.json)
         self.model_classes = max(self.n_classes, model_cfg.num_classes)
