@@ -190,6 +190,8 @@ def test_bad_arrays(tmp_path):
     _bad(tmp_path / "one.npz", "at least 2 classes")
     np.savez(tmp_path / "dims.npz", x=x[:, 0, 0], y=y)
     _bad(tmp_path / "dims.npz", "images must be")
+    np.savez(tmp_path / "complex.npz", x=x + 1j, y=y)  # was cast to float, the imaginary part dropped
+    _bad(tmp_path / "complex.npz", "images must be real numbers, got dtype complex")
     x[0, 0, 0, 0] = np.nan
     np.savez(tmp_path / "nan.npz", x=x, y=y)
     _bad(tmp_path / "nan.npz", "NaN")

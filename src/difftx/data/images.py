@@ -133,8 +133,8 @@ def _read_npy(path: Path) -> np.ndarray:
 
 
 def _from_arrays(x: np.ndarray, y: np.ndarray, source: str) -> ImageSet:
-    if not (np.issubdtype(x.dtype, np.number) or x.dtype == bool):
-        raise DataError(f"{source}: images must be numbers, got dtype {x.dtype}")
+    if not (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating) or x.dtype == bool):
+        raise DataError(f"{source}: images must be real numbers, got dtype {x.dtype}")
     if x.ndim == 3:
         x = x[:, None]
     elif x.ndim == 4 and x.shape[-1] in (1, 3, 4) and (x.shape[1] > 4 or x.shape[1] == x.shape[2] != x.shape[3]):
