@@ -217,6 +217,15 @@ def test_no_validation_split_writes_no_evaluation_rows(tmp_path, train_cli, caps
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all("loss" in r for r in rows)
 
 
+def test_a_val_fraction_that_rounds_to_no_token_is_refused(tmp_path, train_cli, capsys):
+    """--val-fraction 1e-9 asks for a validation split and got none, silently: the run trained without one."""
+    out = tmp_path / "run"
+    assert train_cli("--steps", 2, "--val-fraction", 1e-9, "--out", out) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the validation split has 0 tokens" in err[0] and "--val-fraction" in err[0], err
+    assert not out.exists()
+
+
 def test_the_summary_is_printed_by_rank_0_only(tmp_path, monkeypatch, capsys):
     """Under torchrun every process returns from train(); only rank 0 prints the summary (each of N processes
     printed it, so an 8-GPU run ended with 8 copies)."""

@@ -154,8 +154,9 @@ class LMDomain(Domain):
         if not self.world.is_main:
             self.data = prepare_tokens(self.corpus, self.tokenizer, cache, cfg.val_fraction, build=False)
         self.sampler = WindowSampler(self.data.train, cfg.seq_len, cfg.seed, "train")
+        # a --val-fraction that rounds to no token is a validation split too small to use, not no validation
         self.val_sampler = WindowSampler(self.data.val, cfg.seq_len, cfg.seed, "validation") \
-            if self.data.n_train < len(self.data.tokens) else None
+            if cfg.val_fraction > 0 else None
 
     def _check_resumed_corpus(self, run_dir: Path) -> None:
         """A resumed run trains on the corpus it started on (same path, other contents: not an exact resume)."""
