@@ -88,6 +88,19 @@ def test_bpe_shards_are_the_tokenizers_own_encoding(tmp_path, monkeypatch):
     assert data.tokens.tolist() == tok.encode(CODE) + [tok.eos_id]
 
 
+def test_empty_texts_with_an_eos_tokenizer_are_no_data(tmp_path):
+    """A JSONL of empty texts gave a shard of end-of-text tokens only with a tokenizer that has one (bpe), and a
+    run trained on them; without one (byte) it was already 'no tokens'."""
+    from difftx.data.tokenizers import train_bpe
+
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n' * 50)
+    tok = train_bpe(iter([CODE]), 300)
+    assert tok.eos_id is not None
+    for t in (tok, ByteTokenizer()):
+        with pytest.raises(DataError, match="no tokens"):
+            prepare_tokens(resolve_corpus(str(tmp_path / "empty.jsonl")), t, tmp_path / "cache", progress=False)
+
+
 def test_bpe_shards_do_not_cut_after_a_piece_whose_last_line_is_long(tmp_path, monkeypatch):
     """A piece whose last line is longer than 4096 characters has no pre-token boundary after its last newline
     but its end; that newline merges with the indentation that starts the next piece ('\\n' + '    word'), so

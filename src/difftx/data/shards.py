@@ -99,7 +99,7 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
     dtype = token_dtype(tokenizer.vocab_size)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{TOKENS_FILE}.{os.getpid()}.tmp"
-    sources, total = [], 0
+    sources, total, text_tokens = [], 0, 0
     eos = np.asarray([tokenizer.eos_id], dtype=dtype) if tokenizer.eos_id is not None else None
     bar = tqdm(total=corpus.nbytes(), unit="B", unit_scale=True, desc="tokenising", disable=not progress,
                leave=False)
@@ -123,6 +123,7 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
                                         f"vocabulary of {tokenizer.vocab_size}")
                     f.write(ids.astype(dtype).tobytes())
                     count += ids.size
+                    text_tokens += ids.size
                     if end and eos is not None:
                         f.write(eos.tobytes())
                         count += 1
@@ -131,7 +132,7 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
                 total += count
             f.flush()
             os.fsync(f.fileno())
-        if total == 0:
+        if text_tokens == 0:  # end-of-text tokens alone (a JSONL of empty texts, with an EOS-bearing tokenizer)
             raise DataError(f"{corpus.description}: no tokens (the data holds no text); give non-empty text")
         os.replace(tmp, folder / TOKENS_FILE)
     finally:
