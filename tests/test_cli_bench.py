@@ -71,6 +71,8 @@ def test_bench_long_context_quick_keeps_explicit_lengths(tmp_path, capsys):
 @pytest.mark.parametrize("args,needle", [
     (["--arms", "diff,bogus"], "arms"),
     (["--arms", "diff"], "transformer"),
+    # an arm named twice ran twice into one row: two timings per repeat under one name, its median over both
+    (["--quick", "--arms", "transformer,diff,transformer"], "arms: 'transformer' given twice"),
     (["--dtypes", "fp8"], "dtypes"),
     (["--seq-len", "16", "--decode-tokens", "16"], "decode_tokens"),
     (["--preset", "nope"], "preset"),

@@ -94,6 +94,9 @@ class BenchConfig:
         bad = [a for a in self.arms if a not in ARMS]
         if bad:
             raise ConfigError("arms", f"unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
+        twice = next((a for i, a in enumerate(self.arms) if a in self.arms[:i]), None)
+        if twice is not None:  # it ran twice into one row: two timings per repeat under one name
+            raise ConfigError("arms", f"{twice!r} given twice; give each arm once")
         if "transformer" not in self.arms:
             raise ConfigError("arms", "the arms must include 'transformer' (every ratio is relative to it)")
         bad = [d for d in self.dtypes if d not in DTYPES and d != "auto"]
