@@ -135,6 +135,18 @@ def test_bench_long_context_reads_batch_size(tmp_path):
     assert "batch 2" in (tmp_path / "long_context.md").read_text()
 
 
+def test_long_context_bytes_per_token_count_every_sequence_of_the_batch():
+    """peak_bytes_per_token divided the batch's peak by N alone: 2 sequences read twice the KiB per token of 1."""
+    from difftx.benchmarking.long_context import attention_scaling
+
+    rows = {b: attention_scaling([64], preset="nano", batch=b, dtype="fp32", variants=("fused", "eager"),
+                                 log=lambda s: None)["rows"] for b in (1, 2)}
+    for one, two in zip(rows[1], rows[2]):
+        assert two["peak_bytes_per_token"] == two["peak_bytes"] / (2 * 64)
+        if two["variant"] == "fused":  # memory linear in the tokens: the same bytes per token at either batch
+            assert two["peak_bytes_per_token"] == pytest.approx(one["peak_bytes_per_token"], rel=0.1)
+
+
 def test_bench_seq_len_past_learned_positions_makes_no_out_dir(capsys, tmp_path):
     """A --seq-len longer than a learned-position preset allows is refused before --out is created."""
     from difftx.cli import main

@@ -104,10 +104,10 @@ def attention_scaling(lengths: list[int], preset: str = "small", batch: int = 1,
             sync()
             seconds = time.perf_counter() - t0
             row = {"n": n, "variant": variant, "seconds": seconds, "peak_bytes": peak,
-                   "peak_bytes_per_token": peak / n, "one_map_fp32_bytes": 4 * n * n}
+                   "peak_bytes_per_token": peak / (batch * n), "one_map_fp32_bytes": 4 * n * n}
             rows.append(row)
             log(f"  N={n:6d} {variant:6s} {seconds:8.2f} s  peak {peak / 2**20:9.1f} MiB "
-                f"({peak / n / 1024:.1f} KiB/token)")
+                f"({peak / (batch * n) / 1024:.1f} KiB/token)")
     return {"rows": rows, "preset": preset, "batch": batch, "dtype": dtype, "device": str(device),
             "backward": backward, "heads": cfg.n_heads, "head_dim": cfg.head_dim, "memory_method": method,
             "growth": _growth(rows)}
