@@ -228,3 +228,17 @@ def test_a_field_set_twice_is_refused_not_overridden(capsys, argv):
     lines = err.strip().splitlines()
     assert rc == 2 and out == "" and len(lines) == 1, (out, err)
     assert lines[0].startswith("difftx info: error: --set sets ") and "twice" in lines[0] and "give it once" in lines[0]
+
+
+@pytest.mark.parametrize("argv,field", [(["--set", "attention=diff", "--attention", "diff2"], "attention"),
+                                        (["--norms", "S2", "--set", "norms=dnt"], "norms")])
+def test_a_field_set_by_its_flag_and_by_set_is_refused(capsys, argv, field):
+    """--set attention=diff --attention diff2 described DIFF V2 and dropped the --set value (norms alike); now one
+    line, exit 2, as a field --set twice is."""
+    from difftx.cli import main
+
+    rc = main(["info", "nano", *argv])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 2 and out == "" and len(lines) == 1, (out, err)
+    assert f"--{field}" in lines[0] and f"--set {field}=" in lines[0] and "give it once" in lines[0], lines[0]

@@ -152,10 +152,12 @@ def run(args) -> int:
     if not args.preset:
         raise DifftxError("give a preset name (see `difftx info --list`), a config .json or a model directory")
     overrides = parse_overrides(args.set)
-    if args.attention:
-        overrides["attention"] = args.attention
-    if args.norms:
-        overrides["norms"] = args.norms
+    for field, value in (("attention", args.attention), ("norms", args.norms)):
+        if value:
+            if field in overrides:  # the flag silently replaced the --set value
+                raise DifftxError(f"--{field} {value} and --set {field}={overrides[field]} both set {field}; "
+                                  "give it once")
+            overrides[field] = value
     if args.seq_len is not None and args.seq_len <= 0:
         raise ConfigError("--seq-len", f"must be positive; got {args.seq_len}")
     try:
