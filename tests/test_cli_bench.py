@@ -477,3 +477,17 @@ def test_bench_compiled_arms_compute_the_eager_loss_and_record_it(tmp_path):
                     log=lambda s: None)
     assert res["bench_config"]["compile"] is True and res["ratios"]["diff_over_transformer_train"] > 0
     assert "Compiled (`torch.compile`) for training and prefill" in markdown(res)
+
+
+def test_cpu_timer_is_refused_on_a_gpu(monkeypatch):
+    """--timer cpu reads the process's CPU time, which a GPU's asynchronous kernels do not take (nothing synchronises
+    with it): a CUDA run timed the launches, and the matmul peak of 10 launched products came out absurd."""
+    import torch
+
+    from difftx.benchmarking import speed
+    from difftx.errors import ConfigError
+
+    monkeypatch.setattr(speed, "resolve_device", lambda device: torch.device("cuda"))
+    with pytest.raises(ConfigError, match="timer"):
+        speed.BenchConfig(preset="nano", device="cuda", timer="cpu").validate()
+    speed.BenchConfig(preset="nano", device="cuda", timer="wall").validate()

@@ -124,6 +124,9 @@ class BenchConfig:
                                                f"is seq_len - decode_tokens tokens")
         if self.timer not in ("wall", "cpu"):
             raise ConfigError("timer", f"must be 'wall' or 'cpu', got {self.timer!r}")
+        if self.timer == "cpu" and self.device != "cpu":  # the GPU's asynchronous work is not the process's CPU time
+            raise ConfigError("timer", f"'cpu' (process CPU time) does not see the work of {self.device}, whose "
+                                       "kernels run asynchronously; use --timer wall there")
 
     def check_seq_len(self) -> None:
         """A ConfigError unless the preset's positions reach ``seq_len`` (learned or sinusoidal positions stop at

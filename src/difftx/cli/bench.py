@@ -39,7 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-peers", action="store_true", help="leave out transformers' Llama and DiffLlama")
     p.add_argument("--decode-tokens", type=int, help="tokens generated per decode run (the decode phase; default: 32)")
     p.add_argument("--timer", choices=["wall", "cpu"],
-                   help="wall-clock (default), or process CPU time (steadier ratios on a shared machine)")
+                   help="wall-clock (default), or process CPU time (steadier ratios on a shared machine; "
+                        "--device cpu only)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("--no-memory", action="store_true", help="skip the train phase's peak-memory measurement")
