@@ -33,3 +33,13 @@ def test_a_resumed_job_counts_only_the_steps_it_trained(tmp_path, corpus):
     total = res["train"]["cpu_s"] + fresh["train"]["cpu_s"]
     assert _jobs_cpu({"jobs_cpu_s": total, "jobs_continued": 1}).startswith(f"at least {total:.0f} s (1 job continued")
     assert _jobs_cpu({"jobs_cpu_s": total}) == f"{total:.0f} s"  # a results.json of an older version
+
+
+def test_a_v2_arm_records_its_lambdas(tmp_path, corpus):
+    """DIFF V2's lambdas are per token, known only after a forward pass: results.json recorded [None, None]."""
+    study = StudyConfig(arms=["diff2:adamw"], seeds=1, steps=2, retrieval="none", data=str(corpus),
+                        model={"n_layers": 2, "d_model": 32}, batch_size=2, seq_len=16, eval_points=1,
+                        eval_batches=1, tail_batches=2, tail_entries=64, outlier_tokens=64, device="cpu",
+                        cache_dir=str(tmp_path / "cache"))
+    res = run_job(study, plan(study)[0], tmp_path / "out")
+    assert len(res["lambdas"]) == 2 and all(isinstance(v, float) and 0.0 < v < 1.0 for v in res["lambdas"])

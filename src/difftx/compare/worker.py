@@ -161,6 +161,11 @@ def measurements(study: StudyConfig, job: Job, run_dir: Path, tcfg, rows: list[d
     domain.prepare(run_dir, progress=False)
     dtype = autocast_dtype(tcfg.dtype, device)
     out: dict = {"throughput": {"per_s": measure.throughput(rows), "unit": domain.unit}}
+    batch = {k: v.to(device) for k, v in domain.train_batches(0, 1)[0].items()}
+    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else _null
+    if model.config.attention == "diff2":  # V2's lambdas are per token: their mean over one training batch
+        with torch.no_grad(), autocast():
+            domain.loss(model.eval(), batch)
     if model.config.attention != "softmax":
         out["lambdas"] = model.lambdas()
 
@@ -169,10 +174,8 @@ def measurements(study: StudyConfig, job: Job, run_dir: Path, tcfg, rows: list[d
     if backend is not None:
         model.set_attention_backend(backend)
     model.train()
-    batch = {k: v.to(device) for k, v in domain.train_batches(0, 1)[0].items()}
     opt = build_optimizer(model, tcfg.optimizer, lr=1e-12, weight_decay=0.0, betas=tcfg.betas,
                           momentum=tcfg.momentum)
-    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else _null
     out["memory"] = measure.peak_step_memory(model, opt, lambda m: domain.loss(m, batch), autocast)
     del opt
     model, tok = load()  # the trained weights again, untouched
