@@ -86,25 +86,31 @@ def test_a_corrupt_char_tokenizer_file_is_one_data_error(tmp_path, chars):
         load_tokenizer(tmp_path)
 
 
-def test_bpe_segments_never_split_a_special_token_written_in_the_text(tmp_path, monkeypatch):
-    """Corpora such as TinyStories separate stories with a literal '<|endoftext|>' line; encode() matches it
-    as the special token, so the segmented encoding (and the token shard) must not cut inside it (the cut was
-    taken between the pre-tokens '<|' and 'endoftext')."""
-    pytest.importorskip("tokenizers")
+def _assert_segments_and_shard_are_the_encoding(text, tok, tmp_path, monkeypatch):
+    """Encoding in segments of any size, and a shard built from small pieces, give ``encode(text)`` (+ EOS)."""
     from difftx.data import corpus as corpus_mod
     from difftx.data.corpus import resolve_corpus
     from difftx.data.shards import prepare_tokens
-    from difftx.data.tokenizers import train_bpe
 
-    text = "".join(f"Once upon a time {i}.\n<|endoftext|>\nThe end {i}\n" for i in range(40))
-    tok = train_bpe(iter([text]), 300)
-    assert tok.encode("<|endoftext|>") == [tok.eos_id]
     for segment in (1, 5, 20, 64):
         assert tok.encode_array(text, segment=segment).tolist() == tok.encode(text), segment
     monkeypatch.setattr(corpus_mod, "PIECE_BYTES", 64)
     (tmp_path / "stories.txt").write_text(text)
     data = prepare_tokens(resolve_corpus(str(tmp_path / "stories.txt")), tok, tmp_path / "cache", progress=False)
     assert data.tokens.tolist() == tok.encode(text) + [tok.eos_id]
+
+
+def test_bpe_segments_never_split_a_special_token_written_in_the_text(tmp_path, monkeypatch):
+    """Corpora such as TinyStories separate stories with a literal '<|endoftext|>' line; encode() matches it
+    as the special token, so the segmented encoding (and the token shard) must not cut inside it (the cut was
+    taken between the pre-tokens '<|' and 'endoftext')."""
+    pytest.importorskip("tokenizers")
+    from difftx.data.tokenizers import train_bpe
+
+    text = "".join(f"Once upon a time {i}.\n<|endoftext|>\nThe end {i}\n" for i in range(40))
+    tok = train_bpe(iter([text]), 300)
+    assert tok.encode("<|endoftext|>") == [tok.eos_id]
+    _assert_segments_and_shard_are_the_encoding(text, tok, tmp_path, monkeypatch)
 
 
 def test_a_tokenizer_without_pre_tokenizer_is_encoded_whole(tmp_path, monkeypatch):
@@ -158,18 +164,10 @@ def test_bpe_segments_are_cut_where_encoding_splits_pre_tokens_next_to_a_special
     '<|endoftext|>' + "'s".  The cut was taken from the pre-tokenizer run on the raw text ('<|', 'endoftext',
     "|>'", 's'), between "'" and 's', so the segmented encoding (and the shard) differed from encode()."""
     pytest.importorskip("tokenizers")
-    from difftx.data import corpus as corpus_mod
-    from difftx.data.corpus import resolve_corpus
-    from difftx.data.shards import prepare_tokens
 
     text = "".join(f"Tom's dog {i}\n<|endoftext|>'s tale\n\n<|endoftext|>ok then\n" for i in range(40))
     tok = train_bpe(iter([text]), 300)
-    for segment in (1, 5, 20, 64):
-        assert tok.encode_array(text, segment=segment).tolist() == tok.encode(text), segment
-    monkeypatch.setattr(corpus_mod, "PIECE_BYTES", 64)
-    (tmp_path / "stories.txt").write_text(text)
-    data = prepare_tokens(resolve_corpus(str(tmp_path / "stories.txt")), tok, tmp_path / "cache", progress=False)
-    assert data.tokens.tolist() == tok.encode(text) + [tok.eos_id]
+    _assert_segments_and_shard_are_the_encoding(text, tok, tmp_path, monkeypatch)
 
 
 def test_a_vocabulary_with_unused_ids_sizes_the_model_past_its_largest_id(tmp_path):
