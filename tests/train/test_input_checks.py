@@ -240,3 +240,46 @@ def test_a_checkpoint_of_another_format_is_not_resumed(run4, train_cli, capsys):
     err = _one_line(capsys)
     assert f"{path}: difftx_format 99, but this difftx reads format 1" in err, err
     assert _snapshot(run4) == before
+
+
+def _resume_in_a_subprocess(run, corpus, cache):
+    """``difftx train --resume auto`` of ``run`` (the run4 flags) in its own process: a crash there is a result."""
+    import subprocess
+    import sys
+
+    from ._helpers import cli_env
+
+    args = ["train", "--data", corpus, "--cache-dir", cache, "--tokenizer", "char", "--d-model", 32, "--n-layers", 2,
+            "--n-heads", 2, "--seq-len", 16, "--batch-size", 4, "--warmup", 1, "--dtype", "fp32", "--eval-batches", 2,
+            "--no-progress", "--seed", 7, "--checkpoint-every", 2, "--eval-every", 0, "--steps", 6, "--out", run,
+            "--resume", "auto"]
+    return subprocess.run([sys.executable, "-m", "difftx", *map(str, args)], capture_output=True, text=True,
+                          env=cli_env(), timeout=300)
+
+
+@pytest.mark.parametrize("how", ["a tensor", "a smaller moment", "a transposed moment", "a step of many numbers",
+                                 "a non-finite moment"])
+def test_an_optimizer_state_that_does_not_fit_the_model_is_one_line(run4, corpus, cache, how):
+    """torch's Optimizer.load_state_dict checks the groups' sizes, not the state's shapes: a moment smaller than its
+    parameter made the fused AdamW step read and write past it (a segfault), a transposed one trained on silently, a
+    tensor instead of a state dict or a step of 1000 numbers was a traceback. Now each is one line naming the file."""
+    path = run4 / "checkpoints" / "step_00000004" / "optimizer.pt"
+    sd = torch.load(path, weights_only=True)
+    state = next(s for s in sd["state"].values() if s["exp_avg"].ndim == 2 and len(set(s["exp_avg"].shape)) == 2)
+    if how == "a tensor":
+        sd = torch.zeros(3)
+    elif how == "a smaller moment":
+        state["exp_avg"] = torch.zeros(3)
+    elif how == "a transposed moment":
+        state["exp_avg"] = state["exp_avg"].T.contiguous()
+    elif how == "a step of many numbers":
+        state["step"] = torch.zeros(1000)
+    else:
+        state["exp_avg_sq"] = state["exp_avg_sq"] * float("nan")
+    torch.save(sd, path)
+    before = _snapshot(run4)
+    proc = _resume_in_a_subprocess(run4, corpus, cache)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"difftx train: error: {path}: ") and "corrupt" in lines[0], lines
+    assert _snapshot(run4) == before

@@ -294,6 +294,30 @@ def check_trainer_state(state: dict, path: Path) -> dict:
     return state
 
 
+def check_optimizer_state(optimizer, model, path: Path) -> None:
+    """Each loaded state tensor has its parameter's shape and finite values (``step``: one number).
+
+    torch's ``load_state_dict`` checks the groups' sizes only: a moment smaller than its parameter makes the fused
+    AdamW step read and write past it (a segfault), a transposed one trains on silently."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for opt in getattr(optimizer, "optimizers", [optimizer]):  # CombinedOptimizer (Muon + AdamW): each part
+        for group in opt.param_groups:
+            for p in group["params"]:
+                for key, v in opt.state.get(p, {}).items():
+                    if v is None or (key == "step" and isinstance(v, (int, float)) and not isinstance(v, bool)):
+                        continue
+                    ok = isinstance(v, torch.Tensor) and (v.numel() == 1 if key == "step" else v.shape == p.shape)
+                    if not ok:
+                        got = f"shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+                        want = "one number" if key == "step" else f"shape {tuple(p.shape)}"
+                        raise CheckpointError(f"{path}: state {key!r} of {names.get(id(p), 'a parameter')!r} is "
+                                              f"{got}, not {want}; the file is corrupt, use another checkpoint")
+                    if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                        raise CheckpointError(f"{path}: state {key!r} of {names.get(id(p), 'a parameter')!r} holds "
+                                              "NaN or inf; the file is corrupt or from a diverged run, use another "
+                                              "checkpoint")
+
+
 def load_checkpoint(trainer, path: Path) -> dict:
     """Restore model, optimizer, RNG and trainer state from checkpoint ``path``; returns the trainer state."""
     path = Path(path)
@@ -332,10 +356,14 @@ def load_checkpoint(trainer, path: Path) -> dict:
         weights = path / WEIGHTS_FILE
         load_state_dict_into(trainer.model, load_safetensors(weights), str(weights))
         optim = _torch_load(path / OPTIM_FILE, trainer.world.device)
+        if not isinstance(optim, dict):
+            raise CheckpointError(f"{path / OPTIM_FILE}: holds a {type(optim).__name__}, not an optimizer state; the "
+                                  "file is corrupt, use another checkpoint")
         try:
             trainer.optimizer.load_state_dict(optim)
-        except (ValueError, KeyError, TypeError, IndexError) as e:
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
             raise CheckpointError(f"{path / OPTIM_FILE}: does not match this model's optimizer ({e})") from None
+        check_optimizer_state(trainer.optimizer, trainer.model, path / OPTIM_FILE)
     rng_file = path / RNG_DIR / f"rank_{trainer.world.rank}.json"
     if rng_file.is_file():
         rng = read_json(rng_file, "RNG state")
