@@ -143,9 +143,12 @@ def _evil(path, marker):
 
 @pytest.mark.parametrize("victim, how", [("optimizer.pt", "garbage"), ("optimizer.pt", "missing"),
                                          ("optimizer.pt", "code"), ("model.safetensors", "garbage"),
-                                         ("trainer_state.json", "bad step"), ("rng/rank_0.json", "bad state")])
+                                         ("trainer_state.json", "bad step"), ("rng/rank_0.json", "bad state"),
+                                         ("rng/rank_0.json", "missing")])
 def test_failed_resume_changes_nothing(run4, train_cli, capsys, tmp_path, victim, how):
-    """config.json (and every other file) stays as it was when the checkpoint cannot be resumed."""
+    """config.json (and every other file) stays as it was when the checkpoint cannot be resumed. A missing RNG
+    state of a process the checkpoint was saved by is an incomplete checkpoint (it resumed with fresh RNGs: dropout
+    drew other masks than the run in one go)."""
     path = run4 / "checkpoints" / "step_00000004" / victim
     if how == "garbage":
         path.write_bytes(bytes(torch.randint(0, 256, (400,), generator=torch.Generator().manual_seed(1)).tolist()))

@@ -372,6 +372,8 @@ def load_checkpoint(trainer, path: Path) -> dict:
         except Exception as e:
             raise CheckpointError(f"{rng_file}: not a valid RNG state ({type(e).__name__}); the file is corrupt, "
                                   "use another checkpoint") from None
+    elif trainer.world.rank < state.get("world_size", 1):  # saved by this rank's process: an incomplete checkpoint
+        raise CheckpointError(f"{rng_file}: RNG state missing; the checkpoint is incomplete, use another")
     return state
 
 
