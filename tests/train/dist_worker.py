@@ -4,6 +4,8 @@ argv: DATA CACHE OUT.  Writes OUT/{ddp,fsdp,fsdp_chunked,fsdp_resumed}/ run dirs
 OUT/grads_{mode}.safetensors (rank 0).
 """
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -30,4 +32,26 @@ tcfg, mcfg = tiny(data, cache, parallel="fsdp", stop_at=2, eval_batches=3)
 train(tcfg, mcfg, out / "fsdp_resumed", announce=None)
 tcfg, mcfg = tiny(data, cache, parallel="fsdp", eval_batches=3)
 train(tcfg, mcfg, out / "fsdp_resumed", resume="auto", announce=None)
+# a damaged optimizer_groups.json beside the sharded state: each process's error, one line each (rank 0 writes them)
+errors = {}
+for name, text in (("not_json", "[{"), ("no_groups", "[]"), ("groups_swapped", None)):
+    run = out / f"fsdp_groups_{name}"
+    if dist.get_rank() == 0:
+        shutil.copytree(out / "fsdp_resumed", run)
+        for ckpt in (run / "checkpoints").iterdir():
+            groups = ckpt / "optimizer_groups.json"
+            if text is None:
+                saved = json.loads(groups.read_text())  # the no-decay group's parameters under weight decay
+                text = json.dumps([{**g, "params": s["params"]} for g, s in zip(saved, saved[::-1])])
+            groups.write_text(text)
+    dist.barrier()
+    tcfg, mcfg = tiny(data, cache, parallel="fsdp", eval_batches=3, steps=6)
+    try:
+        train(tcfg, mcfg, run, resume="auto", announce=None)
+        errors[name] = "resumed"
+    except Exception as e:  # noqa: BLE001 -- what the CLI would print (DifftxError) or a traceback's last line
+        errors[name] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+if dist.get_rank() == 0:
+    (out / "fsdp_groups_errors.json").write_text(json.dumps(errors))
 dist.destroy_process_group()

@@ -57,3 +57,17 @@ def test_fsdp_sharded_checkpoint_resumes_exactly(dist_runs):
     a, b = difftx.load_model(tmp / "fsdp"), difftx.load_model(tmp / "fsdp_resumed")
     for (k, v), w in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(v, w), k
+
+
+def test_a_damaged_optimizer_groups_file_of_a_sharded_checkpoint_is_one_line(dist_runs):
+    """An FSDP checkpoint's optimizer_groups.json that is not JSON was a traceback (JSONDecodeError); one with no
+    groups, or with the groups' parameters swapped (weight decay on the norms), resumed: now each is a
+    CheckpointError naming the file."""
+    import json
+
+    tmp, _ = dist_runs
+    errors = json.loads((tmp / "fsdp_groups_errors.json").read_text())
+    assert set(errors) == {"not_json", "no_groups", "groups_swapped"}
+    for name, err in errors.items():
+        assert err.startswith("CheckpointError: ") and "optimizer_groups.json" in err and "corrupt" in err, (name, err)
+        assert "\n" not in err, (name, err)

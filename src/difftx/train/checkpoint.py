@@ -318,6 +318,25 @@ def check_optimizer_state(optimizer, model, path: Path) -> None:
                                               "checkpoint")
 
 
+def _read_groups(path: Path, current: list[dict]) -> list[dict]:
+    """The optimizer's parameter groups saved beside a sharded checkpoint: one per group of ``current`` (this
+    run's), over the same parameters; a hyperparameter it lacks (one a newer torch added) is this run's."""
+    try:
+        groups = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}); the file is corrupt, use another checkpoint") from None
+    fits = isinstance(groups, list) and len(groups) == len(current) and all(
+        isinstance(g, dict) and g.get("params") == list(c["params"]) for g, c in zip(groups, current))
+    if not fits:
+        raise CheckpointError(f"{path}: not the {len(current)} parameter group(s) of this run's optimizer; the file "
+                              "is corrupt, use another checkpoint")
+    groups = [{**c, **g} for g, c in zip(groups, current)]
+    for g in groups:
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+    return groups
+
+
 def load_checkpoint(trainer, path: Path) -> dict:
     """Restore model, optimizer, RNG and trainer state from checkpoint ``path``; returns the trainer state."""
     path = Path(path)
@@ -345,11 +364,8 @@ def load_checkpoint(trainer, path: Path) -> dict:
         except Exception as e:
             raise CheckpointError(f"{path / SHARDED_DIR}: cannot read the sharded state ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0][:120]})") from None
-        groups = json.loads((path / OPTIM_GROUPS_FILE).read_text()) if (path / OPTIM_GROUPS_FILE).is_file() \
-            else optim_sd["param_groups"]
-        for g in groups:
-            if "betas" in g:
-                g["betas"] = tuple(g["betas"])
+        groups = _read_groups(path / OPTIM_GROUPS_FILE, optim_sd["param_groups"]) \
+            if (path / OPTIM_GROUPS_FILE).is_file() else optim_sd["param_groups"]
         set_model_state_dict(trainer.model, target["model"])
         set_optimizer_state_dict(trainer.model, trainer.optimizer, {"state": target["optim"], "param_groups": groups})
     else:
