@@ -211,3 +211,20 @@ def test_resume_with_a_stop_at_already_passed_is_refused(tmp_path, train_cli, ca
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing touched
     assert train_cli("--steps", 6, "--stop-at", 5, "--eval-every", 0, "--out", out, "--resume", "auto") == 0
     assert (out / "checkpoints" / "step_00000005").is_dir()
+
+
+def test_resume_auto_with_a_checkpoint_as_out_is_refused(tmp_path, train_cli, capsys):
+    """``--out RUN/checkpoints/step_2 --resume auto`` found no checkpoints below it, took the checkpoint's
+    config.json for a run's and trained a new run from step 0 inside the checkpoint (its config.json rewritten, a
+    checkpoints/ nested in it). Now refused in one line that says how to continue it; nothing is touched."""
+    out = tmp_path / "run"
+    assert train_cli("--steps", 4, "--stop-at", 2, "--eval-every", 0, "--out", out) == 0
+    ckpt = out / "checkpoints" / "step_00000002"
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert train_cli("--steps", 4, "--eval-every", 0, "--out", ckpt, "--resume", "auto") == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"{ckpt} is a checkpoint" in lines[0] and f"--resume {ckpt}" in lines[0], lines
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert train_cli("--steps", 4, "--eval-every", 0, "--out", out, "--resume", ckpt) == 0  # the way it names
+    assert _steps(out) == ["step_00000002", "step_00000004"]

@@ -30,7 +30,7 @@ from ..errors import ConfigError, option_flag
 from ..io import CHECKPOINTS_DIR, CONFIG_FILE, FORMAT_KEY, FORMAT_VERSION, atomic_write_text, make_out_dir
 from ..nn import native
 from ..runtime import SLOW_BF16, keep_freed_memory, native_bf16_matmul
-from .checkpoint import read_json, remove_partial, resolve_resume
+from .checkpoint import STATE_FILE, read_json, remove_partial, resolve_resume
 from .config import RESUMABLE_CHANGES, TrainConfig
 from .distributed import init_world, resolve_parallel, shutdown_world
 from .domain import get_domain
@@ -146,6 +146,9 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
     world = init_world(tcfg.device)
     try:
         resume_ckpt = resolve_resume(resume, out)
+        if resume == "auto" and resume_ckpt is None and (out / STATE_FILE).is_file():  # not a run: one of its steps
+            raise ConfigError("out", f"{out} is a checkpoint, not a run directory; continue it with --resume {out} "
+                                     "and --out its run directory (or a new one)")
         source = resume_ckpt if resume_ckpt is not None else (
             out if resume == "auto" and (out / CONFIG_FILE).is_file() else None)
         if source is None and run_exists(out):
