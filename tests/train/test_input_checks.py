@@ -286,3 +286,19 @@ def test_an_optimizer_state_that_does_not_fit_the_model_is_one_line(run4, corpus
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"difftx train: error: {path}: ") and "corrupt" in lines[0], lines
     assert _snapshot(run4) == before
+
+
+def test_a_resume_that_inherits_tensorboard_without_the_package_writes_nothing(run4, train_cli, capsys, monkeypatch):
+    """The tensorboard check read the flags given, not the config being resumed: a run saved with --tensorboard,
+    resumed where the package is missing, rewrote config.json (its --steps) before failing at the first log."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` raises ImportError
+    for path in (run4 / "config.json", *(run4 / "checkpoints").glob("step_*/config.json")):
+        config = json.loads(path.read_text())
+        config["train"]["tensorboard"] = True
+        path.write_text(json.dumps(config))
+    before = _snapshot(run4)
+    assert train_cli("--steps", 6, "--out", run4, "--resume", "auto") == 2
+    assert "pip install 'difftx[tensorboard]'" in _one_line(capsys)
+    assert _snapshot(run4) == before

@@ -140,8 +140,6 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
     already, such as ``difftx compare``, which checks every job of its study, with its parallel jobs, up front."""
     out = Path(out)
     explicit_train = set(explicit_train)
-    if tcfg.tensorboard:
-        _require_tensorboard()
     keep_freed_memory()  # a training process keeps its freed activations for the next step (runtime.py)
     world = init_world(tcfg.device)
     try:
@@ -162,6 +160,8 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
             tcfg, mcfg = _merge_resumed(read_json(source / CONFIG_FILE, "run config"), source, tcfg, mcfg,
                                         explicit_train, explicit_model)
             fixed_model |= {"vocab_size", "max_seq_len"}
+        if tcfg.tensorboard:  # given, or the resumed run's
+            _require_tensorboard()
 
         if mcfg.domain != tcfg.domain:  # resolve_configs checks this; a caller's own pair of configs may not match
             raise ConfigError("domain", f"the model ({mcfg.preset or 'custom'!r}) is a {mcfg.domain} model but the "
