@@ -156,6 +156,10 @@ def test_a_resave_killed_between_its_two_renames_keeps_the_old_copy(tmp_path, tr
     (ckpts / "step_00000004").rename(ckpts / ".step_00000004.old")
     (ckpts / ".step_00000004.tmp").mkdir()
     metrics = (out / "metrics.jsonl").read_text()
+    # under torchrun only rank 0 puts it back (then a barrier): the other ranks resolve without touching it
+    from difftx.train.checkpoint import resolve_resume
+
+    assert resolve_resume("auto", out, restore=False) is None and (ckpts / ".step_00000004.old").is_dir()
     capsys.readouterr()
     assert train_cli("--steps", 4, "--eval-every", 0, "--out", out, "--resume", "auto") == 0
     assert "resum" in capsys.readouterr().out  # from step 4, not a fresh start over the old run

@@ -393,12 +393,14 @@ def load_checkpoint(trainer, path: Path) -> dict:
     return state
 
 
-def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
-    """``--resume auto`` (the newest checkpoint in ``run_dir``, or None) or ``--resume PATH``."""
+def resolve_resume(resume: Optional[str], run_dir: Path, restore: bool = True) -> Optional[Path]:
+    """``--resume auto`` (the newest checkpoint in ``run_dir``, or None) or ``--resume PATH``.  ``restore``: first
+    put back a step whose re-save a crash interrupted (one process does it; the others wait, then resolve)."""
     if resume is None:
         return None
     if resume == "auto":
-        restore_resaved(run_dir)
+        if restore:
+            restore_resaved(run_dir)
         ckpts = list_checkpoints(run_dir)
         return ckpts[-1] if ckpts else None
     path = Path(resume)

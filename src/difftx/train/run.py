@@ -30,7 +30,7 @@ from ..errors import ConfigError, option_flag
 from ..io import CHECKPOINTS_DIR, CONFIG_FILE, FORMAT_KEY, FORMAT_VERSION, atomic_write_text, make_out_dir
 from ..nn import native
 from ..runtime import SLOW_BF16, keep_freed_memory, native_bf16_matmul
-from .checkpoint import STATE_FILE, read_json, remove_partial, resolve_resume
+from .checkpoint import STATE_FILE, read_json, remove_partial, resolve_resume, restore_resaved
 from .config import RESUMABLE_CHANGES, TrainConfig
 from .distributed import init_world, resolve_parallel, shutdown_world
 from .domain import get_domain
@@ -143,7 +143,11 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
     keep_freed_memory()  # a training process keeps its freed activations for the next step (runtime.py)
     world = init_world(tcfg.device)
     try:
-        resume_ckpt = resolve_resume(resume, out)
+        if resume == "auto" and world.world_size > 1:  # rank 0 puts back an interrupted re-save, then all resolve
+            if world.is_main:
+                restore_resaved(out)
+            world.barrier()
+        resume_ckpt = resolve_resume(resume, out, restore=world.world_size == 1)
         if resume == "auto" and resume_ckpt is None and (out / STATE_FILE).is_file():  # not a run: one of its steps
             raise ConfigError("out", f"{out} is a checkpoint, not a run directory; continue it with --resume {out} "
                                      "and --out its run directory (or a new one)")
