@@ -604,6 +604,43 @@ def test_model_decoding_takes_the_native_step_and_matches_the_torch_step(padded,
 
 
 @needs_native
+@pytest.mark.parametrize("attention", ["diff", "diff2"])
+def test_native_decoding_applies_a_one_row_key_valid_to_every_sequence(attention, monkeypatch):
+    """AttnMask takes key_valid with one row for the whole batch; the native decoding step masks every
+    sequence with it, as the torch step does (it used to read rows 1.. past the end of the mask)."""
+    from difftx import ModelConfig
+    from difftx.nn.attention import make_attention
+    from difftx.nn.cache import KVCache
+    from difftx.nn.rope import RotaryEmbedding
+
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
+                      attention=attention)
+    torch.manual_seed(0)
+    layer = make_attention(cfg, 1).eval()
+    b, n = 3, 9
+    x = torch.randn(b, n + 1, 64)
+    valid = torch.ones(1, n + 1, dtype=torch.bool)
+    valid[0, :4] = False  # one left-padded row for every sequence
+    rope = RotaryEmbedding(16)
+    calls = []
+    real = native.diff_decode
+    monkeypatch.setattr(native, "diff_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def step(use_native):
+        monkeypatch.setattr(native, "ENABLED", use_native)
+        cache = KVCache(1, b, 16)
+        with torch.no_grad():
+            layer(x[:, :n], rope.cos_sin(torch.arange(n)), AttnMask(True, n, n, 0, valid[:, :n]), cache)
+            cache.advance(n)
+            return layer(x[:, n:], rope.cos_sin(torch.arange(n, n + 1)), AttnMask(True, 1, n + 1, n, valid), cache)
+
+    got = step(True)
+    assert calls
+    want = step(False)
+    torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_swiglu_blocks_and_tails_match_float64(threads, dtype, monkeypatch):

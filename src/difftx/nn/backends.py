@@ -255,7 +255,8 @@ def native_diff_decode(q, k, v, mask: AttnMask, scale: float, lam: torch.Tensor,
 
     valid = None
     if mask.key_valid is not None:
-        valid = mask.key_valid[:, : mask.n_k].clone()
+        # one row may serve the whole batch (AttnMask.check allows it); the kernel reads one row per sequence
+        valid = mask.key_valid[:, : mask.n_k].expand(q.shape[0], -1).clone()
         valid[:, mask.q_start] = True  # a query always sees itself
     wg = None if weight is None else weight.to(torch.float32) * gain
     return native.diff_decode(q, k, v, valid, lam, scale, norm, wg, gain, eps, out_dtype)

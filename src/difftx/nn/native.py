@@ -619,7 +619,7 @@ def diff_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: Option
     b, _, h, _, d = q.shape
     hk, t, dv = k.shape[2], k.shape[3], v.shape[-1]
     assert k.shape == (b, 2, hk, t, d) and v.shape == (b, hk, t, dv) and dv in (d, 2 * d)
-    assert k.dtype == v.dtype == q.dtype
+    assert k.dtype == v.dtype == q.dtype and (valid is None or valid.shape == (b, t))
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
