@@ -809,6 +809,32 @@ def test_rope_native_takes_more_than_three_leading_dims(monkeypatch):
 
 
 @needs_native
+@pytest.mark.parametrize("x_grad", [False, True])
+def test_rope_angles_that_require_grad_get_their_gradient(x_grad, monkeypatch):
+    """Angles computed from differentiable positions (a learned scaling, say) get the gradient the torch
+    rotation gives, whether or not x wants one; the native rotation (which returns none for the angles) is
+    not used for them."""
+    from difftx.nn.rope import RotaryEmbedding, apply_rope
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 8, generator=gen, dtype=torch.float64)
+    w = torch.randn(2, 3, 5, 8, generator=gen, dtype=torch.float64)
+    inv = RotaryEmbedding(8)._inv_freq(torch.float32, torch.device("cpu"))
+
+    def grads(use_native):
+        monkeypatch.setattr(native, "ENABLED", use_native)
+        pos = torch.arange(5, dtype=torch.float32).requires_grad_()
+        ang = pos[:, None] * inv
+        xi = x.float().requires_grad_(x_grad)
+        y = apply_rope(xi, ang.cos()[None, None], ang.sin()[None, None], "half")
+        return torch.autograd.grad((y.double() * w).sum(), [pos] + ([xi] if x_grad else []))
+
+    got, want = grads(True), grads(False)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_rope_native_rotates_in_place(dtype, interleaved):

@@ -92,13 +92,15 @@ class _NativeRope(torch.autograd.Function):
 
 
 def _native_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> Optional[torch.Tensor]:
-    """The native rotation when it applies (CPU, fp32/bf16, float32 angles of shape (B|1, 1.., N, d/2)), else None."""
+    """The native rotation when it applies (CPU, fp32/bf16, float32 angles of shape (B|1, 1.., N, d/2) that want no
+    gradient), else None."""
     from . import native
 
     if traced():  # first: native.supports takes the kernels' lock, which breaks a compiled graph
         return None
     if not (style in ("half", "interleaved") and x.dtype in (torch.float32, torch.bfloat16)
             and cos.dtype == torch.float32 and sin.dtype == torch.float32 and x.dim() >= 3
+            and not grad_wanted(cos, sin)  # the kernel's gradient is x's only: differentiable angles take torch's
             and x.shape[-1] % 2 == 0 and native.supports(x.dtype, x.device)):
         return None
     n, half = x.shape[-2], x.shape[-1] // 2
