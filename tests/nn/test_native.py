@@ -809,6 +809,26 @@ def test_rope_native_takes_more_than_three_leading_dims(monkeypatch):
 
 
 @needs_native
+@pytest.mark.parametrize("shape", [(0, 2, 5, 8), (2, 0, 5, 8), "no positions, strided"])
+def test_rope_of_an_empty_tensor_and_its_gradient(shape, monkeypatch):
+    """No rows (an empty batch or head dim), strided or not: an empty rotation and an empty gradient, as the
+    torch rotation gives (the kernel's strided-row reader took no empty tensor)."""
+    from difftx.nn.rope import RotaryEmbedding, apply_rope
+
+    monkeypatch.setattr(native, "ENABLED", True)
+    cos, sin = RotaryEmbedding(8).cos_sin(torch.arange(5))
+    if isinstance(shape, str):  # (B, H, 0, d) stored transposed: its last dim's stride is not 1
+        x = torch.zeros(2, 2, 8, 0).transpose(-1, -2).requires_grad_()
+        cos, sin = RotaryEmbedding(8).cos_sin(torch.arange(0))
+    else:
+        x = torch.zeros(shape).requires_grad_()
+    y = apply_rope(x, cos, sin, "half")
+    assert y.shape == x.shape
+    (gx,) = torch.autograd.grad(y.sum(), [x])
+    assert gx.shape == x.shape
+
+
+@needs_native
 @pytest.mark.parametrize("x_grad", [False, True])
 def test_rope_angles_that_require_grad_get_their_gradient(x_grad, monkeypatch):
     """Angles computed from differentiable positions (a learned scaling, say) get the gradient the torch

@@ -584,6 +584,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     result goes to ``out`` (x's shape and dtype, any such strides; x itself, or memory not overlapping x)
     or to a new contiguous tensor."""
     assert cos.is_contiguous() and sin.is_contiguous() and cos.dtype == torch.float32
+    if x.numel() == 0:  # no rows (an empty tensor's strides need not be any rows' strides): nothing to rotate
+        return _empty_as(x, x.dtype) if out is None else out
     rows = _rows4(x)
     if rows is None:  # rows not contiguous, or more than three leading dims: (B, heads..., N, d) flattened
         shape = x.shape
