@@ -59,6 +59,31 @@ def test_quantized_logits_stay_causal_and_ignore_left_padding(granularity):
         assert (model(x).logits - full).abs().max() > 1e-2  # 4 bits did change the logits
 
 
+@pytest.mark.parametrize("kind", ["softmax", "diff"])
+def test_left_padding_after_a_cached_prefix_sets_no_scale(kind):
+    """ICL's queries are left-padded after the demonstrations' KV cache: a padding query row may attend to the
+    cached prefix, and its logits there set the head scale of the real rows after it, so a query's quantized
+    logits changed with the longest query in its batch (--batch-size).  Padding rows now set no scale."""
+    from difftx.evals.common import pad_left
+    from difftx.evals.icl import _repeat_cache
+
+    model = tiny_model(kind)
+    with torch.no_grad():
+        for m in model.attention_modules():
+            m.q_proj.weight.mul_(30.0)
+        model.embed.weight[0].mul_(20.0)  # the padding id's queries: large logits against the prefix
+    gen = torch.Generator().manual_seed(3)
+    prefix = torch.randint(1, 256, (1, 30), generator=gen)
+    short, long = (torch.randint(1, 256, (n,), generator=gen).tolist() for n in (6, 14))
+    with quantized_logits(model, 4, "head"), torch.no_grad():
+        cache = model.new_cache(1, 60)
+        model.features(prefix, cache=cache)
+        alone = model(torch.tensor([short]), cache=_repeat_cache(cache, 1, lambda b: model.new_cache(b, 60))).logits
+        ids, mask = pad_left([short, long])
+        both = model(ids, attention_mask=mask, cache=_repeat_cache(cache, 2, lambda b: model.new_cache(b, 60))).logits
+    assert (both[:1, -len(short):] - alone).abs().max() < 1e-4
+
+
 def test_masked_entries_do_not_set_the_scale():
     x = torch.tensor([[[[1.0, 100.0], [1.0, 0.5]]]])  # the 100 sits above the diagonal (a future key)
     valid = torch.tensor([[True, False], [True, True]])

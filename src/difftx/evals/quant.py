@@ -52,7 +52,8 @@ DEFAULT_BITS = (16, 8, 6, 4)
 
 def scale_entries(mask, n_q: int, n_k: int, device) -> Optional[torch.Tensor]:
     """(B|1, 1, Nq, Nk) True where a logit may set a scale: the query may see the key (causally, if ``mask``
-    is causal; the queries are the last Nq of Nk positions without a mask) and the key is a real token."""
+    is causal; the queries are the last Nq of Nk positions without a mask) and both are real tokens (a padding
+    query after a cached prefix sees the prefix: its row set the scale of the real rows after it)."""
     causal = mask is None or mask.causal
     q_start = n_k - n_q if mask is None else mask.q_start
     valid = None
@@ -60,7 +61,8 @@ def scale_entries(mask, n_q: int, n_k: int, device) -> Optional[torch.Tensor]:
         q = torch.arange(q_start, q_start + n_q, device=device)[:, None]
         valid = (torch.arange(n_k, device=device)[None, :] <= q)[None, None]
     if mask is not None and mask.key_valid is not None:
-        keys = mask.key_valid.to(device)[:, None, None, :]
+        kv = mask.key_valid.to(device)
+        keys = kv[:, None, None, :] & kv[:, None, mask.q_start:mask.q_start + n_q, None]
         valid = keys if valid is None else valid & keys
     return valid
 
