@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from difftx.evals.lm import ar_hit_mask, evaluate_lm
@@ -106,3 +107,31 @@ def test_budget_below_one_window_still_reads_text_for_a_window():
     assert r["windows"] == 1 and r["tokens"] == 256
     r = evaluate_outliers_text(model, _FourCharsPerToken(), text=text, max_tokens=32, seq_len=128)
     assert r["tokens"] == 128
+
+
+@pytest.mark.parametrize("name", ["lm", "outliers"])
+def test_seq_len_past_learned_positions_names_the_flag(name, tmp_path, capsys):
+    """--seq-len 100 on a model whose learned positions end at 64 failed inside the model ('shorten the input or
+    raise max_seq_len', naming no flag); now refused before it runs, naming --seq-len and its limit, as icl's
+    --max-len and attention's --length are."""
+    import difftx
+    from difftx.cli import main
+    from difftx.data import ByteTokenizer
+    from difftx.errors import ConfigError
+    from difftx.evals.lm import evaluate_lm
+    from difftx.evals.outliers import evaluate_outliers
+
+    model = tiny_model("softmax", positions="learned", max_seq_len=64)
+    tokens = torch.randint(0, 256, (400,), generator=torch.Generator().manual_seed(0))
+    fn = evaluate_lm if name == "lm" else evaluate_outliers
+    with pytest.raises(ConfigError, match=r"seq_len: 100 exceeds max_seq_len=64 .*--seq-len up to 64"):
+        fn(model, tokens, seq_len=100, max_tokens=200)
+    assert fn(model, tokens, seq_len=64, max_tokens=128)["tokens"] == 128  # up to the limit it runs
+    difftx.save_model(model, tmp_path / "ck")
+    ByteTokenizer().save(tmp_path / "ck")
+    (tmp_path / "t.txt").write_text("The river was near the garden. " * 40)
+    capsys.readouterr()
+    rc = main(["eval", name, "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "o"), "--seq-len", "100",
+               "--data", str(tmp_path / "t.txt"), "--no-plot", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--seq-len up to 64" in err[0] and err[0].startswith("difftx eval")

@@ -140,6 +140,19 @@ def hard_limit(model) -> Optional[int]:
     return int(cfg.max_seq_len) if cfg.positions in ("learned", "sinusoidal") else None
 
 
+def window_length(model, seq_len: Optional[int]) -> int:
+    """The windows of the evaluations over text (lm, outliers): ``seq_len`` (an integer >= 1) or the model's context,
+    at most 1024.  Past the max_seq_len of learned or sinusoidal positions it is one ConfigError naming --seq-len
+    (the model's own error named no flag)."""
+    if seq_len is None:
+        return context_limit(model, 1024)
+    seq_len, hard = check_count("seq_len", seq_len), hard_limit(model)
+    if hard is not None and seq_len > hard:
+        raise ConfigError("seq_len", f"{seq_len} exceeds max_seq_len={hard} of a model with "
+                                     f"{model.config.positions} positions; pass --seq-len up to {hard}")
+    return seq_len
+
+
 def task_context(model, floor: int = 256, cap: int = 1024) -> int:
     """Default context of the retrieval and in-context tasks: max_seq_len, at least ``floor``, at most ``cap``.
 
@@ -426,7 +439,7 @@ def text_tokens(model, tokenizer, text: Optional[str], data, max_tokens: int, se
     max_tokens = check_count("max_tokens", max_tokens)
     if text is not None and not isinstance(text, str):
         raise ConfigError("text", f"must be the evaluation text itself, got {text!r}")
-    seq_len = check_count("seq_len", seq_len) if seq_len is not None else context_limit(model, 1024)
+    seq_len = window_length(model, seq_len)
     chars = (max(max_tokens, seq_len) + 1) * 8
     if text is None:
         text = corpus_text(data, min_chars=chars, split="val")

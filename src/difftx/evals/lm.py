@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DataError
-from .common import check_count, context_limit, logit_chunks, model_device, text_tokens
+from .common import check_count, logit_chunks, model_device, text_tokens, window_length
 
 
 def ar_hit_mask(windows: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -72,7 +72,7 @@ def evaluate_lm(model, tokens, seq_len: Optional[int] = None, max_tokens: int = 
                 ar_max_freq: Optional[int] = None, progress: bool = False) -> dict:
     """Loss, perplexity, cumulative NLL by position and AR-Hit / Others on a 1-D token stream."""
     tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-    seq_len = check_count("seq_len", seq_len) if seq_len is not None else context_limit(model, 1024)
+    seq_len = window_length(model, seq_len)
     max_tokens, batch_size = check_count("max_tokens", max_tokens), check_count("batch_size", batch_size)
     if ar_max_freq is not None:
         ar_max_freq = check_count("ar_max_freq", ar_max_freq)

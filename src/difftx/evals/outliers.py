@@ -23,8 +23,8 @@ import torch
 
 from ..errors import DataError
 from ..nn.probe import AttentionProbe
-from .common import LogHistogram, TopK, attach, check_count, context_limit, map_batch_size, model_device, \
-    text_tokens, valid_values
+from .common import LogHistogram, TopK, attach, check_count, map_batch_size, model_device, \
+    text_tokens, valid_values, window_length
 
 TOPS = (1, 2, 3, 10, 100)
 
@@ -99,7 +99,7 @@ def evaluate_outliers(model, tokens, seq_len: Optional[int] = None, max_tokens: 
                       batch_size: Optional[int] = None, progress: bool = False) -> dict:
     """Table 5 statistics over ``max_tokens`` tokens of the 1-D stream ``tokens`` (windows of ``seq_len``)."""
     tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-    seq_len = check_count("seq_len", seq_len) if seq_len is not None else context_limit(model, 1024)
+    seq_len = window_length(model, seq_len)
     max_tokens = check_count("max_tokens", max_tokens)
     if batch_size is not None:
         batch_size = check_count("batch_size", batch_size)
