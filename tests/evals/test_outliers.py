@@ -117,3 +117,17 @@ def test_peak_memory_does_not_grow_with_the_budget():
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     assert r["attention_logits"]["count"] == 16384 * 129 // 2 * 2 * 2 * 2
     assert after - before < 16 * 1024
+
+
+def test_too_little_text_names_the_fix(checkpoint, tmp_path, capsys):
+    """Text shorter than one window said only "need at least 256 tokens for one window; got 11" (lm's says what
+    to do); now it names the fix, in one line, exit 2."""
+    from difftx.cli import main
+
+    (tmp_path / "short.txt").write_text("hello world")
+    capsys.readouterr()
+    rc = main(["eval", "outliers", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "o"),
+               "--data", str(tmp_path / "short.txt"), "--no-plot", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("difftx eval")
+    assert "got 11" in err[0] and "pass more data or a smaller --seq-len" in err[0]

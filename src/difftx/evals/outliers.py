@@ -105,7 +105,8 @@ def evaluate_outliers(model, tokens, seq_len: Optional[int] = None, max_tokens: 
         batch_size = check_count("batch_size", batch_size)
     n_windows = min(tokens.numel() // seq_len, max(1, max_tokens // seq_len))
     if n_windows < 1:
-        raise DataError(f"need at least {seq_len} tokens for one window; got {tokens.numel()}")
+        raise DataError(f"need at least {seq_len} tokens for one window of {seq_len}; got {tokens.numel()} "
+                        "(pass more data or a smaller --seq-len)")
     bs = batch_size or map_batch_size(model.config.n_heads, seq_len, cap=16)
     device = model_device(model)
     with OutlierCollector(model) as col:
