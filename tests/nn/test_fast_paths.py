@@ -239,7 +239,9 @@ def test_diff2_module_fused_equals_eager(dtype, h, hk, padded):
         _compare_modules(m, x, rope, mask, valid, fast, TOL[dtype])
 
 
-def test_variant_choice():
+@pytest.mark.parametrize("amx", [True, False])
+def test_variant_choice(amx, monkeypatch):
+    monkeypatch.setattr(backends, "CPU_HAS_AMX", amx)
     cpu = torch.device("cpu")
     q = torch.zeros(1, 1, 4, 2, requires_grad=True)
     for resolve in (backends.resolve_v2_variant, backends.resolve_softmax_variant):
@@ -249,7 +251,9 @@ def test_variant_choice():
             assert resolve("auto", q) == "sdpa"  # a decoding step (2 queries): the flash forward
             prompt = torch.zeros(1, 1, 8, 2)
             assert resolve("auto", prompt) == "fused"  # an fp32 prompt: fused
-            assert resolve("auto", prompt.bfloat16()) == "sdpa"  # reduced precision: CPU flash
+            # bf16: CPU flash's kernel on AMX; without AMX the fused path, decoding steps too
+            assert resolve("auto", prompt.bfloat16()) == ("sdpa" if amx else "fused")
+            assert resolve("auto", q.detach().bfloat16()) == ("sdpa" if amx else "fused")
             assert resolve("auto", prompt, dropout_p=0.1) == "sdpa"
         assert resolve("fused", q.detach()) == "fused"
         with pytest.raises(ValueError):

@@ -162,17 +162,26 @@ def resolve_diff_variant(variant: str, device: torch.device, dropout_p: float = 
 FUSED_INFERENCE_MIN_QUERIES = 5  # fp32 inference with fewer queries (decoding steps) keeps CPU flash
 
 
+# whether this CPU has AMX tiles, where CPU flash's bf16 kernel is the fast one (asked once, at import: a constant
+# for torch.compile)
+CPU_HAS_AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 def _cpu_fused_wins(q: torch.Tensor, dropout_p: float) -> bool:
     """Where the fused kernel beats SDPA for softmax attention and DIFF V2 (``auto``), as measured on the
     CPU (docs/performance.md): training in every dtype (CPU flash's backward is slow: a layer's
     forward + backward 5% faster in fp32, 10% in bf16), and fp32/fp64 inference over a prompt (small
     preset, 4 x 512: prefill 5% faster for softmax and 10% for V2 on an AVX2 EPYC; on par on the AMX
-    Xeon).  CPU flash keeps reduced-precision inference, where its bf16 kernel won, and decoding steps
-    (it reads K once; the fused kernel would stack K for V2's two maps).  CUDA keeps SDPA."""
+    Xeon).  CPU flash keeps fp32 decoding steps (it reads K once; the fused kernel would stack K for V2's
+    two maps) and bf16 inference on AMX, where its bf16 kernel won; without AMX (AVX512-BF16: AMD Zen 4)
+    the fused path wins bf16 inference, decoding steps included (small preset, 4 x 512: Transformer prefill
+    1.13-1.16x, decoding 1.39-1.40x; V2 1.34x and 2.29x).  CUDA keeps SDPA."""
     if dropout_p > 0 or q.device.type != "cpu":
         return False
     if torch.is_grad_enabled() and q.requires_grad:
         return True
+    if q.dtype == torch.bfloat16:
+        return not CPU_HAS_AMX
     return q.dtype in (torch.float32, torch.float64) and q.shape[-2] >= FUSED_INFERENCE_MIN_QUERIES
 
 
