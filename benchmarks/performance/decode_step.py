@@ -24,6 +24,18 @@ from difftx.benchmarking.speed import ARMS
 from difftx.models import build_model
 
 
+def greedy_steps(model, cache, first, context: int, new: int, clock) -> float:
+    """Seconds (by ``clock``) of ``new`` greedy steps after the cache is rewound to its ``context``-token prompt,
+    whose logits are ``first``."""
+    cache.length = context  # rewind: the prompt's keys and values stay
+    cache.next_position.fill_(context)
+    logits = first
+    t = clock()
+    for _ in range(new):
+        logits = model(logits[:, -1:].argmax(-1), cache=cache).logits
+    return clock() - t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arm", default="diff", choices=sorted(ARMS))
@@ -46,14 +58,9 @@ def main() -> None:
         cache = model.new_cache(args.batch, args.context + args.new)
         first = model(prompt, cache=cache).logits
         for rnd in range(args.rounds + 1):  # round 0 warms up
-            cache.length = args.context  # rewind: the prompt's keys and values stay
-            cache.next_position.fill_(args.context)
-            logits = first
-            t = clock()
-            for _ in range(args.new):
-                logits = model(logits[:, -1:].argmax(-1), cache=cache).logits
+            seconds = greedy_steps(model, cache, first, args.context, args.new, clock)
             if rnd:
-                best = min(best, (clock() - t) / args.new)
+                best = min(best, seconds / args.new)
     print(f"{args.arm} {args.preset} batch {args.batch} context {args.context} threads {args.threads} "
           f"{args.timer}: {best * 1e3:.2f} ms/step, {args.batch / best:.0f} tokens/s")
 

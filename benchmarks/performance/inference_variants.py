@@ -20,6 +20,7 @@ import torch
 from difftx import ModelConfig
 from difftx.benchmarking.speed import ARMS
 from difftx.models import build_model
+from decode_step import greedy_steps  # this folder's decoding loop (the script's folder is on sys.path)
 
 
 def main() -> None:
@@ -51,13 +52,7 @@ def main() -> None:
                 t = clock()
                 model(x)
                 prefill = clock() - t
-                cache.length = args.context  # rewind: the prompt's keys and values stay
-                cache.next_position.fill_(args.context)
-                logits = first
-                t = clock()
-                for _ in range(args.new):
-                    logits = model(logits[:, -1:].argmax(-1), cache=cache).logits
-                decode = clock() - t
+                decode = greedy_steps(model, cache, first, args.context, args.new, clock)
                 if rnd:
                     rates.setdefault(("prefill", variant), []).append(x.numel() / prefill)
                     rates.setdefault(("decode", variant), []).append(args.batch * args.new / decode)
