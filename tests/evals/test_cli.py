@@ -137,6 +137,9 @@ def test_unusable_out_is_one_line(where, message, checkpoint, tmp_path, capsys):
     (["mqar", "--pairs", "0,4"], "--pairs"), (["mqar", "--lengths=-64"], "--lengths"),
     (["niah", "--lengths", "0"], "--lengths"), (["icl", "--shots=-1"], "--shots"),
     (["quant", "--bits", "0"], "--bits"), (["quant", "--bits", "16,40"], "--bits"),
+    # a value given twice: a duplicate row or point (icl's overall accuracy counted the shots twice)
+    (["quant", "--bits", "8,8"], "--bits"), (["icl", "--shots", "2,2"], "--shots"),
+    (["niah", "--depths", "50,50"], "--depths"), (["mqar", "--pairs", "4,8,4"], "--pairs"),
 ])
 def test_bad_numbers_are_refused_before_use(args, flag, checkpoint, tmp_path, capsys):
     out = tmp_path / "out"

@@ -42,6 +42,9 @@ def _list(kind, lo=-math.inf, hi=math.inf):
         if bad:
             where = f"at least {lo}" if hi == math.inf else f"between {lo} and {hi}"
             raise argparse.ArgumentTypeError(f"every value must be {where}, got {bad[0]}")
+        twice = next((x for i, x in enumerate(out) if x in out[:i]), None)
+        if twice is not None:  # a duplicate row or point (and icl's overall accuracy counted its shots twice)
+            raise argparse.ArgumentTypeError(f"{twice!r} given twice; give each value once")
         return out
     parse.__name__ = f"{kind.__name__} list"
     return parse
