@@ -281,6 +281,29 @@ def test_peers_only_for_llama_shaped_presets():
     assert [a.name for a in build_arms(bc, torch.device("cpu"))] == ["transformer"]
 
 
+def test_a_peer_that_cannot_be_built_is_left_out_with_a_warning(monkeypatch):
+    """A transformers version whose Llama / DiffLlama API moved made the whole bench a traceback; the peer is
+    left out with one warning line and the run goes on."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from difftx.benchmarking import speed
+
+    def broken(name, cfg):
+        if name == "hf-diffllama":
+            raise TypeError("DiffLlamaConfig.__init__() got an unexpected keyword argument 'x'")
+        return real(name, cfg)
+
+    real = speed._hf_model
+    monkeypatch.setattr(speed, "_hf_model", broken)
+    bc = speed.BenchConfig(**{**speed.QUICK, "arms": ["transformer", "diff"], "peers": True})
+    bc.validate()
+    lines = []
+    arms = speed.build_arms(bc, torch.device("cpu"), lines.append)
+    assert [a.name for a in arms] == ["transformer", "diff", "hf-llama"]
+    assert len(lines) == 1 and "hf-diffllama could not be built here (TypeError" in lines[0], lines
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_bench_auto_dtypes_follow_the_bf16_hardware(monkeypatch, native):
     """``auto`` (the default) benchmarks bf16 only where matmuls run it in hardware; named dtypes stay."""

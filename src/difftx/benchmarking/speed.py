@@ -271,7 +271,7 @@ def peers_match(cfg: ModelConfig) -> bool:
             and cfg.norms == "S1" and not cfg.bias)
 
 
-def build_arms(bc: BenchConfig, device: torch.device) -> list[Arm]:
+def build_arms(bc: BenchConfig, device: torch.device, log: Callable[[str], None] = print) -> list[Arm]:
     arms = []
     base = ModelConfig.from_preset(bc.preset)
     bc.check_seq_len()
@@ -284,8 +284,13 @@ def build_arms(bc: BenchConfig, device: torch.device) -> list[Arm]:
         for peer, twin in PEERS.items():
             cfg = ModelConfig.from_preset(bc.preset, max_seq_len=max(base.max_seq_len, bc.seq_len), **ARMS[twin])
             torch.manual_seed(bc.seed)
-            arms.append(Arm(peer, _hf_model(peer, cfg).to(device), cfg, peer=True, fused_adamw=bc.fused_adamw,
-                            compile=bc.compile))
+            try:
+                model = _hf_model(peer, cfg).to(device)
+            except Exception as e:  # a transformers version whose model API moved: the bench goes on without it
+                log(f"difftx bench: warning: transformers' {peer} could not be built here ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:160] if str(e) else ''}); left out of this run")
+                continue
+            arms.append(Arm(peer, model, cfg, peer=True, fused_adamw=bc.fused_adamw, compile=bc.compile))
     return arms
 
 
@@ -474,7 +479,7 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
         log(f"difftx bench: warning: {SLOW_BF16}")
     timer = _timer(bc.timer, device)
     torch.manual_seed(bc.seed)
-    arms = build_arms(bc, device)
+    arms = build_arms(bc, device, log)
     if bc.peers and transformers_available() and not peers_match(ModelConfig.from_preset(bc.preset)):
         log(f"difftx bench: no transformers peers for preset {bc.preset}: Llama / DiffLlama are LLaMA-shaped "
             "(SwiGLU, rotary positions, RMSNorm), this preset is not")
