@@ -59,6 +59,17 @@ def test_bench_long_context_quick(cli, tmp_path):
     assert (tmp_path / "long_context.md").exists()
 
 
+def test_bench_long_context_in_bf16_warns_where_bf16_has_no_hardware(tmp_path, capsys, monkeypatch):
+    """The speed bench warned that bf16 runs on reference kernels on such a CPU; --long-context said nothing."""
+    from difftx import runtime
+    from difftx.cli import main
+
+    monkeypatch.setattr(runtime, "native_bf16_matmul", lambda device=None: False)
+    assert main(["bench", "--long-context", "--quick", "--lengths", "64", "--dtypes", "bf16",
+                 "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().err.count("no bf16 matrix hardware") == 1
+
+
 def test_bench_long_context_quick_keeps_explicit_lengths(tmp_path, capsys):
     """--quick's options are defaults: a --lengths given explicitly is the one measured."""
     from difftx.cli import main

@@ -165,6 +165,10 @@ def _long_context(args, bc, lengths: list, out: Path, command: str) -> int:
 
     torch.set_num_threads(bc.threads or torch.get_num_threads())
     dtype = _long_context_dtype(bc)
+    from ..runtime import SLOW_BF16, native_bf16_matmul
+
+    if dtype == "bf16" and not native_bf16_matmul(torch.device(bc.device)):  # as the speed bench warns
+        print(f"difftx bench: warning: {SLOW_BF16}", file=sys.stderr)
     batch = {"batch": args.batch_size} if args.batch_size is not None else {}  # default: one sequence
     result = attention_scaling(lengths, preset=bc.preset, dtype=dtype, device=bc.device,
                                log=lambda s: print(s, file=sys.stderr), **batch)
