@@ -208,3 +208,12 @@ def test_options_a_vision_run_does_not_read_are_refused(tmp_path, npz_data, caps
     assert train(npz_data, out, "--steps", 1, "--eval-every", 0) == 0  # without it: trains
     if flag == "--eval-batches":  # a resumed run may change it (the others must match the run's: refused already)
         _fails(capsys, 2, flag, "--data", npz_data, *TINY, *args, "--out", out, "--resume", "auto")
+
+
+def test_a_resume_on_another_batch_per_step_counts_images(tmp_path, npz_data, capsys):
+    """The refusal of a resume whose step would take another number of images said 'sequences'."""
+    out = tmp_path / "run"
+    assert train(npz_data, out, "--steps", 4, "--stop-at", 2) == 0
+    capsys.readouterr()
+    _fails(capsys, 2, "took 8 images a step", "--data", npz_data, *TINY, "--steps", 4, "--grad-accum", 2,
+           "--out", out, "--resume", "auto")

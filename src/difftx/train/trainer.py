@@ -129,8 +129,8 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         saved = int(state.get("world_size", self.world.world_size)) * int(state.get("micro_batches", self.n_micro))
         if saved != self.world.world_size * self.n_micro:  # the same sequences per step, or the run is another one
-            b = self.cfg.batch_size
-            raise ConfigError("--grad-accum", f"the run being resumed took {saved * b} sequences a step "
+            b, unit = self.cfg.batch_size, "sequences" if self.cfg.domain == "lm" else "images"
+            raise ConfigError("--grad-accum", f"the run being resumed took {saved * b} {unit} a step "
                                               f"({state.get('world_size')} processes x {state.get('micro_batches')} "
                                               f"micro-batches of {b}), here {self.world.world_size} x {self.n_micro}; "
                                               f"pass --global-batch {saved * b} to keep it")
