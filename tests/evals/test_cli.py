@@ -47,6 +47,19 @@ def test_every_eval_writes_its_json(name, checkpoint, tmp_path, capsys):
     assert f"wrote {tmp_path / name}.json" in capsys.readouterr().out
 
 
+def test_an_earlier_figure_alone_is_an_earlier_result(checkpoint, tmp_path, capsys):
+    """lm.json deleted, lm.png left: a --no-plot run wrote its JSON beside the earlier run's figure."""
+    (tmp_path / "lm.png").write_bytes(b"an earlier run's figure")
+    argv = ["eval", "lm", "--checkpoint", str(checkpoint), "--out", str(tmp_path), "--quiet", "--no-plot",
+            "--data", str(checkpoint / "haystack.txt"), "--max-tokens", "256", "--seq-len", "64"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lm.png" in err[0] and "--force" in err[0], err
+    assert not (tmp_path / "lm.json").exists()
+    assert main([*argv, "--force"]) == 0  # --force: the stale figure goes with the new result
+    assert (tmp_path / "lm.json").exists() and not (tmp_path / "lm.png").exists()
+
+
 def test_any_eval_runs_quantized(checkpoint, tmp_path):
     rc = main(["eval", "lm", "--checkpoint", str(checkpoint), "--out", str(tmp_path), "--quiet", "--no-plot",
                "--data", str(checkpoint / "haystack.txt"), "--max-tokens", "256", "--seq-len", "64",
@@ -426,13 +439,14 @@ def test_icl_shots_past_what_fits_name_the_most_that_fit(checkpoint, tmp_path, c
 
 def test_force_without_a_figure_removes_the_earlier_runs_figure(checkpoint, tmp_path, capsys):
     """--force --no-plot wrote the new NAME.json and kept the earlier run's NAME.png beside it, a figure of another
-    result; it is removed now (and said so).  Without --force nothing of an earlier run is touched."""
+    result; it is removed now (and said so).  Without --force nothing of an earlier run is touched: the run is
+    refused (it wrote its JSON beside the earlier figure)."""
     out = tmp_path / "out"
     args = ["mqar", "--checkpoint", checkpoint, "--out", out, *SMALL["mqar"], "--quiet"]
     out.mkdir()
     (out / "mqar.png").write_bytes(b"an earlier figure")
-    assert _eval([*args, "--no-plot"], capsys)[0] == 0  # no --force: an unclaimed figure stays
-    assert (out / "mqar.png").read_bytes() == b"an earlier figure"
+    assert _eval([*args, "--no-plot"], capsys)[0] == 2  # no --force: refused, the figure stays
+    assert (out / "mqar.png").read_bytes() == b"an earlier figure" and not (out / "mqar.json").exists()
     capsys.readouterr()
     assert main(["eval", *map(str, args), "--no-plot", "--force"]) == 0
     assert not (out / "mqar.png").exists() and (out / "mqar.json").exists()

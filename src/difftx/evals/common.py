@@ -502,7 +502,8 @@ def claim_out(out_dir, name: str, force: bool = False, plot: bool = True) -> Pat
     from ..io import make_out_dir, refuse_old_results
 
     out = make_out_dir(out_dir, flag="--out")
-    refuse_old_results(out, [p.name for p in result_paths(out, name, plot)], force)
+    # NAME.png too when this run plots nothing: an earlier run's figure would sit beside this run's JSON
+    refuse_old_results(out, [p.name for p in result_paths(out, name, plot=True)], force)
     return out
 
 
