@@ -166,6 +166,19 @@ def test_a_resave_killed_between_its_two_renames_keeps_the_old_copy(tmp_path, tr
     assert _steps(out) == ["step_00000004"] and (out / "metrics.jsonl").read_text() == metrics
 
 
+def test_a_resave_killed_between_its_two_renames_is_put_back_for_resume_path_too(tmp_path, train_cli, capsys):
+    """--resume RUN_DIR (the path form) skipped what --resume auto does first: put back a step whose re-save a
+    crash interrupted.  It said 'no checkpoint in it' (or took an older step)."""
+    out = tmp_path / "run"
+    assert train_cli("--steps", 4, "--eval-every", 0, "--out", out) == 0
+    ckpts = out / "checkpoints"
+    (ckpts / "step_00000004").rename(ckpts / ".step_00000004.old")
+    capsys.readouterr()
+    assert train_cli("--steps", 6, "--eval-every", 0, "--out", tmp_path / "fork", "--resume", out) == 0
+    assert "resum" in capsys.readouterr().out
+    assert _steps(out) == ["step_00000004"] and _steps(tmp_path / "fork")[-1] == "step_00000006"
+
+
 def test_resuming_on_another_process_count_keeps_the_global_batch_or_is_refused(tmp_path, train_cli, capsys):
     """A checkpoint of 2 processes x 1 micro-batch (its trainer state says so) resumed on 1 process: with
     --grad-accum 1 a step would take half the sequences, so it is refused with the --global-batch that keeps

@@ -408,6 +408,12 @@ def resolve_resume(resume: Optional[str], run_dir: Path, restore: bool = True) -
         raise CheckpointError(f"--resume {resume}: no such checkpoint or run directory")
     if (path / STATE_FILE).is_file() or (path / WEIGHTS_FILE).is_file():
         return path
+    if restore:  # a run directory: its newest step may be a re-save a crash interrupted, as for auto
+        try:
+            restore_resaved(path)
+        except OSError as e:
+            raise CheckpointError(f"--resume {resume}: cannot put back a checkpoint whose re-save was interrupted "
+                                  f"({e.strerror or e}); rename {CHECKPOINTS_DIR}/.step_*.old to step_*") from None
     ckpts = list_checkpoints(path)
     if not ckpts:
         raise CheckpointError(f"--resume {resume}: no checkpoint in it (expected {CHECKPOINTS_DIR}/step_*/)")

@@ -143,9 +143,9 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
     keep_freed_memory()  # a training process keeps its freed activations for the next step (runtime.py)
     world = init_world(tcfg.device)
     try:
-        if resume == "auto" and world.world_size > 1:  # rank 0 puts back an interrupted re-save, then all resolve
+        if resume is not None and world.world_size > 1:  # rank 0 puts back an interrupted re-save, then all resolve
             if world.is_main:
-                restore_resaved(out)
+                restore_resaved(out if resume == "auto" else Path(resume))
             world.barrier()
         resume_ckpt = resolve_resume(resume, out, restore=world.world_size == 1)
         if resume == "auto" and resume_ckpt is None and (out / STATE_FILE).is_file():  # not a run: one of its steps
