@@ -156,7 +156,7 @@ def test_reference_diff_bridge_refuses_blocks_it_cannot_represent(field, value):
         bridge.diff_block_config(block)
 
 
-@pytest.mark.parametrize("flags", [dict(mid_norm_ffn=True), dict(post_norm=True)])
+@pytest.mark.parametrize("flags", [dict(mid_norm_ffn=True), dict(post_norm=True), dict(dropout=0.1)])
 def test_reference_diff_bridge_refuses_norms_beyond_the_pre_norm_layout(flags):
     """A MidNorm after the FFN or PostNorms (norms='S1' with a flag on) have no place in the reference block: it
     computed the block without them, another block than the library's; refused, naming the flag."""

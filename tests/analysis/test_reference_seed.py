@@ -114,3 +114,16 @@ def test_reference_seed_matches_difftx_post_norm_model(positions):
     assert set(lib) == set(grads)
     for k in sorted(grads):
         assert_rel(grads[k], lib[k], k)
+
+
+def test_the_seed_bridge_refuses_dropout():
+    """The seed reference has no dropout: a model with dropout compared in training mode held masks the reference
+    lacks, so the bridge refuses it as it refuses other layouts."""
+    import difftx
+
+    cfg = difftx.ModelConfig.from_preset("nano", d_model=16, n_layers=1, n_heads=2, vocab_size=17, max_seq_len=16,
+                                         norms="post", norm="layer", ffn="relu", bias=True, positions="learned",
+                                         tie_embeddings=False, final_norm=False)
+    assert bridge.seed_config(difftx.build_model(cfg)).d_model == 16
+    with pytest.raises(ValueError, match="no dropout"):
+        bridge.seed_config(difftx.build_model(cfg.replace(dropout=0.1)))

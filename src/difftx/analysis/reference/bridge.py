@@ -50,6 +50,8 @@ def diff_block_config(block) -> DiffBlockConfig:
         raise ValueError(f"the reference DIFF block's FFN is SwiGLU: need ffn='swiglu', not {type(block.ffn).__name__}")
     if any(name.endswith("bias") for name, _ in block.named_parameters()):
         raise ValueError("the reference DIFF block has no biases: need bias=False")
+    if block.dropout > 0 or a.dropout > 0:  # a training-mode comparison would hold dropout the reference lacks
+        raise ValueError("the reference DIFF block has no dropout: need dropout=0")
     return DiffBlockConfig(
         d_model=a.d_model, n_heads=a.n_heads, head_dim=a.head_dim, ffn_dim=block.ffn.w_gate.out_features,
         lambda_init=a.lambda_init, eps=block.attn_norm.eps,
@@ -95,10 +97,10 @@ def seed_config(model) -> SeedConfig:
     ok = (c.attention == "softmax" and c.post_norm and c.norm == "layer" and c.ffn == "relu" and c.bias
           and c.positions in ("learned", "sinusoidal") and not c.tie_embeddings and not c.final_norm
           and not c.input_norm and not c.pre_norm_attn and not c.pre_norm_ffn and not c.qk_norm
-          and not c.mid_norm_attn and not c.mid_norm_ffn and c.n_kv_heads == c.n_heads)
+          and not c.mid_norm_attn and not c.mid_norm_ffn and c.n_kv_heads == c.n_heads and c.dropout == 0)
     if not ok:
         raise ValueError("the seed layout is softmax attention, norms='post', norm='layer', ffn='relu', bias=True, "
-                         "learned or sinusoidal positions, untied embeddings, no GQA")
+                         "learned or sinusoidal positions, untied embeddings, no GQA, no dropout")
     return SeedConfig(vocab_size=c.vocab_size, d_model=c.d_model, n_heads=c.n_heads, head_dim=c.head_dim,
                       ffn_dim=c.ffn_dim, n_layers=c.n_layers, max_len=c.max_seq_len,
                       positions="learned" if c.positions == "learned" else "fixed", causal=True, eps=c.norm_eps)
