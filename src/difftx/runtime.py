@@ -45,6 +45,17 @@ SLOW_BF16 = ("this CPU has no bf16 matrix hardware (AMX or AVX512-BF16): torch r
              "bf16 numerics")
 
 
+def cache_root(*variables: str):
+    """difftx's cache directory (kernels, token shards, bpe vocabularies): the first of the environment
+    ``variables`` that is set ("~" expanded), else ``$XDG_CACHE_HOME/difftx``, else ``~/.cache/difftx``."""
+    from pathlib import Path
+
+    for var in variables:
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()  # "~/x" is a home path, not ./~/x
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "difftx"
+
+
 def native_bf16_matmul(device) -> bool:
     """Whether bf16 matmuls on ``device`` run in hardware: CUDA with bf16 support, or a CPU with AMX or
     AVX512-BF16 (see the module doc; elsewhere they run ~100x slower than fp32)."""

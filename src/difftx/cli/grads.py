@@ -204,9 +204,7 @@ def _load_checkpoints(paths: list[str], device: str):
             raise ConfigError("--checkpoint", f"{path} is a {model.config.domain} model; grads studies language models")
         # the tokenizer saved beside the model (a model.safetensors path: its folder's), or byte ids when there is
         # none; a damaged one is one DataError naming it, not byte ids in its place
-        folder = Path(path).parent if Path(path).is_file() else Path(path)
-        tok = saved_tokenizer(path, "difftx grads") if any(
-            (folder / name).is_file() for name in ("tokenizer.json", "difftx_tokenizer.json")) else None
+        tok = saved_tokenizer(path, "difftx grads", optional=True)
         name = Path(path).resolve().name or f"model{i}"
         if any(name == n for n, *_ in loaded):
             name = f"{name}-{i}"
@@ -231,16 +229,12 @@ def _check_same_tokenizer(loaded) -> None:
                                               "them in separate runs")
 
 
-def _seed_torch(seed: int) -> None:
-    """Seed torch's RNG (dropout masks) as :func:`difftx.analysis.common.build` does for a fresh model."""
+def _seeded(seed: int, model):
+    """``model`` (a loaded checkpoint), with torch's RNG (dropout masks) seeded as
+    :func:`difftx.analysis.common.build` seeds it for a fresh model of that seed."""
     import torch
 
     torch.manual_seed(seed)
-
-
-def _seeded(seed: int, model):
-    """``model`` (a loaded checkpoint), with torch's RNG seeded as for a fresh model of that seed."""
-    _seed_torch(seed)
     return model
 
 
@@ -328,11 +322,13 @@ class _Study:
 
 
 def _flow_section(st: _Study) -> None:
+    import torch
+
     from ..analysis import flow
 
     args, t0 = st.args, time.perf_counter()
     if st.loaded:
-        _seed_torch(args.seed)  # fresh twins are built seeded; checkpoints' dropout masks follow --seed too
+        torch.manual_seed(args.seed)  # fresh twins are built seeded; checkpoints' dropout masks follow --seed too
         kinds = sorted(m.config.attention for _, _, m, _ in st.loaded)
         if kinds in (["diff", "softmax"], ["diff2", "softmax"]):  # DIFF (V1 or V2, as for a fresh base) and softmax
             models = {("transformer" if m.config.attention == "softmax" else "diff"): m for _, _, m, _ in st.loaded}

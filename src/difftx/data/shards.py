@@ -44,11 +44,9 @@ MANIFEST_FILE = "manifest.json"
 def default_cache_dir() -> Path:
     """``$DIFFTX_CACHE``, else ``$DIFFTX_CACHE_DIR`` (the kernels' variable: either moves the whole cache), else
     ``$XDG_CACHE_HOME/difftx``, else ``~/.cache/difftx``."""
-    for var in ("DIFFTX_CACHE", "DIFFTX_CACHE_DIR"):
-        if os.environ.get(var):
-            return Path(os.environ[var]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "difftx"
+    from ..runtime import cache_root
+
+    return cache_root("DIFFTX_CACHE", "DIFFTX_CACHE_DIR")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

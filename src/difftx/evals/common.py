@@ -52,9 +52,10 @@ def load_checkpoint(path, device: Optional[str] = None, dtype: Optional[torch.dt
     return model, (saved_tokenizer(path, what) if tokenizer else None)
 
 
-def saved_tokenizer(path, what: str = "this evaluation"):
+def saved_tokenizer(path, what: str = "this evaluation", optional: bool = False):
     """The tokenizer saved with the model at ``path``: its ``tokenizer.json``, or the ``difftx_tokenizer.json`` a
-    Hugging Face export keeps for difftx's byte and char tokenizers; none is one DataError naming ``what``."""
+    Hugging Face export keeps for difftx's byte and char tokenizers; none is one DataError naming ``what`` (None
+    when ``optional``).  A damaged file is a DataError either way."""
     from ..data import load_tokenizer
     from ..data.tokenizers import TOKENIZER_FILE
 
@@ -63,6 +64,8 @@ def saved_tokenizer(path, what: str = "this evaluation"):
     for name in (TOKENIZER_FILE, "difftx_tokenizer.json"):  # the second: interop.hf_io.DIFFTX_TOKENIZER_IN_HF
         if (folder / name).is_file():
             return load_tokenizer(folder / name)  # a damaged file: one DataError naming it
+    if optional:
+        return None
     raise DataError(f"{folder}: no {TOKENIZER_FILE} beside the model; {what} encodes text with the tokenizer the "
                     "model was trained with (a training run saves it): copy it there or pass the run directory")
 

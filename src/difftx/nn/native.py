@@ -54,11 +54,9 @@ def _enabled_by_env() -> bool:
 
 
 def _cache_dir() -> Path:
-    for var in ("DIFFTX_CACHE_DIR", "DIFFTX_CACHE"):  # the token shards' variable too: either moves the whole cache
-        if os.environ.get(var):
-            return Path(os.environ[var]).expanduser()  # "~/x" is a home path, not ./~/x
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "difftx"
+    from ..runtime import cache_root
+
+    return cache_root("DIFFTX_CACHE_DIR", "DIFFTX_CACHE")  # the token shards' variable too: either moves it all
 
 
 def cpuinfo_line(*keys: str) -> str:
