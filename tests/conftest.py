@@ -23,6 +23,7 @@ def cli_env(**extra) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("DIFFTX_FLEX_COMPILE", "0")
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a child killed by a signal prints its threads' stacks
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

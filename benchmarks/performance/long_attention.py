@@ -10,7 +10,7 @@ half the full N x N rectangle.  Best of ``--rounds`` per length.
 
 To compare two checkouts, run it alternately with each one's ``src`` on PYTHONPATH.  ``--rows 48,192`` times
 each block height in one process (the kernel takes any multiple of 6 in float32, of 32 in bf16) instead of
-the one ``fused_attention`` picks; ``--dtype bf16`` times the AMX kernel (AMX CPUs only), whose blocks
+the one ``fused_attention`` picks; ``--dtype bf16`` times the bf16 kernel (CPUs with AMX or AVX512-BF16), whose blocks
 ``fused_attention`` leaves at the block path's rows (64 at long keys): the sweep to run before giving it
 taller blocks too.
 """
@@ -40,8 +40,8 @@ def main() -> None:
     args = ap.parse_args()
     if native.library() is None:
         raise SystemExit("the native kernels are not built here")
-    if args.dtype == "bf16" and not native.amx():
-        raise SystemExit("the bf16 attention kernel needs a CPU with AMX")
+    if args.dtype == "bf16" and not native.bf16_attention():
+        raise SystemExit("the bf16 attention kernel needs a CPU with AMX or AVX512-BF16")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.timer == "cpu" else time.perf_counter

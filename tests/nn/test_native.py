@@ -220,14 +220,15 @@ def test_native_float32_attention_is_causal_and_thread_count_invariant(monkeypat
 
 
 def test_native_float32_attention_declines_what_it_cannot_take():
-    """Heads not a multiple of the column block (d = 12), bf16 without AMX (or with heads not a multiple of 32),
+    """Heads not a multiple of the column block (d = 12), bf16 without AMX or AVX512-BF16 (or with heads not a
+    multiple of 32),
     padded keys and a partial K keep the block-by-block path."""
     q, k, v = torch.zeros(1, 1, 2, 8, 12), torch.zeros(2, 8, 12), torch.zeros(1, 2, 8, 12)
     assert not native.attention_ok(q, k, v, 8, False)
     assert not native.attention_ok(q.bfloat16(), k.bfloat16(), v.bfloat16(), 8, False)
     q, k, v = torch.zeros(1, 1, 2, 8, 64), torch.zeros(2, 8, 64), torch.zeros(1, 2, 8, 64)
     assert not native.attention_ok(q, k, v, 8, True)
-    assert native.attention_ok(q.bfloat16(), k.bfloat16(), v.bfloat16(), 8, False) == native.amx()
+    assert native.attention_ok(q.bfloat16(), k.bfloat16(), v.bfloat16(), 8, False) == native.bf16_attention()
     assert not native.attention_ok(q.bfloat16(), k, v, 8, False)  # mixed dtypes
     assert not native.attention_ok(q, k[:, :5], v[:, :, :5], 8, False)
     assert not native.attention_ok(q, k, torch.zeros(1, 2, 64, 8).transpose(-1, -2), 8, False)  # V rows strided
@@ -280,10 +281,12 @@ def test_native_float32_attention_with_tall_blocks_at_long_keys_matches_float64(
         assert (a.double() - r).abs().max() <= 2e-6 * scale, (i, (a.double() - r).abs().max() / scale)
 
 
-needs_amx = pytest.mark.skipif(not (HAVE_CC and native.amx()), reason="the bf16 attention kernel needs an AMX CPU")
+needs_amx = pytest.mark.skipif(not (HAVE_CC and native.amx()), reason="the bf16 products need an AMX CPU")
+needs_bf16_attention = pytest.mark.skipif(not (HAVE_CC and native.bf16_attention()),
+                                          reason="the bf16 attention kernel needs a CPU with AMX or AVX512-BF16")
 
 
-@needs_amx
+@needs_bf16_attention
 @pytest.mark.parametrize("m,h,hk,n,q_start,lam_kind,causal,chunk", [
     (1, 4, 4, 70, 0, None, True, 32),  # a last block of 6 rows; keys not a multiple of 32
     (2, 4, 2, 70, 0, "scalar", True, 32),  # GQA
@@ -291,9 +294,9 @@ needs_amx = pytest.mark.skipif(not (HAVE_CC and native.amx()), reason="the bf16 
     (1, 4, 2, 33, 0, None, False, 64),  # no causal mask (vision), one block
     (2, 2, 1, 129, 0, "scalar", True, 64),  # several blocks, every key visible to the last
 ])
-def test_amx_bf16_attention_matches_float64_as_closely_as_the_torch_path(m, h, hk, n, q_start, lam_kind, causal,
-                                                                         chunk, monkeypatch):
-    """The bf16 kernel on AMX tiles (difftx_attn_forward_bf16 / _backward_bf16) is the path taken for bf16, and
+def test_bf16_attention_matches_float64_as_closely_as_the_torch_path(m, h, hk, n, q_start, lam_kind, causal, chunk,
+                                                                     monkeypatch):
+    """The bf16 kernel (difftx_attn_forward_bf16 / _backward_bf16: AMX tiles or AVX512-BF16) is the path taken, and
     its output and gradients (q, k, v, lambda) are as close to float64 on the same bf16 inputs as the torch
     block path's: products bf16 x bf16 -> float32, maps and statistics in float32, one rounding of each map."""
     inputs, mask = _wide_case(m, h, hk, n, q_start, lam_kind, causal)
@@ -320,8 +323,8 @@ def test_amx_bf16_attention_matches_float64_as_closely_as_the_torch_path(m, h, h
             assert err <= 2e-2, (i, err)
 
 
-@needs_amx
-def test_amx_bf16_attention_is_causal_thread_count_invariant_and_reads_values_in_place(monkeypatch):
+@needs_bf16_attention
+def test_bf16_attention_is_causal_thread_count_invariant_and_reads_values_in_place(monkeypatch):
     """Bitwise the same with 1 and 2 threads; the last query's inputs change no earlier output; V as a strided
     head view of a projection is read in place and its gradient comes back in that layout."""
     (q, k, v, lam), mask = _wide_case(2, 4, 2, 100, 0, "scalar", True)

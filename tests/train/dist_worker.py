@@ -19,7 +19,15 @@ from difftx.train import train  # noqa: E402
 
 data, cache, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 dist.init_process_group("gloo")
+RANK = dist.get_rank()
+
+
+def phase(name: str) -> None:  # on stderr, so that a worker's death names the phase it died in
+    print(f"rank {RANK}: {name}", file=sys.stderr, flush=True)
+
+
 for mode in ("ddp", "fsdp", "fsdp_chunked"):  # fsdp_chunked: FSDP2 with the chunked loss (--loss-chunk 5)
+    phase(mode)
     rec = GradRecorder()
     tcfg, mcfg = tiny(data, cache, parallel=mode.removesuffix("_chunked"), batch_size=4, grad_accum=1,
                       loss_chunk=5 if mode.endswith("_chunked") else 0, eval_batches=3)
@@ -28,6 +36,7 @@ for mode in ("ddp", "fsdp", "fsdp_chunked"):  # fsdp_chunked: FSDP2 with the chu
         save_file({f"{i}/{k}": v.contiguous() for i, g in enumerate(rec.grads) for k, v in g.items()},
                   str(out / f"grads_{mode}.safetensors"))
 # FSDP2 resume through the sharded (torch.distributed.checkpoint) path
+phase("fsdp_resumed")
 tcfg, mcfg = tiny(data, cache, parallel="fsdp", stop_at=2, eval_batches=3)
 train(tcfg, mcfg, out / "fsdp_resumed", announce=None)
 tcfg, mcfg = tiny(data, cache, parallel="fsdp", eval_batches=3)
@@ -35,6 +44,7 @@ train(tcfg, mcfg, out / "fsdp_resumed", resume="auto", announce=None)
 # a damaged optimizer_groups.json beside the sharded state: each process's error, one line each (rank 0 writes them)
 errors = {}
 for name, text in (("not_json", "[{"), ("no_groups", "[]"), ("groups_swapped", None)):
+    phase(f"fsdp_groups_{name}")
     run = out / f"fsdp_groups_{name}"
     if dist.get_rank() == 0:
         shutil.copytree(out / "fsdp_resumed", run)
@@ -54,4 +64,6 @@ for name, text in (("not_json", "[{"), ("no_groups", "[]"), ("groups_swapped", N
     dist.barrier()
 if dist.get_rank() == 0:
     (out / "fsdp_groups_errors.json").write_text(json.dumps(errors))
+phase("destroy_process_group")
 dist.destroy_process_group()
+phase("done")

@@ -4,15 +4,13 @@ One torchrun launch runs DDP, FSDP2 and an FSDP2 stop/resume (sharded checkpoint
 process start-up is paid once; the single-process reference runs here.
 """
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from ._helpers import GradRecorder, cli_env, losses, tiny, write_corpus
+from ._helpers import GradRecorder, losses, run_torchrun_worker, tiny, write_corpus
 
 
 
@@ -27,19 +25,15 @@ def dist_runs(tmp_path_factory):
     rec = GradRecorder()
     tcfg, mcfg = tiny(data, cache, batch_size=4, grad_accum=2, eval_batches=3)
     train(tcfg, mcfg, tmp / "single", callbacks=[rec], announce=None)
-    env = cli_env(OMP_NUM_THREADS=1)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(Path(__file__).parent / "dist_worker.py"), str(data), str(cache), str(tmp)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return tmp, rec.grads
+    runs = run_torchrun_worker(Path(__file__).parent / "dist_worker.py", data, cache, tmp)
+    return runs, tmp / "single", rec.grads
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp_chunked"])
 def test_same_losses_and_gradients_as_one_process(dist_runs, mode):
-    tmp, ref_grads = dist_runs
-    assert losses(tmp / mode) == pytest.approx(losses(tmp / "single"), rel=1e-5, abs=1e-6)
-    assert losses(tmp / mode, "val_loss") == pytest.approx(losses(tmp / "single", "val_loss"), rel=1e-5)
+    tmp, single, ref_grads = dist_runs
+    assert losses(tmp / mode) == pytest.approx(losses(single), rel=1e-5, abs=1e-6)
+    assert losses(tmp / mode, "val_loss") == pytest.approx(losses(single, "val_loss"), rel=1e-5)
     grads = load_file(str(tmp / f"grads_{mode}.safetensors"))
     assert len(grads) == sum(len(g) for g in ref_grads)
     for step, ref in enumerate(ref_grads):
@@ -49,7 +43,7 @@ def test_same_losses_and_gradients_as_one_process(dist_runs, mode):
 
 
 def test_fsdp_sharded_checkpoint_resumes_exactly(dist_runs):
-    tmp, _ = dist_runs
+    tmp, _, _ = dist_runs
     import difftx
 
     assert (tmp / "fsdp_resumed" / "checkpoints" / "step_00000002" / "sharded").is_dir()
@@ -65,7 +59,7 @@ def test_a_damaged_optimizer_groups_file_of_a_sharded_checkpoint_is_one_line(dis
     CheckpointError naming the file."""
     import json
 
-    tmp, _ = dist_runs
+    tmp, _, _ = dist_runs
     errors = json.loads((tmp / "fsdp_groups_errors.json").read_text())
     assert set(errors) == {"not_json", "no_groups", "groups_swapped"}
     for name, err in errors.items():

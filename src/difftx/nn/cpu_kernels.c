@@ -1169,6 +1169,15 @@ void difftx_few_rows_linear(const float *x, int64_t M, int64_t K, const float *w
 #include <unistd.h>
 #define DIFFTX_AMX 1
 #endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define DIFFTX_DPBF16 1 /* vdpbf16ps on zmm registers: the bf16 attention kernel's products without AMX */
+#endif
+#if defined(DIFFTX_AMX) || defined(DIFFTX_DPBF16)
+#define DIFFTX_BF16K 1
+#endif
+
+#define TILE 512 /* bf16 elements in a packed tile: 16 rows x 32 */
 
 #ifdef DIFFTX_AMX
 typedef struct {
@@ -1194,8 +1203,6 @@ int difftx_amx(void) {
     if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
     return state;
 }
-
-#define TILE 512 /* bf16 elements in a packed tile: 16 rows x 32 */
 
 /* C (M x N, float32, row stride ldc) (= | +=) A (M x K bf16 rows, stride lda) B (packed: strip j at
  * Bp + j * kt * TILE, kt tiles per strip, the first K / 32 used).  Causal limits per 32 rows i:
@@ -1238,6 +1245,94 @@ static void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t
             _tile_stored(3, c10 + 16, ldc * 4);
         }
     }
+}
+#else
+int difftx_amx(void) { return 0; }
+#endif
+
+#ifdef DIFFTX_DPBF16
+#define DOT_MR 8 /* rows of C per register block (x 32 columns: 16 accumulators) */
+
+/* amx_gemm's product (same operands, packing and causal limits) on AVX512-BF16: a packed tile row (16 pairs
+ * along K for 16 columns) is one register, and each pair of an A row is broadcast against it (vdpbf16ps:
+ * acc += a0 b0 + a1 b1 per float32 lane). */
+static void dot_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda, const uint16_t *Bp, int64_t kt,
+                     float *C, int64_t ldc, int acc, int64_t kdiag, int64_t ndiag) {
+    for (int64_t i = 0; i < M; i += 32) {
+        int64_t kk_end = K / 32, n_end = N;
+        if (kdiag >= 0 && (kdiag + i + 32 + 31) / 32 < kk_end) kk_end = (kdiag + i + 32 + 31) / 32;
+        if (ndiag >= 0 && (ndiag + i + 32 + 31) / 32 * 32 < n_end) n_end = (ndiag + i + 32 + 31) / 32 * 32;
+        for (int64_t j = 0; j < n_end; j += 32) {
+            const uint16_t *b0 = Bp + (j / 16) * kt * TILE, *b1 = b0 + kt * TILE;
+            for (int64_t ii = i; ii < i + 32; ii += DOT_MR) {
+                __m512 c0[DOT_MR], c1[DOT_MR];
+                for (int m = 0; m < DOT_MR; m++) {
+                    c0[m] = acc ? _mm512_loadu_ps(C + (ii + m) * ldc + j) : _mm512_setzero_ps();
+                    c1[m] = acc ? _mm512_loadu_ps(C + (ii + m) * ldc + j + 16) : _mm512_setzero_ps();
+                }
+                const uint16_t *a = A + ii * lda;
+                for (int64_t kk = 0; kk < kk_end; kk++) {
+                    const uint16_t *t0 = b0 + kk * TILE, *t1 = b1 + kk * TILE, *ak = a + kk * 32;
+                    for (int r = 0; r < 16; r++) {
+                        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(t0 + r * 32);
+                        const __m512bh v1 = (__m512bh)_mm512_loadu_si512(t1 + r * 32);
+                        for (int m = 0; m < DOT_MR; m++) {
+                            int32_t pair;
+                            memcpy(&pair, ak + m * lda + 2 * r, 4);
+                            const __m512bh u = (__m512bh)_mm512_set1_epi32(pair);
+                            c0[m] = _mm512_dpbf16_ps(c0[m], u, v0);
+                            c1[m] = _mm512_dpbf16_ps(c1[m], u, v1);
+                        }
+                    }
+                }
+                for (int m = 0; m < DOT_MR; m++) {
+                    _mm512_storeu_ps(C + (ii + m) * ldc + j, c0[m]);
+                    _mm512_storeu_ps(C + (ii + m) * ldc + j + 16, c1[m]);
+                }
+            }
+        }
+    }
+}
+#undef DOT_MR
+#endif
+
+#ifdef DIFFTX_BF16K
+/* Which products the bf16 attention kernel runs on: 2 AMX tiles (built for them and granted by Linux), 1
+ * AVX512-BF16 dot products, 0 neither (the kernel is not taken). */
+int difftx_bf16_attention(void) {
+#ifdef DIFFTX_AMX
+    if (difftx_amx()) return 2;
+#endif
+#ifdef DIFFTX_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static void bf16_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda, const uint16_t *Bp, int64_t kt,
+                      float *C, int64_t ldc, int acc, int64_t kdiag, int64_t ndiag) {
+#ifdef DIFFTX_AMX
+    if (difftx_amx()) {
+        amx_gemm(M, N, K, A, lda, Bp, kt, C, ldc, acc, kdiag, ndiag);
+        return;
+    }
+#endif
+#ifdef DIFFTX_DPBF16
+    dot_gemm(M, N, K, A, lda, Bp, kt, C, ldc, acc, kdiag, ndiag);
+#endif
+}
+
+static void tiles_begin(void) { /* each thread configures its tiles */
+#ifdef DIFFTX_AMX
+    if (difftx_amx()) amx_configure();
+#endif
+}
+
+static void tiles_end(void) {
+#ifdef DIFFTX_AMX
+    if (difftx_amx()) _tile_release();
+#endif
 }
 
 /* B = X^T for a product over X's columns: X (n rows of w bf16, row stride ldx; w a multiple of 32)
@@ -1440,7 +1535,7 @@ static inline void exp_lse_row_scaled(float *e, int64_t n, float scale, float ls
 #define PAD32(x) (((x) + 31) / 32 * 32)
 
 int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
-    if (!difftx_amx() || d % 32 || dv % 32 || chunk % 32) return 0;
+    if (!difftx_bf16_attention() || d % 32 || dv % 32 || chunk % 32) return 0;
     const int64_t kpad_all = PAD32(nk), rep = H / Hk, cpad = PAD32(chunk);
     const int64_t nblk = (N + chunk - 1) / chunk, tasks = B * H * nblk;
     uint16_t *kt = (uint16_t *)malloc((size_t)(B * M * Hk * kpad_all * d) * 2); /* K^T per slice */
@@ -1458,7 +1553,7 @@ int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
         pack_bn(v + (s / Hk) * vsb + (s % Hk) * vsh, 0, vr, nk, kpad_all, dv, vn + s * kpad_all * dv);
 #pragma omp parallel num_threads(nthreads)
     {
-        amx_configure();
+        tiles_begin();
         float *S = (float *)malloc((size_t)(M * cpad * kpad_all) * sizeof(float));
         float *O = (float *)malloc((size_t)(cpad * dv) * sizeof(float));
         uint16_t *Qb = (uint16_t *)malloc((size_t)(cpad * d) * 2), *Pb = (uint16_t *)malloc((size_t)(cpad * kpad_all) * 2);
@@ -1477,7 +1572,7 @@ int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
             for (int64_t m = 0; m < M; m++) {
                 const int64_t s = (b * M + m) * Hk + hk;
                 copy_rows_bf16(q + (((b * M + m) * H + h) * N + i0) * d, d, c, cp, d, Qb);
-                amx_gemm(cp, kp, d, Qb, d, kt + s * kpad_all * d, d / 32, S + m * cpad * kp, kp, 0, -1, diag);
+                bf16_gemm(cp, kp, d, Qb, d, kt + s * kpad_all * d, d / 32, S + m * cpad * kp, kp, 0, -1, diag);
             }
             for (int64_t i = 0; i < cp; i++) {
                 uint16_t *prow = Pb + i * kp;
@@ -1500,14 +1595,14 @@ int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
                     row_to_bf16(e0, inv0, e1, w1, prow, n, kp);
                 }
             }
-            amx_gemm(cp, dv, kp, Pb, kp, vn + (b * Hk + hk) * kpad_all * dv, kpad_all / 32, O, dv, 0, diag, -1);
+            bf16_gemm(cp, dv, kp, Pb, kp, vn + (b * Hk + hk) * kpad_all * dv, kpad_all / 32, O, dv, 0, diag, -1);
             for (int64_t i = 0; i < c; i++) row_to_bf16(O + i * dv, 1.0f, NULL, 0.0f, out + ((b * N + i0 + i) * H + h) * dv, dv, dv);
         }
         free(S);
         free(O);
         free(Qb);
         free(Pb);
-        _tile_release();
+        tiles_end();
     }
     free(kt);
     free(vn);
@@ -1515,7 +1610,7 @@ int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
 }
 
 int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
-    if (!difftx_amx() || d % 32 || dv % 32 || chunk % 32) return 0;
+    if (!difftx_bf16_attention() || d % 32 || dv % 32 || chunk % 32) return 0;
     const int64_t kpad_all = PAD32(nk), rep = H / Hk, cpad = PAD32(chunk);
     const int64_t nblk = (N + chunk - 1) / chunk;
     uint16_t *kt = (uint16_t *)malloc((size_t)(B * M * Hk * kpad_all * d) * 2); /* K^T: S = Q K^T */
@@ -1537,7 +1632,7 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
     for (int64_t s = 0; s < B * Hk; s++) pack_bt(v + (s / Hk) * vsb + (s % Hk) * vsh, vr, nk, kpad_all, dv, vt + s * kpad_all * dv);
 #pragma omp parallel num_threads(nthreads)
     {
-        amx_configure();
+        tiles_begin();
         const int64_t kpa = kpad_all;
         float *S = (float *)malloc((size_t)(M * cpad * kpa) * sizeof(float));   /* P_m, then dS_m */
         float *G = (float *)malloc((size_t)(cpad * kpa) * sizeof(float));       /* the combined map, then dP */
@@ -1565,7 +1660,7 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
                     for (int64_t m = 0; m < M; m++) { /* the maps again */
                         const int64_t s = (b * M + m) * Hk + hk;
                         copy_rows_bf16(q + (((b * M + m) * H + h) * N + i0) * d, d, c, cp, d, Qb + m * cpad * d);
-                        amx_gemm(cp, kp, d, Qb + m * cpad * d, d, kt + s * kpa * d, d / 32, S + m * cpad * kp, kp, 0, -1,
+                        bf16_gemm(cp, kp, d, Qb + m * cpad * d, d, kt + s * kpa * d, d / 32, S + m * cpad * kp, kp, 0, -1,
                                  diag);
                     }
                     for (int64_t i = 0; i < cp; i++) { /* P1 (and P2) from the saved log-sum-exp; G */
@@ -1591,9 +1686,9 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
                     transpose_bf16(dOb, dv, cp, cp, dv, dOT);
                     /* dV^T += dO^T G */
                     pack_bn(G, 1, kp, cp, cp, kp, Bv);
-                    amx_gemm(dv, kp, cp, dOT, cp, Bv, cp / 32, dVT, kpa, 1, -1, -1);
+                    bf16_gemm(dv, kp, cp, dOT, cp, Bv, cp / 32, dVT, kpa, 1, -1, -1);
                     /* dP = dO V^T */
-                    amx_gemm(cp, kp, dv, dOb, dv, vt + t * kpa * dv, dv / 32, G, kp, 0, -1, diag);
+                    bf16_gemm(cp, kp, dv, dOb, dv, vt + t * kpa * dv, dv / 32, G, kp, 0, -1, diag);
                     for (int64_t i = 0; i < c; i++) { /* dS_m = w_m P_m (dP - rowsum(P_m dP)), w = 1, -lambda */
                         const int64_t n = attn_visible(causal, q_start, i0 + i, nk);
                         float *p0 = S + i * kp;
@@ -1618,13 +1713,13 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
                         float *Sm = S + m * cpad * kp;
                         /* dQ = scale dS K */
                         for (int64_t i = 0; i < cp; i++) row_to_bf16(Sm + i * kp, 1.0f, NULL, 0.0f, Ab + i * kp, kp, kp);
-                        amx_gemm(cp, d, kp, Ab, kp, kn + s * kpa * d, kpa / 32, O, d, 0, diag, -1);
+                        bf16_gemm(cp, d, kp, Ab, kp, kn + s * kpa * d, kpa / 32, O, d, 0, diag, -1);
                         uint16_t *dqm = dq + (((b * M + m) * H + h) * N + i0) * d;
                         for (int64_t i = 0; i < c; i++) row_to_bf16(O + i * d, scale, NULL, 0.0f, dqm + i * d, d, d);
                         /* dK^T += Q^T dS (scale at the end) */
                         transpose_bf16(Qb + m * cpad * d, d, cp, cp, d, QT);
                         pack_bn(Sm, 1, kp, cp, cp, kp, Bv);
-                        amx_gemm(d, kp, cp, QT, cp, Bv, cp / 32, acc + m * d * kpa, kpa, 1, -1, -1);
+                        bf16_gemm(d, kp, cp, QT, cp, Bv, cp / 32, acc + m * d * kpa, kpa, 1, -1, -1);
                     }
                 }
             }
@@ -1642,7 +1737,7 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
         free(dOT);
         free(Ab);
         free(Bv);
-        _tile_release();
+        tiles_end();
     }
     free(kt);
     free(kn);
@@ -1650,7 +1745,7 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
     return !failed;
 }
 #else
-int difftx_amx(void) { return 0; }
+int difftx_bf16_attention(void) { return 0; }
 int difftx_transpose_bf16(const uint16_t *src, int64_t lds, int64_t rows, int64_t cols, uint16_t *dst, int64_t ldd,
                           int nthreads) {
     return 0;

@@ -203,6 +203,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_attn_backward.errcheck = _scratch_check
     lib.difftx_amx.argtypes = []
     lib.difftx_amx.restype = i
+    lib.difftx_bf16_attention.argtypes = []
+    lib.difftx_bf16_attention.restype = i
     lib.difftx_attn_forward_bf16.argtypes = [p, p, i64, i64, p, i64, i64, i64, p, p] + [i64] * 9 + [i, i64, f, f, p, i]
     lib.difftx_attn_forward_bf16.restype = i
     lib.difftx_attn_backward_bf16.argtypes = ([p, p, i64, i64, p, i64, i64, i64, p, p, p, p, p, i64, i64, i64, p]
@@ -237,8 +239,10 @@ def _load() -> None:
         _STATE.update(lib=None, status=f"build failed, pure torch ({type(e).__name__}: {str(e)[:300]})")
         return
     amx_ok = bool(lib.difftx_amx())  # asks Linux for the tile state once; attention_ok reads the answer
-    tiles = "bf16 attention on AMX tiles" if amx_ok else "no AMX: bf16 attention on torch GEMMs"
-    _STATE.update(lib=lib, amx=amx_ok, status=f"on ({path}; {tiles})")
+    products = lib.difftx_bf16_attention()  # 2 AMX tiles, 1 AVX512-BF16 dot products, 0 neither
+    tiles = {2: "bf16 attention on AMX tiles", 1: "bf16 attention on AVX512-BF16 dot products"}.get(
+        products, "no AMX or AVX512-BF16: bf16 attention on torch GEMMs")
+    _STATE.update(lib=lib, amx=amx_ok, bf16_attention=products > 0, status=f"on ({path}; {tiles})")
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -427,9 +431,15 @@ def swiglu_backward(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor):
 
 
 def amx() -> bool:
-    """Whether the bfloat16 attention kernel runs here: built for a CPU with AMX (bf16 tiles) and allowed to
-    use them (Linux grants the tile state per process; the kernel asks once)."""
+    """Whether AMX bf16 tiles run here: the kernels built for a CPU with them and allowed to use them (Linux
+    grants the tile state per process; the kernel asks once)."""
     return library() is not None and _STATE.get("amx", False)
+
+
+def bf16_attention() -> bool:
+    """Whether the bfloat16 attention kernel runs here: its products on AMX tiles (:func:`amx`) or, without
+    them, on AVX512-BF16 dot products (vdpbf16ps: AMD Zen 4, Intel Cooper Lake and later)."""
+    return library() is not None and _STATE.get("bf16_attention", False)
 
 
 def transpose_bf16(x: torch.Tensor, pad: int = 0, dtype: torch.dtype = torch.bfloat16) -> Optional[torch.Tensor]:
@@ -458,12 +468,12 @@ def attention_ok(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, nk: int, pa
     """Whether :func:`attention_forward` takes a fused-attention call: on the CPU, no key padding, K rows (k3,
     (B*M*Hk, nk, d)) and V rows (v, (B, Hk, nk, dv), any strides) with a contiguous last dim and exactly ``nk``
     keys; float32 with head widths multiples of the micro-kernel's column block (16 floats with AVX2, 32 with
-    AVX-512), or bfloat16 on an AMX CPU (:func:`amx`) with head widths multiples of 32."""
+    AVX-512), or bfloat16 where :func:`bf16_attention` with head widths multiples of 32."""
     if not supports(q.dtype, q.device) or not q.dtype == k3.dtype == v.dtype or padded:
         return False
     if q.dtype == torch.float32:
         nr = library().difftx_gemm_nr()
-    elif q.dtype == torch.bfloat16 and amx():
+    elif q.dtype == torch.bfloat16 and bf16_attention():
         nr = 32
     else:
         return False
@@ -485,8 +495,8 @@ def _panels(nk: int) -> int:
 def attention_forward(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, causal: bool, q_start: int, chunk: int,
                       scale: float, lam: float, lam_rows: Optional[torch.Tensor], want_lse: bool):
     """The fused attention (one or two maps over one value) in native blocks: (out, lse or None).  float32 on
-    the register micro-kernel (``chunk`` a multiple of 6), or bfloat16 on AMX tiles (``chunk`` a multiple of 32;
-    maps, softmax and statistics in float32, products bf16 x bf16 -> float32); see :func:`attention_ok`.
+    the register micro-kernel (``chunk`` a multiple of 6), or bfloat16 on AMX tiles or AVX512-BF16 dot products
+    (``chunk`` a multiple of 32; maps, softmax and statistics in float32, products bf16 x bf16 -> float32); see :func:`attention_ok`.
 
     ``q`` (B, M, H, N, d) contiguous; ``k3`` (B*M*Hk, nk, d) with contiguous rows; ``v`` (B, Hk, nk, dv) with
     contiguous rows, read in place (a head view of the value projection); ``lam_rows`` float32 (B, H, N) or
