@@ -1179,6 +1179,15 @@ void difftx_few_rows_linear(const float *x, int64_t M, int64_t K, const float *w
 
 #define TILE 512 /* bf16 elements in a packed tile: 16 rows x 32 */
 
+/* The bf16 products' causal limits for the 32 rows from i (see amx_gemm): K tiles to use, columns to write. */
+static inline void causal_limits(int64_t i, int64_t N, int64_t K, int64_t kdiag, int64_t ndiag, int64_t *kk_end,
+                                 int64_t *n_end) {
+    *kk_end = K / 32;
+    *n_end = N;
+    if (kdiag >= 0 && (kdiag + i + 32 + 31) / 32 < *kk_end) *kk_end = (kdiag + i + 32 + 31) / 32;
+    if (ndiag >= 0 && (ndiag + i + 32 + 31) / 32 * 32 < *n_end) *n_end = (ndiag + i + 32 + 31) / 32 * 32;
+}
+
 #ifdef DIFFTX_AMX
 typedef struct {
     uint8_t palette, start;
@@ -1211,9 +1220,8 @@ int difftx_amx(void) {
 static void amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda, const uint16_t *Bp, int64_t kt,
                      float *C, int64_t ldc, int acc, int64_t kdiag, int64_t ndiag) {
     for (int64_t i = 0; i < M; i += 32) {
-        int64_t kk_end = K / 32, n_end = N;
-        if (kdiag >= 0 && (kdiag + i + 32 + 31) / 32 < kk_end) kk_end = (kdiag + i + 32 + 31) / 32;
-        if (ndiag >= 0 && (ndiag + i + 32 + 31) / 32 * 32 < n_end) n_end = (ndiag + i + 32 + 31) / 32 * 32;
+        int64_t kk_end, n_end;
+        causal_limits(i, N, K, kdiag, ndiag, &kk_end, &n_end);
         const uint16_t *a0 = A + i * lda, *a1 = A + (i + 16) * lda;
         for (int64_t j = 0; j < n_end; j += 32) {
             float *c00 = C + i * ldc + j, *c10 = C + (i + 16) * ldc + j;
@@ -1259,9 +1267,8 @@ int difftx_amx(void) { return 0; }
 static void dot_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda, const uint16_t *Bp, int64_t kt,
                      float *C, int64_t ldc, int acc, int64_t kdiag, int64_t ndiag) {
     for (int64_t i = 0; i < M; i += 32) {
-        int64_t kk_end = K / 32, n_end = N;
-        if (kdiag >= 0 && (kdiag + i + 32 + 31) / 32 < kk_end) kk_end = (kdiag + i + 32 + 31) / 32;
-        if (ndiag >= 0 && (ndiag + i + 32 + 31) / 32 * 32 < n_end) n_end = (ndiag + i + 32 + 31) / 32 * 32;
+        int64_t kk_end, n_end;
+        causal_limits(i, N, K, kdiag, ndiag, &kk_end, &n_end);
         for (int64_t j = 0; j < n_end; j += 32) {
             const uint16_t *b0 = Bp + (j / 16) * kt * TILE, *b1 = b0 + kt * TILE;
             for (int64_t ii = i; ii < i + 32; ii += DOT_MR) {
