@@ -468,7 +468,7 @@ def attention_ok(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, nk: int, pa
     """Whether :func:`attention_forward` takes a fused-attention call: on the CPU, no key padding, K rows (k3,
     (B*M*Hk, nk, d)) and V rows (v, (B, Hk, nk, dv), any strides) with a contiguous last dim and exactly ``nk``
     keys; float32 with head widths multiples of the micro-kernel's column block (16 floats with AVX2, 32 with
-    AVX-512), or bfloat16 where :func:`bf16_attention` with head widths multiples of 32."""
+    AVX-512), or bfloat16 where :func:`bf16_attention` holds, with head widths multiples of 32."""
     if not supports(q.dtype, q.device) or not q.dtype == k3.dtype == v.dtype or padded:
         return False
     if q.dtype == torch.float32:
@@ -496,7 +496,8 @@ def attention_forward(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, causal
                       scale: float, lam: float, lam_rows: Optional[torch.Tensor], want_lse: bool):
     """The fused attention (one or two maps over one value) in native blocks: (out, lse or None).  float32 on
     the register micro-kernel (``chunk`` a multiple of 6), or bfloat16 on AMX tiles or AVX512-BF16 dot products
-    (``chunk`` a multiple of 32; maps, softmax and statistics in float32, products bf16 x bf16 -> float32); see :func:`attention_ok`.
+    (``chunk`` a multiple of 32; maps, softmax and statistics in float32, products bf16 x bf16 -> float32); see
+    :func:`attention_ok`.
 
     ``q`` (B, M, H, N, d) contiguous; ``k3`` (B*M*Hk, nk, d) with contiguous rows; ``v`` (B, Hk, nk, dv) with
     contiguous rows, read in place (a head view of the value projection); ``lam_rows`` float32 (B, H, N) or
