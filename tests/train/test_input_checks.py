@@ -302,3 +302,19 @@ def test_a_resume_that_inherits_tensorboard_without_the_package_writes_nothing(r
     assert train_cli("--steps", 6, "--out", run4, "--resume", "auto") == 2
     assert "pip install 'difftx[tensorboard]'" in _one_line(capsys)
     assert _snapshot(run4) == before
+
+
+def test_no_tensorboard_turns_off_the_logging_a_resumed_run_inherits(run4, train_cli, capsys, monkeypatch):
+    """A run saved with --tensorboard could not be resumed without it (no flag turned it off): where the package
+    is missing, the resume was refused; --no-tensorboard now continues it without the tensorboard log."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` raises ImportError
+    for path in (run4 / "config.json", *(run4 / "checkpoints").glob("step_*/config.json")):
+        config = json.loads(path.read_text())
+        config["train"]["tensorboard"] = True
+        path.write_text(json.dumps(config))
+    assert train_cli("--steps", 6, "--out", run4, "--resume", "auto", "--no-tensorboard") == 0, capsys.readouterr().err
+    assert json.loads((run4 / "config.json").read_text())["train"]["tensorboard"] is False
+    assert not (run4 / "tensorboard").exists()
+    assert train_cli("--tensorboard", "--no-tensorboard", "--steps", 1, "--out", run4 / "x") == 0  # the last wins

@@ -111,6 +111,8 @@ def add_parser(sub) -> None:
     c.add_argument("--keep-last", type=int, help="checkpoints to keep (3)")
     c.add_argument("--stop-at", type=int, help="stop after this step with a checkpoint (continue with --resume)")
     c.add_argument("--tensorboard", action="store_true", default=None, help="also log to OUT/tensorboard")
+    c.add_argument("--no-tensorboard", dest="tensorboard", action="store_false",
+                   help="no tensorboard log (turns off the one a resumed run was saved with)")
     c.add_argument("--progress", dest="progress", action="store_true", default=None, help="force the progress bar")
     c.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     c.add_argument("--resume", metavar="auto|PATH", help="auto: continue the run in --out from its newest "
