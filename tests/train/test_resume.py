@@ -245,3 +245,19 @@ def test_resume_auto_with_a_checkpoint_as_out_is_refused(tmp_path, train_cli, ca
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert train_cli("--steps", 4, "--eval-every", 0, "--out", out, "--resume", ckpt) == 0  # the way it names
     assert _steps(out) == ["step_00000002", "step_00000004"]
+
+
+def test_a_stopped_run_resumed_with_steps_at_its_stop_ends_with_the_final_evaluation(tmp_path, train_cli):
+    """--stop-at 4 of --steps 8, resumed with --steps 4: the run ends where it stands, and its end is evaluated
+    as a run of 4 steps is (a val_loss row at step 4). The resume trained nothing and wrote no final val_loss."""
+    common = ["--log-every", 1, "--eval-every", 0, "--diag-every", 0]
+    assert train_cli("--steps", 4, *common, "--out", tmp_path / "four") == 0
+    assert train_cli("--steps", 8, *common, "--out", tmp_path / "half", "--stop-at", 4) == 0
+    assert not any("val_loss" in r for r in _rows(tmp_path / "half"))
+    assert train_cli("--steps", 4, *common, "--out", tmp_path / "half", "--resume", "auto") == 0
+    final = [r for r in _rows(tmp_path / "half") if "val_loss" in r]
+    assert [r["step"] for r in final] == [4]
+    assert final[0]["val_loss"] == pytest.approx(next(r for r in _rows(tmp_path / "four") if "val_loss" in r)
+                                                 ["val_loss"], abs=0.2)  # another schedule: a close loss
+    assert train_cli("--steps", 4, *common, "--out", tmp_path / "half", "--resume", "auto") == 0  # once only
+    assert [r["step"] for r in _rows(tmp_path / "half") if "val_loss" in r] == [4]

@@ -285,7 +285,11 @@ class Trainer:
                     saved_at = ckpt.save_checkpoint(self, step)
             if self.step == cfg.steps:
                 for split in self.domain.eval_splits:
-                    metrics = self.evaluate(split) if split != "val" else {}
+                    # val: evaluated at the last step in the loop, unless no step ran (a run stopped by --stop-at
+                    # and resumed with --steps at that step) and the file lacks it
+                    done = split == "val" and (self.last_eval.get("step") == self.step
+                                               or logger.has(self.step, "val_loss"))
+                    metrics = self.evaluate(split) if not done else {}
                     if metrics:
                         extra = {"step": self.step, **metrics}
                         if not logger.has(self.step, f"{split}_loss"):  # a finished run resumed: logged once
