@@ -525,3 +525,33 @@ def test_cpu_timer_is_refused_on_a_gpu(monkeypatch):
     with pytest.raises(ConfigError, match="timer"):
         speed.BenchConfig(preset="nano", device="cuda", timer="cpu").validate()
     speed.BenchConfig(preset="nano", device="cuda", timer="wall").validate()
+
+
+def test_a_peer_that_fails_mid_run_is_left_out_of_the_rest_with_a_warning(tmp_path, capsys, monkeypatch):
+    """A transformers peer built fine but failing in a phase (its generate or cache API moved) ended the whole
+    bench in a traceback; it is left out of that phase and the rest with one warning, and the report is written."""
+    pytest.importorskip("transformers")
+    from difftx.benchmarking import speed
+    from difftx.cli import main
+
+    real = speed.Arm.decode
+
+    def decode(self, *a, **k):
+        if self.name == "hf-diffllama":
+            raise AttributeError("'DynamicCache' object has no attribute 'seen_tokens'")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(speed.Arm, "decode", decode)
+    monkeypatch.setattr(speed, "matmul_peak", lambda *a, **k: 1e9)  # the peak's timing is not under test
+    args = ["bench", "--out", str(tmp_path), "--quick", "--arms", "transformer,diff", "--dtypes", "fp32"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "hf-diffllama failed in the fp32 decode phase (AttributeError" in warnings[0], err
+    res = json.loads((tmp_path / "bench.json").read_text())
+    rows = res["arms"]["hf-diffllama"]["by_dtype"]["fp32"]
+    assert "train" in rows and "prefill" in rows and "decode" not in rows
+    assert all("decode" in res["arms"][name]["by_dtype"]["fp32"] for name in ("transformer", "diff", "hf-llama"))
+    assert "diff_over_hf_diffllama_train" in res["ratios"] and "diff_over_hf_diffllama_decode" not in res["ratios"]
+    assert "hf-diffllama failed in the fp32 decode phase (AttributeError: " in (tmp_path / "bench.md").read_text()
+    assert res["arms"]["hf-diffllama"]["failed"]["phase"] == "fp32 decode"

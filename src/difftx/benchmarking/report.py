@@ -61,6 +61,10 @@ def markdown(results: dict) -> str:
             cells.append(f"{100 * r['train']['share_of_matmul_peak']:.1f}" if "train" in r else "-")
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+    for name, a in arms.items():
+        if "failed" in a:
+            lines += [f"{name} failed in the {a['failed']['phase']} phase ({a['failed']['error']}); left out of "
+                      "the rest of the run (\"-\").", ""]
     spread = results.get("ratio_spread_by_dtype", {})
     lines += ["## Ratios (least favourable dtype)", "", "| ratio | value | range over repeats |", "|---|---:|---|"]
     for k, v in sorted(results["ratios"].items()):

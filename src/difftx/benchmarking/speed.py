@@ -449,12 +449,26 @@ def peak_train_memory(arm: Arm, x, y, dtype: str, device) -> dict:
 
 
 def _interleaved(arms: list, repeats: int, warmup: int, run: Callable, timer,
-                 before_repeat: Optional[Callable[[], None]] = None) -> dict:
+                 before_repeat: Optional[Callable[[], None]] = None, failed: Optional[dict] = None) -> dict:
     """{arm name: [seconds, ...]}: warmup each, then repeats in rotating order (A B C, B C A, ...);
-    ``before_repeat`` runs at the start of every repeat."""
-    for arm in arms:
+    ``before_repeat`` runs at the start of every repeat.  A transformers peer that raises is taken out of
+    ``arms`` (in place) and its error kept in ``failed`` (name -> one line); our own arms' errors propagate."""
+    failed = {} if failed is None else failed
+
+    def attempt(arm):
+        try:
+            return run(arm)
+        except Exception as e:  # noqa: BLE001 -- a peer's API moved under us: leave it out, not the bench
+            if not arm.peer:
+                raise
+            failed[arm.name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
+            arms.remove(arm)
+            return None
+
+    for arm in list(arms):
         for _ in range(warmup):
-            run(arm)
+            if arm in arms:
+                attempt(arm)
     times = {arm.name: [] for arm in arms}
     for r in range(repeats):
         if before_repeat is not None:
@@ -462,9 +476,10 @@ def _interleaved(arms: list, repeats: int, warmup: int, run: Callable, timer,
         order = arms[r % len(arms):] + arms[: r % len(arms)]
         for arm in order:
             t0 = timer()
-            extra = run(arm)
-            times[arm.name].append(extra if extra is not None else timer() - t0)
-    return times
+            extra = attempt(arm)
+            if arm in arms:
+                times[arm.name].append(extra if extra is not None else timer() - t0)
+    return {name: t for name, t in times.items() if name not in failed}
 
 
 def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
@@ -501,6 +516,15 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
     for arm in arms:
         results["arms"][arm.name] = {"params": arm.params, "peer": arm.peer, "config": arm.cfg.to_dict()
                                      if not arm.peer else arm.model.config.to_dict(), "by_dtype": {}}
+    all_arms, failed = list(arms), {}
+
+    def leave_out(what: str) -> None:  # peers that failed in this phase: warned once, out of the rest of the run
+        for name, err in failed.items():
+            if "failed" not in results["arms"][name]:
+                results["arms"][name]["failed"] = {"phase": what, "error": err}
+                log(f"difftx bench: warning: transformers' {name} failed in the {what} phase ({err}); left out "
+                    "of the rest of the run")
+
     for dt in bc.dtypes:
         rows = {arm.name: results["arms"][arm.name]["by_dtype"].setdefault(dt, {}) for arm in arms}
         for arm in arms:
@@ -510,19 +534,23 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
             round_peaks: list = []  # the matmul peak again before every repeat: the share is paired with it
             times = _interleaved(arms, bc.repeats, bc.warmup, lambda a: _train_step(a, x, y, dt, device), timer,
                                  lambda: round_peaks.append(matmul_peak(DTYPES[dt], device, repeats=2, timer=timer,
-                                                                       workers=workers)))
+                                                                       workers=workers)), failed)
+            leave_out(f"{dt} train")
             results.setdefault("matmul_peak_by_repeat", {})[dt] = round_peaks
             for arm in arms:
                 fpt = flops_per_token(arm.cfg, n, causal=True, training=True)
                 rows[arm.name]["train"] = _speed(times[arm.name], b * n, fpt, round_peaks)
             if bc.memory:
-                for arm in arms:
-                    rows[arm.name]["memory"] = peak_train_memory(arm, x, y, dt, device)
+                _interleaved(arms, 1, 0, lambda a: rows[a.name].update(memory=peak_train_memory(a, x, y, dt, device)),
+                             timer, failed=failed)
+                leave_out(f"{dt} memory")
         for arm in arms:
             arm.model.eval()
         if "prefill" in bc.phases:
             log(f"  [{dt}] prefill ...")
-            times = _interleaved(arms, bc.repeats, bc.warmup, lambda a: _prefill(a, x, dt, device), timer)
+            times = _interleaved(arms, bc.repeats, bc.warmup, lambda a: _prefill(a, x, dt, device), timer,
+                                 failed=failed)
+            leave_out(f"{dt} prefill")
             for arm in arms:
                 fpt = flops_per_token(arm.cfg, n, causal=True, training=False)
                 rows[arm.name]["prefill"] = _speed(times[arm.name], b * n, fpt)
@@ -535,7 +563,8 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
                     seconds, kv[a.name] = a.decode(prompt, bc.decode_tokens, timer)
                 return seconds
 
-            times = _interleaved(arms, bc.repeats, bc.warmup, dec, timer)
+            times = _interleaved(arms, bc.repeats, bc.warmup, dec, timer, failed=failed)
+            leave_out(f"{dt} decode")
             # the token at position p attends to p + 1 keys: the steps after a prompt of P tokens average
             # P + (decode_tokens + 1) / 2 (not rounded)
             context = prompt.shape[1] + (bc.decode_tokens + 1) / 2
@@ -549,7 +578,7 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
         peaks[dt] = max([peaks[dt], matmul_peak(DTYPES[dt], device, timer=timer, workers=workers)]
                         + results.get("matmul_peak_by_repeat", {}).get(dt, []))
         log(f"  matmul peak {dt}: {peaks[dt] / 1e9:.1f} GFLOP/s")
-        for arm in arms:
+        for arm in all_arms:
             for speed in results["arms"][arm.name]["by_dtype"][dt].values():
                 if "achieved_flops" in speed:
                     speed["share_of_run_peak"] = speed["achieved_flops"] / peaks[dt]
