@@ -1439,14 +1439,15 @@ static void transpose_bf16(const uint16_t *src, int64_t lds, int64_t n, int64_t 
 
 /* dst rows j < n (row stride ldd, bf16) = alpha * src^T (src: w rows of >= n floats, row stride lds). */
 static void transpose_out(const float *src, int64_t lds, int64_t n, int64_t w, float alpha, uint16_t *dst, int64_t ldd) {
-    float tmp[16 * 16];
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
         const int64_t nj = n - j0 < 16 ? n - j0 : 16;
         for (int64_t x0 = 0; x0 < w; x0 += 16) {
-            for (int64_t x = 0; x < 16; x++) *(vf *)(tmp + x * 16) = *(const vf *)(src + (x0 + x) * lds + j0);
+            vu r[16]; /* 16 x 16 floats as 32-bit lanes, transposed by shuffles (was a scalar gather per column) */
+            for (int64_t x = 0; x < 16; x++) memcpy(&r[x], src + (x0 + x) * lds + j0, 64);
+            transpose16(r);
             for (int64_t j = 0; j < nj; j++) {
                 vf col;
-                for (int64_t x = 0; x < 16; x++) col[x] = tmp[x * 16 + j];
+                memcpy(&col, &r[j], 64);
                 vstore(dst + (j0 + j) * ldd, x0, 1, col * alpha, 16);
             }
         }
