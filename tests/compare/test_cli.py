@@ -319,3 +319,22 @@ def test_sigterm_stops_the_pool_at_a_checkpoint(corpus, tmp_path):
     for arm in ("transformer-adamw", "diff-adamw"):
         ckpts = list((out / "runs" / "corpus" / arm / "seed0-lr0.004" / "checkpoints").glob("step_*"))
         assert len(ckpts) == 1 and 0 < int(ckpts[0].name.split("_")[1]) < 100000
+
+
+def test_resume_with_the_same_set_flags_is_not_a_change(tmp_path):
+    """--set adds to the default base's changes (nano at 2 layers, Xavier): the study was stored with them, so the
+    same --set given again on --resume is the same study, not "a changed flag"."""
+    from difftx.cli import build_parser
+    from difftx.compare.runner import resume_config
+
+    parse = build_parser("compare").parse_args
+    argv = ["compare", "--set", "n_layers=1", "--set", "d_model=64", "--steps", "3"]
+    study = StudyConfig(**explicit_fields(parse(argv)))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "study.json").write_text(json.dumps({"difftx_compare": 1, "study": study.to_dict()}))
+    assert resume_config(out, explicit_fields(parse(argv + ["--workers", "1"]))).model == study.model
+    with pytest.raises(ConfigError, match="model"):  # a changed --set is still refused
+        resume_config(out, explicit_fields(parse(["compare", "--set", "n_layers=3", "--steps", "3"])))
+    with pytest.raises(ConfigError, match="model"):  # and so is the default's own change, given differently
+        resume_config(out, explicit_fields(parse(["compare", "--set", "init=normal", "--steps", "3"])))

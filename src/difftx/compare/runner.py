@@ -67,6 +67,11 @@ def resume_config(out: Path, explicit: dict) -> StudyConfig:
     except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong kind (hand-edited or damaged)
         raise ConfigError("out", f"{path}: not a valid study ({type(e).__name__}: {e}); the file is corrupt, start a "
                                  "new --out") from None
+    if "model" in explicit and "preset" not in explicit:  # --set adds to the default base's changes, as it did
+        from .study import DEFAULTS                          # when the study was made: compare like with like
+
+        domain = explicit.get("domain", stored.domain)
+        explicit = {**explicit, "model": {**DEFAULTS.get(domain, {}).get("model", {}), **explicit["model"]}}
     given = StudyConfig.from_dict({**stored.to_dict(), **explicit})
     for name, value in given.to_dict().items():
         if name not in StudyConfig.RESUMABLE and value != getattr(stored, name):
