@@ -274,3 +274,17 @@ def test_dnt_is_credited_only_when_msgdw_needs_it(s1_msgdw, answer):
     line = next(a for a in answers({"questions": q, "domain": "lm", "arms": {a: {"label": a} for a in loss},
                                     "papers": PAPER_NUMBERS}) if "mSGDW match" in a)
     assert f"AdamW? {answer[0].upper()}{answer[1:]}.**" in line  # names kept (str.capitalize lowered "DNT", "mSGDW")
+
+
+@pytest.mark.parametrize("grid", [[1e-3, 1e-3], [1e-3, 1.0000001e-3]])
+def test_an_lr_sweep_grid_naming_one_run_twice_is_refused(grid):
+    """A job's directory is named by its lr (``seed0-lr0.001``): a grid with the same lr twice (or two that read
+    the same there) planned two jobs into one run directory, trained side by side by the pool."""
+    from difftx.compare.jobs import sweep_plan
+    from difftx.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="twice"):
+        StudyConfig(arms=["transformer:adamw"], steps=3, lr_sweep={"adamw": grid})
+    study = StudyConfig(arms=["transformer:adamw"], steps=3, lr_sweep={"adamw": [1e-3, 2e-3]})
+    keys = [j.key for j in sweep_plan(study)]
+    assert len(set(keys)) == len(keys) == 2

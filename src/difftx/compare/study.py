@@ -178,6 +178,10 @@ class StudyConfig:
                     raise ConfigError("lr_sweep", f"{key!r} is not an optimiser of the study ({', '.join(sorted(opts))})")
                 if not grid or any(not (x > 0 and math.isfinite(x)) for x in grid):
                     raise ConfigError("lr_sweep", f"{key}: needs positive learning rates; got {grid}")
+                names = [f"{x:g}" for x in grid]  # a job's directory is named by its lr: one run each
+                twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+                if twice is not None:
+                    raise ConfigError("lr_sweep", f"{key}: lists the learning rate {twice} twice; give each once")
 
     # ------------------------------------------------------------------ arms and models
     def arm_list(self) -> list[Arm]:
