@@ -288,3 +288,19 @@ def test_an_lr_sweep_grid_naming_one_run_twice_is_refused(grid):
     study = StudyConfig(arms=["transformer:adamw"], steps=3, lr_sweep={"adamw": [1e-3, 2e-3]})
     keys = [j.key for j in sweep_plan(study)]
     assert len(set(keys)) == len(keys) == 2
+
+
+@pytest.mark.parametrize("lr", [{"adamw": 1e-2}, {"transformer-adamw": 1e-2}])
+def test_an_lr_the_sweep_replaces_is_refused(lr):
+    """Every arm of a swept optimiser trains at its grid's lrs and keeps the best: an --lr for that optimiser (or one
+    of its arms) was never read, and the report named the sweep as the arm's lr source."""
+    from difftx.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="lr"):
+        StudyConfig(arms=["transformer:adamw", "transformer:msgdw"], steps=3, lr=lr, lr_sweep={"adamw": [1e-3, 2e-3]})
+    # an --lr for an optimiser the sweep leaves alone is read: its arms run at it
+    study = StudyConfig(arms=["transformer:adamw", "transformer:msgdw"], steps=3, lr={"msgdw": 0.5},
+                        lr_sweep={"adamw": [1e-3, 2e-3]})
+    from difftx.compare.jobs import sweep_plan
+
+    assert {j.lr for j in sweep_plan(study) if j.arm.optimizer == "msgdw"} == {0.5}

@@ -182,6 +182,11 @@ class StudyConfig:
                 twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
                 if twice is not None:
                     raise ConfigError("lr_sweep", f"{key}: lists the learning rate {twice} twice; give each once")
+            arm_opt = {a.id: a.optimizer for a in self.arm_list()}
+            for key in self.lr:  # a swept optimiser's arms train at its grid: an --lr for them would go unread
+                if arm_opt.get(key, key) in self.lr_sweep:
+                    raise ConfigError("lr", f"{key}: the --lr-sweep grid of {arm_opt.get(key, key)} sets this lr; "
+                                            "give it in the grid or drop it")
 
     # ------------------------------------------------------------------ arms and models
     def arm_list(self) -> list[Arm]:
