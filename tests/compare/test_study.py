@@ -304,3 +304,16 @@ def test_an_lr_the_sweep_replaces_is_refused(lr):
     from difftx.compare.jobs import sweep_plan
 
     assert {j.lr for j in sweep_plan(study) if j.arm.optimizer == "msgdw"} == {0.5}
+
+
+def test_retrieval_niah_does_not_get_mqars_default_options():
+    """The default retrieval options (2-6 pairs, 64 keys) are MQAR's: --retrieval niah was given them too and refused
+    ("the niah task has no option 'pairs'") unless every option was given by hand."""
+    from difftx.compare.jobs import retrieval_task_options
+    from difftx.compare.runner import check_inputs
+
+    study = StudyConfig(retrieval="niah", retrieval_seq_len=128, steps=3)  # 4 needles need 118 tokens
+    check_inputs(study)
+    assert "pairs" not in retrieval_task_options(study) and "vocab" not in retrieval_task_options(study)
+    assert StudyConfig(steps=3).retrieval_options == {"pairs": "2-6", "vocab": 64}  # MQAR keeps them
+    assert StudyConfig(retrieval="mqar", steps=3).retrieval_options == {"pairs": "2-6", "vocab": 64}
