@@ -338,3 +338,28 @@ def test_resume_with_the_same_set_flags_is_not_a_change(tmp_path):
         resume_config(out, explicit_fields(parse(["compare", "--set", "n_layers=3", "--steps", "3"])))
     with pytest.raises(ConfigError, match="model"):  # and so is the default's own change, given differently
         resume_config(out, explicit_fields(parse(["compare", "--set", "init=normal", "--steps", "3"])))
+
+
+def test_run_study_resume_checks_the_stored_study_as_the_cli_does(tmp_path):
+    """run_study(resume=True) is the Python form of --resume: it wrote a study.json into a directory of other files,
+    and resumed a stored study with changed settings (its jobs and results then disagreed with study.json)."""
+    from difftx.compare import run_study
+    from difftx.compare.runner import prepare_out
+
+    study = StudyConfig(arms=["transformer:adamw"], seeds=2, steps=2, retrieval="none", model={"n_layers": 1})
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    with pytest.raises(ConfigError, match="no study"):
+        run_study(study, mine, resume=True, progress=False)
+    assert sorted(f.name for f in mine.iterdir()) == ["notes.txt"]
+    out = tmp_path / "out"
+    prepare_out(out, study, force=False, resume=False, command="difftx compare")
+    stored = (out / "study.json").read_text()
+    changed = StudyConfig(**{**study.to_dict(), "seeds": 3})
+    with pytest.raises(ConfigError, match="seeds"):
+        run_study(changed, out, resume=True, progress=False)
+    assert (out / "study.json").read_text() == stored and sorted(f.name for f in out.iterdir()) == ["study.json"]
+    # runtime settings may differ, as on the command line
+    assert prepare_out(out, StudyConfig(**{**study.to_dict(), "workers": 1}), force=False, resume=True,
+                       command="difftx compare") is False

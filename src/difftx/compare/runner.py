@@ -95,6 +95,11 @@ def prepare_out(out: Path, study: StudyConfig, force: bool, resume: bool, comman
         what = "a study" if has_study else "files"
         raise ConfigError("out", f"{out} already holds {what}; pass --resume to continue it, --force to start over, "
                                  "or choose another --out (nothing was changed)")
+    if resume and busy and not has_study:
+        raise ConfigError("resume", f"{out} holds no study ({STUDY_FILE} missing); run without --resume to start one "
+                                    "in an empty --out (nothing was changed)")
+    if resume and has_study:  # the stored study, with only runtime settings changed (what --resume checks first)
+        resume_config(out, study.to_dict())
     if force and busy:
         if not has_study:
             raise ConfigError("out", f"{out} is not a difftx compare directory (no {STUDY_FILE}); --force deletes only "
