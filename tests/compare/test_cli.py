@@ -209,6 +209,7 @@ def test_compare_warns_in_one_line_when_a_native_kernel_setting_kept_them_off(co
     (["--tokenizer", "nope"], "--tokenizer 'nope'"),
     (["--retrieval", "mqar", "--retrieval-opt", "bogus=1"], "valid options: pairs, vocab, power_a, random_non_queries"),
     (["--retrieval", "mqar", "--retrieval-opt", "power_a=NaN"], "power_a"),
+    (["--retrieval", "mqar", "--retrieval-opt", "vocab=x"], "--retrieval-opt"),  # was a ValueError traceback
     (["--data", "{tiny}"], "give more --data or a smaller --seq-len"),
 ])
 def test_bad_input_writes_no_study(compare, tmp_path, args, needle):

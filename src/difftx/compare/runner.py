@@ -159,7 +159,10 @@ def check_inputs(study: StudyConfig) -> None:
         from ..data.tokenizers import ByteTokenizer
         from .jobs import retrieval_task_options
 
-        get_task(study.retrieval)(ByteTokenizer(), study.retrieval_seq_len, 0, **retrieval_task_options(study))
+        try:
+            get_task(study.retrieval)(ByteTokenizer(), study.retrieval_seq_len, 0, **retrieval_task_options(study))
+        except (TypeError, ValueError) as e:  # an option of the wrong kind (vocab=x): one line, not a traceback
+            raise ConfigError("--retrieval-opt", f"{study.retrieval}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- execution
