@@ -317,3 +317,24 @@ def test_retrieval_niah_does_not_get_mqars_default_options():
     assert "pairs" not in retrieval_task_options(study) and "vocab" not in retrieval_task_options(study)
     assert StudyConfig(steps=3).retrieval_options == {"pairs": "2-6", "vocab": 64}  # MQAR keeps them
     assert StudyConfig(retrieval="mqar", steps=3).retrieval_options == {"pairs": "2-6", "vocab": 64}
+
+
+def test_jobs_cpu_time_counts_the_sweeps_other_runs_once():
+    """"Training CPU time of all jobs" summed the study's own jobs only: the sweep's runs at the lrs not chosen were
+    left out (the chosen one is the study's first seed, counted once)."""
+    from difftx.compare.jobs import sweep_plan
+    from difftx.compare.results import build_results
+
+    study = StudyConfig(arms=["transformer:adamw"], seeds=2, steps=4, retrieval="none",
+                        lr_sweep={"adamw": [1e-3, 2e-3]})
+    sweep = sweep_plan(study)
+    main = plan(study, {"transformer-adamw": 2e-3})
+
+    def run(job, cpu):
+        return {"job": job.to_dict(), "diverged": False, "train": {"cpu_s": cpu, "steps": job.steps}}
+
+    sweep_results = {j.key: run(j, cpu) for j, cpu in zip(sweep, (1.0, 2.0))}
+    results = {j.key: sweep_results.get(j.key) or run(j, 4.0) for j in main}
+    res = build_results(study, main, results, sweep, sweep_results, {"transformer-adamw": 2e-3},
+                        {"wall_s": 1.0, "workers": 1}, "difftx compare")
+    assert res["timing"]["jobs_cpu_s"] == 7.0 and res["timing"]["jobs_continued"] == 0

@@ -340,13 +340,14 @@ def build_results(study: StudyConfig, jobs: list[Job], results: dict, sweep: lis
                               "batch_size": study.retrieval_batch_size, "seq_len": study.retrieval_seq_len,
                               "tokens_per_run": _tokens(results, jobs, "retrieval"),
                               "options": study.retrieval_options}
+    every_run = {**sweep_results, **results}  # the sweep's runs too; its chosen one is a study job, counted once
     return {"difftx_compare": 1, "difftx_version": __version__, "command": command, "domain": study.domain,
             "study": study.to_dict(), "scale": scale, "arms": arm_info, "corpus": corpus, "retrieval": retrieval,
             "questions": questions(study, corpus, retrieval), "lr_sweep": sweep_section(study, sweep, sweep_results, lrs),
             "spread_factor": {str(n): f for n, f in SPREAD_FACTOR.items()},  # the verdicts' bar, for the report
             "papers": PAPER_NUMBERS, "timing": {**timing, "jobs_cpu_s": round(sum(
-                (r.get("train") or {}).get("cpu_s", 0.0) for r in results.values()), 1),
-                "jobs_continued": continued_jobs(results)}}
+                (r.get("train") or {}).get("cpu_s", 0.0) for r in every_run.values()), 1),
+                "jobs_continued": continued_jobs(every_run)}}
 
 
 def lr_source(study: StudyConfig, arm: Arm, lrs: dict) -> str:
