@@ -338,3 +338,21 @@ def test_jobs_cpu_time_counts_the_sweeps_other_runs_once():
     res = build_results(study, main, results, sweep, sweep_results, {"transformer-adamw": 2e-3},
                         {"wall_s": 1.0, "workers": 1}, "difftx compare")
     assert res["timing"]["jobs_cpu_s"] == 7.0 and res["timing"]["jobs_continued"] == 0
+
+
+def test_retrieval_heat_map_draws_an_accuracy_of_zero(tmp_path, monkeypatch):
+    """A cell whose seed mean is 0.0 (nothing retrieved: common at this scale) was drawn as missing (``or nan``):
+    a blank square without its number, like a cell that was not measured."""
+    pytest.importorskip("matplotlib")
+    from difftx.compare import plots
+
+    saved = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: saved.append(fig))
+    cell = lambda m: {"mean": m, "sd": 0.0, "min": m, "max": m, "n": 2, "missing": 0, "values": [m, m]}  # noqa: E731
+    res = {"arms": {"a": {"label": "A"}, "b": {"label": "B"}},
+           "retrieval": {"task": "mqar", "cells": ["N2@64"], "arms": {"a": {"cells": {"N2@64": cell(0.0)}},
+                                                                     "b": {"cells": {"N2@64": cell(0.5)}}}}}
+    assert plots.retrieval(res, tmp_path / "r.png")
+    ax = saved[0].axes[0]
+    assert sorted(t.get_text() for t in ax.texts) == ["0.00", "0.50"]
+    assert ax.images[0].get_array()[0, 0] == 0.0

@@ -77,8 +77,8 @@ def retrieval(res: dict, path: Path) -> bool:
     if not r or not r["cells"]:
         return False
     arms = list(r["arms"])
-    grid = np.array([[(r["arms"][a]["cells"].get(c) or {}).get("mean") or np.nan for c in r["cells"]] for a in arms],
-                    dtype=float)
+    means = [[(r["arms"][a]["cells"].get(c) or {}).get("mean") for c in r["cells"]] for a in arms]
+    grid = np.array([[np.nan if m is None else m for m in row] for row in means], dtype=float)  # 0.0 is a value
     fig = _figure(1.6 + 0.9 * len(r["cells"]), 1.2 + 0.45 * len(arms))
     ax = fig.subplots()
     im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
