@@ -167,6 +167,22 @@ def test_hidden_states_attentions_and_tuples():
         assert all(s is not None for step in gen.hidden_states for s in step)
 
 
+def test_output_flags_set_in_the_config_are_honoured(tmp_path):
+    """from_pretrained(dir, output_hidden_states=True) sets the config's flag, which transformers models follow when
+    forward is not told: hidden states come back; config.output_attentions=True is refused as the argument is."""
+    model = difftx_model(seed=4, attention="diff", n_heads=2)
+    DifftxForCausalLM.from_difftx(model).save_pretrained(tmp_path)
+    x = tokens(97)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, output_hidden_states=True).eval()
+    with torch.no_grad():
+        out = hf(x)
+        assert out.hidden_states is not None and len(out.hidden_states) == len(model.layers) + 1
+        assert hf(x, output_hidden_states=False).hidden_states is None  # the argument wins over the config
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, output_attentions=True).eval()
+    with pytest.raises(ValueError, match="attention maps"):
+        hf(x)
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_resize_token_embeddings_saves_and_reloads(tmp_path, tie):
     model = difftx_model(seed=5, attention="diff", n_heads=2, tie_embeddings=tie)

@@ -163,10 +163,14 @@ class DifftxForCausalLM(DifftxPreTrainedModel, GenerationMixin):
             past_key_values = cache
         if inputs_embeds is not None:
             raise ValueError("DifftxForCausalLM takes input_ids, not inputs_embeds")
-        if kwargs.pop("output_attentions", None):
+        def flag(name):  # as in transformers: the argument, else the config's (from_pretrained(dir, name=True))
+            value = kwargs.pop(name, None)
+            return bool(getattr(self.config, name, False) if value is None else value)
+
+        if flag("output_attentions"):
             raise ValueError("DifftxForCausalLM does not return attention maps (its fused kernels never hold "
                              "them); use difftx.evals' attention probes")
-        want_hidden = bool(kwargs.pop("output_hidden_states", None))
+        want_hidden = flag("output_hidden_states")
         if input_ids is None:
             raise ValueError("input_ids is required")
         b, n = input_ids.shape
