@@ -192,6 +192,26 @@ def test_a_sentencepiece_tokenizer_without_tokenizer_json_survives_hf_to_difftx_
         assert (tmp_path / "hf2" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
 
 
+def test_chat_templates_and_added_tokens_survive_hf_to_difftx_to_hf(tmp_path):
+    """transformers >= 4.43 saves a tokenizer's chat template as chat_template.jinja (further templates under
+    additional_chat_templates/), not in tokenizer_config.json; slow tokenizers keep added_tokens.json: all travel."""
+    import json
+
+    hf_llama("llama", heads=4, kv=2).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text(_bpe_tokenizer_json())
+    (tmp_path / "hf" / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    (tmp_path / "hf" / "additional_chat_templates").mkdir()
+    (tmp_path / "hf" / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    (tmp_path / "hf" / "added_tokens.json").write_text(json.dumps({"<tool>": 300}))
+    names = ["chat_template.jinja", "additional_chat_templates/tool_use.jinja", "added_tokens.json"]
+    convert(tmp_path / "hf", tmp_path / "dx")
+    convert(tmp_path / "dx", tmp_path / "hf2", dst_format="hf-llama")
+    convert(tmp_path / "hf2", tmp_path / "hf3", dst_format="hf-difftx")  # Hugging Face -> Hugging Face too
+    for out in ("dx", "hf2", "hf3"):
+        for name in names:
+            assert (tmp_path / out / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), (out, name)
+
+
 def test_difftx_byte_tokenizer_goes_along_under_its_own_name(tmp_path):
     import json
 

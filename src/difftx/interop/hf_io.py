@@ -23,9 +23,12 @@ SAFE_FILE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_FILE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
-# tokenizer files that travel unchanged between Hugging Face directories
+# tokenizer files that travel unchanged between Hugging Face directories (transformers >= 4.43 saves a chat
+# template as chat_template.jinja, further ones in the folder additional_chat_templates/; slow tokenizers keep
+# added_tokens.json)
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                      "vocab.json", "merges.txt", "generation_config.json")
+                      "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json",
+                      "chat_template.jinja", "additional_chat_templates")
 # a difftx tokenizer inside a Hugging Face directory (tokenizer.json there means the HF format)
 DIFFTX_TOKENIZER_IN_HF = "difftx_tokenizer.json"
 
@@ -118,10 +121,13 @@ def write_hf_dir(path, config: dict, state: dict) -> Path:
 
 
 def copy_files(src, dst, names) -> list[str]:
-    """Copy whichever of ``names`` exist in ``src`` to ``dst``; returns the names copied."""
+    """Copy whichever of ``names`` exist in ``src`` to ``dst`` (a folder with its files); returns the names copied."""
     copied = []
     for name in names:
         if (Path(src) / name).is_file():
             shutil.copyfile(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+        elif (Path(src) / name).is_dir():
+            shutil.copytree(Path(src) / name, Path(dst) / name, dirs_exist_ok=True)
             copied.append(name)
     return copied
