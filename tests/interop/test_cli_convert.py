@@ -159,6 +159,20 @@ def test_corrupt_config_json_of_a_hugging_face_dir_is_named(capsys, llama_dir, t
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("model_type", [["llama"], {"llama": 1}])
+def test_a_model_type_that_is_not_a_string_is_one_error_line(capsys, llama_dir, tmp_path, model_type):
+    """A list or object as model_type was a TypeError traceback (unhashable) from convert and load_model."""
+    _, src = llama_dir
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model_type"] = model_type
+    (src / "config.json").write_text(json.dumps(cfg))
+    rc, _, err = run_main(capsys, src, tmp_path / "out")
+    _one_error_line(rc, err, "config.json", "model_type")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match="model_type"):
+        difftx.load_model(src)
+
+
 def test_unusable_dst_is_one_line(capsys, llama_dir, tmp_path):
     """A DST that cannot be a directory: one line for every kind of output, nothing created."""
     _, src = llama_dir

@@ -51,6 +51,9 @@ def read_hf_config(path) -> dict:
     cfg = read_json(Path(path) / CONFIG_FILE)
     if "model_type" not in cfg:
         raise CheckpointError(f"{Path(path) / CONFIG_FILE}: no 'model_type'; not a Hugging Face model config")
+    if not isinstance(cfg["model_type"], str):  # a list or object: unhashable where formats are looked up
+        raise CheckpointError(f"{Path(path) / CONFIG_FILE}: 'model_type' must be a string; got "
+                              f"{cfg['model_type']!r}: the file is corrupt")
     return cfg
 
 
