@@ -663,3 +663,23 @@ def test_load_model_gives_a_bf16_llama_directory_back_in_bf16(capsys, llama_dir,
     assert rc == 0, err
     assert {p.dtype for p in difftx.load_model(tmp_path / "bf").parameters()} == {torch.bfloat16}
     assert {p.dtype for p in difftx.load_model(src).parameters()} == {torch.float32}  # a float32 one stays so
+
+
+@pytest.mark.parametrize("fmt", ["hf-llama", "hf-difftx"])
+def test_a_mixed_dtype_model_exported_to_hugging_face_names_no_dtype(capsys, tmp_path, fmt):
+    """bf16 weights with float32 norm gains (a mixed model: no one dtype) exported to hf-llama: config.json said
+    "dtype": "float32", so load_model upcast every tensor where the difftx source (and an hf-difftx export) keep
+    each tensor's stored dtype."""
+    from safetensors.torch import load_file, save_file
+
+    src = difftx.save_model(difftx_model(attention="softmax", n_heads=4, n_kv_heads=2), tmp_path / "m")
+    state = {k: v if "norm" in k else v.to(torch.bfloat16) for k, v in load_file(src / "model.safetensors").items()}
+    save_file(state, src / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["dtype"]  # as save_model writes a mixed model's
+    (src / "config.json").write_text(json.dumps(cfg))
+    rc, _, err = run_main(capsys, src, tmp_path / fmt, "--to", fmt)
+    assert rc == 0, err
+    assert "dtype" not in json.loads((tmp_path / fmt / "config.json").read_text())
+    want = {k: v.dtype for k, v in difftx.load_model(src).state_dict().items()}
+    assert {k: v.dtype for k, v in difftx.load_model(tmp_path / fmt).state_dict().items()} == want

@@ -143,8 +143,9 @@ def llama_config_dict(cfg: ModelConfig, fmt: str) -> dict:
         rms_norm_eps=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         rope_theta=cfg.rope_theta,  # the pre-v5 spelling, for older transformers
-        attention_bias=cfg.bias, attention_dropout=0.0, use_cache=True, dtype="float32",
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,  # save_hf fills in the dtype and known ids
+        attention_bias=cfg.bias, attention_dropout=0.0, use_cache=True,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,  # save_hf fills in the known ids, and the dtype
+        # when the weights have one (a mixed model's config names none: each tensor loads in its stored dtype)
     )
     if diff:
         out["lambda_std_dev"] = cfg.lambda_std
