@@ -261,3 +261,17 @@ def test_a_stopped_run_resumed_with_steps_at_its_stop_ends_with_the_final_evalua
                                                  ["val_loss"], abs=0.2)  # another schedule: a close loss
     assert train_cli("--steps", 4, *common, "--out", tmp_path / "half", "--resume", "auto") == 0  # once only
     assert [r["step"] for r in _rows(tmp_path / "half") if "val_loss" in r] == [4]
+
+
+def test_python_resume_applies_only_the_fields_named_in_explicit_train(tmp_path, corpus, cache):
+    """As docs/training.md says: train(..., resume="auto") keeps the saved configs; explicit_train names the
+    fields of tcfg to apply (the CLI's flags)."""
+    from difftx.train import train
+
+    from ._helpers import tiny
+
+    tcfg, mcfg = tiny(corpus, cache, steps=4)
+    train(tcfg, mcfg, tmp_path / "run", announce=None)
+    more = tcfg.replace(steps=6)
+    assert train(more, mcfg, tmp_path / "run", resume="auto", announce=None)["step"] == 4  # the saved steps
+    assert train(more, mcfg, tmp_path / "run", resume="auto", explicit_train={"steps"}, announce=None)["step"] == 6

@@ -136,6 +136,9 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
           announce=print, memory_check: bool = True) -> dict:
     """Run (or resume) a training run into directory ``out``; returns a summary dict.
 
+    A resumed run keeps its saved configs; ``explicit_train`` / ``explicit_model`` name the fields of ``tcfg`` /
+    ``mcfg`` the caller gives (what the CLI's flags are), and only those may change it: e.g. ``train(tcfg, mcfg,
+    out, resume="auto", explicit_train={"steps"})`` continues to ``tcfg.steps``; without it, to the saved steps.
     ``memory_check=False`` skips the memory check (difftx.train.memory_check): for a caller that checked
     already, such as ``difftx compare``, which checks every job of its study, with its parallel jobs, up front."""
     out = Path(out)
