@@ -198,3 +198,22 @@ def test_bad_arrays(tmp_path):
     (tmp_path / "t.txt").write_text("hello")
     _bad(tmp_path / "t.txt", "not an image folder or .npz")
     _bad(f"{tmp_path / 'x.npy'},{tmp_path / 'y.npy'}", "x.npy: no such file")
+
+
+def test_stl10_layout_gives_splits_and_leaves_out_the_unlabeled_part(tmp_path):
+    """DIR/{train,test,unlabeled}/... (STL-10 as image folders) was read as three classes, train, test and
+    unlabeled; it is the train and test splits, and the unlabeled images are left out with a note."""
+    from PIL import Image
+
+    root = tmp_path / "stl"
+    write_folder(root / "train", n_per_class=3)
+    write_folder(root / "test", n_per_class=2)
+    (root / "unlabeled").mkdir()
+    for i in range(5):
+        Image.fromarray(np.full((8, 8), 7 * i, dtype=np.uint8)).save(root / "unlabeled" / f"{i}.png")
+    d = load_image_set(str(root))
+    assert d.classes == ["cat", "dog"] and len(d.images) == 10
+    assert set(d.splits) == {"train", "test"}
+    assert len(d.splits["train"]) == 6 and len(d.splits["test"]) == 4
+    assert sorted(d.labels[d.splits["test"]].tolist()) == [0, 0, 1, 1]
+    assert any("unlabeled" in n and "5" in n for n in d.notes), d.notes

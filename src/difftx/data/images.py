@@ -7,7 +7,8 @@
   ``vision`` extra),
 * a directory of image folders, one folder per class (``DIR/<class>/*.png``;
   read with Pillow, the ``vision`` extra), or with given splits
-  (``DIR/train/<class>/...`` plus ``DIR/val/...`` and/or ``DIR/test/...``),
+  (``DIR/train/<class>/...`` plus ``DIR/val/...`` and/or ``DIR/test/...``; an
+  ``unlabeled`` folder beside them, as in STL-10, is left out),
 * NumPy arrays: an ``.npz`` holding ``x`` and ``y``, a directory holding
   ``x.npy`` and ``y.npy``, or two files ``IMAGES.npy,LABELS.npy``.
 
@@ -40,6 +41,7 @@ from ..errors import DataError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 SPLIT_NAMES = ("train", "val", "test")
+UNLABELED_NAMES = ("unlabeled", "unlabelled")  # beside the splits (STL-10): images without labels, left out
 BUILTIN = "digits"
 _GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
 
@@ -164,15 +166,21 @@ def _integer_labels(y: np.ndarray, source: str) -> np.ndarray:
 
 
 def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
-    """``root/<class>/<images>``, or ``root/{train,val,test}/<class>/<images>`` with given splits."""
+    """``root/<class>/<images>``, or ``root/{train,val,test}/<class>/<images>`` with given splits (an
+    ``unlabeled`` folder beside them, as in STL-10, is left out with a note)."""
     try:
         from PIL import Image
     except ImportError:
         raise DataError("reading image folders needs Pillow: pip install 'difftx[vision]'") from None
     subdirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     names = {p.name for p in subdirs}
-    split_layout = "train" in names and names <= set(SPLIT_NAMES)
-    parts = {p.name: p for p in subdirs} if split_layout else {"all": root}
+    split_layout = "train" in names and names <= set(SPLIT_NAMES) | set(UNLABELED_NAMES)
+    parts = {p.name: p for p in subdirs if p.name in SPLIT_NAMES} if split_layout else {"all": root}
+    notes = []
+    for p in subdirs if split_layout else ():
+        if p.name in UNLABELED_NAMES:
+            n = sum(1 for f in p.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file())
+            notes.append(f"left out {p}: {n} unlabeled image{'s' * (n != 1)} (a classifier trains on labelled ones)")
     class_dirs = {}
     for part, path in parts.items():
         dirs = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
@@ -200,9 +208,10 @@ def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
             if not found:
                 raise DataError(f"{d}: no images in this class folder ({', '.join(IMAGE_EXTENSIONS[:4])}, ...); "
                                 "add some or remove the folder")
-    notes = [f"skipped {skipped} non-image files under {root}"] if skipped else []
     if skipped:
-        print(f"difftx: {notes[0]}", file=sys.stderr)
+        notes.append(f"skipped {skipped} non-image files under {root}")
+    for note in notes:
+        print(f"difftx: {note}", file=sys.stderr)
 
     pics = []
     for f in files:
