@@ -217,3 +217,26 @@ def test_a_resume_on_another_batch_per_step_counts_images(tmp_path, npz_data, ca
     capsys.readouterr()
     _fails(capsys, 2, "took 8 images a step", "--data", npz_data, *TINY, "--steps", 4, "--grad-accum", 2,
            "--out", out, "--resume", "auto")
+
+
+def test_split_fractions_beside_the_folders_splits_are_refused(tmp_path, capsys):
+    """--val-fraction and --domain-opt test_fraction were silently ignored when the image folders give that split
+    (DIR/val/, DIR/test/); they are refused, naming the fix.  A split the folders leave out is still carved."""
+    from .conftest import write_folder
+
+    root = tmp_path / "ds"
+    for part, n in (("train", 6), ("val", 2), ("test", 2)):
+        write_folder(root / part, n_per_class=n)
+    out = tmp_path / "run"
+    err = _fails(capsys, 2, "val_fraction", "--data", root, *TINY, "--steps", 1, "--val-fraction", 0.3,
+                 "--out", out)
+    assert f"{root / 'val'}" in err and "drop --val-fraction" in err
+    err = _fails(capsys, 2, "test_fraction", "--data", root, *TINY, "--steps", 1, "--domain-opt",
+                 "test_fraction=0.3", "--out", out)
+    assert f"{root / 'test'}" in err and "drop --domain-opt test_fraction" in err
+    assert not out.exists()
+    assert train(root, out, "--steps", 1, "--eval-every", 0) == 0  # without them: the folders' splits
+    assert json.loads((out / "config.json").read_text())["data"]["n_val"] == 4
+    (root / "val").rename(tmp_path / "gone")  # no val/ folder: --val-fraction carves it out of train
+    assert train(root, tmp_path / "run2", "--steps", 1, "--eval-every", 0, "--val-fraction", 0.5) == 0
+    assert json.loads((tmp_path / "run2" / "config.json").read_text())["data"]["n_val"] == 6

@@ -73,6 +73,10 @@ class Domain:
     def prepare(self, run_dir: Optional[Path] = None, progress: bool = True) -> None:
         """Load or build the data; ``run_dir`` holds artifacts of a run being resumed."""
 
+    def check_explicit(self, explicit: frozenset) -> None:
+        """After :meth:`prepare`: refuse a TrainConfig field in ``explicit`` (given by the user) that this data
+        leaves unread."""
+
     def describe(self) -> dict:
         return {}
 

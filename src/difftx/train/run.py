@@ -186,6 +186,7 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
         domain = get_domain(tcfg, world)
         show = tcfg.progress if tcfg.progress is not None else sys.stderr.isatty()
         domain.prepare(source, progress=show and world.is_main)
+        domain.check_explicit(frozenset(explicit_train))
         corpus = getattr(domain, "corpus", None)
         if "text_field" in explicit_train and corpus is not None and all(s.kind == "text" for s in corpus.sources):
             raise ConfigError("text_field", f"names the field of JSONL records or a dataset column, and "

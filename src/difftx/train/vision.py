@@ -126,6 +126,19 @@ class VisionDomain(Domain):
                 raise DataError(f"--data {cfg.data or 'digits'} is not the data of the run being resumed "
                                 f"({old.get('source')}); resume with the same --data and --domain-opt resize")
 
+    def check_explicit(self, explicit: frozenset) -> None:
+        """A split fraction beside the image folder that gives that split would be ignored: refused."""
+        given = self.data.splits or {}
+        if "val" in given and "val_fraction" in explicit:
+            raise ConfigError("val_fraction", f"the image folder gives the validation split "
+                                              f"({Path(self.data.source) / 'val'}); drop --val-fraction (or "
+                                              "remove that folder to carve the split out of train)")
+        if "test" in given and "test_fraction" in self.cfg.domain_options:
+            raise ConfigError("domain_options", f"test_fraction: the image folder gives the test split "
+                                                f"({Path(self.data.source) / 'test'}); drop --domain-opt "
+                                                "test_fraction (or remove that folder to carve the split out of "
+                                                "train)")
+
     def describe(self) -> dict:
         d = self.data
         return {"source": d.source, "fingerprint": d.fingerprint(), "classes": d.classes,
