@@ -217,3 +217,17 @@ def test_stl10_layout_gives_splits_and_leaves_out_the_unlabeled_part(tmp_path):
     assert len(d.splits["train"]) == 6 and len(d.splits["test"]) == 4
     assert sorted(d.labels[d.splits["test"]].tolist()) == [0, 0, 1, 1]
     assert any("unlabeled" in n and "5" in n for n in d.notes), d.notes
+
+
+def test_labels_that_are_ids_not_class_indices_are_refused(tmp_path):
+    """Integer labels up to 10^7 (ids, not class indices 0..K-1) silently made a 10^7-class model; a label range far
+    wider than the labels that occur is refused, naming the fix.  Classes missing from a subset are still fine."""
+    x, y = blob_images()  # 60 images, labels 0, 1, 2
+    ids = np.where(y == 2, 10**7, y)
+    np.savez(tmp_path / "ids.npz", x=x, y=ids)
+    _bad(tmp_path / "ids.npz", r"labels go up to 10000000 .* 3 distinct .*np\.unique\(y, return_inverse=True\)")
+    np.savez(tmp_path / "gap.npz", x=x, y=np.where(y == 2, 255, y))  # an 'ignore' label 255 among 0 and 1
+    _bad(tmp_path / "gap.npz", "labels go up to 255")
+    np.savez(tmp_path / "subset.npz", x=x, y=y * 9)  # 0, 9, 18: a subset of 19 classes, some absent
+    d = load_image_set(str(tmp_path / "subset.npz"))
+    assert len(d.classes) == 19 and d.classes[-1] == "18"

@@ -18,7 +18,9 @@ they are.  Arrays may be ``(N, H, W)`` (grey), ``(N, C, H, W)`` or
 ``(N, H, W, C)`` (channels last is recognised when the last axis has 1, 3 or 4
 entries and the second more than 4, or the second and third are equal and the
 last is not: tiny square images; ``(N, k, k, k)`` is read as channels first).  Class names are the folder names, sorted
-(arrays and digits: ``"0"``, ``"1"``, ...).
+(arrays and digits: ``"0"``, ``"1"``, ...).  Array labels are class indices 0..K-1 (K = the
+largest + 1); a range of more than 100 classes and more than 10 per distinct label (ids, an ignore
+value such as 255) is refused.
 
 Splits are stratified and deterministic: within each class a permutation from
 ``split_seed`` (not the training seed, so runs with different seeds share their
@@ -43,6 +45,8 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".
 SPLIT_NAMES = ("train", "val", "test")
 UNLABELED_NAMES = ("unlabeled", "unlabelled")  # beside the splits (STL-10): images without labels, left out
 BUILTIN = "digits"
+# labels 0..K-1 with K above this and above 10 x the distinct labels are refused (ids, not class indices)
+MAX_SPARSE_CLASSES = 100
 _GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
 
 
@@ -162,6 +166,12 @@ def _integer_labels(y: np.ndarray, source: str) -> np.ndarray:
     if len(labels) and labels.min() < 0:
         bad = int(np.argmax(labels < 0))
         raise DataError(f"{source}: label {labels[bad]} of image {bad} is out of range; labels must be 0..K-1")
+    if len(labels):
+        top, distinct = int(labels.max()), len(np.unique(labels))
+        if top + 1 > max(MAX_SPARSE_CLASSES, 10 * distinct):  # ids or codes, not class indices
+            raise DataError(f"{source}: labels go up to {top} but only {distinct} distinct values occur, so the model "
+                            f"would get {top + 1} classes; labels must be class indices 0..K-1 (map them with "
+                            "np.unique(y, return_inverse=True))")
     return labels
 
 
