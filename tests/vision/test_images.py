@@ -231,3 +231,22 @@ def test_labels_that_are_ids_not_class_indices_are_refused(tmp_path):
     np.savez(tmp_path / "subset.npz", x=x, y=y * 9)  # 0, 9, 18: a subset of 19 classes, some absent
     d = load_image_set(str(tmp_path / "subset.npz"))
     assert len(d.classes) == 19 and d.classes[-1] == "18"
+
+
+def test_uint16_arrays_are_scaled_as_16_bit_image_files_are(tmp_path):
+    """uint8 arrays were scaled to [0, 1] but uint16 ones kept 0..65535; they are divided by 65535, as a 16-bit grey
+    image file is, so the same pixels give the same images from either source."""
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 65536, (4, 8, 8), dtype=np.uint16)
+    y = np.array([0, 0, 1, 1])
+    np.savez(tmp_path / "a.npz", x=x, y=y)
+    arr = load_image_set(str(tmp_path / "a.npz"))
+    assert 0.0 <= arr.images.min() and arr.images.max() <= 1.0
+    np.testing.assert_allclose(arr.images[:, 0], x / 65535, rtol=1e-6)
+    for i, (a, k) in enumerate(zip(x, y)):
+        (tmp_path / "f" / str(k)).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(a).save(tmp_path / "f" / str(k) / f"{i}.png")
+    files = load_image_set(str(tmp_path / "f"))
+    np.testing.assert_array_equal(files.images, arr.images)

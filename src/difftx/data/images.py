@@ -13,8 +13,8 @@
   ``x.npy`` and ``y.npy``, or two files ``IMAGES.npy,LABELS.npy``.
 
 Everything is held in memory as float32 ``(N, C, H, W)``.  Pixel values of
-8-bit sources are scaled to [0, 1] (digits: /16); float arrays are kept as
-they are.  Arrays may be ``(N, H, W)`` (grey), ``(N, C, H, W)`` or
+8- and 16-bit sources (files, ``uint8`` and ``uint16`` arrays) are scaled to
+[0, 1] by their range (digits: /16); float arrays are kept as they are.  Arrays may be ``(N, H, W)`` (grey), ``(N, C, H, W)`` or
 ``(N, H, W, C)`` (channels last is recognised when the last axis has 1, 3 or 4
 entries and the second more than 4, or the second and third are equal and the
 last is not: tiny square images; ``(N, k, k, k)`` is read as channels first).  Class names are the folder names, sorted
@@ -151,7 +151,7 @@ def _from_arrays(x: np.ndarray, y: np.ndarray, source: str) -> ImageSet:
     if y.ndim != 1 or len(y) != len(x):
         raise DataError(f"{source}: labels must be one integer per image: {len(x)} images but labels of shape "
                         f"{y.shape}")
-    scale = 255.0 if x.dtype == np.uint8 else 1.0
+    scale = {np.dtype(np.uint8): 255.0, np.dtype(np.uint16): 65535.0}.get(x.dtype, 1.0)  # as 8-/16-bit files
     images = x.astype(np.float32) / scale
     labels = _integer_labels(y, source)
     return ImageSet(images, labels, [str(c) for c in range(int(labels.max()) + 1)] if len(labels) else [], source)
