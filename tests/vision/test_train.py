@@ -240,3 +240,23 @@ def test_split_fractions_beside_the_folders_splits_are_refused(tmp_path, capsys)
     (root / "val").rename(tmp_path / "gone")  # no val/ folder: --val-fraction carves it out of train
     assert train(root, tmp_path / "run2", "--steps", 1, "--eval-every", 0, "--val-fraction", 0.5) == 0
     assert json.loads((tmp_path / "run2" / "config.json").read_text())["data"]["n_val"] == 6
+
+
+def test_a_failing_run_prints_its_error_alone_and_a_good_one_the_data_notes(tmp_path, capsys):
+    """The 'skipped N non-image files' note went to stderr as the folder was read, so a run that then failed (an
+    unreadable image, a patch size the data refuses) printed two lines; the error is the one line now, and the notes
+    come once every input check has passed."""
+    from .conftest import write_folder
+
+    root = write_folder(tmp_path / "imgs")
+    (root / "cat" / "README.txt").write_text("where these came from")
+    out = tmp_path / "run"
+    _fails(capsys, 2, "patch_size: 3 does not divide", "--data", root, *TINY, "--set", "patch_size=3",
+           "--out", out)
+    (root / "dog" / "broken.png").write_bytes(b"not a png")
+    _fails(capsys, 2, "broken.png: not a readable image", "--data", root, *TINY, "--out", out)
+    assert not out.exists()
+    (root / "dog" / "broken.png").unlink()
+    assert train(root, out, "--steps", 1, "--eval-every", 0) == 0
+    err = capsys.readouterr().err
+    assert f"skipped 1 non-image files under {root}" in err and "error" not in err

@@ -32,7 +32,6 @@ standard deviation of the training split.
 from __future__ import annotations
 
 import hashlib
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -52,7 +51,9 @@ _GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
 
 @dataclass
 class ImageSet:
-    """Images (float32, N x C x H x W), integer labels and class names; ``splits`` when the source fixes them."""
+    """Images (float32, N x C x H x W), integer labels and class names; ``splits`` when the source fixes them;
+    ``notes``: what the reader left out (``difftx train`` prints them once every input check has passed, so a
+    failing run prints its error alone)."""
 
     images: np.ndarray
     labels: np.ndarray
@@ -220,8 +221,6 @@ def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
                                 "add some or remove the folder")
     if skipped:
         notes.append(f"skipped {skipped} non-image files under {root}")
-    for note in notes:
-        print(f"difftx: {note}", file=sys.stderr)
 
     pics = []
     for f in files:

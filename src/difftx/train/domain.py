@@ -77,6 +77,11 @@ class Domain:
         """After :meth:`prepare`: refuse a TrainConfig field in ``explicit`` (given by the user) that this data
         leaves unread."""
 
+    def notes(self) -> list[str]:
+        """What :meth:`prepare` noticed about the data (files skipped, ...): printed once the run's inputs are all
+        checked, so a failing run prints its error alone."""
+        return []
+
     def describe(self) -> dict:
         return {}
 

@@ -214,6 +214,9 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
             atomic_write_text(out / CONFIG_FILE, json.dumps(run_config, indent=2))
             domain.save_artifacts(out)
         world.barrier()
+        if world.is_main:  # the data's notes (files skipped): after every input check, as the hints below
+            for note in domain.notes():
+                print(f"difftx: {note}", file=sys.stderr)
         if world.is_main and announce and not tcfg.threads and world.device.type == "cpu":
             _hint_busy_cpu()  # after every input check, so a bad input still gets exactly one line
         if world.is_main and announce and memory_warning:

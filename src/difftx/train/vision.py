@@ -139,6 +139,9 @@ class VisionDomain(Domain):
                                                 "test_fraction (or remove that folder to carve the split out of "
                                                 "train)")
 
+    def notes(self) -> list[str]:
+        return list(self.data.notes) if self.data is not None else []
+
     def describe(self) -> dict:
         d = self.data
         return {"source": d.source, "fingerprint": d.fingerprint(), "classes": d.classes,
