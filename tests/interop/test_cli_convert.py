@@ -683,3 +683,31 @@ def test_a_mixed_dtype_model_exported_to_hugging_face_names_no_dtype(capsys, tmp
     assert "dtype" not in json.loads((tmp_path / fmt / "config.json").read_text())
     want = {k: v.dtype for k, v in difftx.load_model(src).state_dict().items()}
     assert {k: v.dtype for k, v in difftx.load_model(tmp_path / fmt).state_dict().items()} == want
+
+
+@pytest.mark.parametrize("key,value", [("tie_word_embeddings", "false"), ("attention_bias", "false"),
+                                       ("mlp_bias", 1), ("tie_word_embeddings", [])])
+def test_a_flag_that_is_not_a_boolean_in_a_hugging_face_config_is_one_error_line(capsys, llama_dir, tmp_path, key,
+                                                                                  value):
+    """bool(value) read the JSON string "false" as True: a silently tied model, or a refusal naming attention_bias
+    and mlp_bias as if they differed (transformers refuses such a config as well)."""
+    _, src = llama_dir
+    cfg = json.loads((src / "config.json").read_text())
+    cfg[key] = value
+    (src / "config.json").write_text(json.dumps(cfg))
+    rc, _, err = run_main(capsys, src, tmp_path / "out")
+    _one_error_line(rc, err, "config.json", f"'{key}' must be true or false", repr(value))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key", ["tie_word_embeddings", "attention_bias", "mlp_bias"])
+def test_a_null_flag_in_a_hugging_face_config_is_its_default(capsys, llama_dir, tmp_path, key):
+    model, src = llama_dir
+    cfg = json.loads((src / "config.json").read_text())
+    cfg[key] = None
+    (src / "config.json").write_text(json.dumps(cfg))
+    loaded = difftx.load_model(src)
+    assert not loaded.config.tie_embeddings and not loaded.config.bias
+    x = tokens(97)
+    with torch.no_grad():
+        assert max_diff(loaded(x).logits, model(x).logits) < 1e-5

@@ -60,6 +60,12 @@ def _llama_like_config(hf: dict, src: str, diff: bool) -> ModelConfig:
             raise CheckpointError(f"{src}: '{key}' must be a number; got {value!r}")
         return float(value)
 
+    def flag(key):  # JSON true / false; null or absent is false, as transformers' Llama configs default them
+        value = hf.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise CheckpointError(f"{src}: '{key}' must be true or false; got {value!r}: the config is malformed")
+        return bool(value)
+
     heads, d_model = need("num_attention_heads"), need("hidden_size")
     for key, value in (("num_attention_heads", heads), ("hidden_size", d_model)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -75,7 +81,7 @@ def _llama_like_config(hf: dict, src: str, diff: bool) -> ModelConfig:
         raise CheckpointError(f"{src}: RoPE scaling {rope_type!r} is not supported by difftx (only plain RoPE)")
     theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or hf.get("rope_theta", 10000.0)
     theta = number("rope_theta", theta)
-    attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    attn_bias, mlp_bias = flag("attention_bias"), flag("mlp_bias")
     if diff and attn_bias:  # DiffLlama's FFN has no bias option: its biases would be attention-only
         raise CheckpointError(f"{src}: attention_bias=True is not supported for DiffLlama (its MLP has no bias, "
                               "and difftx has one 'bias' switch for attention and FFN)")
@@ -88,7 +94,7 @@ def _llama_like_config(hf: dict, src: str, diff: bool) -> ModelConfig:
         max_seq_len=hf.get("max_position_embeddings", 2048), norms="S1", norm="rms",
         norm_eps=number("rms_norm_eps", hf.get("rms_norm_eps", 1e-5 if diff else 1e-6)),  # transformers' defaults
         ffn="swiglu", positions="rope", rope_style="half",
-        rope_theta=theta, tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bias=attn_bias,
+        rope_theta=theta, tie_embeddings=flag("tie_word_embeddings"), bias=attn_bias,
         init_std=number("initializer_range", hf.get("initializer_range", 0.02)),
     )
     if not diff:
