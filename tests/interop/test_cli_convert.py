@@ -711,3 +711,16 @@ def test_a_null_flag_in_a_hugging_face_config_is_its_default(capsys, llama_dir, 
     x = tokens(97)
     with torch.no_grad():
         assert max_diff(loaded(x).logits, model(x).logits) < 1e-5
+
+
+def test_a_null_dtype_beside_torch_dtype_loads_in_torch_dtype(llama_dir):
+    """{"dtype": null, "torch_dtype": "bfloat16"}: transformers keeps torch_dtype when dtype is null; load_model
+    read the null and loaded the float32 weights as stored."""
+    _, src = llama_dir
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["dtype"], cfg["torch_dtype"] = None, "bfloat16"
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert {p.dtype for p in difftx.load_model(src).parameters()} == {torch.bfloat16}
+    cfg["dtype"] = "float32"  # both named: dtype wins, as in transformers
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert {p.dtype for p in difftx.load_model(src).parameters()} == {torch.float32}

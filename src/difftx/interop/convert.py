@@ -307,7 +307,8 @@ def load_hf_model(path, device: Optional[str] = None, dtype: Optional[torch.dtyp
     model = build_model(cfg)
     load_state_dict_into(model, state, str(path))
     if dtype is None:
-        dtype = saved_dtype(model, state, hf.get("dtype", hf.get("torch_dtype")))
+        named = hf.get("dtype")  # transformers takes torch_dtype where dtype is absent or null
+        dtype = saved_dtype(model, state, named if named is not None else hf.get("torch_dtype"))
     return cast_model(model, device, dtype).eval()
 
 
