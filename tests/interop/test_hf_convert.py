@@ -265,3 +265,29 @@ def test_tied_config_with_a_different_lm_head_keeps_the_head(tmp_path, kind):
         assert not model.config.tie_embeddings
         assert max_diff(model(x).logits, ref) < TOL
         assert max_diff(difftx.load_model(tmp_path / "hf")(x).logits, ref) < TOL
+
+
+def test_other_hugging_face_files_travel_beside_a_difftx_tokenizer(tmp_path):
+    """A Hugging Face directory holding difftx_tokenizer.json (a byte tokenizer) and generation_config.json /
+    tokenizer_config.json: converting it to difftx copied the difftx tokenizer alone, and difftx -> Hugging Face
+    then dropped the other files too."""
+    import json
+
+    from difftx.data.tokenizers import ByteTokenizer
+
+    model = difftx_model(attention="softmax", n_heads=4, vocab_size=256)
+    difftx.save_model(model, tmp_path / "m")
+    ByteTokenizer().save(tmp_path / "m")
+    convert(tmp_path / "m", tmp_path / "hf", dst_format="hf-llama")
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"max_new_tokens": 7, "do_sample": False}))
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    names = ["generation_config.json", "tokenizer_config.json"]
+    convert(tmp_path / "hf", tmp_path / "dx")
+    assert (tmp_path / "dx" / "tokenizer.json").read_bytes() == (tmp_path / "m" / "tokenizer.json").read_bytes()
+    convert(tmp_path / "dx", tmp_path / "hf2", dst_format="hf-llama")
+    assert not (tmp_path / "hf2" / "tokenizer.json").exists()
+    assert (tmp_path / "hf2" / "difftx_tokenizer.json").read_bytes() == \
+        (tmp_path / "hf" / "difftx_tokenizer.json").read_bytes()
+    for out in ("dx", "hf2"):
+        for name in names:
+            assert (tmp_path / out / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), (out, name)
