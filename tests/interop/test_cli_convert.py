@@ -724,3 +724,29 @@ def test_a_null_dtype_beside_torch_dtype_loads_in_torch_dtype(llama_dir):
     cfg["dtype"] = "float32"  # both named: dtype wins, as in transformers
     (src / "config.json").write_text(json.dumps(cfg))
     assert {p.dtype for p in difftx.load_model(src).parameters()} == {torch.float32}
+
+
+def test_a_llama_converts_to_a_twin_diffllama(capsys, tmp_path):
+    """--diff-init twin --to hf-diffllama was always refused: twin's per-head norm had eps 1e-5 and DiffLlama's
+    uses rms_norm_eps (1e-6 here, transformers' Llama default), and no option changes it.  DiffLlama's norm takes
+    the model's norm_eps; the weights are twin's."""
+    from difftx.interop.layouts import relayout
+    from difftx.interop.llama_to_diff import llama_to_diff
+
+    model = difftx_model(attention="softmax", n_heads=4, n_kv_heads=2, norm_eps=1e-6)
+    save_hf(model, tmp_path / "llama", "hf-llama")
+    rc, _, err = run_main(capsys, tmp_path / "llama", tmp_path / "diff", "--diff-init", "twin", "--to", "hf-diffllama")
+    assert rc == 0, err
+    assert json.loads((tmp_path / "diff" / "config.json").read_text())["rms_norm_eps"] == 1e-6
+    loaded = difftx.load_model(tmp_path / "diff")
+    assert loaded.config.head_norm_eps == loaded.config.norm_eps == 1e-6 and loaded.config.head_norm
+    cfg, state = llama_to_diff(model.config, model.state_dict(), mode="twin", head_norm_eps=1e-6)
+    want = difftx.build_model(cfg.replace(pairing="halves")).eval()
+    want.load_state_dict(relayout(state, cfg, pairing="halves")[1])
+    x = tokens(97)
+    with torch.no_grad():
+        assert max_diff(loaded(x).logits, want(x).logits) < 1e-5
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.DiffLlamaForCausalLM.from_pretrained(tmp_path / "diff", attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert max_diff(hf(x).logits, want(x).logits) < 1e-5

@@ -473,7 +473,9 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
     if diff_init is not None:
         from .llama_to_diff import llama_to_diff
 
-        cfg, state = llama_to_diff(cfg, state, mode=diff_init, pairing=pairing or "adjacent")
+        # DiffLlama's per-head norm has the model's rms_norm_eps; twin's is otherwise 1e-5, as in the official code
+        eps = cfg.norm_eps if dst_format == "hf-diffllama" else 1e-5
+        cfg, state = llama_to_diff(cfg, state, mode=diff_init, pairing=pairing or "adjacent", head_norm_eps=eps)
     if pairing and cfg.attention != "diff":
         raise DifftxError(f"--pairing lays out DIFF heads, and the result has {cfg.attention} attention (no pairs); "
                           "drop it" + (" (or add --diff-init)" if cfg.attention == "softmax" else ""))

@@ -53,8 +53,10 @@ def _rows(w: torch.Tensor, d: int, heads: list[int]) -> torch.Tensor:
     return blocks[torch.as_tensor(heads)].reshape(len(heads) * d, *w.shape[1:]).clone()
 
 
-def diff_config_for(cfg: ModelConfig, mode: str, pairing: str = "adjacent") -> ModelConfig:
-    """The DIFF config ``mode`` turns softmax config ``cfg`` into."""
+def diff_config_for(cfg: ModelConfig, mode: str, pairing: str = "adjacent",
+                    head_norm_eps: float = 1e-5) -> ModelConfig:
+    """The DIFF config ``mode`` turns softmax config ``cfg`` into (``head_norm_eps``: ``twin``'s per-head norm,
+    1e-5 as in the official code; DiffLlama's is the model's ``norm_eps``)."""
     if mode not in DIFF_INIT_MODES:
         raise ConfigError("diff_init", f"must be one of {', '.join(DIFF_INIT_MODES)}; got {mode!r}")
     if cfg.attention != "softmax":
@@ -69,13 +71,15 @@ def diff_config_for(cfg: ModelConfig, mode: str, pairing: str = "adjacent") -> M
     twin = dict(n_heads=cfg.n_heads // 2, n_kv_heads=cfg.n_kv_heads // 2, **common)
     if mode == "twin-zero":
         return cfg.replace(lambda_init=0.0, head_norm=False, **twin)
-    return cfg.replace(lambda_init="schedule", head_norm=True, head_norm_weight=True, head_norm_eps=1e-5, **twin)
+    return cfg.replace(lambda_init="schedule", head_norm=True, head_norm_weight=True, head_norm_eps=head_norm_eps,
+                       **twin)
 
 
 def llama_to_diff(cfg: ModelConfig, state: dict, mode: str = "twin-zero", pairing: str = "adjacent",
-                  seed: int = 0) -> tuple[ModelConfig, dict]:
-    """(DIFF config, DIFF state dict) initialised from softmax model ``(cfg, state)``; see the module doc."""
-    new = diff_config_for(cfg, mode, pairing)
+                  seed: int = 0, head_norm_eps: float = 1e-5) -> tuple[ModelConfig, dict]:
+    """(DIFF config, DIFF state dict) initialised from softmax model ``(cfg, state)``; see the module doc
+    (``head_norm_eps``: see :func:`diff_config_for`)."""
+    new = diff_config_for(cfg, mode, pairing, head_norm_eps)
     d, H, Hk = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     if mode == "exact":  # halves order: component c of 2H is head c % H (both maps from the same head)
         q_src, kv_src = [c % H for c in range(2 * H)], [c % Hk for c in range(2 * Hk)]
