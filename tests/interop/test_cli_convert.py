@@ -750,3 +750,13 @@ def test_a_llama_converts_to_a_twin_diffllama(capsys, tmp_path):
     hf = transformers.DiffLlamaForCausalLM.from_pretrained(tmp_path / "diff", attn_implementation="eager").eval()
     with torch.no_grad():
         assert max_diff(hf(x).logits, want(x).logits) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["exact", "twin-zero"])
+def test_a_diff_init_without_a_per_head_norm_to_diffllama_names_the_fix(capsys, llama_dir, tmp_path, mode):
+    """exact / twin-zero turn the per-head norm off, which DiffLlama always applies: the refusal said so
+    ("head_norm ... got False") without naming an option that works; nothing is written."""
+    _, src = llama_dir
+    rc, _, err = run_main(capsys, src, tmp_path / "out", "--diff-init", mode, "--to", "hf-diffllama")
+    _one_error_line(rc, err, f"--diff-init {mode}", "--diff-init twin", "--to difftx", "hf-difftx")
+    assert not (tmp_path / "out").exists()

@@ -465,6 +465,10 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
         raise DifftxError(f"--{'pairing' if pairing else 'rope-style'}: --to {dst_format} has a fixed layout (DIFF "
                           "heads paired by halves, RoPE half); drop it (or keep a layout with --to difftx or "
                           "hf-difftx)")
+    if dst_format == "hf-diffllama" and diff_init in ("exact", "twin-zero"):
+        raise DifftxError(f"--diff-init {diff_init} turns the per-head norm off, and DiffLlama always applies it; "
+                          "use --diff-init twin for --to hf-diffllama, or keep this mode with --to difftx or "
+                          "hf-difftx")
     if dst.resolve() == src.resolve():
         raise DifftxError(f"{dst}: the destination is the source; pick another directory")
     cfg, state, _ = read_any(src)
