@@ -760,3 +760,47 @@ def test_a_diff_init_without_a_per_head_norm_to_diffllama_names_the_fix(capsys, 
     rc, _, err = run_main(capsys, src, tmp_path / "out", "--diff-init", mode, "--to", "hf-diffllama")
     _one_error_line(rc, err, f"--diff-init {mode}", "--diff-init twin", "--to difftx", "hf-difftx")
     assert not (tmp_path / "out").exists()
+
+
+def test_verify_when_transformers_cannot_read_the_source_is_one_error_line(capsys, llama_dir, tmp_path):
+    """A config difftx reads but transformers refuses ("tie_word_embeddings": null, which transformers 5 validates
+    as a bool): --verify was a traceback out of from_pretrained.  Now one line naming the source (exit 2), and the
+    converted model stays in DST."""
+    pytest.importorskip("transformers")
+    model, src = llama_dir
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["tie_word_embeddings"] = None
+    (src / "config.json").write_text(json.dumps(cfg))
+    try:
+        import transformers
+
+        transformers.LlamaForCausalLM.from_pretrained(str(src), local_files_only=True)
+    except Exception:
+        pass
+    else:
+        pytest.skip("this transformers version reads a null tie_word_embeddings")
+    rc, out, err = run_main(capsys, src, tmp_path / "out", "--verify")
+    _one_error_line(rc, err, "--verify", "transformers cannot read", str(src), "tie_word_embeddings", "drop --verify")
+    assert difftx.load_model(tmp_path / "out").config.vocab_size == model.config.vocab_size  # kept
+
+
+def test_verify_when_transformers_cannot_read_the_result_fails_in_one_line(capsys, llama_dir, tmp_path,
+                                                                           monkeypatch):
+    """transformers refusing the converted result is a failed verification (exit 1, one line), not a traceback."""
+    transformers = pytest.importorskip("transformers")
+    _, src = llama_dir
+    model = difftx.save_model(difftx.load_model(src), tmp_path / "m")
+    real = transformers.LlamaForCausalLM.from_pretrained
+
+    def refuse(path, *args, **kwargs):
+        if "out" in str(path):
+            raise ValueError("something transformers does not like\nover two lines")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "from_pretrained", refuse)
+    rc, out, err = run_main(capsys, model, tmp_path / "out", "--to", "hf-llama", "--verify")
+    assert rc == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "verification failed" in lines[0] and "transformers cannot read" in lines[0], err
+    assert "something transformers does not like over two lines" in lines[0]
+    assert (tmp_path / "out" / "model.safetensors").is_file()  # kept for inspection

@@ -67,8 +67,17 @@ def _read_back(path: Path):
             pass
         else:
             cls = transformers.LlamaForCausalLM if fmt == "hf-llama" else transformers.DiffLlamaForCausalLM
-            return cls.from_pretrained(str(path), local_files_only=True).float().eval(), "transformers"
+            try:
+                model = cls.from_pretrained(str(path), local_files_only=True)
+            except Exception as e:  # transformers' own refusal (a config it validates otherwise, ...): one line
+                raise _TransformersCannotRead(f"transformers cannot read {path} as {cls.__name__}: "
+                                              f"{type(e).__name__}: {' '.join(str(e).split())}") from None
+            return model.float().eval(), "transformers"
     return load_model(path).float(), "difftx"
+
+
+class _TransformersCannotRead(Exception):
+    """transformers refused a directory that ``--verify`` reads back (the message is one line)."""
 
 
 VERIFY_RTOL = 1e-3  # of the source's largest |logit|: two libraries' float32 sums differ ~1e-6 of it
@@ -80,7 +89,12 @@ def _verify(src: Path, dst: Path, diff_init, dtype) -> tuple[str, bool]:
     within VERIFY_RTOL of their largest magnitude; otherwise the numbers are printed and not judged."""
     import torch
 
-    (a, ra), (b, rb) = _read_back(src), _read_back(dst)
+    try:
+        a, ra = _read_back(src)
+    except _TransformersCannotRead as e:  # the source: bad input, and the conversion itself succeeded
+        raise DifftxError(f"--verify: {e}; the converted model in {dst} is kept (fix the source's config.json, "
+                          "or drop --verify)") from None
+    b, rb = _read_back(dst)  # the result: _TransformersCannotRead is a failed verification (run's caller)
     g = torch.Generator().manual_seed(0)
     n = min(32, getattr(a.config, "max_seq_len", None) or a.config.max_position_embeddings)
     x = torch.randint(0, a.config.vocab_size, (2, n), generator=g)
@@ -188,11 +202,16 @@ def run(args) -> int:
     to = args.dst_format or "difftx"
     print(f"converted {src} ({detected}) -> {dst} ({to if detected != 'unilm' else 'difftx attention modules'})")
     if args.verify:
-        line, ok = _verify(src, dst, args.diff_init, args.dtype)
+        import sys
+
+        try:
+            line, ok = _verify(src, dst, args.diff_init, args.dtype)
+        except _TransformersCannotRead as e:
+            print(f"difftx convert: verification failed: {e} (the result, kept for inspection); please report it "
+                  "with both models' config.json", file=sys.stderr)
+            return 1
         print(line)
         if not ok:
-            import sys
-
             print(f"difftx convert: verification failed: the result in {dst} does not compute the source's logits "
                   "(kept for inspection); please report it with both models' config.json", file=sys.stderr)
             return 1
