@@ -364,3 +364,19 @@ def test_run_study_resume_checks_the_stored_study_as_the_cli_does(tmp_path):
     # runtime settings may differ, as on the command line
     assert prepare_out(out, StudyConfig(**{**study.to_dict(), "workers": 1}), force=False, resume=True,
                        command="difftx compare") is False
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--seeds", "100000000000"], "seeds: at most 1000"),  # was a MemoryError traceback (the list of seeds)
+    (["--seeds", str(2 ** 62)], "seeds: at most 1000"),
+    (["--seed", str(2 ** 63 - 1), "--seeds", "2"], "seed: the last seed"),  # 2^63: a seed the trainer refuses
+    (["--seed", "-1"], "seed: must be >= 0"),
+])
+def test_absurd_seeds_are_one_line_at_validation(compare, tmp_path, args, needle):
+    from difftx.cli import build_parser
+
+    with pytest.raises(ConfigError, match=needle):  # at the study's validation, before any job is planned
+        StudyConfig(**explicit_fields(build_parser("compare").parse_args(["compare", *args, "--steps", "1"])))
+    line = _one_line_error(compare("--out", tmp_path / "out", *args, "--steps", "1", "--no-progress"))
+    assert needle in line, line
+    assert not (tmp_path / "out").exists()

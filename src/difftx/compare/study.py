@@ -29,6 +29,8 @@ from ..errors import ConfigError
 from .arms import DEFAULT_ARMS, Arm, parse_arms
 
 TASKS = ("corpus", "retrieval")
+MAX_SEEDS = 1000   # seeds per arm: each is a training run per arm and task (more is a typo, not a study)
+SEED_LIMIT = 2 ** 63  # the trainer's seeds are below it (TrainConfig)
 RETRIEVAL_TASKS = ("mqar", "niah", "none")
 
 # Per domain and optimiser; stable for every default arm at the default scale (not tuned per arm: use --lr-sweep).
@@ -149,8 +151,16 @@ class StudyConfig:
         for name in ("tokens", "steps", "seq_len", "batch_size", "retrieval_tokens", "retrieval_steps",
                      "retrieval_seq_len", "retrieval_batch_size", "workers", "threads"):
             positive(name)
+        if self.seeds > MAX_SEEDS:
+            raise ConfigError("seeds", f"at most {MAX_SEEDS} seeds per arm (each is a training run per arm and task); "
+                                       f"got {self.seeds}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError("seed", f"must be an integer; got {self.seed!r}")
         if self.seed < 0:
             raise ConfigError("seed", f"must be >= 0; got {self.seed}")
+        if self.seed + self.seeds - 1 >= SEED_LIMIT:
+            raise ConfigError("seed", f"the last seed, {self.seed} + {self.seeds} - 1, must be below 2^63; give a "
+                                      "smaller --seed")
         if self.tail_batches < 2:
             raise ConfigError("tail_batches", "needs at least 2 gradients to measure noise")
         if self.retrieval not in RETRIEVAL_TASKS:
