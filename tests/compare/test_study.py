@@ -356,3 +356,27 @@ def test_retrieval_heat_map_draws_an_accuracy_of_zero(tmp_path, monkeypatch):
     ax = saved[0].axes[0]
     assert sorted(t.get_text() for t in ax.texts) == ["0.00", "0.50"]
     assert ax.images[0].get_array()[0, 0] == 0.0
+
+
+def test_retrieval_opt_adds_to_the_default_tasks_options(tmp_path):
+    """--retrieval-opt pairs=2-8 replaced MQAR's default options: the default 64 keys were dropped and MQAR silently
+    drew its keys from the model's whole vocabulary.  Like --set, it adds to the defaults of the same task."""
+    from difftx.cli import build_parser
+    from difftx.cli.compare import explicit_fields
+    from difftx.compare.jobs import retrieval_task_options
+    from difftx.compare.runner import resume_config
+
+    parse = build_parser("compare").parse_args
+    for argv in (["--retrieval-opt", "pairs=2-8"], ["--retrieval", "mqar", "--retrieval-opt", "pairs=2-8"]):
+        study = StudyConfig(**explicit_fields(parse(["compare", *argv, "--steps", "3"])))
+        assert retrieval_task_options(study) == {"pairs": "2-8", "vocab": 64}
+    assert StudyConfig(steps=3, retrieval_options={"vocab": 32}).retrieval_options == {"pairs": "2-6", "vocab": 32}
+    # another task gets none of MQAR's options; a stored study reads back the same
+    assert StudyConfig(steps=3, retrieval="niah", retrieval_options={"digits": 3}).retrieval_options == {"digits": 3}
+    study = StudyConfig(steps=3, retrieval_options={"pairs": "2-8"})
+    assert StudyConfig.from_dict(study.to_dict()).retrieval_options == study.retrieval_options
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "study.json").write_text(json.dumps({"difftx_compare": 1, "study": study.to_dict()}))
+    argv = ["compare", "--retrieval-opt", "pairs=2-8", "--steps", "3"]
+    assert resume_config(out, explicit_fields(parse(argv))).retrieval_options == {"pairs": "2-8", "vocab": 64}

@@ -123,8 +123,11 @@ class StudyConfig:
         # the default's model changes ("nano at 2 layers, Xavier init") belong to its preset: --set adds to them; a
         # --preset of the user's is taken as it is, plus --set (gpt2-124m was trained at 2 layers)
         self.model = {**d["model"], **(self.model or {})} if self.preset is None else dict(self.model or {})
-        if self.retrieval_options is None and self.retrieval not in (None, d["retrieval"]):
-            self.retrieval_options = {}  # the default's options are its own task's (MQAR's pairs and keys)
+        if self.retrieval not in (None, d["retrieval"]):
+            self.retrieval_options = dict(self.retrieval_options or {})  # the default's options are its own task's
+        elif self.retrieval_options is not None and isinstance(d.get("retrieval_options"), dict):
+            # (MQAR's pairs and keys); --retrieval-opt adds to them, as --set adds to the default base's changes
+            self.retrieval_options = {**d["retrieval_options"], **self.retrieval_options}
         for name, value in d.items():
             if getattr(self, name, None) is None:
                 setattr(self, name, dict(value) if isinstance(value, dict) else value)
