@@ -380,3 +380,21 @@ def test_retrieval_opt_adds_to_the_default_tasks_options(tmp_path):
     (out / "study.json").write_text(json.dumps({"difftx_compare": 1, "study": study.to_dict()}))
     argv = ["compare", "--retrieval-opt", "pairs=2-8", "--steps", "3"]
     assert resume_config(out, explicit_fields(parse(argv))).retrieval_options == {"pairs": "2-8", "vocab": 64}
+
+
+@pytest.mark.parametrize("content", ["[]", "null", "5", '"done"', "{}", '{"diverged": false}', '{"job": []}',
+                                     '{"job": {"seed": 0}}', '{"job": {"seed": "0", "steps": 3}}',
+                                     '{"job": {"seed": 0, "steps": 3}, "final": []}',
+                                     '{"job": {"seed": 0, "steps": 3}, "curve": {"val": 5, "train": []}}'])
+def test_a_job_json_of_the_wrong_shape_is_not_a_finished_job(tmp_path, content):
+    """Valid JSON of the wrong shape ([], null, a dict missing keys) was taken as a finished job's result, and building
+    the results crashed with a traceback; like a damaged file it is not done, and the job runs again."""
+    from difftx.compare.worker import read_job
+
+    (tmp_path / "job.json").write_text(content)
+    assert read_job(tmp_path) is None
+    good = {"job": {"seed": 0, "steps": 3, "key": "corpus/a/seed0-lr0.004"}, "diverged": False,
+            "final": {"val_loss": 1.5},
+            "curve": {"tokens_per_step": 1024.0, "train": [[1, 2.0]], "val": [[3, 1.5, None]]}}
+    (tmp_path / "job.json").write_text(json.dumps(good))
+    assert read_job(tmp_path) == good

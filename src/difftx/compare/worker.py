@@ -55,9 +55,37 @@ def read_job(run_dir: Path) -> Optional[dict]:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return None  # a damaged result is recomputed
+    return result if _is_result(result) else None  # so is valid JSON of the wrong shape ([], null, keys missing)
+
+
+_SECTIONS = ("final", "train", "curve", "throughput", "memory", "retrieval", "attention", "outliers", "tails")
+
+
+def _is_result(r) -> bool:
+    """Whether ``r`` has the shape :func:`run_job` writes, as far as the results read it without checking."""
+    def integer(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not isinstance(r, dict) or not isinstance(r.get("job"), dict):
+        return False
+    if not (integer(r["job"].get("seed")) and integer(r["job"].get("steps"))):
+        return False
+    if any(r.get(k) is not None and not isinstance(r[k], dict) for k in _SECTIONS):
+        return False
+    if r.get("lambdas") is not None and not isinstance(r["lambdas"], list):
+        return False
+    curve = r.get("curve")
+    if curve:
+        rows = [curve.get("val"), curve.get("train")]
+        if not all(isinstance(x, list) and all(isinstance(row, list) and len(row) >= 2 for row in x) for x in rows):
+            return False
+        if curve.get("tokens_per_step") is not None and not isinstance(curve["tokens_per_step"], (int, float)):
+            return False
+    retrieval = r.get("retrieval")
+    return not retrieval or isinstance(retrieval.get("overall"), (int, float))
 
 
 def run_job(study: StudyConfig, job: Job, out: Path, report: Report = lambda e: None) -> dict:
