@@ -380,3 +380,17 @@ def test_absurd_seeds_are_one_line_at_validation(compare, tmp_path, args, needle
     line = _one_line_error(compare("--out", tmp_path / "out", *args, "--steps", "1", "--no-progress"))
     assert needle in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_niah_too_long_for_the_retrieval_length_names_the_compare_flag(compare, tmp_path):
+    """--retrieval niah at the default --retrieval-seq-len (64) is refused, and the line said "raise --seq-len": in a
+    study that flag sets the corpus length, and raising it changed nothing for the retrieval task."""
+    out = tmp_path / "out"
+    line = _one_line_error(compare("--out", out, "--retrieval", "niah", "--steps", "1", "--no-progress"))
+    assert "--retrieval-seq-len" in line and "needs 118" in line, line
+    assert "--seq-len" not in line.replace("--retrieval-seq-len", ""), line
+    assert not out.exists()
+    from difftx.compare.runner import check_inputs
+
+    check_inputs(StudyConfig(retrieval="niah", retrieval_seq_len=118, steps=1))  # the length it names is enough
+

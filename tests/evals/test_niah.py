@@ -287,3 +287,12 @@ def test_generation_score_at_the_learned_position_limit_does_not_depend_on_the_b
     alone = score_generation(oracle, TOK, [short, long], 1)
     assert alone == [[True], [False]]
     assert score_generation(oracle, TOK, [short, long], 2) == alone
+
+
+def test_niah_task_names_the_flag_its_caller_gives():
+    """The too-short message said "raise --seq-len" to every caller: difftx compare's flag is --retrieval-seq-len."""
+    with pytest.raises(ConfigError, match="raise --seq-len"):  # difftx train --task niah: its own flag
+        get_task("niah")(ByteTokenizer(), 64, 0, template="short", digits=2, needles="1-4")
+    with pytest.raises(ConfigError, match="raise --retrieval-seq-len to 118"):
+        get_task("niah")(ByteTokenizer(), 64, 0, template="short", digits=2, needles="1-4",
+                         seq_len_flag="--retrieval-seq-len")

@@ -159,9 +159,14 @@ def check_inputs(study: StudyConfig) -> None:
         from ..data.tokenizers import ByteTokenizer
         from .jobs import retrieval_task_options
 
+        flag = {"seq_len_flag": "--retrieval-seq-len"} if study.retrieval == "niah" else {}  # its errors' flag
         try:
-            get_task(study.retrieval)(ByteTokenizer(), study.retrieval_seq_len, 0, **retrieval_task_options(study))
+            get_task(study.retrieval)(ByteTokenizer(), study.retrieval_seq_len, 0, **retrieval_task_options(study),
+                                      **flag)
         except (TypeError, ValueError) as e:  # an option of the wrong kind (vocab=x): one line, not a traceback
+            if isinstance(e, ConfigError) and e.field == "seq_len":  # the length is the problem, not an option
+                why = str(e).removeprefix("seq_len: ")
+                raise ConfigError("--retrieval-seq-len", f"{study.retrieval}: {why}") from None
             raise ConfigError("--retrieval-opt", f"{study.retrieval}: {e}") from None
 
 

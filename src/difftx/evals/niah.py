@@ -446,11 +446,13 @@ class NiahTask:
     """Sampler for ``difftx train --task niah``: (x, y) of shape (B, seq_len), a pure function of (step, rank)."""
 
     def __init__(self, tokenizer, seq_len: int, seed: int = 0, needles="1-6", queries="1-2", digits: int = 5,
-                 template: str = "paper", data=None, text: Optional[str] = None, loss_on: str = "answer"):
+                 template: str = "paper", data=None, text: Optional[str] = None, loss_on: str = "answer",
+                 seq_len_flag: str = "--seq-len"):
+        # seq_len_flag: the caller's flag for seq_len, named in its errors (difftx compare: --retrieval-seq-len)
         if loss_on not in ("answer", "all"):
             raise ConfigError("loss_on", f"must be 'answer' or 'all', got {loss_on!r}")
         if not seq_len:
-            raise ConfigError("seq_len", "the niah task needs a sequence length (--seq-len)")
+            raise ConfigError("seq_len", f"the niah task needs a sequence length ({seq_len_flag})")
         self.seq_len, self.seed, self.loss_on = int(seq_len), int(seed), loss_on
         self.needles, self.queries = parse_range(needles, "needles"), parse_range(queries, "queries")
         # haystacks from the training part of the built-in corpus (the evaluation uses its validation tail)
@@ -459,7 +461,8 @@ class NiahTask:
         need = self.builder.min_length(self.needles[1], min(self.queries[1], self.needles[1]))
         if need > self.seq_len + 1:
             raise ConfigError("seq_len", f"{self.seq_len} is too short for {self.needles[1]} needles "
-                                         f"(needs {need - 1}); raise --seq-len, lower needles or template=short")
+                                         f"(needs {need - 1}); raise {seq_len_flag} to {need - 1}, lower needles"
+                                         + (" or template=short" if template != "short" else ""))
 
     def sample(self, step: int, rank: int, row: int) -> NiahSample:
         rng = rng_for(self.seed, step, rank, row, 0x4E1A)
@@ -484,7 +487,8 @@ class NiahTask:
 
 
 @register_task("niah")
-def niah_task(tokenizer, seq_len: int, seed: int = 0, **options) -> NiahTask:
-    """Multi-needle retrieval samples (options: needles, queries, digits, template, data, loss_on)."""
+def niah_task(tokenizer, seq_len: int, seed: int = 0, *, seq_len_flag: str = "--seq-len", **options) -> NiahTask:
+    """Multi-needle retrieval samples (options: needles, queries, digits, template, data, loss_on).
+    ``seq_len_flag``: the caller's flag for ``seq_len``, which its errors name (not a task option)."""
     check_options("niah", options, TASK_OPTIONS)
-    return NiahTask(tokenizer, seq_len, seed, **options)
+    return NiahTask(tokenizer, seq_len, seed, seq_len_flag=seq_len_flag, **options)
