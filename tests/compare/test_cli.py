@@ -394,3 +394,35 @@ def test_niah_too_long_for_the_retrieval_length_names_the_compare_flag(compare, 
 
     check_inputs(StudyConfig(retrieval="niah", retrieval_seq_len=118, steps=1))  # the length it names is enough
 
+
+
+def test_resume_on_another_number_of_processes_is_refused(tmp_path):
+    """A run's steps (and its global batch) depend on the number of processes, which a job's key does not name: a
+    study run under torchrun on 2 processes and resumed on 1 reused the finished 2-process jobs silently beside
+    1-process ones.  It is refused in one line, nothing changed."""
+    from difftx.compare import run_study
+    from difftx.compare.jobs import plan
+    from difftx.compare.runner import prepare_out
+
+    study = StudyConfig(arms=["transformer:adamw"], seeds=1, tokens=4096, retrieval="none",
+                        model={"n_layers": 1, "d_model": 32})
+    assert plan(study, world_size=2)[0].steps != plan(study, world_size=1)[0].steps
+    out = tmp_path / "out"
+    out.mkdir()  # the study.json of a study of before, which named no number of processes
+    (out / "study.json").write_text(json.dumps({"difftx_compare": 1, "command": "difftx compare",
+                                                "study": study.to_dict()}))
+    job = plan(study, world_size=2)[0]
+    run_dir = job.run_dir(out)
+    run_dir.mkdir(parents=True)
+    done = {"job": job.to_dict(), "label": job.arm.label, "diverged": False, "train": {"world_size": 2, "steps": 0}}
+    (run_dir / "job.json").write_text(json.dumps(done))
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    with pytest.raises(ConfigError, match="2 processes.*this resume has 1"):
+        run_study(study, out, resume=True, progress=False)
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == files
+    # a study records its number of processes in study.json (a new one, with no job finished)
+    new = tmp_path / "new"
+    prepare_out(new, study, force=False, resume=False, command="difftx compare", world_size=2)
+    assert json.loads((new / "study.json").read_text())["world_size"] == 2
+    with pytest.raises(ConfigError, match="torchrun --nproc-per-node 2"):
+        run_study(study, new, resume=True, progress=False)

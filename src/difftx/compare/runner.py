@@ -28,7 +28,7 @@ from typing import Optional
 
 from ..errors import ConfigError, DataError, DifftxError
 from ..io import atomic_write_text, make_out_dir
-from .jobs import Job, plan, step_cost, sweep_plan
+from .jobs import JOB_FILE, Job, plan, step_cost, sweep_plan
 from .progress import StudyProgress
 from .study import StudyConfig
 
@@ -80,7 +80,36 @@ def resume_config(out: Path, explicit: dict) -> StudyConfig:
     return given
 
 
-def prepare_out(out: Path, study: StudyConfig, force: bool, resume: bool, command: str) -> bool:
+def stored_world_size(out: Path) -> Optional[int]:
+    """The number of processes the study in ``out`` ran on: its ``study.json``'s, else (a study of older versions)
+    a finished job's; None when neither says."""
+    saved = load_study(out)
+    n = saved.get("world_size") if isinstance(saved, dict) else None
+    if isinstance(n, int) and not isinstance(n, bool):
+        return n
+    from .worker import read_job
+
+    for path in sorted((Path(out) / "runs").rglob(JOB_FILE)):
+        n = ((read_job(path.parent) or {}).get("train") or {}).get("world_size")
+        if isinstance(n, int) and not isinstance(n, bool):
+            return n
+    return None
+
+
+def check_world_size(out: Path, world_size: int) -> None:
+    """A resumed study runs on the processes it ran on: the global batch and a run's steps depend on their number,
+    and a job's key does not name it (its finished jobs would be reused beside runs of another step count)."""
+    stored = stored_world_size(out)
+    if stored is None or stored == world_size:
+        return
+    how = "without torchrun" if stored == 1 else f"on {stored} processes (e.g. torchrun --nproc-per-node {stored})"
+    _processes = lambda n: f"{n} process" + ("es" if n != 1 else "")  # noqa: E731
+    raise ConfigError("resume", f"{out} was run on {_processes(stored)}, this resume has {world_size}; the global "
+                                f"batch and the steps of a run depend on it, so resume {how}, or start a new --out "
+                                "(nothing was changed)")
+
+
+def prepare_out(out: Path, study: StudyConfig, force: bool, resume: bool, command: str, world_size: int = 1) -> bool:
     """Check and claim the output directory; nothing is deleted unless ``force`` and it is a study's.
 
     True when it wrote a new ``study.json`` into a directory that was empty (or absent): a study this
@@ -113,7 +142,7 @@ def prepare_out(out: Path, study: StudyConfig, force: bool, resume: bool, comman
 
         atomic_write_text(out / STUDY_FILE, json.dumps({"difftx_compare": 1, "difftx_version": __version__,
                                                          "command": command, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                                         "study": study.to_dict()}, indent=2))
+                                                         "world_size": world_size, "study": study.to_dict()}, indent=2))
     return not busy and not (resume and has_study)
 
 
@@ -358,11 +387,13 @@ def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False
     executor, created = None, False
     old_sigterm = _sigterm_stops_the_study()
     try:
+        if resume and (out / STUDY_FILE).is_file():  # every rank: each refuses, none waits at a barrier
+            check_world_size(out, world.world_size)
         check_inputs(study)
         workers, threads = resolve_workers(study, 1 << 30, world.device.type, world.distributed)
         workers, memory_bound, memory_warning = on_rank0(world, lambda: fit_in_memory(study, workers, world))
         if world.is_main:
-            created = prepare_out(out, study, force, resume, command)
+            created = prepare_out(out, study, force, resume, command, world.world_size)
         world.barrier()
         sweep = sweep_plan(study, world.world_size) if study.lr_sweep else []
         main = plan(study, world_size=world.world_size)
