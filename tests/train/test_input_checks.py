@@ -318,3 +318,27 @@ def test_no_tensorboard_turns_off_the_logging_a_resumed_run_inherits(run4, train
     assert json.loads((run4 / "config.json").read_text())["train"]["tensorboard"] is False
     assert not (run4 / "tensorboard").exists()
     assert train_cli("--tensorboard", "--no-tensorboard", "--steps", 1, "--out", run4 / "x") == 0  # the last wins
+
+
+def test_a_failing_corpus_run_prints_its_error_alone_and_a_good_one_the_skipped_files(tmp_path, train_cli, corpus,
+                                                                                      capsys):
+    """The 'skipped N empty or binary file(s)' note went to stderr as the corpus was read, so a run that then failed
+    (no text file left, a --seq-len the data cannot fill, --text-field on plain text) printed two lines; the error
+    is the one line now, and the note comes once every input check has passed (as the vision domain's)."""
+    books = tmp_path / "books"
+    books.mkdir()
+    (books / "cover.png").write_bytes(b"\x89PNG\x00\x00\x01")
+    out = tmp_path / "run"
+    assert train_cli("--data", books, "--steps", 1, "--out", out) == 2
+    err = _one_line(capsys)
+    assert "no text files found" in err and "cover.png" in err, err
+    (books / "story.txt").write_text(corpus.read_text())
+    assert train_cli("--data", books, "--steps", 1, "--seq-len", 100_000, "--out", out) == 2
+    assert "fewer than seq_len + 1" in _one_line(capsys)
+    assert train_cli("--data", books, "--steps", 1, "--text-field", "body", "--out", out) == 2
+    assert "drop --text-field" in _one_line(capsys)
+    assert not out.exists()
+    assert train_cli("--data", books, "--steps", 1, "--eval-every", 0, "--out", out) == 0
+    err = capsys.readouterr().err
+    assert f"difftx: skipped 1 empty or binary file(s) in {books} (first: {books / 'cover.png'})" in err, err
+    assert "error" not in err

@@ -177,8 +177,12 @@ def load_hf_dataset(path: Path):
 
 @dataclass
 class Corpus:
+    """``notes``: what the reader left out (files skipped); ``difftx train`` prints them once every input check
+    has passed, so a run that fails prints its error alone."""
+
     sources: list[Source]
     description: str
+    notes: list[str] = field(default_factory=list)
 
     def pieces(self) -> Iterator[tuple[str, bool]]:
         for s in self.sources:
@@ -229,13 +233,11 @@ def _collect(paths: list[Path], what: str, text_field: str) -> Corpus:
             skipped.append(p)
             continue
         sources.append(_file_source(p, text_field))
-    if skipped:
-        print(f"difftx: skipped {len(skipped)} empty or binary file(s) in {what} (first: {skipped[0]})",
-              file=sys.stderr)
+    note = f"skipped {len(skipped)} empty or binary file(s) in {what} (first: {skipped[0]})" if skipped else None
     if not sources:
-        raise DataError(f"{what}: no text files found; give a text file, a directory of text files, "
-                        "a glob, a .jsonl file or a saved Hugging Face dataset")
-    return Corpus(sources, what)
+        raise DataError(f"{what}: no text files found{f' ({note})' if note else ''}; give a text file, a directory "
+                        "of text files, a glob, a .jsonl file or a saved Hugging Face dataset")
+    return Corpus(sources, what, [note] if note else [])
 
 
 def builtin_corpus() -> Corpus:

@@ -167,6 +167,9 @@ class LMDomain(Domain):
         self.val_sampler = WindowSampler(self.data.val, cfg.seq_len, cfg.seed, "validation") \
             if cfg.val_fraction > 0 else None
 
+    def notes(self) -> list[str]:
+        return list(self.corpus.notes) if self.corpus is not None else []
+
     def _check_resumed_corpus(self, run_dir: Path) -> None:
         """A resumed run trains on the corpus it started on (same path, other contents: not an exact resume)."""
         import json
