@@ -127,3 +127,30 @@ def test_a_damaged_manifest_is_rebuilt(two_files, tmp_path, bad):
     again = prepare_tokens(corpus, tok, tmp_path / "cache", progress=False)
     assert again.tokens.tolist() == data.tokens.tolist()
     assert json.loads((data.path / MANIFEST_FILE).read_text())["n_tokens"] == len(data.tokens)
+
+
+@pytest.mark.parametrize("name", ["a.txt", "a.jsonl"])
+def test_a_file_changed_after_it_was_hashed_is_not_cached_under_its_old_contents(tmp_path, name):
+    """The shard key hashed the files before they were read: a file changed in between (being written, replaced
+    while the tokenizer was built) was tokenized in its new state and cached under its old hash, and a later run on
+    the old contents reused tokens of other text.  What was read is hashed now, and a change is refused."""
+    path = tmp_path / name
+    old, new = ["old text here\n" * 20, "new words instead\n" * 20]
+
+    def write(text):
+        path.write_text(json.dumps({"text": text}) + "\n" if name.endswith(".jsonl") else text)
+
+    write(old)
+    cache, tok = tmp_path / "cache", ByteTokenizer()
+    corpus = resolve_corpus(str(path))
+    corpus.fingerprint()  # hashed first, as by the tokenizer build of difftx train
+    write(new)
+    with pytest.raises(DataError, match=f"{path}: changed while it was read.*rerun"):
+        prepare_tokens(corpus, tok, cache, progress=False)
+    assert not list(cache.rglob(MANIFEST_FILE)) and not list(cache.rglob("*.tmp"))
+    write(old)
+    data = prepare_tokens(resolve_corpus(str(path)), tok, cache, progress=False)
+    assert tok.decode(data.tokens) == old
+    write(new)
+    data = prepare_tokens(resolve_corpus(str(path)), tok, cache, progress=False)
+    assert tok.decode(data.tokens) == new

@@ -92,17 +92,29 @@ class Source:
                     h.update(s.read_bytes())
                 self._hash = h.hexdigest()
             else:
-                tag = f"{self.kind}:{self.text_field}:" if self.kind == "jsonl" else ""
-                self._hash = hashlib.sha256((tag + _sha256_file(self.path)).encode()).hexdigest()
+                self._hash = self._file_hash(_sha256_file(self.path))
         return self._hash
 
-    def pieces(self) -> Iterator[tuple[str, bool]]:
+    def _file_hash(self, file_sha256: str) -> str:
+        tag = f"{self.kind}:{self.text_field}:" if self.kind == "jsonl" else ""
+        return hashlib.sha256((tag + file_sha256).encode()).hexdigest()
+
+    def pieces(self, digest=None) -> Iterator[tuple[str, bool]]:
+        """``digest``: a ``hashlib.sha256()`` that takes every byte read of a file (not of a saved dataset), for
+        :meth:`check_read`."""
         if self.kind == "text":
-            yield from self._text_pieces()
+            yield from self._text_pieces(digest)
         elif self.kind == "jsonl":
-            yield from self._jsonl_pieces()
+            yield from self._jsonl_pieces(digest)
         else:
             yield from self._hf_pieces()
+
+    def check_read(self, digest) -> None:
+        """Refuse a file whose bytes read (``digest``, filled by :meth:`pieces`) are not those :meth:`sha256`
+        hashed: it changed in between, and what was read is not the contents the corpus is known by."""
+        if self.kind != "hf" and self._file_hash(digest.hexdigest()) != self.sha256():
+            raise DataError(f"{self.path}: changed while it was read (its contents differ from when the corpus was "
+                            "hashed); rerun once nothing is writing to it")
 
     def _decode(self, data: bytes, offset: int) -> str:
         try:
@@ -111,13 +123,15 @@ class Source:
             raise DataError(f"{self.path}: not UTF-8 text (bad byte at offset {offset + e.start}); "
                             "convert it to UTF-8 or leave it out of --data") from None
 
-    def _text_pieces(self) -> Iterator[tuple[str, bool]]:
+    def _text_pieces(self, digest=None) -> Iterator[tuple[str, bool]]:
         offset, carry = 0, b""
         with open(self.path, "rb") as f:
             while True:
                 block = f.read(PIECE_BYTES)
                 if not block:
                     break
+                if digest is not None:
+                    digest.update(block)
                 data = carry + block
                 cut = data.rfind(b"\n") + 1
                 if cut == 0:  # no newline yet: keep reading (but never split a UTF-8 character)
@@ -132,9 +146,11 @@ class Source:
             raise DataError(f"{self.path}: contains NUL bytes (binary data); leave it out of --data")
         yield self._decode(carry, offset), True
 
-    def _jsonl_pieces(self) -> Iterator[tuple[str, bool]]:
+    def _jsonl_pieces(self, digest=None) -> Iterator[tuple[str, bool]]:
         with open(self.path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
+                if digest is not None:
+                    digest.update(raw)
                 if not raw.strip():
                     continue
                 try:

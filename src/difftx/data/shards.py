@@ -5,7 +5,8 @@ vocabulary fits, else uint32; documents separated by the tokenizer's EOS when it
 has one) and ``manifest.json`` (tokenizer fingerprint, per-source content hashes
 and token counts, dtype).  The key hashes the tokenizer and the corpus
 contents, so a changed file or tokenizer gets a fresh shard and an unchanged one
-is reused.  The manifest is written last, atomically: a shard without one is an
+is reused; the bytes tokenized are hashed as they are read, and a file that changed since the key was made is
+refused rather than cached under its old hash.  The manifest is written last, atomically: a shard without one is an
 interrupted build and is rebuilt.
 
 The train/validation split is deterministic: the last ``val_fraction`` of the
@@ -19,6 +20,7 @@ micro-batches they are split into.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -70,8 +72,6 @@ class TokenData:
 
 
 def shard_key(corpus: Corpus, tokenizer: Tokenizer) -> str:
-    import hashlib
-
     return hashlib.sha256(f"{SHARD_FORMAT}:{tokenizer.fingerprint()}:{corpus.fingerprint()}".encode()).hexdigest()[:16]
 
 
@@ -104,8 +104,8 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
     try:
         with open(tmp, "wb") as f:
             for src in corpus.sources:
-                count, carry = 0, ""
-                for piece, end in src.pieces():
+                count, carry, digest = 0, "", hashlib.sha256()
+                for piece, end in src.pieces(digest):
                     # a piece ends at a newline the tokenizer may not cut at: its tail goes with the next piece
                     text = carry + piece
                     cut = len(text) if end else tokenizer.cut(text, text.rfind("\n", 0, max(0, len(text) - 4096)) + 1)
@@ -126,6 +126,7 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
                         f.write(eos.tobytes())
                         count += 1
                     bar.update(len(text.encode("utf-8")) if src.kind != "hf" else 0)
+                src.check_read(digest)  # the key hashed these bytes: a file changed since is not cached under it
                 sources.append({"path": src.name, "kind": src.kind, "sha256": src.sha256(), "tokens": count})
                 total += count
             f.flush()
