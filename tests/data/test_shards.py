@@ -154,3 +154,35 @@ def test_a_file_changed_after_it_was_hashed_is_not_cached_under_its_old_contents
     write(new)
     data = prepare_tokens(resolve_corpus(str(path)), tok, cache, progress=False)
     assert tok.decode(data.tokens) == new
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "dtype", "no sources", "counts"])
+def test_a_damaged_shard_is_rebuilt_not_used(two_files, tmp_path, damage):
+    """Only the tokens file's length was checked against the manifest: a tokens.bin of the right length holding
+    other bytes (ids past the vocabulary, which the model's embedding cannot take), a manifest whose dtype, token
+    counts or sources do not fit the shard (read as other ids, or a KeyError in the run's description) were used,
+    and an empty tokens.bin under n_tokens 0 was a ValueError traceback.  Each is rebuilt now."""
+    corpus = resolve_corpus(str(two_files))
+    tok = ByteTokenizer()
+    data = prepare_tokens(corpus, tok, tmp_path / "cache", progress=False)
+    want, tokens, manifest = data.tokens.tolist(), data.path / TOKENS_FILE, data.path / MANIFEST_FILE
+    m = json.loads(manifest.read_text())
+    del data
+    if damage == "truncated":
+        tokens.write_bytes(tokens.read_bytes()[:100])
+    elif damage == "garbage":
+        tokens.write_bytes(b"\xff" * tokens.stat().st_size)
+    elif damage == "empty":
+        tokens.write_bytes(b"")
+        m["n_tokens"] = 0
+    elif damage == "dtype":
+        m.update(dtype="uint32", n_tokens=m["n_tokens"] // 2)
+    elif damage == "no sources":
+        del m["sources"]
+    elif damage == "counts":
+        tokens.write_bytes(tokens.read_bytes() + b"\x00\x00")
+        m["n_tokens"] += 1
+    manifest.write_text(json.dumps(m))
+    again = prepare_tokens(resolve_corpus(str(two_files)), tok, tmp_path / "cache", progress=False)
+    assert again.tokens.dtype == np.uint16 and again.tokens.tolist() == want
+    assert [s["tokens"] for s in again.manifest["sources"]] == [600, 390] and again.manifest["n_tokens"] == 990

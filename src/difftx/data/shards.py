@@ -7,7 +7,8 @@ and token counts, dtype).  The key hashes the tokenizer and the corpus
 contents, so a changed file or tokenizer gets a fresh shard and an unchanged one
 is reused; the bytes tokenized are hashed as they are read, and a file that changed since the key was made is
 refused rather than cached under its old hash.  The manifest is written last, atomically: a shard without one is an
-interrupted build and is rebuilt.
+interrupted build and is rebuilt, as is a damaged one: a manifest that does not fit the key or the tokens file's
+length, or ids outside the vocabulary (checked on every load, one pass over the file).
 
 The train/validation split is deterministic: the last ``val_fraction`` of the
 token stream is validation (nanoGPT's split for a single file).
@@ -75,18 +76,42 @@ def shard_key(corpus: Corpus, tokenizer: Tokenizer) -> str:
     return hashlib.sha256(f"{SHARD_FORMAT}:{tokenizer.fingerprint()}:{corpus.fingerprint()}".encode()).hexdigest()[:16]
 
 
-def _read_manifest(folder: Path) -> Optional[dict]:
+def _read_manifest(folder: Path, tokenizer: Optional[Tokenizer] = None) -> Optional[dict]:
+    """The shard's manifest, or None where the shard is not whole (an interrupted build, or damaged: rebuilt).
+
+    Checked: the manifest's shape, and that it fits the key (format, ``tokenizer``'s fingerprint and dtype);
+    per-source token counts adding up to ``n_tokens``; the tokens file's length against them.  The ids themselves
+    are checked by :func:`_ids_fit`."""
     try:
         manifest = json.loads((folder / MANIFEST_FILE).read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return None
-    if not isinstance(manifest, dict) or manifest.get("dtype") not in ("uint16", "uint32") \
-            or not isinstance(manifest.get("n_tokens"), int):
+    if not isinstance(manifest, dict) or manifest.get("dtype") not in ("uint16", "uint32"):
         return None  # damaged: rebuilt like an interrupted build
+    n, sources, tok = manifest.get("n_tokens"), manifest.get("sources"), manifest.get("tokenizer")
+    if type(n) is not int or n <= 0 or manifest.get("shard_format") != SHARD_FORMAT:
+        return None
+    if not isinstance(sources, list) or not all(isinstance(s, dict) and type(s.get("tokens")) is int
+                                                for s in sources) or sum(s["tokens"] for s in sources) != n:
+        return None
+    if not isinstance(manifest.get("corpus"), str) or not isinstance(manifest.get("corpus_fingerprint"), str) \
+            or not isinstance(tok, dict):
+        return None
+    if tokenizer is not None and (tok.get("fingerprint") != tokenizer.fingerprint()
+                                  or manifest["dtype"] != token_dtype(tokenizer.vocab_size).name):
+        return None
     size = (folder / TOKENS_FILE).stat().st_size if (folder / TOKENS_FILE).is_file() else -1
-    if size != manifest["n_tokens"] * np.dtype(manifest["dtype"]).itemsize:
+    if size != n * np.dtype(manifest["dtype"]).itemsize:
         return None
     return manifest
+
+
+def _ids_fit(tokens: np.ndarray, vocab_size: int, chunk: int = 1 << 24) -> bool:
+    """Every id of a shard is in the vocabulary (bytes damaged on disk are ids the model's embedding cannot take);
+    one pass over the file, in chunks."""
+    if vocab_size >= 1 << (8 * tokens.dtype.itemsize):
+        return True  # every value of the dtype is an id
+    return all(int(tokens[i:i + chunk].max()) < vocab_size for i in range(0, len(tokens), chunk))
 
 
 def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool) -> dict:
@@ -161,7 +186,11 @@ def prepare_tokens(corpus: Corpus, tokenizer: Tokenizer, cache_dir: Optional[Pat
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     folder = cache_dir / "shards" / shard_key(corpus, tokenizer)
-    manifest = _read_manifest(folder)
+    manifest = _read_manifest(folder, tokenizer)
+    if manifest is not None and build and \
+            not _ids_fit(np.memmap(folder / TOKENS_FILE, dtype=np.dtype(manifest["dtype"]), mode="r"),
+                         tokenizer.vocab_size):
+        manifest = None  # damaged: rebuilt (rank 0 checks; the other ranks read what it checked or built)
     if manifest is None:
         if not build:
             raise DataError(f"{folder}: token shard missing (rank 0 should have built it)")
