@@ -275,3 +275,38 @@ def test_python_resume_applies_only_the_fields_named_in_explicit_train(tmp_path,
     more = tcfg.replace(steps=6)
     assert train(more, mcfg, tmp_path / "run", resume="auto", announce=None)["step"] == 4  # the saved steps
     assert train(more, mcfg, tmp_path / "run", resume="auto", explicit_train={"steps"}, announce=None)["step"] == 6
+
+
+def test_a_checkpoint_deletion_cut_by_a_crash_leaves_no_partial_checkpoint(tmp_path, train_cli, monkeypatch):
+    """Removing a checkpoint (the abandoned later ones of a resume from an earlier step, or --keep-last pruning)
+    was an rmtree of ``step_XXXXXXXX`` itself: a crash in the middle left a partial directory under a complete
+    checkpoint's name, which --resume auto picked as the newest and refused.  Now it is renamed out of sight
+    first, and what is left of it goes on the next start."""
+    import shutil
+
+    from difftx.io import list_checkpoints
+
+    out, common = tmp_path / "run", ["--steps", 12, "--eval-every", 0, "--checkpoint-every", 4]
+    assert train_cli(*common, "--out", out) == 0
+    real_rmtree = shutil.rmtree
+
+    class Killed(BaseException):
+        pass
+
+    def rmtree_killed_midway(path, *args, **kwargs):
+        if "00000012" in str(path) and path.is_dir():  # the newest abandoned checkpoint: a file gone, then death
+            (path / "model.safetensors").unlink()
+            raise Killed
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree_killed_midway)
+    with pytest.raises(Killed):
+        train_cli(*common, "--out", out, "--resume", out / "checkpoints" / "step_00000004", "--stop-at", 6)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    for ckpt in list_checkpoints(out):  # every checkpoint --resume auto may pick is whole
+        assert (ckpt / "model.safetensors").is_file() and (ckpt / "trainer_state.json").is_file(), ckpt
+    assert train_cli(*common, "--out", out, "--resume", "auto") == 0
+    assert _steps(out)[-1] == "step_00000012" and len(_steps(out)) == 3  # --keep-last 3, all of them visible
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]  # the leftover went
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 13))

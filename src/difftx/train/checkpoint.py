@@ -13,7 +13,8 @@ A checkpoint holds
 Writes are atomic at two levels: each file goes to a temporary name and is renamed, and the
 checkpoint is assembled in ``.step_XXXXXXXX.tmp/`` and renamed to ``step_XXXXXXXX`` only when
 complete, so a crash (even SIGKILL) mid-write leaves the previous checkpoints untouched and the
-partial one invisible (it is removed on the next start).  Nothing is unpickled as code: the
+partial one invisible (it is removed on the next start); a checkpoint is deleted the same way in reverse
+(renamed to ``.step_XXXXXXXX.del/`` first, :func:`remove_checkpoint`).  Nothing is unpickled as code: the
 one pickle-based file format involved (DCP's ``.metadata``) is read with an allow-list
 unpickler.
 """
@@ -52,13 +53,24 @@ def step_dir_name(step: int) -> str:
 
 
 def remove_partial(run_dir: Path) -> list[Path]:
-    """Delete checkpoints that were being written when a process died (``.step_*.tmp``), and settle a re-saved
-    step's old copy (:func:`restore_resaved`)."""
+    """Delete checkpoints that were being written or deleted when a process died (``.step_*.tmp``,
+    ``.step_*.del``), and settle a re-saved step's old copy (:func:`restore_resaved`)."""
     root = Path(run_dir) / CHECKPOINTS_DIR
-    gone = [p for p in root.glob(".step_*.tmp")] if root.is_dir() else []
+    gone = [p for suffix in (".tmp", ".del") for p in root.glob(f".step_*{suffix}")] if root.is_dir() else []
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
     return gone + restore_resaved(run_dir)
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete checkpoint directory ``path``: renamed out of sight first (``.step_*.del``), so that a crash in the
+    middle of the deletion leaves no partial directory under a complete checkpoint's name (the next start deletes
+    the rest, :func:`remove_partial`)."""
+    path = Path(path)
+    hidden = path.parent / f".{path.name}.del"
+    shutil.rmtree(hidden, ignore_errors=True)
+    os.replace(path, hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def restore_resaved(run_dir: Path) -> list[Path]:
@@ -220,7 +232,7 @@ def save_checkpoint(trainer, step: int) -> Path:
         later = [p for p in ckpts if int(p.name.split("_")[1]) > step]
         history = [p for p in ckpts if p not in later]
         for stale in later + history[:-trainer.cfg.keep_last]:
-            shutil.rmtree(stale, ignore_errors=True)
+            remove_checkpoint(stale)
     world.barrier()
     return final
 
