@@ -133,8 +133,8 @@ def _steps(out):
 
 
 def test_resuming_an_earlier_step_of_the_run_drops_the_abandoned_checkpoints(tmp_path, train_cli):
-    """Resumed from step 4 of its own directory, a run's later checkpoints (8, 12) are another history: its first
-    save removes them, so --keep-last never prunes the checkpoint just written and --resume auto never picks them."""
+    """Resumed from step 4 of its own directory, a run's later checkpoints (8, 12) are another history: they are
+    removed as it starts, so --keep-last never prunes the checkpoint just written and --resume auto never picks them."""
     out, common = tmp_path / "fork", ["--steps", 12, "--eval-every", 0, "--checkpoint-every", 4]
     assert train_cli(*common, "--out", out) == 0
     assert _steps(out) == ["step_00000004", "step_00000008", "step_00000012"]
@@ -310,3 +310,43 @@ def test_a_checkpoint_deletion_cut_by_a_crash_leaves_no_partial_checkpoint(tmp_p
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]  # the leftover went
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 13))
+
+
+def test_a_resume_from_an_earlier_step_that_dies_before_its_first_save_keeps_metrics_and_checkpoints_one_history(
+        tmp_path, train_cli, monkeypatch):
+    """Resumed from step 4 of its own directory, a run dropped metrics rows 5-12 at once but its checkpoints 8 and
+    12 only at its first save: killed before it, --resume auto then took step 12, whose rows were gone.  Now the
+    later checkpoints go (after every input check) before the rows do."""
+    from difftx.io import list_checkpoints
+    from difftx.train.trainer import Trainer
+
+    out, common = tmp_path / "run", ["--steps", 12, "--eval-every", 0, "--checkpoint-every", 4]
+    assert train_cli(*common, "--out", out) == 0
+
+    class Killed(BaseException):
+        pass
+
+    def killed(self):
+        raise Killed
+
+    monkeypatch.setattr(Trainer, "train_step", killed)
+    with pytest.raises(Killed):
+        train_cli(*common, "--out", out, "--resume", out / "checkpoints" / "step_00000004")
+    monkeypatch.undo()
+    logged = {json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()}
+    for ckpt in list_checkpoints(out):  # every checkpoint --resume auto may pick has the rows of its steps
+        step = int(ckpt.name.split("_")[1])
+        assert set(range(1, step + 1)) <= logged, (ckpt.name, sorted(logged))
+    assert train_cli(*common, "--out", out, "--resume", "auto") == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 13))
+
+
+def test_a_refused_resume_from_an_earlier_step_leaves_the_later_checkpoints_and_metrics(tmp_path, train_cli):
+    """The later checkpoints of a resume from an earlier step go only once every input check passed."""
+    out, common = tmp_path / "run", ["--steps", 12, "--eval-every", 0, "--checkpoint-every", 4]
+    assert train_cli(*common, "--out", out) == 0
+    metrics = (out / "metrics.jsonl").read_text()
+    assert train_cli(*common, "--out", out, "--resume", out / "checkpoints" / "step_00000004", "--stop-at", 3) == 2
+    assert _steps(out) == ["step_00000004", "step_00000008", "step_00000012"]
+    assert (out / "metrics.jsonl").read_text() == metrics

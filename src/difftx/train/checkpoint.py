@@ -73,6 +73,15 @@ def remove_checkpoint(path: Path) -> None:
     shutil.rmtree(hidden, ignore_errors=True)
 
 
+def remove_later(run_dir: Path, step: int) -> list[Path]:
+    """Delete the checkpoints of ``run_dir`` after ``step``: a run resumed from an earlier step of its own directory
+    starts another history, and metrics.jsonl is about to drop their rows (so --resume auto must never pick them)."""
+    later = [p for p in list_checkpoints(run_dir) if int(p.name.split("_")[1]) > step]
+    for p in reversed(later):
+        remove_checkpoint(p)
+    return later
+
+
 def restore_resaved(run_dir: Path) -> list[Path]:
     """A step being re-saved when the process died (``.step_*.old``, moved aside before its new copy took the
     name) comes back if the new copy never arrived, else goes; returns the ones that went."""
@@ -226,9 +235,8 @@ def save_checkpoint(trainer, step: int) -> Path:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         ckpts = list_checkpoints(trainer.run_dir)
-        # steps after this one belong to a history this run abandoned (resumed from an earlier step of its own
-        # directory; metrics.jsonl already dropped their rows): they go, so that --resume auto never picks them
-        # and pruning never takes the checkpoint just written
+        # steps after this one belong to a history this run abandoned (Trainer.fit removed them as it resumed; for a
+        # caller of this function alone): they go, so that pruning never takes the checkpoint just written
         later = [p for p in ckpts if int(p.name.split("_")[1]) > step]
         history = [p for p in ckpts if p not in later]
         for stale in later + history[:-trainer.cfg.keep_last]:

@@ -244,6 +244,8 @@ class Trainer:
         if resume_from is not None and self.resumed_from != Path(resume_from):
             self.resume(resume_from)
         resume_from = self.resumed_from
+        if resume_from is not None and world.is_main:  # after every input check (the checkpoint loaded): the
+            ckpt.remove_later(self.run_dir, self.step)  # checkpoints after it go before their metrics rows do
         stop_at = min(cfg.stop_at or cfg.steps, cfg.steps)
         logger = MetricsLogger(self.run_dir, world.is_main, cfg.tensorboard,
                                resume_step=self.step if resume_from is not None else None,
