@@ -1,7 +1,7 @@
 """Run under ``python -m torch.distributed.run --nproc-per-node 2``: DDP and FSDP2 runs of the tiny model.
 
-argv: DATA CACHE OUT.  Writes OUT/{ddp,fsdp,fsdp_chunked,fsdp_resumed}/ run dirs and
-OUT/grads_{mode}.safetensors (rank 0).
+argv: DATA CACHE OUT.  Writes OUT/{ddp,fsdp,fsdp_chunked,fsdp_resumed}/ run dirs,
+OUT/grads_{mode}.safetensors and OUT/fsdp_groups_errors.json (rank 0): the damaged-checkpoint resumes' errors.
 """
 
 import json
@@ -62,6 +62,33 @@ for name, text in (("not_json", "[{"), ("no_groups", "[]"), ("groups_swapped", N
     except Exception as e:  # noqa: BLE001 -- what the CLI would print (DifftxError) or a traceback's last line
         errors[name] = f"{type(e).__name__}: {e}"
     dist.barrier()
+# an inf in rank 1's shard only (the last row) of an optimizer moment, then of a weight: every rank's error
+for part in ("optim", "model"):
+    phase(f"fsdp_nonfinite_{part}")
+    run = out / f"fsdp_nonfinite_{part}"
+    if dist.get_rank() == 0:
+        import torch
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+        shutil.copytree(out / "fsdp_resumed", run)
+        for ckpt in (run / "checkpoints").iterdir():
+            dcp_to_torch_save(ckpt / "sharded", run / "full.pt")
+            sd = torch.load(run / "full.pt", weights_only=True)
+            flat = [(d, k) for d in (sd[part].values() if part == "optim" else [sd[part]]) for k in d]
+            d, k = next((d, k) for d, k in flat if (part == "model" or k == "exp_avg_sq") and d[k].dim() == 2)
+            d[k][-1] = float("inf")
+            torch.save(sd, run / "full.pt")
+            shutil.rmtree(ckpt / "sharded")
+            torch_save_to_dcp(run / "full.pt", ckpt / "sharded")
+    dist.barrier()
+    try:
+        train(*tiny(data, cache, parallel="fsdp", eval_batches=3, steps=6), run, resume="auto", announce=None)
+        err = "resumed"
+    except Exception as e:  # noqa: BLE001
+        err = f"{type(e).__name__}: {e}"
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, err)
+    errors[f"nonfinite_{part}"] = gathered
 if dist.get_rank() == 0:
     (out / "fsdp_groups_errors.json").write_text(json.dumps(errors))
 phase("destroy_process_group")

@@ -56,12 +56,20 @@ def test_fsdp_sharded_checkpoint_resumes_exactly(dist_runs):
 def test_a_damaged_optimizer_groups_file_of_a_sharded_checkpoint_is_one_line(dist_runs):
     """An FSDP checkpoint's optimizer_groups.json that is not JSON was a traceback (JSONDecodeError); one with no
     groups, or with the groups' parameters swapped (weight decay on the norms), resumed: now each is a
-    CheckpointError naming the file."""
+    CheckpointError naming the file.  An inf in one process's shard of an optimizer moment or a weight resumed
+    silently (the one-process path checks them): now every process raises the same CheckpointError."""
     import json
 
     tmp, _, _ = dist_runs
     errors = json.loads((tmp / "fsdp_groups_errors.json").read_text())
+    nonfinite = {name: errors.pop(name) for name in ("nonfinite_optim", "nonfinite_model")}
     assert set(errors) == {"not_json", "no_groups", "groups_swapped"}
     for name, err in errors.items():
         assert err.startswith("CheckpointError: ") and "optimizer_groups.json" in err and "corrupt" in err, (name, err)
+        assert "\n" not in err, (name, err)
+    # an inf in one process's shard only: every process refuses the checkpoint with the same line (none trains on,
+    # none hangs)
+    for name, (err, *others) in nonfinite.items():
+        assert others == [err], (name, err, others)
+        assert err.startswith("CheckpointError: ") and "sharded" in err and "NaN or inf" in err, (name, err)
         assert "\n" not in err, (name, err)

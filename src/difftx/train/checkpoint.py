@@ -338,6 +338,30 @@ def check_optimizer_state(optimizer, model, path: Path) -> None:
                                               "checkpoint")
 
 
+def check_sharded_finite(target: dict, world, path: Path) -> None:
+    """Every weight and optimizer state tensor of a loaded sharded checkpoint is finite, on every process.
+
+    Each process sees its own shards only, so each one's first bad entry (of the same sorted list of names) is
+    all-reduced: all of them raise the same error, or none does (one raising alone would leave the others hanging
+    in the next collective).  Shapes need no check here: torch.distributed.checkpoint refuses a size mismatch."""
+    entries = sorted((f"weight {k!r}", v) for k, v in target["model"].items())
+    entries += sorted((f"state {key!r} of {k!r}", v) for k, state in target["optim"].items()
+                      for key, v in state.items())
+    first = 0  # 1 + the index of this process's first non-finite entry, 0 for none
+    for i, (_, v) in enumerate(entries):
+        local = v.to_local() if hasattr(v, "to_local") else v
+        if isinstance(local, torch.Tensor) and local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            first = i + 1
+            break
+    found = torch.zeros(world.world_size, dtype=torch.float64, device=world.device)
+    found[world.rank] = first
+    world.all_reduce_sum(found)
+    bad = [int(i) for i in found.tolist() if i > 0]
+    if bad:
+        raise CheckpointError(f"{path}: {entries[min(bad) - 1][0]} holds NaN or inf; the checkpoint is corrupt or "
+                              "from a diverged run, use another checkpoint")
+
+
 def _read_groups(path: Path, current: list[dict]) -> list[dict]:
     """The optimizer's parameter groups saved beside a sharded checkpoint: one per group of ``current`` (this
     run's), over the same parameters; a hyperparameter it lacks (one a newer torch added) is this run's."""
@@ -384,6 +408,7 @@ def load_checkpoint(trainer, path: Path) -> dict:
         except Exception as e:
             raise CheckpointError(f"{path / SHARDED_DIR}: cannot read the sharded state ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0][:120]})") from None
+        check_sharded_finite(target, trainer.world, path / SHARDED_DIR)
         groups = _read_groups(path / OPTIM_GROUPS_FILE, optim_sd["param_groups"]) \
             if (path / OPTIM_GROUPS_FILE).is_file() else optim_sd["param_groups"]
         set_model_state_dict(trainer.model, target["model"])
