@@ -426,3 +426,18 @@ def test_resume_on_another_number_of_processes_is_refused(tmp_path):
     assert json.loads((new / "study.json").read_text())["world_size"] == 2
     with pytest.raises(ConfigError, match="torchrun --nproc-per-node 2"):
         run_study(study, new, resume=True, progress=False)
+
+
+def test_mqar_too_long_for_the_retrieval_length_names_the_compare_flag(compare, tmp_path):
+    """--retrieval mqar with --retrieval-seq-len 16 was refused under --retrieval-opt ("mqar: mqar: seq_len 16, pairs
+    up to 6: ..."), naming no flag: it names --retrieval-seq-len and the length needed; vocab stays an option."""
+    out = tmp_path / "out"
+    line = _one_line_error(compare("--out", out, "--retrieval-seq-len", "16", "--steps", "1", "--no-progress"))
+    assert "--retrieval-seq-len" in line and "to 24" in line and "--retrieval-opt" not in line, line
+    assert "--seq-len" not in line.replace("--retrieval-seq-len", ""), line
+    line = _one_line_error(compare("--out", out, "--retrieval-opt", "vocab=8", "--steps", "1", "--no-progress"))
+    assert "--retrieval-opt" in line and "vocab to 14" in line and "mqar: mqar" not in line, line
+    assert not out.exists()
+    from difftx.compare.runner import check_inputs
+
+    check_inputs(StudyConfig(retrieval="mqar", retrieval_seq_len=24, steps=1))  # the length it names is enough

@@ -86,3 +86,21 @@ def test_training_task_is_pure():
     assert not torch.equal(x, task.batch(3, step=6, rank=0)[0])
     assert not torch.equal(x, task.batch(3, step=5, rank=1)[0])
     assert ((y == -100) | (y >= 128)).all()
+
+
+def test_mqar_task_names_the_flag_its_caller_gives():
+    """The too-short refusal ("seq_len 64, pairs up to 16: ...") named no flag: it names the caller's, with the length
+    needed (an odd length uses one token less), and that length is enough."""
+    with pytest.raises(ConfigError, match=r"raise --seq-len to 64 or lower pairs") as e:  # difftx train --task mqar
+        get_task("mqar")(ByteTokenizer(), 63, 0)
+    assert e.value.field == "seq_len"
+    with pytest.raises(ConfigError, match=r"raise --retrieval-seq-len to 24 or lower pairs"):
+        get_task("mqar")(ByteTokenizer(), 16, 0, pairs="2-6", vocab=64, seq_len_flag="--retrieval-seq-len")
+    with pytest.raises(ConfigError, match="needs a sequence length \\(--retrieval-seq-len\\)"):
+        get_task("mqar")(ByteTokenizer(), 0, 0, seq_len_flag="--retrieval-seq-len")
+    get_task("mqar")(ByteTokenizer(), 64, 0)
+    get_task("mqar")(ByteTokenizer(), 24, 0, pairs="2-6", vocab=64, seq_len_flag="--retrieval-seq-len")
+    with pytest.raises(ConfigError, match=r"raise vocab to 14 or lower pairs") as e:  # a vocabulary problem: no length
+        get_task("mqar")(ByteTokenizer(), 64, 0, pairs="2-6", vocab=8, seq_len_flag="--retrieval-seq-len")
+    assert e.value.field == "vocab" and "seq-len" not in str(e.value)
+    get_task("mqar")(ByteTokenizer(), 64, 0, pairs="2-6", vocab=14)

@@ -188,7 +188,7 @@ def check_inputs(study: StudyConfig) -> None:
         from ..data.tokenizers import ByteTokenizer
         from .jobs import retrieval_task_options
 
-        flag = {"seq_len_flag": "--retrieval-seq-len"} if study.retrieval == "niah" else {}  # its errors' flag
+        flag = {"seq_len_flag": "--retrieval-seq-len"} if study.retrieval in ("niah", "mqar") else {}  # its errors'
         try:
             get_task(study.retrieval)(ByteTokenizer(), study.retrieval_seq_len, 0, **retrieval_task_options(study),
                                       **flag)

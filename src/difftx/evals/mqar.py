@@ -160,15 +160,20 @@ class MqarTask:
     """Sampler for ``difftx train --task mqar``; pairs drawn per batch from the range, a pure function of (step, rank)."""
 
     def __init__(self, vocab: int, seq_len: int, seed: int = 0, pairs="4-16", power_a: float = 0.01,
-                 random_non_queries: bool = True):
+                 random_non_queries: bool = True, seq_len_flag: str = "--seq-len"):
+        # seq_len_flag: the caller's flag for seq_len, named in its errors (difftx compare: --retrieval-seq-len)
         if not seq_len:
-            raise ConfigError("seq_len", "the mqar task needs a sequence length (--seq-len)")
+            raise ConfigError("seq_len", f"the mqar task needs a sequence length ({seq_len_flag})")
         self.vocab, self.seq_len, self.seed = int(vocab), int(seq_len), int(seed)
         self.pairs = parse_range(pairs, "pairs")
         self.power_a, self.random_non_queries = check_power_a(power_a), bool(random_non_queries)
-        why = check_shape(self.seq_len - self.seq_len % 2, self.pairs[1], self.vocab)
+        d = self.pairs[1]
+        if 4 * d > self.seq_len - self.seq_len % 2:  # an odd length drops its last token
+            raise ConfigError("seq_len", f"{self.seq_len} is too short for {d} key-value pairs (needs {4 * d}); "
+                                         f"raise {seq_len_flag} to {4 * d} or lower pairs")
+        why = check_shape(4 * d, d, self.vocab)
         if why:
-            raise ConfigError("mqar", f"seq_len {self.seq_len}, pairs up to {self.pairs[1]}: {why}")
+            raise ConfigError("vocab", f"{why}; raise vocab to {2 * d + 2} or lower pairs")
 
     def batch(self, batch_size: int, step: int, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         rng = rng_for(self.seed, step, rank, 0x3A5)
@@ -179,7 +184,9 @@ class MqarTask:
 
 
 @register_task("mqar")
-def mqar_task(tokenizer, seq_len: int, seed: int = 0, vocab: Optional[int] = None, **options) -> MqarTask:
-    """Zoology MQAR over the tokenizer's ids (options: pairs, vocab, power_a, random_non_queries)."""
+def mqar_task(tokenizer, seq_len: int, seed: int = 0, vocab: Optional[int] = None, *,
+              seq_len_flag: str = "--seq-len", **options) -> MqarTask:
+    """Zoology MQAR over the tokenizer's ids (options: pairs, vocab, power_a, random_non_queries).
+    ``seq_len_flag``: the caller's flag for ``seq_len``, which its errors name (not a task option)."""
     check_options("mqar", options, TASK_OPTIONS)
-    return MqarTask(int(vocab or tokenizer.vocab_size), seq_len, seed, **options)
+    return MqarTask(int(vocab or tokenizer.vocab_size), seq_len, seed, seq_len_flag=seq_len_flag, **options)
