@@ -132,3 +132,48 @@ def test_max_len_past_learned_positions_is_refused_not_cut():
         evaluate_icl(model, tok, shots=[1], seeds=1, test_examples=2, max_len=200.5)
     r = evaluate_icl(model, tok, shots=[1], seeds=1, test_examples=2, max_len=200)
     assert r["tasks"][0]["max_shots_that_fit"] >= 1
+
+
+@pytest.mark.parametrize("option, value, needle", [
+    ("seeds", 10 ** 12, "seeds: at most 10,000 demonstration orders"),  # ran for ever, a forward per order
+    ("test_examples", 10 ** 8, "test_examples: at most 100,000 test examples"),  # fit the memory: ran for hours
+    ("test_examples", 10 ** 12, "test_examples: at most 100,000 test examples"),  # MemoryError without the check
+])
+def test_absurd_counts_are_refused_before_anything_is_built(option, value, needle, monkeypatch):
+    """--seeds 10**12 ran for ever and --test-examples 10**8 (it passes the memory check) for hours; with
+    DIFFTX_MEMORY_CHECK=0 --test-examples 10**12 died with numpy's ArrayMemoryError.  One ConfigError now, naming the
+    limit and the flag, before a task is built; the limit itself is accepted."""
+    import difftx.evals.icl as icl
+    from difftx.errors import ConfigError
+
+    class Started(Exception):
+        pass
+
+    def started(*a, **k):
+        raise Started
+
+    monkeypatch.setenv("DIFFTX_MEMORY_CHECK", "0")
+    monkeypatch.setattr(icl, "resolve_task", started)
+    model = tiny_model("diff")
+    flag = "--" + option.replace("_", "-")
+    with pytest.raises(ConfigError, match=needle + f".*got {value:,}; pass fewer {flag}"):
+        evaluate_icl(model, TOK, shots=[1], **{option: value})
+    with pytest.raises(Started):  # the limit is no refusal
+        evaluate_icl(model, TOK, shots=[1], **{option: 10_000 if option == "seeds" else 100_000})
+
+
+def test_absurd_counts_on_the_command_line_are_one_line(checkpoint, tmp_path, capsys, monkeypatch):
+    """The same through difftx eval: exit 2, one line naming the flag; the earlier result stays."""
+    import difftx.evals.icl as icl
+    from difftx.cli import main
+
+    monkeypatch.setattr(icl, "resolve_task", lambda *a, **k: pytest.fail("the evaluation started"))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "icl.json").write_text("keep me")
+    for flag in ("--seeds", "--test-examples"):
+        rc = main(["eval", "icl", "--checkpoint", str(checkpoint), "--out", str(out), flag, str(10 ** 12),
+                   "--force", "--quiet", "--no-plot"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and err[0].startswith("difftx eval: error:") and flag in err[0], err
+        assert "at most" in err[0] and (out / "icl.json").read_text() == "keep me"

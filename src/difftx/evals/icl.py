@@ -37,6 +37,9 @@ from .common import (batches, check_count, check_list, check_seed, encode, hard_
                      require_memory, rng_for, task_context)
 
 ARRANGEMENTS = ("random", "alternating")
+# the most orders per point and test examples per task: each order is a forward per test example, so more ran for
+# hours (--seeds 10**12: for ever; --test-examples 10**12 without the memory check: a MemoryError)
+MAX_SEEDS, MAX_TEST_EXAMPLES = 10_000, 100_000
 _CONS, _VOWELS = "bdfgklmnprstvz", "aeiou"
 
 
@@ -328,6 +331,10 @@ def evaluate_icl(model, tokenizer, tasks: Sequence[str] = ("synthetic-6",),
     if not arrangements:
         raise ConfigError("arrangements", f"must name at least one of {ARRANGEMENTS}")
     seeds, test_examples = check_count("seeds", seeds), check_count("test_examples", test_examples)
+    for name, value, limit, what in (("seeds", seeds, MAX_SEEDS, "demonstration orders per point"),
+                                     ("test_examples", test_examples, MAX_TEST_EXAMPLES, "test examples per task")):
+        if value > limit:
+            raise ConfigError(name, f"at most {limit:,} {what}, got {value:,}; pass fewer --{name.replace('_', '-')}")
     require_memory(model, test_examples, 1, f"{test_examples:,} test examples per task", "pass fewer "
                    "--test-examples", per_token=128)  # an example (its text and object) holds ~175 bytes
     batch_size = check_count("batch_size", batch_size)
