@@ -142,6 +142,22 @@ def test_quantizer_rejects_bad_settings():
         LogitQuantizer(8, "block")
 
 
+@pytest.mark.parametrize("granularity", ["block", "HEAD", None])
+def test_evaluate_quant_checks_its_granularity_before_running_the_baseline(granularity, monkeypatch):
+    """A bad granularity was found only at the first quantized row, after the unquantized metric had run in full
+    (minutes on a real model), and the error named quant_granularity, not the argument.  Now refused first."""
+    import difftx.evals.quant as quant
+    from difftx.errors import ConfigError
+
+    runs = []
+    monkeypatch.setattr(quant, "_metric_fn", lambda metric: lambda model, tok, **o: runs.append(o) or ("m", 1.0, True))
+    with pytest.raises(ConfigError, match=r"^granularity: must be one of \('head', 'row', 'tensor'\)"):
+        evaluate_quant(tiny_model("softmax"), ByteTokenizer(), bits=[8], granularity=granularity, metric="lm")
+    assert runs == []
+    r = evaluate_quant(tiny_model("softmax"), ByteTokenizer(), bits=[8], granularity="row", metric="lm")
+    assert [x["bits"] for x in r["rows"]] == [None, 8] and len(runs) == 2 and r["granularity"] == "row"
+
+
 def test_evaluate_quant_rows():
     model = tiny_model("softmax")
     r = evaluate_quant(model, ByteTokenizer(), bits=[16, 4], metric="lm",

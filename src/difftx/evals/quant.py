@@ -163,6 +163,8 @@ def evaluate_quant(model, tokenizer, bits: Sequence[int] = DEFAULT_BITS, granula
     bad = [b for b in bits if isinstance(b, bool) or not isinstance(b, int) or not 2 <= b <= 32]
     if bad or not bits:
         raise ConfigError("bits", f"each width must be an integer between 2 and 32, got {bad[0] if bad else 'none'!r}")
+    if granularity not in GRANULARITIES:  # before the unquantized run, not after it
+        raise ConfigError("granularity", f"must be one of {GRANULARITIES}, got {granularity!r}")
     fn = _metric_fn(metric)
     opts = dict(metric_options or {})
     rows = []
