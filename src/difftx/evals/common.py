@@ -19,6 +19,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -206,7 +207,11 @@ def corpus_text(path=None, min_chars: int = 200_000, split: str = "val") -> str:
             from ..data.corpus import resolve_corpus
         except ImportError:
             return read_text_file(p)
-        return "\n".join(resolve_corpus(str(path)).texts())
+        corpus = resolve_corpus(str(path))
+        text = "\n".join(corpus.texts())
+        for note in corpus.notes:  # files skipped: said once the text is read, as difftx train says it
+            print(f"difftx: {note}", file=sys.stderr)
+        return text
     text = _builtin_text()
     n_val = int(len(text) * VAL_FRACTION)
     if split == "train":
