@@ -1,3 +1,4 @@
+"""corpus_text: the one place evaluations get a corpus from."""
 
 
 def test_corpus_text_of_a_directory_says_which_files_it_skipped(tmp_path, capsys):
