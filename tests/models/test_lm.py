@@ -8,6 +8,7 @@ import torch
 import difftx
 import difftx.accounting
 from difftx import ModelConfig, build_model
+from difftx.nn.cache import KVCache
 from difftx.nn.norms import LayerNorm, RMSNorm
 
 KINDS = ["softmax", "diff", "diff2"]
@@ -291,3 +292,30 @@ def test_head_of_features_is_the_forward_pass(attention):
         c1, c2 = model.new_cache(2, 16), model.new_cache(2, 16)
         model(ids[:, :8], cache=c1), model.features(ids[:, :8], cache=c2)
         assert torch.equal(model.head(model.features(ids[:, 8:], cache=c2)), model(ids[:, 8:], cache=c1).logits)
+
+
+@pytest.mark.parametrize("attention", KINDS)
+@pytest.mark.parametrize("positions", ["learned", "none", "rope"])
+def test_a_cache_for_another_batch_size_is_refused(attention, positions):
+    """A cache holds one row per sequence: input of another batch size is a ValueError naming both sizes, before
+    anything is written; it used to broadcast (one row into a cache of 3: logits for 3 rows, every row's cache
+    overwritten with that row's keys)."""
+    torch.manual_seed(0)
+    model = build_model(tiny(attention, positions=positions)).eval()
+    x = torch.randint(0, 61, (3, 10))
+    with torch.no_grad():
+        for rows, cache_rows in ((1, 3), (3, 1), (3, 2)):
+            cache = model.new_cache(cache_rows, 16)
+            with pytest.raises(ValueError, match=f"cache made for {cache_rows} sequences.*batch of {rows}"):
+                model(x[:rows], cache=cache)
+            assert cache.length == 0 and cache.k[0] is None
+        cache = model.new_cache(3, 16)
+        model(x[:, :8], cache=cache)
+        with pytest.raises(ValueError, match="cache made for 3 sequences.*batch of 1"):
+            model(x[:1, 8:9], cache=cache)
+        assert cache.length == 8
+        step = model(x[:, 8:9], cache=cache).logits  # the cache is as it was
+    assert (step - model(x[:, :9]).logits[:, -1:]).abs().max() < 1e-5
+    direct = KVCache(1, 3, 8)  # an attention module's own writes are checked too
+    with pytest.raises(ValueError, match="made for 3 sequences.*layer 1 gave K/V for a batch of 1"):
+        direct.update(0, torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8))

@@ -116,6 +116,10 @@ class DecoderLM(ModelMixin, nn.Module):
                              f"0 = padding); got {tuple(attention_mask.shape)}")
         b, n = input_ids.shape
         device = input_ids.device
+        rows = getattr(cache, "batch_size", b)  # a difftx KVCache holds one row per sequence
+        if rows != b:  # else its buffers broadcast: one row's keys written into every row
+            raise ValueError(f"KV cache made for {rows} sequences, but input_ids has a batch of {b}; make the "
+                             f"cache with model.new_cache({b}, max_len)")
         q_start = cache.length if cache is not None else 0
         step_valid = None
         if attention_mask is not None:

@@ -37,6 +37,9 @@ class KVCache:
         if not 0 <= layer < self.n_layers:
             raise ValueError(f"KV cache made for {self.n_layers} layers has no slot for layer {layer + 1} (1-based); "
                              f"make it with n_layers >= the number of attention layers")
+        if k.shape[0] != self.batch_size or v.shape[0] != self.batch_size:  # else the write broadcasts
+            raise ValueError(f"KV cache made for {self.batch_size} sequences, but layer {layer + 1} gave K/V for "
+                             f"a batch of {k.shape[0]}; make the cache with batch_size={k.shape[0]}")
         n = k.shape[2]
         end = self.length + n
         if end > self.max_len:
