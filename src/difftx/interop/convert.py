@@ -397,12 +397,12 @@ def _copy_tokenizer(src: Path, dst: Path, src_fmt: str, dst_fmt: str) -> None:
             # difftx's byte / char: not a Hugging Face one, kept under another name; the Hugging Face files
             # beside it (generation_config.json, ... from an earlier Hugging Face source) go along as they are
             shutil.copyfile(src / "tokenizer.json", dst / hf_io.DIFFTX_TOKENIZER_IN_HF)
-            hf_io.copy_files(src, dst, [n for n in hf_io.HF_TOKENIZER_FILES if n != "tokenizer.json"])
+            hf_io.copy_files(src, dst, hf_io.HF_FILES_BESIDE_TOKENIZER)
         else:  # came from Hugging Face (tokenizer.json, or tokenizer.model alone), or a bpe trained here
             hf_io.copy_files(src, dst, hf_io.HF_TOKENIZER_FILES)
     else:
         if (src / hf_io.DIFFTX_TOKENIZER_IN_HF).is_file():  # the difftx tokenizer becomes tokenizer.json
-            hf_io.copy_files(src, dst, [n for n in hf_io.HF_TOKENIZER_FILES if n != "tokenizer.json"])
+            hf_io.copy_files(src, dst, hf_io.HF_FILES_BESIDE_TOKENIZER)
             shutil.copyfile(src / hf_io.DIFFTX_TOKENIZER_IN_HF, dst / "tokenizer.json")
         else:
             hf_io.copy_files(src, dst, hf_io.HF_TOKENIZER_FILES)

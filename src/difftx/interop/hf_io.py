@@ -29,6 +29,7 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                       "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json",
                       "chat_template.jinja", "additional_chat_templates")
+HF_FILES_BESIDE_TOKENIZER = tuple(n for n in HF_TOKENIZER_FILES if n != "tokenizer.json")  # beside a difftx one
 # a difftx tokenizer inside a Hugging Face directory (tokenizer.json there means the HF format)
 DIFFTX_TOKENIZER_IN_HF = "difftx_tokenizer.json"
 

@@ -234,12 +234,10 @@ def save_checkpoint(trainer, step: int) -> Path:
         _fsync_dir(root)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        ckpts = list_checkpoints(trainer.run_dir)
         # steps after this one belong to a history this run abandoned (Trainer.fit removed them as it resumed; for a
         # caller of this function alone): they go, so that pruning never takes the checkpoint just written
-        later = [p for p in ckpts if int(p.name.split("_")[1]) > step]
-        history = [p for p in ckpts if p not in later]
-        for stale in later + history[:-trainer.cfg.keep_last]:
+        remove_later(trainer.run_dir, step)
+        for stale in list_checkpoints(trainer.run_dir)[:-trainer.cfg.keep_last]:
             remove_checkpoint(stale)
     world.barrier()
     return final
