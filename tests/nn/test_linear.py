@@ -11,7 +11,7 @@ from torch import nn
 from difftx.nn import linear as L
 from difftx.nn import native
 
-from .test_native import needs_amx, needs_native
+from .test_native import needs_amx, needs_bf16_linear, needs_native
 
 
 def _layers(widths, d_in, bias, seed=0):
@@ -60,7 +60,7 @@ def _f64_grads(x, layers):
     return torch.autograd.grad(loss, [x] + [p for m in layers for p in m.parameters()])
 
 
-@needs_amx
+@needs_bf16_linear
 @pytest.mark.parametrize("widths,d_in", [([96], 64), ([64], 96), ([64, 64, 128], 64), ([160, 160], 64),
                                          ([40, 24], 56)])  # the last: shapes the kernels do not take
 @pytest.mark.parametrize("bias", [False, True])
@@ -83,7 +83,7 @@ def test_bf16_autocast_path_matches_torch(widths, d_in, bias):
         assert err <= 1.25 * err_ref + 1e-4, (err, err_ref)
 
 
-@needs_amx
+@needs_bf16_linear
 def test_bf16_weights_without_autocast():
     """A model cast to bf16 (no autocast) takes the path too; its gradients come back in bf16."""
     layers = [m.to(torch.bfloat16) for m in _layers([64, 32], 64, False)]
@@ -286,7 +286,7 @@ def test_torch_func_and_second_derivatives_in_float32():
     torch.testing.assert_close(ggw, ggwr)
 
 
-@needs_amx
+@needs_bf16_linear
 def test_bf16_second_derivative_refused_in_one_line():
     layers = _layers([64, 32], 64, False)
     x = torch.randn(2, 32, 64, requires_grad=True)
@@ -402,3 +402,117 @@ def test_a_wrapped_or_hooked_lm_head_still_runs_its_own_forward(monkeypatch):
         handle = plain.register_forward_hook(lambda m, args, out: out + 1)
         torch.testing.assert_close(model.head(h), F.linear(h, plain.weight) + 1, rtol=1e-5, atol=1e-6)
         handle.remove()
+
+
+needs_dot_linear = pytest.mark.skipif(not native.dot_linear(),
+                                      reason="the bf16 dot-product Linear kernels need AVX512-BF16 without AMX")
+
+
+def _bf16_exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in float64 of the bfloat16-rounded operands: what a bf16 GEMM with float32 sums approximates to
+    within its float32 rounding."""
+    return a.bfloat16().double() @ b.bfloat16().double()
+
+
+@needs_dot_linear
+@pytest.mark.parametrize("m,k,n", [(256, 64, 96), (77, 96, 32), (5, 32, 64), (130, 128, 160)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dot_kernels_against_float64(m, k, n, threads):
+    """pack_wt / pack_rows / dot_mm: float32 outputs within float32 summation error of the float64 product
+    of the bf16-rounded operands (remainder rows of the 8-row block and of a thread's 64-row task included),
+    bf16 outputs that exact value rounded once, and the packing's rounding of float32 = torch's .bfloat16()."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(m + k + n)
+        x = torch.randn(m, k, generator=g).bfloat16()
+        w = torch.randn(n, k, generator=g)  # a float32 weight, packed as W^T
+        w2 = torch.randn(k, n, generator=g)  # packed over its rows
+        bias = torch.randn(n, generator=g)
+        for bp, b in ((native.pack_wt(w), w.t()), (native.pack_rows(w2, k), w2), (native.pack_wt(w.bfloat16()), w.t())):
+            out = torch.empty(m, n)
+            assert native.dot_mm(x, bp, n, out)
+            bound = k * 2.0 ** -23 * (x.double().abs() @ b.bfloat16().double().abs())  # float32 sums' error bound
+            assert ((out.double() - _bf16_exact(x, b)).abs() <= bound).all()
+            ob = torch.empty(m, n, dtype=torch.bfloat16)
+            assert native.dot_mm(x, bp, n, ob, bias=bias)
+            assert torch.equal(ob, (out + bias).bfloat16())  # one rounding of the same float32 sums
+            add = torch.randn(m, n, generator=g)
+            assert native.dot_mm(x, bp, n, ob, add=add)  # sums from add: float32 order differs, within half an ulp
+            torch.testing.assert_close(ob.float(), out + add, rtol=2.0 ** -8 * 1.01, atol=1e-5)
+            acc = add.clone()
+            assert native.dot_mm(x, bp, n, acc, add=acc)
+            torch.testing.assert_close(acc, out + add, rtol=1e-6, atol=1e-5)
+        # the float32 packing rounds as torch does: packing w's bf16 copy gives the same bits
+        assert torch.equal(native.pack_wt(w), native.pack_wt(w.bfloat16()))
+        # rows past the matrix are zero: a padded contraction gives the unpadded product
+        rows = native.pack_rows(w2[: k - 3], k)
+        out = torch.empty(m, n)
+        assert native.dot_mm(x, rows, n, out)
+        torch.testing.assert_close(out.double(), _bf16_exact(x[:, : k - 3], w2[: k - 3]), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_dot_linear
+def test_dot_kernels_bitwise_the_same_on_one_and_two_threads():
+    x = torch.randn(300, 256).bfloat16()
+    bp = native.pack_wt(torch.randn(224, 256))
+    outs = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = torch.empty(300, 224)
+            assert native.dot_mm(x, bp, 224, out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(*outs)
+
+
+@needs_dot_linear
+def test_dot_kernels_decline_what_they_do_not_take():
+    assert native.pack_wt(torch.randn(40, 64)) is None  # rows not a multiple of 32
+    assert native.pack_wt(torch.randn(64, 40)) is None
+    assert native.pack_wt(torch.randn(64, 64).double()) is None
+    assert native.pack_rows(torch.randn(64, 48), 64) is None
+    assert native.pack_rows(torch.randn(70, 64), 64) is None  # more rows than the padding
+    assert native.transpose_rows_bf16(torch.randn(48, 64).bfloat16()) is None
+    bp = native.pack_wt(torch.randn(64, 64))
+    x = torch.randn(8, 64).bfloat16()
+    assert not native.dot_mm(x.float(), bp, 64, torch.empty(8, 64))  # a float32 A
+    assert not native.dot_mm(x, bp, 64, torch.empty(8, 32))  # out of the wrong shape
+    assert not native.dot_mm(x, bp, 32, torch.empty(8, 32))  # bp for another n
+    assert not native.dot_mm(x, bp, 64, torch.empty(8, 64), add=torch.zeros(8, 64))  # float32 out: add must be out
+    assert not native.dot_mm(x, bp, 64, torch.empty(8, 64, dtype=torch.float16))
+
+
+@needs_dot_linear
+@pytest.mark.parametrize("tokens", [256, 50])  # 50: the weight gradients' contraction is not a multiple of 32
+def test_dot_path_is_taken_and_matches_torch(tokens, monkeypatch):
+    """On a CPU with AVX512-BF16 and without AMX, bf16 training calls whose widths are multiples of 32 run
+    _DotLinear, and a width that is not falls back to _Linear (torch's GEMMs); both as close to float64 as
+    torch's own path."""
+    calls = []
+    real = native.dot_mm
+    monkeypatch.setattr(native, "dot_mm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    layers = _layers([64, 96, 32], 64, True)
+    x = torch.randn(tokens, 64)
+    ys, g = _ours(x, layers, autocast=True)
+    assert ys[0].grad_fn.name().startswith("_DotLinear")
+    n_fwd = 3
+    assert len(calls) >= n_fwd + 3 + (3 if tokens % 32 == 0 else 0)
+    ys_ref, g_ref = _reference(x, layers, torch.bfloat16, autocast=True)
+    for a, b in zip(ys, ys_ref):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    exact = _f64_grads(x, layers)
+    for a, b, e in zip(g, g_ref, exact):
+        assert a.dtype == b.dtype == torch.float32
+        err = ((a.double() - e).norm() / e.norm()).item()
+        err_ref = ((b.double() - e).norm() / e.norm()).item()
+        assert err <= 1.25 * err_ref + 1e-4, (err, err_ref)
+    calls.clear()
+    odd = _layers([48], 64, False)  # 48 rows: not the kernel's
+    ys, _ = _ours(x, odd, autocast=True)
+    assert ys[0].grad_fn.name().startswith("_Linear") and not calls

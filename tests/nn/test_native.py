@@ -282,6 +282,8 @@ def test_native_float32_attention_with_tall_blocks_at_long_keys_matches_float64(
 
 
 needs_amx = pytest.mark.skipif(not (HAVE_CC and native.amx()), reason="the bf16 products need an AMX CPU")
+needs_bf16_linear = pytest.mark.skipif(not (HAVE_CC and (native.amx() or native.dot_linear())),
+                                       reason="the bf16 Linear training path needs a CPU with AMX or AVX512-BF16")
 needs_bf16_attention = pytest.mark.skipif(not (HAVE_CC and native.bf16_attention()),
                                           reason="the bf16 attention kernel needs a CPU with AMX or AVX512-BF16")
 

@@ -1385,26 +1385,30 @@ static void pack_bt(const uint16_t *x, int64_t ldx, int64_t n, int64_t npad, int
 }
 
 
-static void pack_bn(const void *x, int x_f32, int64_t ldx, int64_t n, int64_t npad, int64_t w, uint16_t *out) {
-    const int64_t kt = npad / 32;
+/* Tile kk of pack_bn's output (kt tiles per strip). */
+static void pack_bn_tile(const void *x, int x_f32, int64_t ldx, int64_t n, int64_t kt, int64_t kk, int64_t w,
+                         uint16_t *out) {
     const vu zero = {0};
-    for (int64_t kk = 0; kk < kt; kk++)
-        for (int64_t r = 0; r < 16; r++) {
-            const int64_t r0 = kk * 32 + 2 * r, r1 = r0 + 1;
-            for (int64_t j = 0; j < w / 16; j++) {
-                vu lo = zero, hi = zero;
-                if (x_f32) {
-                    const float *xf = (const float *)x + j * 16;
-                    if (r0 < n) lo = vbf16_bits(*(const vf *)(xf + r0 * ldx));
-                    if (r1 < n) hi = vbf16_bits(*(const vf *)(xf + r1 * ldx));
-                } else {
-                    const uint16_t *xh = (const uint16_t *)x + j * 16;
-                    if (r0 < n) lo = __builtin_convertvector(*(const vh *)(xh + r0 * ldx), vu);
-                    if (r1 < n) hi = __builtin_convertvector(*(const vh *)(xh + r1 * ldx), vu);
-                }
-                *(vu *)(out + (j * kt + kk) * TILE + r * 32) = lo | (hi << 16);
+    for (int64_t r = 0; r < 16; r++) {
+        const int64_t r0 = kk * 32 + 2 * r, r1 = r0 + 1;
+        for (int64_t j = 0; j < w / 16; j++) {
+            vu lo = zero, hi = zero;
+            if (x_f32) {
+                const float *xf = (const float *)x + j * 16;
+                if (r0 < n) lo = vbf16_bits(*(const vf *)(xf + r0 * ldx));
+                if (r1 < n) hi = vbf16_bits(*(const vf *)(xf + r1 * ldx));
+            } else {
+                const uint16_t *xh = (const uint16_t *)x + j * 16;
+                if (r0 < n) lo = __builtin_convertvector(*(const vh *)(xh + r0 * ldx), vu);
+                if (r1 < n) hi = __builtin_convertvector(*(const vh *)(xh + r1 * ldx), vu);
             }
+            *(vu *)(out + (j * kt + kk) * TILE + r * 32) = lo | (hi << 16);
         }
+    }
+}
+
+static void pack_bn(const void *x, int x_f32, int64_t ldx, int64_t n, int64_t npad, int64_t w, uint16_t *out) {
+    for (int64_t kk = 0; kk < npad / 32; kk++) pack_bn_tile(x, x_f32, ldx, n, npad / 32, kk, w, out);
 }
 
 /* dst (rows x w bf16, contiguous) = src rows (stride lds), rows past n zero. */
@@ -1766,6 +1770,150 @@ int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
     return 0;
 }
 int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
+    return 0;
+}
+#endif
+
+/* ---------------------------------------------------------------- bf16 linear layers on AVX512-BF16
+ * A Linear layer's three training products (y = x W^T, dx = dy W, dW = dy^T x) in bf16 with float32
+ * accumulation, on vdpbf16ps, where AMX is not here (AMD Zen 4, Intel Cooper Lake).  torch's bf16 GEMM
+ * (oneDNN, torch 2.13) runs the small preset's shapes at 172-199 GFLOP/s on one Zen 4 core inside a training
+ * step, 185-210 alone; this register block (dot_gemm's: 8 rows x 32 columns over the whole contraction, A
+ * rows read in place, B packed as the attention kernel packs it) at 210-225 alone.  The packing reads a
+ * float32 weight directly (autocast's cast to bf16 rounds the same way, nearest-even), a weight gradient is
+ * written in the weight's dtype from the float32 sums, and dx of several projections of one input
+ * accumulates in float32 across their products. */
+#ifdef DIFFTX_DPBF16
+#define LIN_MR 8 /* rows per register block (x 32 columns: 16 accumulators) */
+#define LIN_IB 64 /* rows per thread task: its A rows stay in L1/L2 while every column strip passes */
+
+/* Rows [0, mr) of C (32 columns) = A rows (lda) x the strip pair at b0 (kt tiles each), whole contraction.
+ * Epilogue: + bias[0:32] (float32) when given; then into cb (bf16, nearest-even) when given, else cf
+ * (float32; acc: += its values). */
+static inline __attribute__((always_inline)) void lin_block(int mr, const uint16_t *a, int64_t lda,
+                                                            const uint16_t *b0, int64_t kt, float *cf, int64_t ldc,
+                                                            int acc, uint16_t *cb, int64_t ldb, const float *bias) {
+    __m512 c0[LIN_MR], c1[LIN_MR];
+    const uint16_t *b1 = b0 + kt * TILE;
+    for (int m = 0; m < mr; m++) {
+        c0[m] = acc ? _mm512_loadu_ps(cf + m * ldc) : _mm512_setzero_ps();
+        c1[m] = acc ? _mm512_loadu_ps(cf + m * ldc + 16) : _mm512_setzero_ps();
+    }
+    for (int64_t kk = 0; kk < kt; kk++) {
+        const uint16_t *t0 = b0 + kk * TILE, *t1 = b1 + kk * TILE, *ak = a + kk * 32;
+        for (int r = 0; r < 16; r++) {
+            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(t0 + r * 32);
+            const __m512bh v1 = (__m512bh)_mm512_loadu_si512(t1 + r * 32);
+            for (int m = 0; m < mr; m++) {
+                int32_t pair;
+                memcpy(&pair, ak + m * lda + 2 * r, 4);
+                const __m512bh u = (__m512bh)_mm512_set1_epi32(pair);
+                c0[m] = _mm512_dpbf16_ps(c0[m], u, v0);
+                c1[m] = _mm512_dpbf16_ps(c1[m], u, v1);
+            }
+        }
+    }
+    const __m512 bias0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 bias1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+    for (int m = 0; m < mr; m++) {
+        const __m512 y0 = _mm512_add_ps(c0[m], bias0), y1 = _mm512_add_ps(c1[m], bias1);
+        if (cb) {
+            _mm512_storeu_si512(cb + m * ldb, (__m512i)_mm512_cvtne2ps_pbh(y1, y0));
+        } else {
+            _mm512_storeu_ps(cf + m * ldc, y0);
+            _mm512_storeu_ps(cf + m * ldc + 16, y1);
+        }
+    }
+}
+
+/* C (M x N) = A (M x 32 kt bf16 rows, lda) B (packed: strip j of 16 columns at Bp + j kt TILE), N a multiple of
+ * 32, into cb (bf16, ldb) or cf (float32, ldc; acc: +=), + bias (float32, N) when given.  Threads take
+ * blocks of LIN_IB rows (of 32 columns when there are fewer row blocks than threads); each column
+ * strip pair is read once per block, its rows 8 at a time. */
+int difftx_dot_linear(const uint16_t *A, int64_t lda, int64_t M, const uint16_t *Bp, int64_t kt, int64_t N,
+                      float *cf, int64_t ldc, int acc, uint16_t *cb, int64_t ldb, const float *bias, int nthreads) {
+    if (N % 32 || kt < 1 || (!cf && !cb)) return 0;
+    const int64_t rb = (M + LIN_IB - 1) / LIN_IB;
+    const int64_t cbs = rb >= nthreads ? 1 : N / 32; /* column blocks: strips split when rows are too few */
+    const int64_t cw = N / cbs;
+#pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
+    for (int64_t ib = 0; ib < rb; ib++)
+        for (int64_t jb = 0; jb < cbs; jb++) {
+            const int64_t i1 = (ib + 1) * LIN_IB < M ? (ib + 1) * LIN_IB : M;
+            for (int64_t j = jb * cw; j < (jb + 1) * cw; j += 32) {
+                const uint16_t *b0 = Bp + (j / 16) * kt * TILE;
+                const float *bj = bias ? bias + j : NULL;
+                for (int64_t i = ib * LIN_IB; i < i1; i += LIN_MR) {
+                    const uint16_t *a = A + i * lda;
+                    float *c = cf ? cf + i * ldc + j : NULL;
+                    uint16_t *o = cb ? cb + i * ldb + j : NULL;
+                    switch (i1 - i < LIN_MR ? i1 - i : LIN_MR) { /* constant counts keep the block in registers */
+                        case 8: lin_block(8, a, lda, b0, kt, c, ldc, acc, o, ldb, bj); break;
+                        case 7: lin_block(7, a, lda, b0, kt, c, ldc, acc, o, ldb, bj); break;
+                        case 6: lin_block(6, a, lda, b0, kt, c, ldc, acc, o, ldb, bj); break;
+                        case 5: lin_block(5, a, lda, b0, kt, c, ldc, acc, o, ldb, bj); break;
+                        case 4: lin_block(4, a, lda, b0, kt, c, ldc, acc, o, ldb, bj); break;
+                        case 3: lin_block(3, a, lda, b0, kt, c, ldc, acc, o, ldb, bj); break;
+                        case 2: lin_block(2, a, lda, b0, kt, c, ldc, acc, o, ldb, bj); break;
+                        default: lin_block(1, a, lda, b0, kt, c, ldc, acc, o, ldb, bj); break;
+                    }
+                }
+            }
+        }
+    return 1;
+}
+
+/* B = W^T packed for a product over W's columns: W (n rows of k, row stride ldw; float32 when w_f32, rounded
+ * to bf16 nearest-even, else bf16), n and k multiples of 32 (returns 0 otherwise); strip j, tile kk holds
+ * the pairs W[16 j + c][32 kk + 2 r : + 2] at row r, column c.  Threads take strips. */
+int difftx_pack_wt(const void *w, int w_f32, int64_t ldw, int64_t n, int64_t k, uint16_t *out, int nthreads) {
+    if (n % 32 || k % 32) return 0;
+    const int64_t kt = k / 32;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t j = 0; j < n / 16; j++)
+        for (int64_t kk = 0; kk < kt; kk++) {
+            vu r[16];
+            for (int64_t c = 0; c < 16; c++) {
+                const int64_t row = j * 16 + c;
+                if (w_f32) {
+                    const float *src = (const float *)w + row * ldw + kk * 32;
+                    const vu lo = vbf16_bits(*(const vf *)src), hi = vbf16_bits(*(const vf *)(src + 16));
+                    r[c] = __builtin_shuffle(lo, hi, (vu){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) |
+                           (__builtin_shuffle(lo, hi, (vu){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31})
+                            << 16);
+                } else {
+                    memcpy(&r[c], (const uint16_t *)w + row * ldw + kk * 32, 64);
+                }
+            }
+            transpose16(r);
+            memcpy(out + (j * kt + kk) * TILE, r, sizeof r);
+        }
+    return 1;
+}
+
+/* B = X packed for a product over X's rows: X (n rows of w, row stride ldx; float32 when x_f32, else bf16),
+ * rows past n up to npad (a multiple of 32) zero, w a multiple of 32 (returns 0 otherwise).  Threads take
+ * tiles. */
+int difftx_pack_rows(const void *x, int x_f32, int64_t ldx, int64_t n, int64_t npad, int64_t w, uint16_t *out,
+                     int nthreads) {
+    if (npad % 32 || w % 32 || n > npad) return 0;
+    const int64_t kt = npad / 32;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t kk = 0; kk < kt; kk++) pack_bn_tile(x, x_f32, ldx, n, kt, kk, w, out);
+    return 1;
+}
+#undef LIN_MR
+#undef LIN_IB
+#else
+int difftx_dot_linear(const uint16_t *A, int64_t lda, int64_t M, const uint16_t *Bp, int64_t kt, int64_t N,
+                      float *cf, int64_t ldc, int acc, uint16_t *cb, int64_t ldb, const float *bias, int nthreads) {
+    return 0;
+}
+int difftx_pack_wt(const void *w, int w_f32, int64_t ldw, int64_t n, int64_t k, uint16_t *out, int nthreads) {
+    return 0;
+}
+int difftx_pack_rows(const void *x, int x_f32, int64_t ldx, int64_t n, int64_t npad, int64_t w, uint16_t *out,
+                     int nthreads) {
     return 0;
 }
 #endif

@@ -214,6 +214,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_transpose_bf16.restype = i
     lib.difftx_transpose_bf16_f32.argtypes = [p, i64, i64, i64, p, i64, i]
     lib.difftx_transpose_bf16_f32.restype = i
+    lib.difftx_dot_linear.argtypes = [p, i64, i64, p, i64, i64, p, i64, i, p, i64, p, i]
+    lib.difftx_dot_linear.restype = i
+    lib.difftx_pack_wt.argtypes = [p, i, i64, i64, i64, p, i]
+    lib.difftx_pack_wt.restype = i
+    lib.difftx_pack_rows.argtypes = [p, i, i64, i64, i64, i64, p, i]
+    lib.difftx_pack_rows.restype = i
 
 
 def _load() -> None:
@@ -242,7 +248,8 @@ def _load() -> None:
     products = lib.difftx_bf16_attention()  # 2 AMX tiles, 1 AVX512-BF16 dot products, 0 neither
     tiles = {2: "bf16 attention on AMX tiles", 1: "bf16 attention on AVX512-BF16 dot products"}.get(
         products, "no AMX or AVX512-BF16: bf16 attention on torch GEMMs")
-    _STATE.update(lib=lib, amx=amx_ok, bf16_attention=products > 0, status=f"on ({path}; {tiles})")
+    _STATE.update(lib=lib, amx=amx_ok, bf16_attention=products > 0, dot_linear=products == 1,
+                  status=f"on ({path}; {tiles}{'; bf16 linear layers too' if products == 1 else ''})")
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -440,6 +447,74 @@ def bf16_attention() -> bool:
     """Whether the bfloat16 attention kernel runs here: its products on AMX tiles (:func:`amx`) or, without
     them, on AVX512-BF16 dot products (vdpbf16ps: AMD Zen 4, Intel Cooper Lake and later)."""
     return library() is not None and _STATE.get("bf16_attention", False)
+
+
+def dot_linear() -> bool:
+    """Whether the bfloat16 training products of :class:`difftx.nn.linear.Linear` run on the native kernels'
+    AVX512-BF16 dot products: here without AMX (with AMX they stay torch's GEMMs, see that module)."""
+    return library() is not None and _STATE.get("dot_linear", False)
+
+
+def pack_wt(w: torch.Tensor) -> Optional[torch.Tensor]:
+    """W^T packed as :func:`dot_mm`'s B operand, for a 2-d float32 or bfloat16 ``w`` (n, k) with a unit column
+    stride (float32 rounded to bfloat16 nearest-even, as autocast casts it); None where n or k is not a multiple
+    of 32 or the kernel is not here."""
+    if (w.dim() != 2 or w.dtype not in (torch.float32, torch.bfloat16) or w.stride(1) != 1 or not dot_linear()
+            or w.shape[0] % 32 or w.shape[1] % 32 or w.device.type != "cpu"):
+        return None
+    out = torch.empty(w.numel(), dtype=torch.bfloat16)
+    ok = library().difftx_pack_wt(w.data_ptr(), int(w.dtype == torch.float32), w.stride(0), w.shape[0], w.shape[1],
+                                  out.data_ptr(), torch.get_num_threads())
+    return out if ok else None
+
+
+def pack_rows(x: torch.Tensor, rows_pad: int) -> Optional[torch.Tensor]:
+    """X packed as :func:`dot_mm`'s B operand for a product over X's rows (zero rows up to ``rows_pad``, a multiple
+    of 32), for a 2-d float32 or bfloat16 ``x`` with a unit column stride and columns a multiple of 32; else None."""
+    if (x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or x.stride(1) != 1 or not dot_linear()
+            or x.shape[1] % 32 or rows_pad % 32 or x.shape[0] > rows_pad or x.device.type != "cpu"):
+        return None
+    out = torch.empty(rows_pad * x.shape[1], dtype=torch.bfloat16)
+    ok = library().difftx_pack_rows(x.data_ptr(), int(x.dtype == torch.float32), x.stride(0), x.shape[0], rows_pad,
+                                    x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out if ok else None
+
+
+def transpose_rows_bf16(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """x^T (contiguous bfloat16) for a 2-d bfloat16 ``x`` with a unit column stride, rows a multiple of 32 and
+    columns of 16, where :func:`dot_linear` holds; else None.  (:func:`transpose_bf16` is the AMX path's.)"""
+    if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or not dot_linear() or x.shape[0] % 32
+            or x.shape[1] % 16 or x.device.type != "cpu"):
+        return None
+    rows, cols = x.shape
+    out = torch.empty(cols, rows, dtype=torch.bfloat16)
+    ok = library().difftx_transpose_bf16(x.data_ptr(), x.stride(0), rows, cols, out.data_ptr(), rows,
+                                         torch.get_num_threads())
+    return out if ok else None
+
+
+def dot_mm(a: torch.Tensor, bp: torch.Tensor, n: int, out: torch.Tensor, add: Optional[torch.Tensor] = None,
+           bias: Optional[torch.Tensor] = None) -> bool:
+    """out (m, n) = a (m, k) @ B (+ ``add``, float32 (m, n), when given: ``out`` itself, or a float32 tensor
+    beside a bfloat16 ``out``; +
+    ``bias``, float32 (n,), when given), B packed by :func:`pack_wt` or :func:`pack_rows` for this k (``bp``);
+    ``a`` bfloat16 with a unit column stride and k a multiple of 32; ``out`` contiguous, bfloat16 (rounded
+    nearest-even from the float32 sums) or float32.  False where the kernel does not take it (nothing
+    written)."""
+    m, k = a.shape
+    f32 = out.dtype == torch.float32
+    if (a.dtype != torch.bfloat16 or a.stride(1) != 1 or k % 32 or n % 32 or bp.numel() != k * n
+            or out.shape != (m, n) or not out.is_contiguous() or out.dtype not in (torch.float32, torch.bfloat16)
+            or not dot_linear()
+            or (add is not None and (add.dtype != torch.float32 or add.shape != (m, n) or not add.is_contiguous()
+                                     or (f32 and add is not out)))
+            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()))):
+        return False
+    acc = add if add is not None else (out if f32 else None)
+    return bool(library().difftx_dot_linear(
+        a.data_ptr(), a.stride(0), m, bp.data_ptr(), k // 32, n, None if acc is None else acc.data_ptr(), n,
+        int(add is not None), None if f32 else out.data_ptr(), n, None if bias is None else bias.data_ptr(),
+        torch.get_num_threads()))
 
 
 def transpose_bf16(x: torch.Tensor, pad: int = 0, dtype: torch.dtype = torch.bfloat16) -> Optional[torch.Tensor]:
