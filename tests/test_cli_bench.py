@@ -265,6 +265,53 @@ def test_speed_ratio_pairs_the_repeats():
     assert spread["diff_over_transformer_train"] == pytest.approx([1 / 3.3, 1 / 1.1])
 
 
+def test_bench_with_both_dtypes_writes_the_alternated_dtype_ratio(tmp_path):
+    """fp32 and bf16 together: a last training phase alternates them per arm (ours, not the peers), into
+    ``dtype_ratios`` and a table; one dtype alone: no such phase."""
+    from difftx.benchmarking.report import markdown
+    from difftx.benchmarking.speed import BenchConfig, run_bench
+
+    bc = BenchConfig(preset="nano", seq_len=32, batch_size=2, repeats=2, arms=["transformer", "diff"], peers=False,
+                     phases=["train"], dtypes=["fp32", "bf16"], memory=False)
+    res = run_bench(bc, log=lambda s: None)
+    assert set(res["dtype_ratios"]) == {"transformer", "diff"}
+    for r in res["dtype_ratios"].values():
+        pairs = [a / b for a, b in zip(r["seconds"]["fp32"], r["seconds"]["bf16"])]
+        assert len(pairs) == 2 and r["bf16_over_fp32_train"] == pytest.approx(statistics.median(pairs))
+        assert r["range"] == pytest.approx([min(pairs), max(pairs)])
+    assert "## bf16 over fp32, training, the dtypes alternated" in markdown(res)
+    one = run_bench(BenchConfig(preset="nano", seq_len=32, batch_size=2, repeats=1, arms=["transformer"], peers=False,
+                                phases=["train"], dtypes=["fp32"], memory=False), log=lambda s: None)
+    assert "dtype_ratios" not in one and "alternated" not in markdown(one)
+
+
+def test_dtype_ratio_alternates_the_dtypes_and_pairs_each_repeat():
+    """bf16 / fp32 from steps run back to back: the order alternates (fp32 first, then bf16 first), arms rotate,
+    and the ratio is the median of the pairs, so a machine that slows down between repeats moves nothing."""
+    from types import SimpleNamespace
+
+    from difftx.benchmarking.speed import _dtype_pairs
+
+    clock, calls = [0.0], []
+    slow = {0: 1.0, 1: 3.0, 2: 1.0, 3: 2.0}  # each repeat's machine speed: both dtypes of a pair share it
+
+    def step(arm, dt):
+        calls.append((arm.name, dt))
+        repeat = max(0, (len(calls) - 1 - 4) // 4)  # 4 warm-up steps (2 arms x 2 dtypes), then 4 per repeat
+        clock[0] += slow[repeat] * (2.0 if dt == "fp32" else 1.0) * (1.5 if arm.name == "diff" else 1.0)
+
+    model = SimpleNamespace(train=lambda: None)
+    arms = [SimpleNamespace(name="transformer", model=model), SimpleNamespace(name="diff", model=model)]
+    out = _dtype_pairs(arms, 4, 1, step, lambda: clock[0])
+    timed = calls[4:]
+    assert timed[:4] == [("transformer", "fp32"), ("transformer", "bf16"), ("diff", "fp32"), ("diff", "bf16")]
+    assert timed[4:8] == [("diff", "bf16"), ("diff", "fp32"), ("transformer", "bf16"), ("transformer", "fp32")]
+    for name in ("transformer", "diff"):
+        assert out[name]["bf16_over_fp32_train"] == pytest.approx(2.0)
+        assert out[name]["range"] == pytest.approx([2.0, 2.0])
+        assert len(out[name]["seconds"]["fp32"]) == len(out[name]["seconds"]["bf16"]) == 4
+
+
 def test_share_of_peak_is_paired_with_each_repeats_peak():
     """A VM whose matmul speed halves mid-run: the step and the peak slow down together, so the paired
     share stays put where a share against the run's best peak would halve."""

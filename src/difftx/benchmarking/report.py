@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from ..io import atomic_write_text, make_out_dir
@@ -65,6 +66,17 @@ def markdown(results: dict) -> str:
         if "failed" in a:
             lines += [f"{name} failed in the {a['failed']['phase']} phase ({a['failed']['error']}); left out of "
                       "the rest of the run (\"-\").", ""]
+    if results.get("dtype_ratios"):
+        lines += ["## bf16 over fp32, training, the dtypes alternated step by step", "",
+                  "| arm | fp32 s a step | bf16 s a step | bf16 / fp32 tokens/s | range over repeats |",
+                  "|---|---:|---:|---:|---|"]
+        for name, r in results["dtype_ratios"].items():
+            lines.append(f"| {name} | {statistics.median(r['seconds']['fp32']):.3f} | "
+                         f"{statistics.median(r['seconds']['bf16']):.3f} | {r['bf16_over_fp32_train']:.2f} | "
+                         f"{r['range'][0]:.2f}-{r['range'][1]:.2f} |")
+        lines += ["", "Each repeat times one step in each dtype back to back (their order alternating), so the ratio "
+                  "is the median of pairs that share the machine's state; the tables above time the dtypes one "
+                  "after the other.", ""]
     spread = results.get("ratio_spread_by_dtype", {})
     lines += ["## Ratios (least favourable dtype)", "", "| ratio | value | range over repeats |", "|---|---:|---|"]
     for k, v in sorted(results["ratios"].items()):

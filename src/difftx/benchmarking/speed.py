@@ -14,7 +14,8 @@ Phases, each per dtype (fp32, bf16 autocast):
 the untimed warmup runs (at least one); decoding stays eager (each step's cache length would be a new shape).
 
 Repeats are interleaved (A B C, B C A, ... so no arm always runs first) and medians
-reported, with ratios to our Transformer (and to the transformers peers): a speed ratio is
+reported; with both fp32 and bf16, a last training phase alternates the two dtypes step by step for each of our
+arms (``dtype_ratios``: bf16 over fp32 tokens/s, robust to a machine that drifts between the dtypes' phases), with ratios to our Transformer (and to the transformers peers): a speed ratio is
 the median over repeats of the two arms' times in that repeat (:func:`speed_ratio`), its
 range over the repeats in ``ratio_spread_by_dtype``.  Achieved FLOP/s
 use :func:`difftx.accounting.flops_per_token` (the model's FLOPs: DIFF's attention counted as its
@@ -574,6 +575,10 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
                 rows[arm.name]["decode"]["kv_bytes_per_token"] = kv[arm.name]
                 rows[arm.name]["decode"]["kv_bytes_per_token_accounting"] = kv_cache_bytes_per_token(
                     arm.cfg, 2 if dt == "bf16" else 4)
+    if "train" in bc.phases and {"fp32", "bf16"} <= set(bc.dtypes):
+        log("  [bf16 / fp32] train, the dtypes alternated ...")
+        results["dtype_ratios"] = _dtype_pairs([a for a in arms if not a.peer], bc.repeats, bc.warmup,
+                                               lambda a, dt: _train_step(a, x, y, dt, device), timer)
     for dt in bc.dtypes:  # the peak again at the end (the best of all): load on a shared machine drifts
         peaks[dt] = max([peaks[dt], matmul_peak(DTYPES[dt], device, timer=timer, workers=workers)]
                         + results.get("matmul_peak_by_repeat", {}).get(dt, []))
@@ -591,6 +596,32 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
     results["bench_config"] = asdict(bc)
     results["environment"] = environment(device)
     return results
+
+
+def _dtype_pairs(arms: list, repeats: int, warmup: int, step: Callable, timer) -> dict:
+    """{arm: {"bf16_over_fp32_train": median over repeats of t_fp32 / t_bf16, "range": [min, max], "seconds":
+    {"fp32": [...], "bf16": [...]}}} for our arms: each repeat times one fp32 and one bf16 training step of every
+    arm back to back (fp32 first in even repeats, bf16 first in odd ones; arms in rotating order), so a pair
+    shares the machine's state where the per-dtype phases, run one after the other, do not (a VM whose matmul
+    rate drifts between them moves their ratio)."""
+    for arm in arms:
+        arm.model.train()
+        for _ in range(warmup):
+            for dt in ("fp32", "bf16"):
+                step(arm, dt)
+    secs = {arm.name: {"fp32": [], "bf16": []} for arm in arms}
+    for r in range(repeats):
+        for arm in arms[r % len(arms):] + arms[: r % len(arms)]:
+            for dt in (("fp32", "bf16") if r % 2 == 0 else ("bf16", "fp32")):
+                t0 = timer()
+                step(arm, dt)
+                secs[arm.name][dt].append(timer() - t0)
+    out = {}
+    for name, sec in secs.items():
+        pairs = [a / b for a, b in zip(sec["fp32"], sec["bf16"])]
+        out[name] = {"bf16_over_fp32_train": statistics.median(pairs), "range": [min(pairs), max(pairs)],
+                     "seconds": sec}
+    return out
 
 
 def _speed(times: list, tokens: int, flops_per_tok: int, round_peaks: Optional[list] = None) -> dict:
