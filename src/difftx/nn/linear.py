@@ -19,9 +19,10 @@ Three things torch leaves on the table there:
 * bfloat16 on a CPU with AVX512-BF16 and without AMX (AMD Zen 4, Intel Cooper Lake): every product runs on
   the native kernels' ``vdpbf16ps`` register block (:class:`_DotLinear`, :func:`difftx.nn.native.dot_mm`),
   the weights packed straight from float32 (no bfloat16 copy), weight gradients written in the weight's
-  dtype from the float32 sums, dx of a :func:`project` summed in float32.  On a 2-core Zen 4 it ran the
-  small preset's bf16 training step 2-6% faster than torch's GEMMs (oneDNN) at 1 and 2 threads
-  (``benchmarks/performance/results/amd-zen4/dot-linear/``).
+  dtype from the float32 sums, dx of a :func:`project` summed in float32.  On a 2-core Zen 4 the weight
+  gradients' products ran 6-14% faster than torch's (oneDNN reads dY^T as a transposed view), the others
+  within a few percent either way, and the small preset's bf16 training step 0-6% faster (within that VM's
+  noise) with 7% less memory: no bf16 weight copies (``benchmarks/performance/results/amd-zen4/dot-linear/``).
 
 Every product is the same GEMM in the same dtype as torch's (bfloat16 with float32 accumulation under
 autocast, float32 otherwise); weight gradients come back in the weight's dtype, as autocast's cast would
