@@ -138,7 +138,7 @@ class _DotLinear(torch.autograd.Function):
             dx = sums.view(x_shape).to(x_dtype)
         wanted = [i for i in range(n) if need[3 + 2 * i]]
         if wanted:
-            xp = native.pack_rows(x2, -(-m // 32) * 32) if m % 32 == 0 else None
+            xp = native.pack_rows(x2, m) if m % 32 == 0 else None  # the contraction over tokens: whole tiles
             for i in wanted:
                 dyt = native.transpose_rows_bf16(dy2s[i]) if xp is not None else None
                 dw = torch.empty(ws[i].shape, dtype=dtypes[2 * i])
