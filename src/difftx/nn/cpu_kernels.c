@@ -1259,44 +1259,63 @@ int difftx_amx(void) { return 0; }
 #endif
 
 #ifdef DIFFTX_DPBF16
+/* The register block of the bf16 products without AMX: rows [0, mr) (mr <= 8) of C (32 columns) = A rows (lda)
+ * x the strip pair at b0 (strips kstride tiles apart), over the first kt tiles of the contraction; A's pairs
+ * broadcast against packed rows (vdpbf16ps: acc += a0 b0 + a1 b1 per float32 lane), 16 float32 accumulators.
+ * Epilogue: + bias[0:32] (float32) when given; then into cb (bf16, nearest-even) when given, else cf
+ * (float32).  acc: the sums start from cf's values. */
+static inline __attribute__((always_inline)) void dot_block(int mr, const uint16_t *a, int64_t lda,
+                                                            const uint16_t *b0, int64_t kstride, int64_t kt,
+                                                            float *cf, int64_t ldc, int acc, uint16_t *cb,
+                                                            int64_t ldb, const float *bias) {
+    __m512 c0[8], c1[8];
+    const uint16_t *b1 = b0 + kstride * TILE;
+    for (int m = 0; m < mr; m++) {
+        c0[m] = acc ? _mm512_loadu_ps(cf + m * ldc) : _mm512_setzero_ps();
+        c1[m] = acc ? _mm512_loadu_ps(cf + m * ldc + 16) : _mm512_setzero_ps();
+    }
+    for (int64_t kk = 0; kk < kt; kk++) {
+        const uint16_t *t0 = b0 + kk * TILE, *t1 = b1 + kk * TILE, *ak = a + kk * 32;
+        for (int r = 0; r < 16; r++) {
+            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(t0 + r * 32);
+            const __m512bh v1 = (__m512bh)_mm512_loadu_si512(t1 + r * 32);
+            for (int m = 0; m < mr; m++) {
+                int32_t pair;
+                memcpy(&pair, ak + m * lda + 2 * r, 4);
+                const __m512bh u = (__m512bh)_mm512_set1_epi32(pair);
+                c0[m] = _mm512_dpbf16_ps(c0[m], u, v0);
+                c1[m] = _mm512_dpbf16_ps(c1[m], u, v1);
+            }
+        }
+    }
+    for (int m = 0; m < mr; m++) {
+        __m512 y0 = c0[m], y1 = c1[m];
+        if (bias) { /* only then: x + 0 is not x for x = -0 (the attention's products pass none) */
+            y0 = _mm512_add_ps(y0, _mm512_loadu_ps(bias));
+            y1 = _mm512_add_ps(y1, _mm512_loadu_ps(bias + 16));
+        }
+        if (cb) {
+            _mm512_storeu_si512(cb + m * ldb, (__m512i)_mm512_cvtne2ps_pbh(y1, y0));
+        } else {
+            _mm512_storeu_ps(cf + m * ldc, y0);
+            _mm512_storeu_ps(cf + m * ldc + 16, y1);
+        }
+    }
+}
+
 #define DOT_MR 8 /* rows of C per register block (x 32 columns: 16 accumulators) */
 
-/* amx_gemm's product (same operands, packing and causal limits) on AVX512-BF16: a packed tile row (16 pairs
- * along K for 16 columns) is one register, and each pair of an A row is broadcast against it (vdpbf16ps:
- * acc += a0 b0 + a1 b1 per float32 lane). */
+/* amx_gemm's product (same operands, packing and causal limits) on AVX512-BF16, 8 rows x 32 columns of C at a
+ * time (dot_block): a packed tile row (16 pairs along K for 16 columns) is one register. */
 static void dot_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda, const uint16_t *Bp, int64_t kt,
                      float *C, int64_t ldc, int acc, int64_t kdiag, int64_t ndiag) {
     for (int64_t i = 0; i < M; i += 32) {
         int64_t kk_end, n_end;
         causal_limits(i, N, K, kdiag, ndiag, &kk_end, &n_end);
         for (int64_t j = 0; j < n_end; j += 32) {
-            const uint16_t *b0 = Bp + (j / 16) * kt * TILE, *b1 = b0 + kt * TILE;
-            for (int64_t ii = i; ii < i + 32; ii += DOT_MR) {
-                __m512 c0[DOT_MR], c1[DOT_MR];
-                for (int m = 0; m < DOT_MR; m++) {
-                    c0[m] = acc ? _mm512_loadu_ps(C + (ii + m) * ldc + j) : _mm512_setzero_ps();
-                    c1[m] = acc ? _mm512_loadu_ps(C + (ii + m) * ldc + j + 16) : _mm512_setzero_ps();
-                }
-                const uint16_t *a = A + ii * lda;
-                for (int64_t kk = 0; kk < kk_end; kk++) {
-                    const uint16_t *t0 = b0 + kk * TILE, *t1 = b1 + kk * TILE, *ak = a + kk * 32;
-                    for (int r = 0; r < 16; r++) {
-                        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(t0 + r * 32);
-                        const __m512bh v1 = (__m512bh)_mm512_loadu_si512(t1 + r * 32);
-                        for (int m = 0; m < DOT_MR; m++) {
-                            int32_t pair;
-                            memcpy(&pair, ak + m * lda + 2 * r, 4);
-                            const __m512bh u = (__m512bh)_mm512_set1_epi32(pair);
-                            c0[m] = _mm512_dpbf16_ps(c0[m], u, v0);
-                            c1[m] = _mm512_dpbf16_ps(c1[m], u, v1);
-                        }
-                    }
-                }
-                for (int m = 0; m < DOT_MR; m++) {
-                    _mm512_storeu_ps(C + (ii + m) * ldc + j, c0[m]);
-                    _mm512_storeu_ps(C + (ii + m) * ldc + j + 16, c1[m]);
-                }
-            }
+            const uint16_t *b0 = Bp + (j / 16) * kt * TILE;
+            for (int64_t ii = i; ii < i + 32; ii += DOT_MR)
+                dot_block(DOT_MR, A + ii * lda, lda, b0, kt, kk_end, C + ii * ldc + j, ldc, acc, NULL, 0, NULL);
         }
     }
 }
@@ -1784,47 +1803,8 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
  * written in the weight's dtype from the float32 sums, and dx of several projections of one input
  * accumulates in float32 across their products. */
 #ifdef DIFFTX_DPBF16
-#define LIN_MR 8 /* rows per register block (x 32 columns: 16 accumulators) */
+#define LIN_MR 8 /* rows per register block (dot_block's most) */
 #define LIN_IB 64 /* rows per thread task: its A rows stay in L1/L2 while every column strip passes */
-
-/* Rows [0, mr) of C (32 columns) = A rows (lda) x the strip pair at b0 (kt tiles each), whole contraction.
- * Epilogue: + bias[0:32] (float32) when given; then into cb (bf16, nearest-even) when given, else cf
- * (float32; acc: += its values). */
-static inline __attribute__((always_inline)) void lin_block(int mr, const uint16_t *a, int64_t lda,
-                                                            const uint16_t *b0, int64_t kt, float *cf, int64_t ldc,
-                                                            int acc, uint16_t *cb, int64_t ldb, const float *bias) {
-    __m512 c0[LIN_MR], c1[LIN_MR];
-    const uint16_t *b1 = b0 + kt * TILE;
-    for (int m = 0; m < mr; m++) {
-        c0[m] = acc ? _mm512_loadu_ps(cf + m * ldc) : _mm512_setzero_ps();
-        c1[m] = acc ? _mm512_loadu_ps(cf + m * ldc + 16) : _mm512_setzero_ps();
-    }
-    for (int64_t kk = 0; kk < kt; kk++) {
-        const uint16_t *t0 = b0 + kk * TILE, *t1 = b1 + kk * TILE, *ak = a + kk * 32;
-        for (int r = 0; r < 16; r++) {
-            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(t0 + r * 32);
-            const __m512bh v1 = (__m512bh)_mm512_loadu_si512(t1 + r * 32);
-            for (int m = 0; m < mr; m++) {
-                int32_t pair;
-                memcpy(&pair, ak + m * lda + 2 * r, 4);
-                const __m512bh u = (__m512bh)_mm512_set1_epi32(pair);
-                c0[m] = _mm512_dpbf16_ps(c0[m], u, v0);
-                c1[m] = _mm512_dpbf16_ps(c1[m], u, v1);
-            }
-        }
-    }
-    const __m512 bias0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    const __m512 bias1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-    for (int m = 0; m < mr; m++) {
-        const __m512 y0 = _mm512_add_ps(c0[m], bias0), y1 = _mm512_add_ps(c1[m], bias1);
-        if (cb) {
-            _mm512_storeu_si512(cb + m * ldb, (__m512i)_mm512_cvtne2ps_pbh(y1, y0));
-        } else {
-            _mm512_storeu_ps(cf + m * ldc, y0);
-            _mm512_storeu_ps(cf + m * ldc + 16, y1);
-        }
-    }
-}
 
 /* C (M x N) = A (M x 32 kt bf16 rows, lda) B (packed: strip j of 16 columns at Bp + j kt TILE), N a multiple of
  * 32, into cb (bf16, ldb) or cf (float32, ldc; acc: +=), + bias (float32, N) when given.  Threads take
@@ -1848,14 +1828,14 @@ int difftx_dot_linear(const uint16_t *A, int64_t lda, int64_t M, const uint16_t 
                     float *c = cf ? cf + i * ldc + j : NULL;
                     uint16_t *o = cb ? cb + i * ldb + j : NULL;
                     switch (i1 - i < LIN_MR ? i1 - i : LIN_MR) { /* constant counts keep the block in registers */
-                        case 8: lin_block(8, a, lda, b0, kt, c, ldc, acc, o, ldb, bj); break;
-                        case 7: lin_block(7, a, lda, b0, kt, c, ldc, acc, o, ldb, bj); break;
-                        case 6: lin_block(6, a, lda, b0, kt, c, ldc, acc, o, ldb, bj); break;
-                        case 5: lin_block(5, a, lda, b0, kt, c, ldc, acc, o, ldb, bj); break;
-                        case 4: lin_block(4, a, lda, b0, kt, c, ldc, acc, o, ldb, bj); break;
-                        case 3: lin_block(3, a, lda, b0, kt, c, ldc, acc, o, ldb, bj); break;
-                        case 2: lin_block(2, a, lda, b0, kt, c, ldc, acc, o, ldb, bj); break;
-                        default: lin_block(1, a, lda, b0, kt, c, ldc, acc, o, ldb, bj); break;
+                        case 8: dot_block(8, a, lda, b0, kt, kt, c, ldc, acc, o, ldb, bj); break;
+                        case 7: dot_block(7, a, lda, b0, kt, kt, c, ldc, acc, o, ldb, bj); break;
+                        case 6: dot_block(6, a, lda, b0, kt, kt, c, ldc, acc, o, ldb, bj); break;
+                        case 5: dot_block(5, a, lda, b0, kt, kt, c, ldc, acc, o, ldb, bj); break;
+                        case 4: dot_block(4, a, lda, b0, kt, kt, c, ldc, acc, o, ldb, bj); break;
+                        case 3: dot_block(3, a, lda, b0, kt, kt, c, ldc, acc, o, ldb, bj); break;
+                        case 2: dot_block(2, a, lda, b0, kt, kt, c, ldc, acc, o, ldb, bj); break;
+                        default: dot_block(1, a, lda, b0, kt, kt, c, ldc, acc, o, ldb, bj); break;
                     }
                 }
             }
