@@ -804,3 +804,56 @@ def test_verify_when_transformers_cannot_read_the_result_fails_in_one_line(capsy
     assert len(lines) == 1 and "verification failed" in lines[0] and "transformers cannot read" in lines[0], err
     assert "something transformers does not like over two lines" in lines[0]
     assert (tmp_path / "out" / "model.safetensors").is_file()  # kept for inspection
+
+
+def _hf_tokenizer_json() -> str:
+    from difftx.data.tokenizers import train_bpe
+
+    return train_bpe(["the quick brown fox jumps over the lazy dog. " * 20], vocab_size=300)._json
+
+
+def test_a_hugging_face_tokenizer_beside_a_difftx_one_survives_a_round_trip(capsys, llama_dir, tmp_path):
+    """A Hugging Face directory holding tokenizer.json (a Hugging Face tokenizer) and difftx_tokenizer.json (a
+    byte one): converting it to difftx kept only the difftx tokenizer (as tokenizer.json), so the Hugging Face
+    tokenizer.json, the one difftx reads first in that directory, was gone on the way back."""
+    from difftx.data.tokenizers import ByteTokenizer
+    from difftx.evals.common import saved_tokenizer
+
+    _, src = llama_dir
+    (src / "tokenizer.json").write_text(_hf_tokenizer_json())
+    ByteTokenizer().save(tmp_path / "byte")
+    (src / "difftx_tokenizer.json").write_bytes((tmp_path / "byte" / "tokenizer.json").read_bytes())
+    (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    names = ["tokenizer.json", "difftx_tokenizer.json", "tokenizer_config.json"]
+    rc, _, err = run_main(capsys, src, tmp_path / "dx")
+    assert rc == 0, err
+    rc, _, err = run_main(capsys, tmp_path / "dx", tmp_path / "hf2", "--to", "hf-llama")
+    assert rc == 0, err
+    convert(tmp_path / "dx", tmp_path / "dx2", rope_style="interleaved")  # difftx -> difftx
+    convert(tmp_path / "dx2", tmp_path / "hf3", dst_format="hf-difftx")
+    for out in ("dx", "hf2", "dx2", "hf3"):
+        for name in names:
+            assert (tmp_path / out / name).read_bytes() == (src / name).read_bytes(), (out, name)
+    # the difftx directory's tokenizer is the one difftx reads in the source
+    assert saved_tokenizer(tmp_path / "dx").kind == saved_tokenizer(src).kind != "byte"
+
+
+def test_a_difftx_tokenizer_beside_a_difftx_tokenizer_json_is_refused_for_hugging_face(capsys, tmp_path):
+    """A difftx directory whose tokenizer.json is a byte tokenizer and which also holds difftx_tokenizer.json: the
+    export to Hugging Face would write both to difftx_tokenizer.json; it is one error line, before anything is
+    written (an existing DST under --force stays as it was)."""
+    from difftx.data.tokenizers import ByteTokenizer, CharTokenizer
+
+    difftx.save_model(difftx_model(attention="softmax", n_heads=4, vocab_size=256), tmp_path / "m")
+    ByteTokenizer().save(tmp_path / "m")
+    CharTokenizer.from_text("abc").save(tmp_path / "char")
+    (tmp_path / "m" / "difftx_tokenizer.json").write_bytes((tmp_path / "char" / "tokenizer.json").read_bytes())
+    rc, _, err = run_main(capsys, tmp_path / "m", tmp_path / "hf", "--to", "hf-llama")
+    _one_error_line(rc, err, "difftx_tokenizer.json", "remove or rename")
+    assert not (tmp_path / "hf").exists()
+    rc, _, err = run_main(capsys, tmp_path / "m", tmp_path / "dx", "--rope-style", "interleaved")  # both kept
+    assert rc == 0, err
+    rc, _, err = run_main(capsys, tmp_path / "m", tmp_path / "dx", "--force", "--to", "hf-llama")
+    _one_error_line(rc, err, "difftx_tokenizer.json")
+    for name in ("tokenizer.json", "difftx_tokenizer.json"):
+        assert (tmp_path / "dx" / name).read_bytes() == (tmp_path / "m" / name).read_bytes()

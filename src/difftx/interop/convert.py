@@ -384,28 +384,43 @@ def source_token_ids(src: Path, fmt: str) -> dict:
 
 
 def _copy_tokenizer(src: Path, dst: Path, src_fmt: str, dst_fmt: str) -> None:
+    """Carry the tokenizer files of ``src`` to ``dst``, each under its own name, with one renaming either way:
+    difftx's byte / char ``tokenizer.json`` (not a Hugging Face file) goes to a Hugging Face directory as
+    ``difftx_tokenizer.json``, and that file comes back as ``tokenizer.json`` when the Hugging Face directory holds
+    no ``tokenizer.json``.  A Hugging Face directory holding both keeps both: its ``tokenizer.json`` stays the
+    tokenizer (the one difftx reads first there too) and ``difftx_tokenizer.json`` travels beside it, through a
+    difftx directory and back (a difftx ``tokenizer.json`` beside a ``difftx_tokenizer.json`` is refused by
+    :func:`_check_tokenizer_files` before anything is written)."""
     if src.is_file():
         return
     src_hf, dst_hf = src_fmt != "difftx", dst_fmt != "difftx"
-    if src_hf == dst_hf:
-        # difftx -> difftx too: a directory converted from Hugging Face keeps that source's tokenizer files
-        # (tokenizer_config.json, a SentencePiece tokenizer.model, ...) beside its tokenizer.json
-        names = hf_io.HF_TOKENIZER_FILES + ((hf_io.DIFFTX_TOKENIZER_IN_HF,) if src_hf else ())
-        hf_io.copy_files(src, dst, names)
-    elif dst_hf:
-        if (src / "tokenizer.json").is_file() and not _is_hf_tokenizer(src / "tokenizer.json"):
-            # difftx's byte / char: not a Hugging Face one, kept under another name; the Hugging Face files
-            # beside it (generation_config.json, ... from an earlier Hugging Face source) go along as they are
-            shutil.copyfile(src / "tokenizer.json", dst / hf_io.DIFFTX_TOKENIZER_IN_HF)
-            hf_io.copy_files(src, dst, hf_io.HF_FILES_BESIDE_TOKENIZER)
-        else:  # came from Hugging Face (tokenizer.json, or tokenizer.model alone), or a bpe trained here
-            hf_io.copy_files(src, dst, hf_io.HF_TOKENIZER_FILES)
-    else:
-        if (src / hf_io.DIFFTX_TOKENIZER_IN_HF).is_file():  # the difftx tokenizer becomes tokenizer.json
-            hf_io.copy_files(src, dst, hf_io.HF_FILES_BESIDE_TOKENIZER)
-            shutil.copyfile(src / hf_io.DIFFTX_TOKENIZER_IN_HF, dst / "tokenizer.json")
-        else:
-            hf_io.copy_files(src, dst, hf_io.HF_TOKENIZER_FILES)
+    tok, dx_tok = "tokenizer.json", hf_io.DIFFTX_TOKENIZER_IN_HF
+    if dst_hf and not src_hf and _holds_difftx_tokenizer(src):
+        # the Hugging Face files beside it (generation_config.json, ... from an earlier Hugging Face source) go
+        # along as they are
+        shutil.copyfile(src / tok, dst / dx_tok)
+        hf_io.copy_files(src, dst, hf_io.HF_FILES_BESIDE_TOKENIZER)
+    elif src_hf and not dst_hf and not (src / tok).is_file() and (src / dx_tok).is_file():
+        hf_io.copy_files(src, dst, hf_io.HF_FILES_BESIDE_TOKENIZER)
+        shutil.copyfile(src / dx_tok, dst / tok)
+    else:  # same kind (difftx -> difftx too), a Hugging Face tokenizer.json, or a bpe trained here
+        hf_io.copy_files(src, dst, hf_io.HF_TOKENIZER_FILES + (dx_tok,))
+
+
+def _holds_difftx_tokenizer(src: Path) -> bool:
+    """Whether directory ``src`` holds a ``tokenizer.json`` that is not a Hugging Face one (difftx's byte, char)."""
+    return (src / "tokenizer.json").is_file() and not _is_hf_tokenizer(src / "tokenizer.json")
+
+
+def _check_tokenizer_files(src: Path, src_fmt: str, dst_fmt: str) -> None:
+    """Refuse, before anything is written, a conversion whose tokenizer files cannot all travel: a difftx
+    directory whose difftx ``tokenizer.json`` would become the Hugging Face ``difftx_tokenizer.json`` it already
+    holds."""
+    if src.is_dir() and src_fmt == "difftx" and dst_fmt != "difftx" \
+            and (src / hf_io.DIFFTX_TOKENIZER_IN_HF).is_file() and _holds_difftx_tokenizer(src):
+        raise DifftxError(f"{src}: holds a difftx tokenizer.json and a {hf_io.DIFFTX_TOKENIZER_IN_HF}, and a Hugging "
+                          f"Face directory keeps a difftx tokenizer as {hf_io.DIFFTX_TOKENIZER_IN_HF}, so one would "
+                          "be lost; remove or rename the one the model does not use")
 
 
 def _is_hf_tokenizer(path: Path) -> bool:
@@ -471,6 +486,7 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
                           "hf-difftx")
     if dst.resolve() == src.resolve():
         raise DifftxError(f"{dst}: the destination is the source; pick another directory")
+    _check_tokenizer_files(src, detected, dst_format)
     cfg, state, _ = read_any(src)
     dtype = dtype or model_dtype(state)  # default: the source's dtype
     token_ids = source_token_ids(src, detected)

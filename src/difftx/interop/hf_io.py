@@ -30,7 +30,8 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
                       "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json",
                       "chat_template.jinja", "additional_chat_templates")
 HF_FILES_BESIDE_TOKENIZER = tuple(n for n in HF_TOKENIZER_FILES if n != "tokenizer.json")  # beside a difftx one
-# a difftx tokenizer inside a Hugging Face directory (tokenizer.json there means the HF format)
+# a difftx tokenizer inside a Hugging Face directory (tokenizer.json there means the HF format); beside a Hugging
+# Face tokenizer.json it travels under this name, through a difftx directory too (convert._copy_tokenizer)
 DIFFTX_TOKENIZER_IN_HF = "difftx_tokenizer.json"
 
 
