@@ -250,3 +250,31 @@ def test_uint16_arrays_are_scaled_as_16_bit_image_files_are(tmp_path):
         Image.fromarray(a).save(tmp_path / "f" / str(k) / f"{i}.png")
     files = load_image_set(str(tmp_path / "f"))
     np.testing.assert_array_equal(files.images, arr.images)
+
+
+@pytest.mark.parametrize("dtype, lo, hi, fix", [
+    (np.int16, 0, 255, r"x\.astype\(np\.uint8\)"),    # 8-bit values in a wider type
+    (np.int32, 0, 255, r"x\.astype\(np\.uint8\)"),
+    (np.int64, 0, 255, r"x\.astype\(np\.uint8\)"),
+    (np.int16, 0, 4095, r"x\.astype\(np\.uint16\)"),  # a 12-bit sensor's values
+    (np.uint32, 0, 65535, r"x\.astype\(np\.uint16\)"),
+    (np.uint32, 0, 10**6, r"float32 in \[0, 1\]"),
+    (np.int16, -1024, 3071, r"float32 in \[0, 1\]"),  # negative values (CT numbers)
+])
+def test_integer_arrays_without_a_known_pixel_range_are_refused(tmp_path, dtype, lo, hi, fix):
+    """int16 / int32 / uint32 image arrays kept their raw values (0..255, 0..4095, ...) while uint8 and uint16 ones
+    were scaled to [0, 1]; their dtype gives no pixel range, so they are refused in one line naming the dtype, the
+    values found and the cast that fits them, and that cast loads the pixels scaled to [0, 1]."""
+    rng = np.random.default_rng(5)
+    x = rng.integers(lo, hi, (4, 8, 8), endpoint=True).astype(dtype)
+    x[0, 0, :2] = lo, hi
+    y = np.array([0, 0, 1, 1])
+    np.savez(tmp_path / "a.npz", x=x, y=y)
+    _bad(tmp_path / "a.npz", rf"dtype {np.dtype(dtype).name} \(values {lo}\.\.{hi}\).*save them as {fix}")
+    if "uint8" in fix or "uint16" in fix:
+        cast = x.astype(np.uint8 if "uint8" in fix else np.uint16)
+        np.savez(tmp_path / "b.npz", x=cast, y=y)
+        got = load_image_set(str(tmp_path / "b.npz")).images
+        np.testing.assert_allclose(got[:, 0], x / (255 if "uint8" in fix else 65535), rtol=1e-6)
+        assert 0.0 <= got.min() and got.max() <= 1.0
+

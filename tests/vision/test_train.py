@@ -260,3 +260,13 @@ def test_a_failing_run_prints_its_error_alone_and_a_good_one_the_data_notes(tmp_
     assert train(root, out, "--steps", 1, "--eval-every", 0) == 0
     err = capsys.readouterr().err
     assert f"skipped 1 non-image files under {root}" in err and "error" not in err
+
+
+def test_an_int32_image_array_is_one_error_line_and_no_run(tmp_path, capsys):
+    """An int32 array of 0..255 pixels trained on its raw values (uint8 ones are scaled to [0, 1]); difftx train
+    refuses it in one line naming the cast, exit 2, before the run directory is made."""
+    x, y = blob_images()
+    np.savez(tmp_path / "i32.npz", x=(x * 255).astype(np.int32), y=y)
+    _fails(capsys, 2, "save them as x.astype(np.uint8)", "--data", tmp_path / "i32.npz", *TINY, "--steps", "1",
+           "--out", tmp_path / "run")
+    assert not (tmp_path / "run").exists()

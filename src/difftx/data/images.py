@@ -14,8 +14,10 @@
 
 Everything is held in memory as float32 ``(N, C, H, W)``.  Pixel values of
 8- and 16-bit sources (files, ``uint8`` and ``uint16`` arrays) are scaled to
-[0, 1] by their range (digits: /16); float arrays are kept as they are.  Arrays may be ``(N, H, W)`` (grey), ``(N, C, H, W)`` or
-``(N, H, W, C)`` (channels last is recognised when the last axis has 1, 3 or 4
+[0, 1] by their range (digits: /16); float (and bool) arrays are kept as they are.  Other integer arrays
+(``int8`` .. ``int64``, ``uint32``, ``uint64``) have no known pixel range and are refused, naming the cast
+that fits their values (``uint8``, ``uint16``, or float32 divided by the maximum).  Arrays may be
+``(N, H, W)`` (grey), ``(N, C, H, W)`` or ``(N, H, W, C)`` (channels last is recognised when the last axis has 1, 3 or 4
 entries and the second more than 4, or the second and third are equal and the
 last is not: tiny square images; ``(N, k, k, k)`` is read as channels first).  Class names are the folder names, sorted
 (arrays and digits: ``"0"``, ``"1"``, ...).  Array labels are class indices 0..K-1 (K = the
@@ -46,6 +48,8 @@ UNLABELED_NAMES = ("unlabeled", "unlabelled")  # beside the splits (STL-10): ima
 BUILTIN = "digits"
 # labels 0..K-1 with K above this and above 10 x the distinct labels are refused (ids, not class indices)
 MAX_SPARSE_CLASSES = 100
+# integer image arrays with a known pixel range, scaled to [0, 1] as 8- and 16-bit image files are
+PIXEL_SCALE = {np.dtype(np.uint8): 255.0, np.dtype(np.uint16): 65535.0}
 _GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
 
 
@@ -142,6 +146,8 @@ def _read_npy(path: Path) -> np.ndarray:
 def _from_arrays(x: np.ndarray, y: np.ndarray, source: str) -> ImageSet:
     if not (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating) or x.dtype == bool):
         raise DataError(f"{source}: images must be real numbers, got dtype {x.dtype}")
+    if np.issubdtype(x.dtype, np.integer) and x.dtype not in PIXEL_SCALE:
+        raise DataError(_unscaled_integers(x, source))
     if x.ndim == 3:
         x = x[:, None]
     elif x.ndim == 4 and x.shape[-1] in (1, 3, 4) and (x.shape[1] > 4 or x.shape[1] == x.shape[2] != x.shape[3]):
@@ -152,10 +158,29 @@ def _from_arrays(x: np.ndarray, y: np.ndarray, source: str) -> ImageSet:
     if y.ndim != 1 or len(y) != len(x):
         raise DataError(f"{source}: labels must be one integer per image: {len(x)} images but labels of shape "
                         f"{y.shape}")
-    scale = {np.dtype(np.uint8): 255.0, np.dtype(np.uint16): 65535.0}.get(x.dtype, 1.0)  # as 8-/16-bit files
+    scale = PIXEL_SCALE.get(x.dtype, 1.0)  # as 8-/16-bit files; float and bool as they are
     images = x.astype(np.float32) / scale
     labels = _integer_labels(y, source)
     return ImageSet(images, labels, [str(c) for c in range(int(labels.max()) + 1)] if len(labels) else [], source)
+
+
+def _unscaled_integers(x: np.ndarray, source: str) -> str:
+    """The one-line refusal of an integer image array whose dtype gives no pixel range, with the cast that fits."""
+    if x.size == 0:
+        fix, found = "x.astype(np.uint8) (0..255), x.astype(np.uint16) (0..65535) or float32 in [0, 1]", ""
+    else:
+        lo, hi = int(x.min()), int(x.max())
+        found = f" (values {lo}..{hi})"
+        if lo < 0:
+            fix = "float32 in [0, 1], e.g. (x - x.min()) / (x.max() - x.min()) with the range the data can take"
+        elif hi <= 255:
+            fix = "x.astype(np.uint8) (scaled by 1/255)"
+        elif hi <= 65535:
+            fix = "x.astype(np.uint16) (scaled by 1/65535)"
+        else:
+            fix = "float32 in [0, 1], e.g. x.astype(np.float32) / MAX with the largest value the data can take"
+    return (f"{source}: images of dtype {x.dtype}{found} have no known pixel range (uint8 arrays are scaled by 1/255, "
+            f"uint16 by 1/65535, float ones kept); save them as {fix}")
 
 
 def _integer_labels(y: np.ndarray, source: str) -> np.ndarray:
