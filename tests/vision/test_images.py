@@ -278,3 +278,24 @@ def test_integer_arrays_without_a_known_pixel_range_are_refused(tmp_path, dtype,
         np.testing.assert_allclose(got[:, 0], x / (255 if "uint8" in fix else 65535), rtol=1e-6)
         assert 0.0 <= got.min() and got.max() <= 1.0
 
+
+@pytest.mark.parametrize("name", ["unlabeled", "unlabelled"])
+def test_an_unlabeled_folder_beside_class_folders_is_no_class(tmp_path, name):
+    """DIR/{cat,dog,unlabeled}/ (no train/ split): the unlabeled images were read as a third class 'unlabeled';
+    they are left out with a note, as beside train/ and test/."""
+    import shutil
+
+    from PIL import Image
+
+    root = write_folder(tmp_path / "imgs", n_per_class=3)
+    (root / name / "sub").mkdir(parents=True)
+    for i in range(5):
+        Image.fromarray(np.full((8, 8), 7 * i, dtype=np.uint8)).save(root / name / "sub" / f"{i}.png")
+    d = load_image_set(str(root))
+    assert d.classes == ["cat", "dog"] and len(d.images) == 6 and d.splits is None
+    assert sorted(d.labels.tolist()) == [0, 0, 0, 1, 1, 1]
+    assert any(name in n and "5 unlabeled images" in n for n in d.notes), d.notes
+    shutil.rmtree(root / "dog")  # cat and unlabeled: one class, and a classifier needs two
+    _bad(root, r"found 1 class folder \(cat\)")
+    shutil.rmtree(root / "cat")
+    _bad(root, "no class folders in it .*unlabeled, unlabelled folders are left out")

@@ -7,8 +7,9 @@
   ``vision`` extra),
 * a directory of image folders, one folder per class (``DIR/<class>/*.png``;
   read with Pillow, the ``vision`` extra), or with given splits
-  (``DIR/train/<class>/...`` plus ``DIR/val/...`` and/or ``DIR/test/...``; an
-  ``unlabeled`` folder beside them, as in STL-10, is left out),
+  (``DIR/train/<class>/...`` plus ``DIR/val/...`` and/or ``DIR/test/...``); an
+  ``unlabeled`` (or ``unlabelled``) folder in ``DIR``, as in STL-10, is left out with a note, beside the
+  splits or beside the class folders alike (it is never a class),
 * NumPy arrays: an ``.npz`` holding ``x`` and ``y``, a directory holding
   ``x.npy`` and ``y.npy``, or two files ``IMAGES.npy,LABELS.npy``.
 
@@ -203,7 +204,7 @@ def _integer_labels(y: np.ndarray, source: str) -> np.ndarray:
 
 def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
     """``root/<class>/<images>``, or ``root/{train,val,test}/<class>/<images>`` with given splits (an
-    ``unlabeled`` folder beside them, as in STL-10, is left out with a note)."""
+    ``unlabeled`` folder in ``root``, as in STL-10, is left out with a note: beside the splits or the classes)."""
     try:
         from PIL import Image
     except ImportError:
@@ -213,15 +214,18 @@ def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
     split_layout = "train" in names and names <= set(SPLIT_NAMES) | set(UNLABELED_NAMES)
     parts = {p.name: p for p in subdirs if p.name in SPLIT_NAMES} if split_layout else {"all": root}
     notes = []
-    for p in subdirs if split_layout else ():
+    for p in subdirs:
         if p.name in UNLABELED_NAMES:
             n = sum(1 for f in p.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file())
             notes.append(f"left out {p}: {n} unlabeled image{'s' * (n != 1)} (a classifier trains on labelled ones)")
     class_dirs = {}
     for part, path in parts.items():
         dirs = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+        if part == "all":  # an unlabeled folder beside the class folders is no class
+            dirs = [p for p in dirs if p.name not in UNLABELED_NAMES]
         if not dirs:
-            raise DataError(f"{path}: no class folders in it (expected {path}/<class name>/<image files>)")
+            left_out = f"; {', '.join(UNLABELED_NAMES)} folders are left out" if part == "all" and notes else ""
+            raise DataError(f"{path}: no class folders in it (expected {path}/<class name>/<image files>{left_out})")
         class_dirs[part] = dirs
     classes = sorted({d.name for dirs in class_dirs.values() for d in dirs})
     if len(classes) < 2:
