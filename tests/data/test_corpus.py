@@ -134,3 +134,43 @@ def test_a_glob_matching_a_directory_leaves_its_hidden_files_out(tmp_path):
     as_dir = resolve_corpus(str(tmp_path / "books"))
     as_glob = resolve_corpus(str(tmp_path / "book*"))
     assert [s.path for s in as_glob.sources] == [s.path for s in as_dir.sources] == [tmp_path / "books" / "a.txt"]
+
+
+@pytest.mark.parametrize("unit", ["word ", "a  b ", "é", "日本語", "ab\t"])
+def test_a_file_without_newlines_comes_in_pieces_no_bigger_than_two_blocks(tmp_path, monkeypatch, unit):
+    """A file with no newline was held whole: each block was appended to all before it and searched again for a
+    newline (quadratic in the file's size), and the file came as one piece.  It comes in pieces of at most two
+    blocks now, cut before a space where the block has one, else between characters; together they are the file."""
+    from difftx.data import corpus as corpus_mod
+
+    monkeypatch.setattr(corpus_mod, "PIECE_BYTES", 64)
+    text = unit * 3000
+    path = tmp_path / "one_line.txt"
+    path.write_text(text)
+    pieces = list(resolve_corpus(str(path)).pieces())
+    assert "".join(t for t, _ in pieces) == text
+    assert [end for _, end in pieces] == [False] * (len(pieces) - 1) + [True]
+    assert len(pieces) > len(text.encode()) // 128 and max(len(t.encode()) for t, _ in pieces) <= 2 * 64
+    if " " in unit:  # cut before a space: the words on both sides are whole
+        assert all(t.startswith(" ") for t, _ in pieces[1:])
+
+
+def test_a_long_line_after_short_ones_comes_in_bounded_pieces(tmp_path, monkeypatch):
+    from difftx.data import corpus as corpus_mod
+
+    monkeypatch.setattr(corpus_mod, "PIECE_BYTES", 64)
+    text = "short line\n" * 20 + "long line " * 2000 + "\nend\n"
+    (tmp_path / "t.txt").write_text(text)
+    pieces = [t for t, _ in resolve_corpus(str(tmp_path / "t.txt")).pieces()]
+    assert "".join(pieces) == text and max(map(len, pieces)) <= 2 * 64
+
+
+def test_bad_utf8_in_a_file_without_newlines_names_its_offset(tmp_path, monkeypatch):
+    from difftx.data import corpus as corpus_mod
+
+    monkeypatch.setattr(corpus_mod, "PIECE_BYTES", 64)
+    path = tmp_path / "bad.txt"
+    path.write_bytes(b"x" * 9000 + b"\x80\x80\x80\x80\x80" + b"y" * 300)
+    with pytest.raises(DataError, match="bad byte at offset 9000"):
+        list(resolve_corpus(str(path)).pieces())
+

@@ -186,3 +186,66 @@ def test_a_damaged_shard_is_rebuilt_not_used(two_files, tmp_path, damage):
     again = prepare_tokens(resolve_corpus(str(two_files)), tok, tmp_path / "cache", progress=False)
     assert again.tokens.dtype == np.uint16 and again.tokens.tolist() == want
     assert [s["tokens"] for s in again.manifest["sources"]] == [600, 390] and again.manifest["n_tokens"] == 990
+
+
+def _recording(monkeypatch, tok, name):
+    """Patch ``tok.name`` to record the length of the text of each call."""
+    lengths, method = [], getattr(tok, name)
+    monkeypatch.setattr(tok, name, lambda text, *a, **k: lengths.append(len(text)) or method(text, *a, **k))
+    return lengths
+
+
+@pytest.mark.parametrize("kind", ["bpe", "byte"])
+def test_a_one_line_file_is_tokenised_in_bounded_parts_with_the_files_ids(tmp_path, monkeypatch, kind):
+    """A file of one line was read whole and encoded in one call (a BPE on one thread, 7 GB of memory for 40 MB).
+    It is encoded in parts of bounded size now, and the shard is still encode(file) + EOS."""
+    from difftx.data import corpus as corpus_mod
+    from difftx.data.tokenizers import train_bpe
+
+    monkeypatch.setattr(corpus_mod, "PIECE_BYTES", 4096)
+    text = "".join(f"Tom's dog {i} can't ({i * 7919}) sit,  then  ran!  " for i in range(3000))
+    (tmp_path / "one_line.txt").write_text(text)
+    tok = train_bpe(iter([text]), 300) if kind == "bpe" else ByteTokenizer()
+    encoded = _recording(monkeypatch, tok, "encode_array")
+    data = prepare_tokens(resolve_corpus(str(tmp_path / "one_line.txt")), tok, tmp_path / "cache", progress=False)
+    want = tok.encode(text) + ([tok.eos_id] if tok.eos_id is not None else [])
+    assert data.tokens.tolist() == want
+    assert sum(encoded) == len(text) and len(encoded) > 10
+    assert max(encoded) <= 8192 + 4096 + 4096  # what waits for a cut, plus a piece
+
+
+def test_a_tokenizer_that_is_never_cut_does_not_rejoin_the_text_for_every_piece(tmp_path, monkeypatch):
+    """Nothing may be cut for a tokenizer without a pre-tokenizer: the text read so far was joined with each piece
+    and searched for a cut again, quadratic in the file's size.  The search looks at a bounded tail, the text is
+    joined once, and the shard is still encode(file) + EOS."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, normalizers, trainers
+
+    from difftx.data import corpus as corpus_mod
+    from difftx.data import shards
+    from difftx.data.tokenizers import HFTokenizer
+
+    monkeypatch.setattr(corpus_mod, "PIECE_BYTES", 1024)
+    monkeypatch.setattr(shards, "TAIL_CHARS", 2048, raising=False)
+    text = "".join(f"Hello world {i}\nsecond line here\n" for i in range(3000))
+    raw = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    raw.train_from_iterator([text], trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"],
+                                                        show_progress=False))
+    tok = HFTokenizer(raw)
+    searched, encoding = [], []
+    cut, encode_array = tok.cut, tok.encode_array
+
+    def searching(text, pos):
+        if not encoding:  # encode_array's own segments are not the search for a cut in what was read
+            searched.append(len(text))
+        return cut(text, pos)
+
+    monkeypatch.setattr(tok, "cut", searching)
+    monkeypatch.setattr(tok, "encode_array", lambda text: encoding.append(1) or encode_array(text))
+    (tmp_path / "t.txt").write_text(text)
+    data = prepare_tokens(resolve_corpus(str(tmp_path / "t.txt")), tok, tmp_path / "cache", progress=False)
+    assert data.tokens.tolist() == tok.encode(text) + [tok.eos_id]
+    assert len(encoding) == 1  # encoded whole, once
+    assert len(searched) > 50 and max(searched) <= 2048 + 1024  # the tail searched, not all that was read
+

@@ -206,3 +206,55 @@ def test_every_tokenizer_decodes_targets_with_the_ignore_index():
     for tok in (ByteTokenizer(), CharTokenizer.from_text(TEXT), train_bpe(iter([TEXT]), 300)):
         ids = tok.encode("Speak, speak.")
         assert tok.decode([-100, -100] + ids + [-100, tok.vocab_size]) == "Speak, speak.", tok.kind
+
+
+def _one_line_text(seed: int, n: int = 4000) -> str:
+    """Words, contractions, digit runs, punctuation, runs of spaces and tabs, CJK, special tokens: no newline."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["the", "dog's", "can't", "'", "''s", "12", "1234567", "3.5", "é", "naïve", "日本語", "<|endoftext|>",
+             ",", "!!", "(x)", "--", "\t", "  ", "x", "Ünïcode", "'ll", "42nd"]
+    return "".join(rng.choice(words) + rng.choice([" ", " ", " ", "", "  ", " \t "]) for _ in range(n))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_bpe_encodes_a_text_without_newlines_in_segments_with_the_same_ids(seed, monkeypatch):
+    """Segments were cut only after newlines: a text of one line was one segment (encoded on one thread, with all
+    of its memory at once: 7 GB for a 40 MB line).  It is cut at pre-token boundaries now, into segments of about
+    the size asked for, and the ids are still encode(text)'s."""
+    pytest.importorskip("tokenizers")
+    text = _one_line_text(seed)
+    tok = train_bpe(iter([text]), 400)
+    batches = []
+    encode_batch = tok.encode_batch
+    monkeypatch.setattr(tok, "encode_batch", lambda texts: batches.append(texts) or encode_batch(texts))
+    for segment in (1, 7, 64, 1000):
+        batches.clear()
+        assert tok.encode_array(text, segment=segment).tolist() == tok.encode(text), segment
+        parts = batches[0]
+        assert "".join(parts) == text and len(parts) >= len(text) // (segment + 300), segment
+        assert max(map(len, parts)) <= segment + 4096, segment
+
+
+def test_bpe_cuts_a_one_line_file_of_digits_where_the_whole_text_is_cut(monkeypatch):
+    """A Llama 3 / GPT-4 style pattern groups digits in threes from the start of a run: a window started inside
+    the run would group them from elsewhere; cuts must still give encode(text)'s ids."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+
+    pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    raw = tokenizers.Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    raw.decoder = decoders.ByteLevel()
+    text = "".join(f"{7 ** i}" + ("" if i % 5 else ",x") for i in range(400))  # long digit runs, few spaces
+    raw.train_from_iterator([text, _one_line_text(0)], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok = HFTokenizer(raw)
+    for t in (text, _one_line_text(1)):
+        for segment in (1, 13, 200):
+            assert tok.encode_array(t, segment=segment).tolist() == tok.encode(t), segment

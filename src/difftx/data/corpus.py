@@ -14,9 +14,10 @@
 
 A corpus is a list of :class:`Source` objects.  ``Corpus.pieces()`` yields
 ``(text, end_of_document)`` in a fixed order; big files come in pieces cut at
-newlines so nothing needs the whole corpus in memory.  ``Corpus.fingerprint()``
-hashes the contents (not the names), so the token cache is reused exactly when
-the text is the same.
+newlines (in a block with none, a line longer than a piece: at a space, else
+between characters) so nothing needs the whole corpus, or a whole line, in
+memory.  ``Corpus.fingerprint()`` hashes the contents (not the names), so the
+token cache is reused exactly when the text is the same.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Iterator, Optional
 
 from ..errors import DataError
 
-PIECE_BYTES = 8 << 20  # read text files in pieces of about this many bytes, cut at newlines
+PIECE_BYTES = 8 << 20  # read text files in pieces of about this many bytes, cut at newlines (else spaces)
 SNIFF_BYTES = 8192
 
 
@@ -55,6 +56,20 @@ def binary_reason(path: Path) -> Optional[str]:
 def looks_binary(path: Path) -> bool:
     """A NUL byte in the first 8 KiB, or bytes that are not UTF-8 there."""
     return binary_reason(path) is not None
+
+
+def _cut_without_newline(data: bytes) -> int:
+    """Where a block with no newline is cut (a line longer than a piece, or a file of one line, was held whole and
+    each block appended to it, quadratic in its length): before its last space, so the words on both sides stay
+    whole, else before the last character that starts in it (never inside a UTF-8 character); 0 when neither is
+    past its start.  Token shards join the pieces again where the tokenizer may not cut (``shards._tokenise``)."""
+    space = data.rfind(b" ")
+    if space > 0:
+        return space
+    for k in range(len(data) - 1, max(0, len(data) - 4) - 1, -1):
+        if data[k] & 0xC0 != 0x80:  # not a continuation byte: a character starts here
+            return k
+    return len(data) if len(data) >= 4 else 0  # 4 continuation bytes are no UTF-8: decoding names the offset
 
 
 def _sha256_file(path: Path) -> str:
@@ -132,9 +147,9 @@ class Source:
                     break
                 if digest is not None:
                     digest.update(block)
-                data = carry + block
-                cut = data.rfind(b"\n") + 1
-                if cut == 0:  # no newline yet: keep reading (but never split a UTF-8 character)
+                data = carry + block  # carry holds no newline and comes from one block: each byte is copied twice
+                cut = data.rfind(b"\n") + 1 or _cut_without_newline(data)
+                if cut == 0:  # a few bytes of one character so far: keep reading
                     carry = data
                     continue
                 carry = data[cut:]

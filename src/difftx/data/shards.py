@@ -35,11 +35,13 @@ from ..errors import DataError
 from .corpus import Corpus
 from .tokenizers import Tokenizer
 
-SHARD_FORMAT = 4  # 2: pieces and BPE segments cut at pre-token boundaries (1 could cut a whitespace run);
+SHARD_FORMAT = 5  # 2: pieces and BPE segments cut at pre-token boundaries (1 could cut a whitespace run);
 # 3: a piece with no boundary after its last newline but its end waits for the next (2 cut it there), and no
 # cut falls inside a special token written in the text (2 could split a literal "<|endoftext|>"), nor anywhere in
 # the text of a tokenizer without a pre-tokenizer (2 cut after newlines: Llama 2's Prepend normalizer added tokens);
-# 4: cuts at the pre-token boundaries encoding makes around a special token (3 cut "<|endoftext|>'s" after the "'")
+# 4: cuts at the pre-token boundaries encoding makes around a special token (3 cut "<|endoftext|>'s" after the "'");
+# 5: text with no newline for 64K characters is cut at pre-token boundaries found from a space or any position (4
+# encoded a one-line file whole; a stretch of 4096 characters that is one pre-token is now cut in it)
 TOKENS_FILE = "tokens.bin"
 MANIFEST_FILE = "manifest.json"
 
@@ -114,6 +116,30 @@ def _ids_fit(tokens: np.ndarray, vocab_size: int, chunk: int = 1 << 24) -> bool:
     return all(int(tokens[i:i + chunk].max()) < vocab_size for i in range(0, len(tokens), chunk))
 
 
+TAIL_CHARS = 1 << 16  # _tokenise looks for a cut in this many characters at the end of the text read so far
+
+
+def _tail(parts: list[str], n: int) -> str:
+    """The last ``n`` characters of ``"".join(parts)`` (all of it when shorter), without joining all of it."""
+    out, k = [], 0
+    for part in reversed(parts):
+        out.append(part[max(0, len(part) - (n - k)):])
+        k += len(out[-1])
+        if k >= n:
+            break
+    return "".join(reversed(out))
+
+
+def _tail_cut(tokenizer: Tokenizer, tail: str) -> Optional[int]:
+    """Where the text ending in ``tail`` may be cut for encoding (an index into ``tail``), or None: the tokenizer's
+    :meth:`~difftx.data.tokenizers.Tokenizer.cut` from the start of the line holding the character 4096 before the
+    end, or from 8192 characters before the end where that line is longer (cut() reads a few characters before
+    where it cuts and up to 4096 after the newline or space it starts from)."""
+    n = len(tail)
+    cut = tokenizer.cut(tail, max(tail.rfind("\n", 0, max(0, n - 4096)) + 1, n - 8192, 0))
+    return cut if 0 < cut < n else None
+
+
 def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool) -> dict:
     from tqdm.auto import tqdm
 
@@ -129,17 +155,25 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
     try:
         with open(tmp, "wb") as f:
             for src in corpus.sources:
-                count, carry, digest = 0, "", hashlib.sha256()
+                count, pending, digest = 0, [], hashlib.sha256()
                 for piece, end in src.pieces(digest):
-                    # a piece ends at a newline the tokenizer may not cut at: its tail goes with the next piece
-                    text = carry + piece
-                    cut = len(text) if end else tokenizer.cut(text, text.rfind("\n", 0, max(0, len(text) - 4096)) + 1)
-                    if not end and cut >= len(text):
-                        # no safe cut before the piece's end (its last line is long, or only whitespace follows
-                        # the newline cut() started from): the piece's trailing newline may merge with what the
-                        # next piece starts with ('\n' + '    def'), so the whole text waits for more
-                        cut = 0
-                    text, carry = text[:cut], text[cut:]
+                    # a piece ends at a newline (or a space) the tokenizer may not cut at: its tail goes with the
+                    # next piece.  What waits is kept as a list and joined once: it was joined with each piece, which
+                    # was quadratic where nothing could be cut (a tokenizer without a pre-tokenizer, a long line)
+                    pending.append(piece)
+                    if end:
+                        text, pending = "".join(pending), []
+                    else:
+                        tail = _tail(pending, TAIL_CHARS)
+                        cut = _tail_cut(tokenizer, tail)
+                        if cut is None:
+                            # no safe cut before the piece's end (its last line is long, or only whitespace follows
+                            # the newline cut() started from): the piece's trailing newline may merge with what the
+                            # next piece starts with ('\n' + '    def'), so the whole text waits for more
+                            continue
+                        text = "".join(pending)
+                        cut += len(text) - len(tail)
+                        text, pending = text[:cut], [text[cut:]]
                     ids = tokenizer.encode_array(text)
                     if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
                         raise DataError(f"{src.name}: the tokenizer produced id {int(ids.max())} outside its "

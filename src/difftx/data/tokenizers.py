@@ -26,6 +26,7 @@ import numpy as np
 from ..errors import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
+LINE_SPAN = 1 << 16  # HFTokenizer.cut: a cut follows a newline within this many characters, else any position
 
 
 class Tokenizer:
@@ -209,26 +210,50 @@ class HFTokenizer(Tokenizer):
         return [start for k, (start, _) in enumerate(enc.offsets)
                 if k == 0 or words[k] is None or words[k] != words[k - 1]]
 
+    def _anchor(self, text: str, pos: int) -> int:
+        """Where :meth:`cut` starts its window in a stretch with no newline: the first space from ``pos`` on that
+        follows a character other than whitespace (a pre-token starts there under the GPT-2 and Llama 3 / GPT-4
+        patterns, which have no look-behind: the window is split as the whole text is), else ``pos``, moved past a
+        run of digits (those patterns group digits in threes from the run's start) and out of an added token."""
+        at, end = pos, min(len(text), pos + 4096)
+        while True:
+            k = text.find(" ", at, end)
+            if k < 0:
+                break
+            if k > 0 and not text[k - 1].isspace() and not self._inside_added_token(text, k):
+                return k
+            at = k + 1
+        at = pos
+        while at < end and at > 0 and text[at - 1].isnumeric() and text[at].isnumeric():
+            at += 1
+        while at < end and self._inside_added_token(text, at):
+            at += 1
+        return at
+
     def cut(self, text: str, pos: int) -> int:
-        """A pre-token boundary after the first newline from ``pos`` on: the window from that newline is
-        encoded alone (:meth:`_pre_token_starts`) and the first boundary is taken that is not the window's first
-        (that pre-token may merge with what came before the newline, as ':' + '\n' or spaces + newlines) and not
-        right after whitespace (a whitespace pre-token's end depends on what follows it: '  \n\n' + '\n' + 'def'
-        in the text, '  \n\n\n' at a segment's end).  No such boundary in 4096 characters: just after the newline.
-        Without a pre-tokenizer, or with a normalizer that prepends to every input: ``len(text)`` (no cut)."""
-        nl = text.find("\n", pos)
-        if nl < 0 or not self._cuttable:
+        """A pre-token boundary after the first newline from ``pos`` on, or where no newline follows ``pos`` within
+        :data:`LINE_SPAN` characters (a text of one line was encoded whole, on one thread and with all of its
+        memory at once), after :meth:`_anchor`: the window from there is encoded alone (:meth:`_pre_token_starts`)
+        and the first boundary is taken that is not one of the window's first two starts (the first pre-token
+        may be the end of one that began before the window, as ':' + '\n', spaces + newlines or "'" + "'s", and the
+        next may start inside one) and not right after whitespace (a whitespace pre-token's end depends on what
+        follows it: '  \n\n' + '\n' + 'def' in the text, '  \n\n\n' at a segment's end).  No such boundary in 4096
+        characters: just after the newline, or at the anchor; these are the places where the ids of the two sides
+        may differ from ``encode(text)``'s, in a stretch of 4096 characters that is one pre-token or whitespace (a
+        run of letters or of spaces that long).  Without a pre-tokenizer, or with a normalizer that prepends to
+        every input: ``len(text)`` (no cut)."""
+        if pos >= len(text) or not self._cuttable:
             return len(text)
-        pre = self.tok.pre_tokenizer
-        if pre is not None:
-            for width in (256, 4096):  # a short window almost always holds such a boundary
-                window = text[nl:nl + width]
-                for start in self._pre_token_starts(window)[2:]:
-                    if not window[start - 1].isspace() and not self._inside_added_token(text, nl + start):
-                        return nl + start
-            if nl + 4096 >= len(text):
-                return len(text)
-        return nl + 1
+        nl = text.find("\n", pos, pos + LINE_SPAN)
+        at = nl if nl >= 0 else self._anchor(text, pos)
+        for width in (256, 4096):  # a short window almost always holds such a boundary
+            window = text[at:at + width]
+            for start in self._pre_token_starts(window)[2:]:
+                if not window[start - 1].isspace() and not self._inside_added_token(text, at + start):
+                    return at + start
+        if at + 4096 >= len(text):
+            return len(text)
+        return nl + 1 if nl >= 0 else at
 
     def encode_array(self, text: str, segment: int = 1 << 16) -> np.ndarray:
         """Encode in ~64 KB segments (parallel in Rust; same result every run), cut at pre-token boundaries
