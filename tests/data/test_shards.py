@@ -249,3 +249,75 @@ def test_a_tokenizer_that_is_never_cut_does_not_rejoin_the_text_for_every_piece(
     assert len(encoding) == 1  # encoded whole, once
     assert len(searched) > 50 and max(searched) <= 2048 + 1024  # the tail searched, not all that was read
 
+
+def _shard_folder(two_files, tmp_path):
+    data = prepare_tokens(resolve_corpus(str(two_files)), ByteTokenizer(), tmp_path / "cache", progress=False)
+    return data.path
+
+
+def _assert_names_the_entry_and_the_fix(message, folder, name):
+    assert "\n" not in message and message.startswith(f"{folder / name}: ")
+    assert "delete that folder (the next run rebuilds it)" in message and str(folder) in message
+    assert "--cache-dir" in message
+
+
+@pytest.mark.parametrize("name, manifest", [(TOKENS_FILE, True), (TOKENS_FILE, False), (MANIFEST_FILE, False)])
+def test_a_directory_in_place_of_a_shard_file_is_one_error_naming_the_cache_entry(two_files, tmp_path, monkeypatch,
+                                                                               name, manifest):
+    """tokens.bin replaced by a directory was an OSError naming the temporary file the rebuild wrote (deleted by
+    then), after the whole corpus had been tokenised; one DataError names the entry and the fix, before tokenising,
+    and the fix works."""
+    folder = _shard_folder(two_files, tmp_path)
+    if not manifest:
+        (folder / MANIFEST_FILE).unlink(missing_ok=True)
+    (folder / name).unlink(missing_ok=True)
+    (folder / name).mkdir()
+    (folder / name / "x").write_text("something")
+    tok = ByteTokenizer()
+    encoded = _recording(monkeypatch, tok, "encode_array")
+    with pytest.raises(DataError) as e:
+        prepare_tokens(resolve_corpus(str(two_files)), tok, tmp_path / "cache", progress=False)
+    _assert_names_the_entry_and_the_fix(str(e.value), folder, name)
+    assert "a directory, not a file" in str(e.value) and encoded == []
+    import shutil
+
+    shutil.rmtree(folder)
+    again = prepare_tokens(resolve_corpus(str(two_files)), ByteTokenizer(), tmp_path / "cache", progress=False)
+    assert again.path == folder and tok.decode(again.tokens) == "hello world\n" * 50 + "goodbye moon\n" * 30
+
+
+def test_an_unreadable_tokens_file_is_one_error_naming_the_cache_entry(two_files, tmp_path, monkeypatch):
+    """A tokens.bin that cannot be opened (no permission: simulated, tests may run as root) was a bare
+    PermissionError."""
+    from difftx.data import shards
+
+    folder = _shard_folder(two_files, tmp_path)
+    memmap = np.memmap
+
+    def refuse(path, *args, **kwargs):
+        if str(path) == str(folder / TOKENS_FILE):
+            raise PermissionError(13, "Permission denied", str(path))
+        return memmap(path, *args, **kwargs)
+
+    monkeypatch.setattr(shards.np, "memmap", refuse)
+    with pytest.raises(DataError) as e:
+        prepare_tokens(resolve_corpus(str(two_files)), ByteTokenizer(), tmp_path / "cache", progress=False)
+    _assert_names_the_entry_and_the_fix(str(e.value), folder, TOKENS_FILE)
+    assert "cannot be read (Permission denied)" in str(e.value)
+
+
+def test_difftx_train_with_a_directory_as_tokens_bin_says_one_line_and_exits_2(two_files, tmp_path, capsys):
+    from difftx.cli import main
+
+    cache = tmp_path / "cache"
+    corpus = two_files / "a.txt"
+    folder = prepare_tokens(resolve_corpus(str(corpus)), ByteTokenizer(), cache, progress=False).path
+    (folder / TOKENS_FILE).unlink()
+    (folder / TOKENS_FILE).mkdir()
+    code = main(["train", "--data", str(corpus), "--cache-dir", str(cache), "--tokenizer", "byte", "--d-model", "32",
+                 "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--batch-size", "4", "--steps", "1",
+                 "--dtype", "fp32", "--no-progress", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"difftx train: error: {folder / TOKENS_FILE}: a directory, not a file; "), err
+    assert "delete that folder" in err and "--cache-dir" in err

@@ -108,6 +108,20 @@ def _read_manifest(folder: Path, tokenizer: Optional[Tokenizer] = None) -> Optio
     return manifest
 
 
+def _unusable(folder: Path, name: str, why: str) -> DataError:
+    """A token cache entry the file system will not let be read or written (``tokens.bin`` replaced by a directory,
+    no permission): one line naming it and the fix, not an OSError naming a temporary file."""
+    return DataError(f"{folder / name}: {why}; the token cache entry {folder} cannot be used: delete that folder (the "
+                     "next run rebuilds it) or give another --cache-dir")
+
+
+def _open_tokens(folder: Path, manifest: dict) -> np.ndarray:
+    try:
+        return np.memmap(folder / TOKENS_FILE, dtype=np.dtype(manifest["dtype"]), mode="r")
+    except OSError as e:
+        raise _unusable(folder, TOKENS_FILE, f"cannot be read ({e.strerror or e})") from None
+
+
 def _ids_fit(tokens: np.ndarray, vocab_size: int, chunk: int = 1 << 24) -> bool:
     """Every id of a shard is in the vocabulary (bytes damaged on disk are ids the model's embedding cannot take);
     one pass over the file, in chunks."""
@@ -146,7 +160,11 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
     from ..io import atomic_write_text
 
     dtype = token_dtype(tokenizer.vocab_size)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file where the entry's folder (or the cache's) should be
+        raise DataError(f"{folder}: cannot make the token cache entry ({e.strerror or e}); give another --cache-dir "
+                        "or remove the file in its way") from None
     tmp = folder / f".{TOKENS_FILE}.{os.getpid()}.tmp"
     sources, total, text_tokens = [], 0, 0
     eos = np.asarray([tokenizer.eos_id], dtype=dtype) if tokenizer.eos_id is not None else None
@@ -192,7 +210,10 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
             os.fsync(f.fileno())
         if text_tokens == 0:  # end-of-text tokens alone (a JSONL of empty texts, with an EOS-bearing tokenizer)
             raise DataError(f"{corpus.description}: no tokens (the data holds no text); give non-empty text")
-        os.replace(tmp, folder / TOKENS_FILE)
+        try:
+            os.replace(tmp, folder / TOKENS_FILE)
+        except OSError as e:  # e names the temporary file, deleted below
+            raise _unusable(folder, TOKENS_FILE, f"cannot be written ({e.strerror or e})") from None
     finally:
         bar.close()
         if tmp.exists():
@@ -207,7 +228,10 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
         "n_tokens": total,
         "dtype": dtype.name,
     }
-    atomic_write_text(folder / MANIFEST_FILE, json.dumps(manifest, indent=1))
+    try:
+        atomic_write_text(folder / MANIFEST_FILE, json.dumps(manifest, indent=1))
+    except OSError as e:
+        raise _unusable(folder, MANIFEST_FILE, f"cannot be written ({e.strerror or e})") from None
     return manifest
 
 
@@ -221,15 +245,16 @@ def prepare_tokens(corpus: Corpus, tokenizer: Tokenizer, cache_dir: Optional[Pat
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     folder = cache_dir / "shards" / shard_key(corpus, tokenizer)
     manifest = _read_manifest(folder, tokenizer)
-    if manifest is not None and build and \
-            not _ids_fit(np.memmap(folder / TOKENS_FILE, dtype=np.dtype(manifest["dtype"]), mode="r"),
-                         tokenizer.vocab_size):
+    if manifest is not None and build and not _ids_fit(_open_tokens(folder, manifest), tokenizer.vocab_size):
         manifest = None  # damaged: rebuilt (rank 0 checks; the other ranks read what it checked or built)
     if manifest is None:
         if not build:
             raise DataError(f"{folder}: token shard missing (rank 0 should have built it)")
+        for name in (TOKENS_FILE, MANIFEST_FILE):  # found before the corpus is tokenised, not after
+            if (folder / name).is_dir() and not (folder / name).is_symlink():
+                raise _unusable(folder, name, "a directory, not a file")
         manifest = _tokenise(corpus, tokenizer, folder, progress)
-    tokens = np.memmap(folder / TOKENS_FILE, dtype=np.dtype(manifest["dtype"]), mode="r")
+    tokens = _open_tokens(folder, manifest)
     n = len(tokens)
     n_train = n - int(round(n * val_fraction)) if val_fraction > 0 else n
     return TokenData(tokens, n_train, dict(manifest, val_fraction=val_fraction, n_train=n_train,
