@@ -174,3 +174,17 @@ def test_bad_utf8_in_a_file_without_newlines_names_its_offset(tmp_path, monkeypa
     with pytest.raises(DataError, match="bad byte at offset 9000"):
         list(resolve_corpus(str(path)).pieces())
 
+
+def test_an_evaluation_corpus_of_big_files_joins_their_pieces_as_they_were(tmp_path, monkeypatch):
+    """corpus_text joined every piece with a newline: a file longer than a piece got a blank line at each cut
+    (pieces end at newlines) or a line broken in two (a line longer than a piece is cut before a space).  Files are
+    joined by a newline, a file's pieces by nothing."""
+    from difftx.data import corpus as corpus_mod
+    from difftx.evals.common import corpus_text
+
+    monkeypatch.setattr(corpus_mod, "PIECE_BYTES", 64)
+    (tmp_path / "a.txt").write_text("one short line\n" * 30)
+    (tmp_path / "b.txt").write_text("a single long line " * 40)
+    assert corpus_text(tmp_path) == "one short line\n" * 30 + "\n" + "a single long line " * 40
+    corpus = resolve_corpus(str(tmp_path))
+    assert list(corpus.documents()) == [p.read_text() for p in sorted(tmp_path.glob("*.txt"))]

@@ -223,6 +223,16 @@ class Corpus:
         for text, _ in self.pieces():
             yield text
 
+    def documents(self) -> Iterator[str]:
+        """Each document whole (a file's pieces joined; :meth:`texts` gives the pieces, which may end in the middle
+        of a line)."""
+        parts: list[str] = []
+        for text, end in self.pieces():
+            parts.append(text)
+            if end:
+                yield "".join(parts)
+                parts = []
+
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.sources)
 

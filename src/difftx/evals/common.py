@@ -181,7 +181,7 @@ def _builtin_text() -> str:
     except ImportError:
         corpus_mod = None
     if corpus_mod is not None and hasattr(corpus_mod, "builtin_corpus"):
-        return "\n".join(corpus_mod.builtin_corpus().texts())
+        return "\n".join(corpus_mod.builtin_corpus().documents())
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     if not files:
         raise DataError("no built-in corpus found (the Python standard library source is missing); pass --data PATH")
@@ -208,7 +208,7 @@ def corpus_text(path=None, min_chars: int = 200_000, split: str = "val") -> str:
         except ImportError:
             return read_text_file(p)
         corpus = resolve_corpus(str(path))
-        text = "\n".join(corpus.texts())
+        text = "\n".join(corpus.documents())  # a newline between files, none between the pieces of one
         for note in corpus.notes:  # files skipped: said once the text is read, as difftx train says it
             print(f"difftx: {note}", file=sys.stderr)
         return text
