@@ -298,7 +298,10 @@ def list_checkpoints(run_dir) -> list[Path]:
     """Complete checkpoints of a training run, oldest first.
 
     The trainer assembles a checkpoint under a temporary name and renames it to
-    ``step_XXXXXXXX`` when complete, so every directory of that name is whole.
+    ``step_XXXXXXXX`` when complete, so a directory of that name is whole unless
+    something else damaged it (a partial copy, files deleted by hand):
+    ``difftx.train.checkpoint.missing_parts`` tells, and ``--resume auto`` passes
+    such a directory over.
     """
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():

@@ -145,3 +145,112 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, train_cl
     model = difftx.load_model(run)
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
     assert max(r for r in losses(run, "step")) == 4
+
+
+def _damage(ckpt, how):
+    """A step directory that lacks files, as a partial copy or sync (or a hand) leaves it; returns what is left."""
+    import shutil
+
+    if how == "emptied":
+        shutil.rmtree(ckpt)
+        ckpt.mkdir()
+    elif how == "zero-length optimizer.pt":
+        (ckpt / "optimizer.pt").write_bytes(b"")
+    else:
+        (shutil.rmtree if (ckpt / how).is_dir() else os.unlink)(ckpt / how)
+    return {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("how", ["model.safetensors", "trainer_state.json", "config.json", "rng", "emptied",
+                                 "zero-length optimizer.pt"])
+def test_resume_auto_skips_an_incomplete_newest_checkpoint_keeps_it_and_resumes_exactly(
+        two_checkpoints, train_cli, capsys, tmp_path, how):
+    """A ``step_*`` directory missing files (never one difftx leaves: it renames a checkpoint into place whole) was
+    picked by --resume auto as the newest and refused.  Now it is passed over with one warning line naming it, kept
+    (renamed out of the list of checkpoints, nothing deleted), and the run resumes exactly from the one before."""
+    ckpts = two_checkpoints / "checkpoints"
+    left = _damage(ckpts / "step_00000004", how)
+    capsys.readouterr()
+    assert train_cli("--steps", 6, "--checkpoint-every", 2, "--eval-every", 0, "--out", two_checkpoints,
+                     "--resume", "auto") == 0
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "warning" in err and str(ckpts / "step_00000004") in err, err
+    assert (how.split()[-1] if how != "emptied" else "model.safetensors") in err, err
+    assert f"resuming from {ckpts / 'step_00000002'}" in out
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000004", "step_00000004.incomplete",
+                                                       "step_00000006"]
+    kept = ckpts / "step_00000004.incomplete"
+    assert {p.relative_to(kept): p.read_bytes() for p in kept.rglob("*") if p.is_file()} == left
+    assert train_cli("--steps", 6, "--checkpoint-every", 2, "--eval-every", 0, "--out", tmp_path / "clean") == 0
+    assert losses(two_checkpoints) == losses(tmp_path / "clean")
+    a, b = difftx.load_model(two_checkpoints).state_dict(), difftx.load_model(tmp_path / "clean").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("how", ["model.safetensors", "emptied"])
+def test_explicit_resume_of_an_incomplete_checkpoint_fails_with_one_line(two_checkpoints, train_cli, capsys, how):
+    """--resume PATH names the checkpoint to take: an incomplete one is refused (exit 2, one line naming it and what
+    it lacks), and nothing is renamed or deleted.  An emptied one was called 'no checkpoint in it' before."""
+    ckpts = two_checkpoints / "checkpoints"
+    target = ckpts / "step_00000004"
+    left = _damage(target, how)
+    before = sorted(p.name for p in ckpts.iterdir())
+    capsys.readouterr()
+    assert train_cli("--steps", 6, "--out", two_checkpoints, "--resume", target) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert str(target) in err and "incomplete" in err and "model.safetensors" in err, err
+    assert sorted(p.name for p in ckpts.iterdir()) == before
+    assert {p.relative_to(target): p.read_bytes() for p in target.rglob("*") if p.is_file()} == left
+
+
+def test_resume_auto_with_every_checkpoint_incomplete_is_refused_and_changes_nothing(two_checkpoints, train_cli,
+                                                                                       capsys):
+    """No complete checkpoint left: --resume auto refuses (one line naming what each one lacks) rather than start
+    the run over in place of them."""
+    ckpts = two_checkpoints / "checkpoints"
+    left = {step: _damage(ckpts / step, "optimizer.pt") for step in ("step_00000002", "step_00000004")}
+    metrics = (two_checkpoints / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert train_cli("--steps", 6, "--checkpoint-every", 2, "--eval-every", 0, "--out", two_checkpoints,
+                     "--resume", "auto") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no complete checkpoint" in err, err
+    assert str(ckpts / "step_00000002" / "optimizer.pt") in err and str(ckpts / "step_00000004" / "optimizer.pt") in err
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000004"]
+    assert all({p.relative_to(ckpts / s): p.read_bytes() for p in (ckpts / s).rglob("*") if p.is_file()} == left[s]
+               for s in left)
+    assert (two_checkpoints / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_a_resume_from_an_earlier_step_keeps_an_incomplete_later_directory(tmp_path, train_cli):
+    """The later checkpoints of a resume from an earlier step go (another history); a later directory that lacks
+    files is no checkpoint of it and is kept, renamed out of the list."""
+    out, common = tmp_path / "run", ["--steps", 12, "--eval-every", 0, "--checkpoint-every", 4]
+    assert train_cli(*common, "--out", out) == 0
+    left = _damage(out / "checkpoints" / "step_00000012", "model.safetensors")
+    assert train_cli(*common, "--out", out, "--resume", out / "checkpoints" / "step_00000004", "--stop-at", 6) == 0
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000004", "step_00000006", "step_00000012.incomplete"]
+    kept = ckpts / "step_00000012.incomplete"
+    assert {p.relative_to(kept): p.read_bytes() for p in kept.rglob("*") if p.is_file()} == left
+
+
+def test_resume_of_a_run_directory_into_a_new_out_skips_its_incomplete_checkpoint_and_leaves_it(
+        two_checkpoints, train_cli, capsys, tmp_path):
+    """--resume RUN_DIR takes that run's newest complete checkpoint, as --resume auto does its own; continued into
+    another --out, the source run is left exactly as it was (its incomplete directory not renamed)."""
+    ckpts = two_checkpoints / "checkpoints"
+    left = _damage(ckpts / "step_00000004", "model.safetensors")
+    capsys.readouterr()
+    assert train_cli("--steps", 6, "--checkpoint-every", 2, "--eval-every", 0, "--out", tmp_path / "fork",
+                     "--resume", two_checkpoints) == 0
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and str(ckpts / "step_00000004") in err and "renamed" not in err, err
+    assert f"resuming from {ckpts / 'step_00000002'}" in out
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000004"]
+    assert {p.relative_to(ckpts / "step_00000004"): p.read_bytes() for p in (ckpts / "step_00000004").rglob("*")
+            if p.is_file()} == left
+    assert train_cli("--steps", 6, "--checkpoint-every", 2, "--eval-every", 0, "--out", tmp_path / "clean") == 0
+    a, b = difftx.load_model(tmp_path / "fork").state_dict(), difftx.load_model(tmp_path / "clean").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)

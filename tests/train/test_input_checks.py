@@ -161,7 +161,9 @@ def test_failed_resume_changes_nothing(run4, train_cli, capsys, tmp_path, victim
     else:
         path.write_text('{"torch": 1}')
     before = _snapshot(run4)
-    assert train_cli("--steps", 6, "--out", run4, "--resume", "auto") == 2  # --steps 6 would change config.json
+    # a checkpoint that lacks a file is passed over by --resume auto (test_faults.py); named, it is refused
+    resume = run4 / "checkpoints" / "step_00000004" if how == "missing" else "auto"
+    assert train_cli("--steps", 6, "--out", run4, "--resume", resume) == 2  # --steps 6 would change config.json
     assert str(path) in _one_line(capsys)
     assert _snapshot(run4) == before
     assert not (tmp_path / "pwned").exists()

@@ -17,6 +17,12 @@ partial one invisible (it is removed on the next start); a checkpoint is deleted
 (renamed to ``.step_XXXXXXXX.del/`` first, :func:`remove_checkpoint`).  Nothing is unpickled as code: the
 one pickle-based file format involved (DCP's ``.metadata``) is read with an allow-list
 unpickler.
+
+A ``step_*`` directory can still lack files (copied or synced in part, files deleted by hand, a file system that
+does not keep renames in order after a power loss): :func:`missing_parts` names what it lacks.  ``--resume auto``
+skips such directories for the newest complete checkpoint (:func:`resolve_resume`, with a warning; with none
+complete it refuses) and the run keeps them, renamed out of the list of checkpoints (``step_XXXXXXXX.incomplete``,
+:func:`set_aside`), rather than deleting them; an explicit ``--resume PATH`` to one is refused.
 """
 
 from __future__ import annotations
@@ -31,13 +37,13 @@ import random
 import shutil
 import textwrap
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..io import (CHECKPOINTS_DIR, CONFIG_FILE, WEIGHTS_FILE, atomic_write_bytes, atomic_write_text,
+from ..io import (_STEP_DIR, CHECKPOINTS_DIR, CONFIG_FILE, WEIGHTS_FILE, atomic_write_bytes, atomic_write_text,
                   clean_state_dict, list_checkpoints, load_safetensors, load_state_dict_into, save_safetensors,
                   torch_load_weights_only)
 
@@ -46,6 +52,8 @@ OPTIM_FILE = "optimizer.pt"
 SHARDED_DIR = "sharded"
 OPTIM_GROUPS_FILE = "optimizer_groups.json"
 RNG_DIR = "rng"
+TOKENIZER_FILE = "tokenizer.json"  # the LM domain's artifact (Domain.save_artifacts), beside the run's config too
+INCOMPLETE_SUFFIX = ".incomplete"
 
 
 def step_dir_name(step: int) -> str:
@@ -78,8 +86,45 @@ def remove_later(run_dir: Path, step: int) -> list[Path]:
     starts another history, and metrics.jsonl is about to drop their rows (so --resume auto must never pick them)."""
     later = [p for p in list_checkpoints(run_dir) if int(p.name.split("_")[1]) > step]
     for p in reversed(later):
-        remove_checkpoint(p)
+        if missing_parts(p):  # not a checkpoint of that history but a damaged directory: kept, out of the way
+            set_aside(p)
+        else:
+            remove_checkpoint(p)
     return later
+
+
+def missing_parts(path: Path) -> list[str]:
+    """What checkpoint directory ``path`` lacks of a complete one (paths relative to it; an empty file counts as
+    missing); empty for a complete checkpoint.  Only presence is checked: a file with corrupt contents is
+    reported by :func:`load_checkpoint`, which names it."""
+    path = Path(path)
+    need = [CONFIG_FILE, STATE_FILE, WEIGHTS_FILE]
+    need.append(f"{SHARDED_DIR}/.metadata" if (path / SHARDED_DIR).is_dir() else OPTIM_FILE)
+    need.append(f"{RNG_DIR}/rank_0.json")  # the other ranks' (a run on several processes): load_checkpoint checks
+    run_dir = path.parent.parent if path.parent.name == CHECKPOINTS_DIR else None
+    if run_dir is not None and (run_dir / TOKENIZER_FILE).is_file():  # kept by the run: kept in each checkpoint
+        need.append(TOKENIZER_FILE)
+    return [name for name in need if not _nonempty_file(path / name)]
+
+
+def _nonempty_file(path: Path) -> bool:
+    try:
+        return path.is_file() and path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+def set_aside(path: Path) -> Path:
+    """Rename damaged checkpoint directory ``path`` to ``step_XXXXXXXX.incomplete`` (``.incomplete-2``, ... when
+    taken): no longer a checkpoint that resuming, pruning or a re-save of its step would touch, and nothing of
+    it deleted.  Returns the new path."""
+    path = Path(path)
+    target, n = path.with_name(path.name + INCOMPLETE_SUFFIX), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{INCOMPLETE_SUFFIX}-{n}")
+    os.replace(path, target)
+    return target
 
 
 def restore_resaved(run_dir: Path) -> list[Path]:
@@ -436,20 +481,29 @@ def load_checkpoint(trainer, path: Path) -> dict:
     return state
 
 
-def resolve_resume(resume: Optional[str], run_dir: Path, restore: bool = True) -> Optional[Path]:
-    """``--resume auto`` (the newest checkpoint in ``run_dir``, or None) or ``--resume PATH``.  ``restore``: first
-    put back a step whose re-save a crash interrupted (one process does it; the others wait, then resolve)."""
+def resolve_resume(resume: Optional[str], run_dir: Path, restore: bool = True,
+                   skipped: Optional[Callable[[list[Path], list[list[str]]], None]] = None) -> Optional[Path]:
+    """``--resume auto`` (the newest complete checkpoint in ``run_dir``, or None) or ``--resume PATH`` (a
+    checkpoint, or a run directory: its newest complete checkpoint).  ``restore``: first put back a step whose
+    re-save a crash interrupted (one process does it; the others wait, then resolve).  Newer ``step_*``
+    directories that lack files are passed over: ``skipped(paths, missing)`` hears of them (newest first, each
+    with its :func:`missing_parts`).  A checkpoint named explicitly must be complete."""
     if resume is None:
         return None
     if resume == "auto":
         if restore:
             restore_resaved(run_dir)
-        ckpts = list_checkpoints(run_dir)
-        return ckpts[-1] if ckpts else None
+        return _newest_complete(run_dir, skipped, f"--resume {resume}")
     path = Path(resume)
     if not path.exists():
         raise CheckpointError(f"--resume {resume}: no such checkpoint or run directory")
-    if (path / STATE_FILE).is_file() or (path / WEIGHTS_FILE).is_file():
+    if (path / STATE_FILE).is_file() or (path / WEIGHTS_FILE).is_file() or \
+            (_STEP_DIR.match(path.name) and not (path / CHECKPOINTS_DIR).is_dir()):
+        missing = missing_parts(path)
+        if missing:
+            files = ", ".join(str(path / m) for m in missing)
+            raise CheckpointError(f"--resume {resume}: incomplete checkpoint ({files} missing); resume another one "
+                                  "(--resume auto takes the newest complete checkpoint)")
         return path
     if restore:  # a run directory: its newest step may be a re-save a crash interrupted, as for auto
         try:
@@ -457,7 +511,27 @@ def resolve_resume(resume: Optional[str], run_dir: Path, restore: bool = True) -
         except OSError as e:
             raise CheckpointError(f"--resume {resume}: cannot put back a checkpoint whose re-save was interrupted "
                                   f"({e.strerror or e}); rename {CHECKPOINTS_DIR}/.step_*.old to step_*") from None
-    ckpts = list_checkpoints(path)
-    if not ckpts:
+    if not list_checkpoints(path):
         raise CheckpointError(f"--resume {resume}: no checkpoint in it (expected {CHECKPOINTS_DIR}/step_*/)")
-    return ckpts[-1]
+    return _newest_complete(path, skipped, f"--resume {resume}")
+
+
+def _newest_complete(run_dir: Path, skipped, flag: str) -> Optional[Path]:
+    """The newest complete checkpoint of ``run_dir`` (None when it has none at all); the newer incomplete ones go to
+    ``skipped``.  Only incomplete ones: refused (the run is not started over in their place)."""
+    passed, missing = [], []
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        lacks = missing_parts(ckpt)
+        if not lacks:
+            break
+        passed.append(ckpt)
+        missing.append(lacks)
+    else:
+        if passed:
+            what = "; ".join(", ".join(str(p / m) for m in lacks) for p, lacks in zip(passed, missing))
+            raise CheckpointError(f"{flag}: no complete checkpoint to resume (missing: {what}); restore those files, "
+                                  "or move the incomplete step_* directories away to start the run over")
+        return None
+    if passed and skipped is not None:
+        skipped(passed, missing)
+    return ckpt

@@ -30,7 +30,7 @@ from ..errors import ConfigError, option_flag
 from ..io import CHECKPOINTS_DIR, CONFIG_FILE, FORMAT_KEY, FORMAT_VERSION, atomic_write_text, make_out_dir
 from ..nn import native
 from ..runtime import SLOW_BF16, keep_freed_memory, native_bf16_matmul
-from .checkpoint import STATE_FILE, read_json, remove_partial, resolve_resume, restore_resaved
+from .checkpoint import STATE_FILE, read_json, remove_partial, resolve_resume, restore_resaved, set_aside
 from .config import RESUMABLE_CHANGES, TrainConfig
 from .distributed import init_world, resolve_parallel, shutdown_world
 from .domain import get_domain
@@ -150,7 +150,9 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
             if world.is_main:
                 restore_resaved(out if resume == "auto" else Path(resume))
             world.barrier()
-        resume_ckpt = resolve_resume(resume, out, restore=world.world_size == 1)
+        skipped: list[tuple[Path, list[str]]] = []  # newer step_* directories that lack files: passed over
+        resume_ckpt = resolve_resume(resume, out, restore=world.world_size == 1,
+                                     skipped=lambda paths, missing: skipped.extend(zip(paths, missing)))
         if resume == "auto" and resume_ckpt is None and (out / STATE_FILE).is_file():  # not a run: one of its steps
             raise ConfigError("out", f"{out} is a checkpoint, not a run directory; continue it with --resume {out} "
                                      "and --out its run directory (or a new one)")
@@ -211,6 +213,12 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
         if world.is_main:
             make_out_dir(out)
             remove_partial(out)
+            if skipped:  # after every input check: a refused run leaves them as they were and prints its error alone
+                what = "; ".join(f"{p} (no {', '.join(m)})" for p, m in skipped)
+                # this run's own: renamed out of the way of its next saves (never deleted); another run's: untouched
+                kept = [set_aside(p).name for p, _ in skipped if p.parent.parent.resolve() == out.resolve()]
+                print(f"difftx train: warning: skipped incomplete checkpoint(s) {what}; resuming from {resume_ckpt}"
+                      f"{'; kept, renamed to ' + ', '.join(kept) if kept else ''}", file=sys.stderr)
             atomic_write_text(out / CONFIG_FILE, json.dumps(run_config, indent=2))
             domain.save_artifacts(out)
         world.barrier()
