@@ -122,6 +122,59 @@ def test_diff_kv_cache_bytes_equal_transformer():
     assert difftx.accounting.kv_cache_bytes_per_token(diff) == difftx.accounting.kv_cache_bytes_per_token(base)
 
 
+
+def _decode(model, cache, prompt, mask=None, steps=4):
+    """Prefill ``prompt`` into ``cache``, then greedy steps: the logits of every forward, concatenated."""
+    out = [model(prompt, attention_mask=mask, cache=cache).logits[:, -1:]]
+    step_mask = None if mask is None else torch.ones(prompt.shape[0], 1, dtype=mask.dtype)
+    for _ in range(steps):
+        nxt = out[-1].argmax(-1)
+        if step_mask is not None:
+            mask = torch.cat((mask, step_mask), dim=1)
+        out.append(model(nxt, attention_mask=None if mask is None else step_mask, cache=cache).logits)
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("attention", KINDS)
+def test_a_reset_cache_decodes_as_a_fresh_one_in_its_own_buffers(attention):
+    """KVCache.reset: a cache used for a left-padded batch (padding, per-row positions, a longer fill) then reset
+    gives bitwise the logits of a fresh cache for the next prompt, and keeps its buffers (no reallocation)."""
+    torch.manual_seed(0)
+    model = build_model(tiny(attention)).eval()
+    first = torch.randint(0, 61, (2, 9))
+    pad = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9])
+    prompt = torch.randint(0, 61, (2, 5))
+    with torch.no_grad():
+        cache = model.new_cache(2, 20)
+        _decode(model, cache, first, pad, steps=6)
+        buffers = [t.data_ptr() for t in cache.k + cache.v]
+        cache.reset()
+        assert cache.length == 0 and cache.bytes() > 0
+        again = _decode(model, cache, prompt)
+        fresh = _decode(model, model.new_cache(2, 20), prompt)
+    assert torch.equal(again, fresh)
+    assert [t.data_ptr() for t in cache.k + cache.v] == buffers
+
+
+
+def test_a_reset_cache_takes_another_models_keys_as_a_fresh_one():
+    """After reset, K/V of another layout (here DIFF after softmax: V of 2 heads of 16, not 4 of 8) get buffers of
+    their shape, as in a fresh cache, instead of being written into the old ones; a layer left unwritten (a model of
+    fewer layers) holds no buffer, as in a fresh cache."""
+    torch.manual_seed(0)
+    soft, diff = build_model(tiny("softmax")).eval(), build_model(tiny("diff", n_layers=1)).eval()
+    prompt = torch.randint(0, 61, (2, 5))
+    with torch.no_grad():
+        cache = soft.new_cache(2, 20)
+        _decode(soft, cache, prompt)
+        cache.reset()
+        again = _decode(diff, cache, prompt)
+        fresh_cache = KVCache(2, 2, 20)
+        fresh = _decode(diff, fresh_cache, prompt)
+    assert torch.equal(again, fresh)
+    assert cache.bytes() == fresh_cache.bytes() and cache.k[1] is None and cache.v[1] is None
+
+
 EXPECTED_NORMS = {
     "S1": {"attn_norm", "ffn_norm"},
     "S2": {"attn_norm", "ffn_norm", "attn.q_norm", "attn.k_norm"},

@@ -9,6 +9,10 @@ a Transformer with 2 h_kv heads of d.
 
 The cache also tracks which key positions are real tokens (left padding) and the
 next rotary position of every row.
+
+To decode another prompt (same batch size, up to ``max_len`` positions), call
+:meth:`KVCache.reset` rather than building a new cache: it then behaves exactly as
+a fresh one (bitwise the same logits) in the buffers it already holds.
 """
 
 from __future__ import annotations
@@ -19,6 +23,13 @@ import torch
 
 
 class KVCache:
+    """K/V buffers of ``n_layers`` attention layers for ``batch_size`` sequences of up to ``max_len`` positions
+    (usually made by ``model.new_cache(batch_size, max_len)``).
+
+    Reuse: :meth:`reset` empties the cache for a new prompt of the same batch size without reallocating; decoding
+    after it gives bitwise the logits of a freshly built cache.
+    """
+
     def __init__(self, n_layers: int, batch_size: int, max_len: int, device=None, dtype=None):
         self.n_layers = n_layers
         self.batch_size = batch_size
@@ -27,6 +38,7 @@ class KVCache:
         self.dtype = dtype
         self.k: list[Optional[torch.Tensor]] = [None] * n_layers
         self.v: list[Optional[torch.Tensor]] = [None] * n_layers
+        self._recycled = [False] * n_layers  # buffers kept by reset(): reused at the next write when they fit
         self.length = 0
         self.padded = False  # some committed position is padding (then masks carry key_valid)
         self.key_valid = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
@@ -44,6 +56,10 @@ class KVCache:
         end = self.length + n
         if end > self.max_len:
             raise ValueError(f"KV cache full: {end} positions needed, room for {self.max_len}")
+        if self._recycled[layer]:  # the first write since reset(): K/V of another shape get new buffers, as fresh
+            self._recycled[layer] = False
+            if not (_fits(self.k[layer], k) and _fits(self.v[layer], v)):
+                self.k[layer] = self.v[layer] = None
         if self.k[layer] is None:
             if self.dtype is not None and self.dtype != k.dtype:
                 # the attention paths read the cache's own buffers as K and V: they must be what the model computes
@@ -58,6 +74,10 @@ class KVCache:
 
     def advance(self, n: int, step_valid: Optional[torch.Tensor] = None) -> None:
         """Commit ``n`` new positions (called once per model forward, after all layers)."""
+        if self.length == 0 and any(self._recycled):  # layers the first forward since reset() left unwritten:
+            for layer in [i for i, kept in enumerate(self._recycled) if kept]:  # none in a fresh cache either
+                self.k[layer] = self.v[layer] = None
+                self._recycled[layer] = False
         if step_valid is not None:
             if not bool(step_valid.all()):
                 self.padded = True
@@ -67,6 +87,21 @@ class KVCache:
             self.next_position += n
         self.length += n
 
+    def reset(self) -> None:
+        """Empty the cache for a new prompt: it then behaves exactly as a freshly built one (no positions, no
+        padding, every row's next position 0) while keeping its K/V buffers, zeroed in place (no reallocation, the
+        same tensors for ``torch.compile`` and CUDA graphs).  A layer whose next K/V differ in shape, dtype or
+        device from its buffer gets a new one, as a fresh cache would."""
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            if k is not None:
+                k.zero_()
+                v.zero_()
+                self._recycled[layer] = True
+        self.length = 0
+        self.padded = False
+        self.key_valid.fill_(True)
+        self.next_position.zero_()
+
     def bytes(self) -> int:
         """Bytes held by the K/V buffers."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
@@ -74,3 +109,9 @@ class KVCache:
     def bytes_per_token(self) -> float:
         """Bytes per cached position per sequence (all layers, K and V)."""
         return self.bytes() / (self.max_len * self.batch_size) if self.k[0] is not None else 0.0
+
+
+def _fits(buffer: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``buffer`` (B, H, max_len, d) is the one a fresh cache would allocate for K or V ``x`` (B, H, n, d)."""
+    return (buffer.dtype == x.dtype and buffer.device == x.device and buffer.shape[:2] == x.shape[:2]
+            and buffer.shape[3] == x.shape[3])
