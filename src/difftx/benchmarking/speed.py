@@ -14,10 +14,11 @@ Phases, each per dtype (fp32, bf16 autocast):
 the untimed warmup runs (at least one); decoding stays eager (each step's cache length would be a new shape).
 
 Repeats are interleaved (A B C, B C A, ... so no arm always runs first) and medians
-reported; with both fp32 and bf16, a last training phase alternates the two dtypes step by step for each of our
-arms (``dtype_ratios``: bf16 over fp32 tokens/s, robust to a machine that drifts between the dtypes' phases), with ratios to our Transformer (and to the transformers peers): a speed ratio is
+reported, with ratios to our Transformer (and to the transformers peers): a speed ratio is
 the median over repeats of the two arms' times in that repeat (:func:`speed_ratio`), its
-range over the repeats in ``ratio_spread_by_dtype``.  Achieved FLOP/s
+range over the repeats in ``ratio_spread_by_dtype``.  With both fp32 and bf16, a last training phase
+alternates the two dtypes step by step for each of our arms (``dtype_ratios``: bf16 over fp32 tokens/s,
+robust to a machine whose speed drifts between the dtypes' phases, which run minutes apart).  Achieved FLOP/s
 use :func:`difftx.accounting.flops_per_token` (the model's FLOPs: DIFF's attention counted as its
 Transformer twin's, whatever a formulation does beyond them is not credited) and are compared to the matmul peak measured in the
 same run: for training, the peak measured again at the start of each repeat (the share is the
