@@ -1361,9 +1361,6 @@ static void tiles_end(void) {
 #endif
 }
 
-/* B = X^T for a product over X's columns: X (n rows of w bf16, row stride ldx; w a multiple of 32)
- * packed for K = w, N = npad (a multiple of 32; rows past n are zero): strip j, tile kk holds
- * the 32-bit pairs X[16 j + c][32 kk + 2 r : + 2] at row r, column c. */
 /* A 16 x 16 matrix of 32-bit values (r[i] its rows) transposed in place: four butterfly stages, each
  * swapping the off-diagonal blocks of size b between rows i and i + b. */
 static inline void transpose16(vu *r) {
@@ -1385,24 +1382,36 @@ static inline void transpose16(vu *r) {
 #undef DIFFTX_STAGE
 }
 
-/* B = X^T for a product over X's columns: X (n rows of w bf16, row stride ldx; w a multiple of 32)
- * packed for K = w, N = npad (a multiple of 32; rows past n are zero): strip j, tile kk holds
- * the 32-bit pairs X[16 j + c][32 kk + 2 r : + 2] at row r, column c. */
-static void pack_bt(const uint16_t *x, int64_t ldx, int64_t n, int64_t npad, int64_t w, uint16_t *out) {
+/* B = X^T for a product over X's columns: X (n rows of w bf16, or float32 with x_f32, row stride ldx; w a
+ * multiple of 32) packed for K = w, N = npad (a multiple of 32; rows past n are zero): strip j, tile kk holds
+ * the 32-bit pairs X[16 j + c][32 kk + 2 r : + 2] at row r, column c.  pack_bt_strip: strip j alone. */
+static inline __attribute__((always_inline)) void pack_bt_strip(const void *x, int x_f32, int64_t ldx, int64_t n,
+                                                                 int64_t w, int64_t j, uint16_t *out) {
     const int64_t kt = w / 32;
-    for (int64_t j = 0; j < npad / 16; j++)
-        for (int64_t kk = 0; kk < kt; kk++) {
-            vu r[16];
-            for (int64_t c = 0; c < 16; c++) {
-                const int64_t row = j * 16 + c;
-                if (row < n) memcpy(&r[c], x + row * ldx + kk * 32, 64);
-                else r[c] = (vu){0};
+    for (int64_t kk = 0; kk < kt; kk++) {
+        vu r[16];
+        for (int64_t c = 0; c < 16; c++) {
+            const int64_t row = j * 16 + c;
+            if (row >= n) {
+                r[c] = (vu){0};
+            } else if (x_f32) { /* 32 floats rounded to bf16 (nearest-even), as 16 pairs */
+                const float *src = (const float *)x + row * ldx + kk * 32;
+                const vu lo = vbf16_bits(*(const vf *)src), hi = vbf16_bits(*(const vf *)(src + 16));
+                r[c] = __builtin_shuffle(lo, hi, (vu){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) |
+                       (__builtin_shuffle(lo, hi, (vu){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31})
+                        << 16);
+            } else {
+                memcpy(&r[c], (const uint16_t *)x + row * ldx + kk * 32, 64);
             }
-            transpose16(r);
-            memcpy(out + (j * kt + kk) * TILE, r, sizeof r);
         }
+        transpose16(r);
+        memcpy(out + (j * kt + kk) * TILE, r, sizeof r);
+    }
 }
 
+static void pack_bt(const uint16_t *x, int64_t ldx, int64_t n, int64_t npad, int64_t w, uint16_t *out) {
+    for (int64_t j = 0; j < npad / 16; j++) pack_bt_strip(x, 0, ldx, n, w, j, out);
+}
 
 /* Tile kk of pack_bn's output (kt tiles per strip). */
 static void pack_bn_tile(const void *x, int x_f32, int64_t ldx, int64_t n, int64_t kt, int64_t kk, int64_t w,
@@ -1843,31 +1852,13 @@ int difftx_dot_linear(const uint16_t *A, int64_t lda, int64_t M, const uint16_t 
     return 1;
 }
 
-/* B = W^T packed for a product over W's columns: W (n rows of k, row stride ldw; float32 when w_f32, rounded
- * to bf16 nearest-even, else bf16), n and k multiples of 32 (returns 0 otherwise); strip j, tile kk holds
- * the pairs W[16 j + c][32 kk + 2 r : + 2] at row r, column c.  Threads take strips. */
+/* B = W^T packed for a product over W's columns (pack_bt's layout): W (n rows of k, row stride ldw; float32 when
+ * w_f32, rounded to bf16 nearest-even, else bf16), n and k multiples of 32 (returns 0 otherwise).  Threads take
+ * strips. */
 int difftx_pack_wt(const void *w, int w_f32, int64_t ldw, int64_t n, int64_t k, uint16_t *out, int nthreads) {
     if (n % 32 || k % 32) return 0;
-    const int64_t kt = k / 32;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t j = 0; j < n / 16; j++)
-        for (int64_t kk = 0; kk < kt; kk++) {
-            vu r[16];
-            for (int64_t c = 0; c < 16; c++) {
-                const int64_t row = j * 16 + c;
-                if (w_f32) {
-                    const float *src = (const float *)w + row * ldw + kk * 32;
-                    const vu lo = vbf16_bits(*(const vf *)src), hi = vbf16_bits(*(const vf *)(src + 16));
-                    r[c] = __builtin_shuffle(lo, hi, (vu){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) |
-                           (__builtin_shuffle(lo, hi, (vu){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31})
-                            << 16);
-                } else {
-                    memcpy(&r[c], (const uint16_t *)w + row * ldw + kk * 32, 64);
-                }
-            }
-            transpose16(r);
-            memcpy(out + (j * kt + kk) * TILE, r, sizeof r);
-        }
+    for (int64_t j = 0; j < n / 16; j++) pack_bt_strip(w, w_f32, ldw, n, k, j, out);
     return 1;
 }
 

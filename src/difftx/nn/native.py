@@ -483,14 +483,7 @@ def pack_rows(x: torch.Tensor, rows_pad: int) -> Optional[torch.Tensor]:
 def transpose_rows_bf16(x: torch.Tensor) -> Optional[torch.Tensor]:
     """x^T (contiguous bfloat16) for a 2-d bfloat16 ``x`` with a unit column stride, rows a multiple of 32 and
     columns of 16, where :func:`dot_linear` holds; else None.  (:func:`transpose_bf16` is the AMX path's.)"""
-    if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or not dot_linear() or x.shape[0] % 32
-            or x.shape[1] % 16 or x.device.type != "cpu"):
-        return None
-    rows, cols = x.shape
-    out = torch.empty(cols, rows, dtype=torch.bfloat16)
-    ok = library().difftx_transpose_bf16(x.data_ptr(), x.stride(0), rows, cols, out.data_ptr(), rows,
-                                         torch.get_num_threads())
-    return out if ok else None
+    return _transpose_bf16(x, 0, torch.bfloat16) if dot_linear() else None
 
 
 def dot_mm(a: torch.Tensor, bp: torch.Tensor, n: int, out: torch.Tensor, add: Optional[torch.Tensor] = None,
@@ -522,8 +515,12 @@ def transpose_bf16(x: torch.Tensor, pad: int = 0, dtype: torch.dtype = torch.bfl
     unit column stride, on an AMX CPU (:func:`amx`); None where the kernel does not take it.  bfloat16 output:
     rows a multiple of 32 and columns of 16, each output row ``pad`` elements longer in memory (``pad=32``
     keeps rows 4 KiB apart from sharing cache sets); float32: rows and columns multiples of 16, contiguous."""
-    if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or not supports(x.dtype, x.device)
-            or not amx()):
+    return _transpose_bf16(x, pad, dtype) if amx() else None
+
+
+def _transpose_bf16(x: torch.Tensor, pad: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """:func:`transpose_bf16` wherever the kernels' bf16 part is built (the callers choose where it is worth it)."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or not supports(x.dtype, x.device):
         return None
     rows, cols = x.shape
     if dtype == torch.bfloat16 and not rows % 32 and not cols % 16:
