@@ -455,6 +455,29 @@ def test_dot_kernels_against_float64(m, k, n, threads):
 
 
 @needs_dot_linear
+def test_float32_packing_rounds_specials_as_torch_does():
+    """pack_wt and pack_rows round float32 to bf16 as torch's .bfloat16() does, bit for bit, also for subnormals,
+    ties, the largest finite values and infinities, and NaN to a NaN (vcvtne2ps2bf16 would flush the
+    subnormals: vectors that hold one take the integer path), in vectors of specials, specials among normals,
+    and normals alone."""
+    from .test_native import _special_bf16_values
+
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(64, 96, generator=g)
+    bits = _special_bf16_values().float().view(torch.int32)
+    specials = torch.cat([bits, bits | 0x7FFF, bits | 0x8000, bits + 0x8001]).view(torch.float32)  # around ties
+    specials[specials.isnan()] = float("nan")  # torch writes every NaN as 0x7FC0: a quiet NaN alone
+    w[3, :64] = specials
+    w[10, 40] = specials[0]  # one subnormal among normals
+    w[20:22, 32:96:7] = float("inf")
+    for got, want in ((native.pack_wt(w), native.pack_wt(w.bfloat16())),
+                      (native.pack_rows(w, 64), native.pack_rows(w.bfloat16(), 64))):
+        nan = want.isnan()
+        assert nan.any() and torch.equal(got.isnan(), nan)  # (torch's vectorised cast writes 0xFFFF)
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@needs_dot_linear
 def test_dot_kernels_bitwise_the_same_on_one_and_two_threads():
     x = torch.randn(300, 256).bfloat16()
     bp = native.pack_wt(torch.randn(224, 256))

@@ -749,6 +749,34 @@ def test_rope_native_matches_float64_rotation(style, dtype, per_batch, five_d, m
     assert (gx.double() - gxr).abs().max() <= tol * gxr.abs().max()
 
 
+def _special_bf16_values() -> torch.Tensor:
+    """bfloat16 values that round-trip through float32: subnormals, the smallest normal, ones next to ties, the
+    largest finite, infinities, a quiet NaN (0x7FC0) and signed zeros."""
+    bits = [0x0001, 0x8001, 0x0040, 0x007F, 0x807F, 0x0080, 0x3F80, 0x3F81, 0xBF81, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80,
+            0x7FC0, 0x0000, 0x8000]
+    return torch.tensor(bits, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+@needs_native
+def test_bf16_stores_round_subnormals_as_torch_does():
+    """The vector bf16 stores' rounding (vcvtneps2bf16 where a vector holds no subnormal or NaN, else the integer
+    path) is torch's cast, bit for bit, NaN to a NaN: the SwiGLU gradient at g = 0 with dh = 1 is dg = u / 2,
+    exact in float32, so the kernel's bf16 dg is the cast of u / 2, for specials alone, one subnormal among
+    normals, infinities among normals, and normals alone (vcvtneps2bf16 alone would flush the subnormals)."""
+    special = _special_bf16_values()
+    normal = torch.randn(16, generator=torch.Generator().manual_seed(0)).bfloat16()
+    one_subnormal, infinities = normal.clone(), normal.clone()
+    one_subnormal[5] = special[0]
+    infinities[[2, 9]] = special[[11, 12]]
+    u = torch.stack([special, one_subnormal, infinities, normal]).reshape(-1)  # 4 vectors of 16
+    dg, du = native.swiglu_backward(torch.zeros_like(u), u, torch.ones_like(u))
+    want = (u.float() * 0.5).bfloat16()
+    nan = want.isnan()
+    assert nan.sum() == 1 and torch.equal(dg.isnan(), nan) and not du.any()
+    assert torch.equal(dg[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert (want[:16].float().abs() < 1.2e-38).sum() >= 5  # subnormal results really are among them
+
+
 @needs_native
 @pytest.mark.parametrize("style", ["half", "interleaved"])
 def test_rope_reads_a_projection_view_in_place_and_writes_its_gradient_in_that_layout(style, monkeypatch):

@@ -24,6 +24,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 static inline float bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } v;
@@ -83,17 +86,64 @@ static inline vf vexp_nonpos(vf x) {
 typedef uint16_t vh __attribute__((vector_size(VBYTES / 2), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(VBYTES), aligned(4)));
 
+/* LANES 16-bit values at p, zero-extended to 32-bit lanes.  With AVX-512 through the intrinsic: GCC builds the
+ * vector extensions' conversion from two 8-lane halves and an insert (5 instructions for 1). */
+static inline vu vwiden_u16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (vu)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+#else
+    return __builtin_convertvector(*(const vh *)p, vu);
+#endif
+}
+
 /* LANES bfloat16 values as floats, and back (round to nearest even). */
-static inline vf vload_bf16(const uint16_t *p) { return (vf)(__builtin_convertvector(*(const vh *)p, vu) << 16); }
+static inline vf vload_bf16(const uint16_t *p) { return (vf)(vwiden_u16(p) << 16); }
 
 static inline vu vbf16_bits(vf v) { /* f32_to_bf16 in 32-bit lanes; a NaN keeps exponent and quiet bit set */
     const vu x = (vu)v;
     return ((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16) | ((vu)(v != v) & 0x7FC0u);
 }
 
-static inline vh vround_bf16(vf v) { return __builtin_convertvector(vbf16_bits(v), vh); }
+static inline vh vround_bf16(vf v) {
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+    /* vcvtneps2bf16 rounds to nearest even as vbf16_bits does, but flushes subnormals to zero and quiets
+     * NaNs its own way: a vector with either (vfpclassps) takes the integer path, so the bits are the same */
+    if (__builtin_expect(!_mm512_fpclass_ps_mask((__m512)v, 0xA1), 1)) return (vh)_mm512_cvtneps_pbh((__m512)v);
+#endif
+    return __builtin_convertvector(vbf16_bits(v), vh);
+}
 
 static inline void vstore_bf16(uint16_t *p, vf v) { *(vh *)p = vround_bf16(v); }
+
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
+#define DIFFTX_CVT_BF16 1 /* vcvtne2ps2bf16, where its bits are vbf16_bits' (see vround_bf16) */
+static inline int vplain2(vf a, vf b) { /* neither a subnormal nor a NaN among a's and b's lanes */
+    return !(_mm512_fpclass_ps_mask((__m512)a, 0xA1) | _mm512_fpclass_ps_mask((__m512)b, 0xA1));
+}
+#endif
+
+/* 32 consecutive floats rounded to bf16, as 16 32-bit pairs (the 32 bf16 values in order). */
+static inline vu vround_bf16_32(const float *src) {
+    const vf a = *(const vf *)src, b = *(const vf *)(src + 16);
+#ifdef DIFFTX_CVT_BF16
+    if (__builtin_expect(vplain2(a, b), 1)) return (vu)_mm512_cvtne2ps_pbh((__m512)b, (__m512)a);
+#endif
+    const vu lo = vbf16_bits(a), hi = vbf16_bits(b);
+    return __builtin_shuffle(lo, hi, (vu){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) |
+           (__builtin_shuffle(lo, hi, (vu){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}) << 16);
+}
+
+/* Two rows' LANES floats rounded to bf16 and interleaved: lane c = bf16(a[c]) | bf16(b[c]) << 16. */
+static inline vu vround_bf16_pairs(vf a, vf b) {
+#ifdef DIFFTX_CVT_BF16
+    if (__builtin_expect(vplain2(a, b), 1)) {
+        const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                             21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        return (vu)_mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh((__m512)b, (__m512)a));
+    }
+#endif
+    return vbf16_bits(a) | (vbf16_bits(b) << 16);
+}
 
 /* n (<= LANES) values at base[off] as floats, lanes past n set to pad. */
 static inline vf vload(const void *base, int64_t off, int is_bf16, int64_t n, float pad) {
@@ -1395,11 +1445,7 @@ static inline __attribute__((always_inline)) void pack_bt_strip(const void *x, i
             if (row >= n) {
                 r[c] = (vu){0};
             } else if (x_f32) { /* 32 floats rounded to bf16 (nearest-even), as 16 pairs */
-                const float *src = (const float *)x + row * ldx + kk * 32;
-                const vu lo = vbf16_bits(*(const vf *)src), hi = vbf16_bits(*(const vf *)(src + 16));
-                r[c] = __builtin_shuffle(lo, hi, (vu){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) |
-                       (__builtin_shuffle(lo, hi, (vu){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31})
-                        << 16);
+                r[c] = vround_bf16_32((const float *)x + row * ldx + kk * 32);
             } else {
                 memcpy(&r[c], (const uint16_t *)x + row * ldx + kk * 32, 64);
             }
@@ -1417,20 +1463,20 @@ static void pack_bt(const uint16_t *x, int64_t ldx, int64_t n, int64_t npad, int
 static void pack_bn_tile(const void *x, int x_f32, int64_t ldx, int64_t n, int64_t kt, int64_t kk, int64_t w,
                          uint16_t *out) {
     const vu zero = {0};
+    const vf zf = {0};
     for (int64_t r = 0; r < 16; r++) {
         const int64_t r0 = kk * 32 + 2 * r, r1 = r0 + 1;
         for (int64_t j = 0; j < w / 16; j++) {
-            vu lo = zero, hi = zero;
+            vu *o = (vu *)(out + (j * kt + kk) * TILE + r * 32);
             if (x_f32) {
                 const float *xf = (const float *)x + j * 16;
-                if (r0 < n) lo = vbf16_bits(*(const vf *)(xf + r0 * ldx));
-                if (r1 < n) hi = vbf16_bits(*(const vf *)(xf + r1 * ldx));
+                *o = vround_bf16_pairs(r0 < n ? *(const vf *)(xf + r0 * ldx) : zf,
+                                       r1 < n ? *(const vf *)(xf + r1 * ldx) : zf);
             } else {
                 const uint16_t *xh = (const uint16_t *)x + j * 16;
-                if (r0 < n) lo = __builtin_convertvector(*(const vh *)(xh + r0 * ldx), vu);
-                if (r1 < n) hi = __builtin_convertvector(*(const vh *)(xh + r1 * ldx), vu);
+                const vu lo = r0 < n ? vwiden_u16(xh + r0 * ldx) : zero, hi = r1 < n ? vwiden_u16(xh + r1 * ldx) : zero;
+                *o = lo | (hi << 16);
             }
-            *(vu *)(out + (j * kt + kk) * TILE + r * 32) = lo | (hi << 16);
         }
     }
 }
@@ -1456,8 +1502,8 @@ static void transpose_bf16_ld(const uint16_t *src, int64_t lds, int64_t n, int64
             vu r[16];
             for (int64_t p = 0; p < 16; p++) {
                 const int64_t a = i0 + 2 * p, b = a + 1;
-                const vu lo = a < n ? __builtin_convertvector(*(const vh *)(src + a * lds + x0), vu) : (vu){0};
-                const vu hi = b < n ? __builtin_convertvector(*(const vh *)(src + b * lds + x0), vu) : (vu){0};
+                const vu lo = a < n ? vwiden_u16(src + a * lds + x0) : (vu){0};
+                const vu hi = b < n ? vwiden_u16(src + b * lds + x0) : (vu){0};
                 r[p] = lo | (hi << 16);
             }
             transpose16(r);
@@ -1512,7 +1558,7 @@ int difftx_transpose_bf16_f32(const uint16_t *src, int64_t lds, int64_t rows, in
         for (int64_t i0 = 0; i0 < rows; i0 += 16) {
             vu r[16];
             for (int64_t p = 0; p < 16; p++)
-                r[p] = __builtin_convertvector(*(const vh *)(src + (i0 + p) * lds + x0), vu) << 16;
+                r[p] = vwiden_u16(src + (i0 + p) * lds + x0) << 16;
             transpose16(r);
             for (int64_t x = 0; x < 16; x++) memcpy(dst + (x0 + x) * ldd + i0, &r[x], 64);
         }
@@ -1570,6 +1616,21 @@ static inline void exp_lse_row_scaled(float *e, int64_t n, float scale, float ls
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES) *(vf *)(e + i) = vexp_nonpos(*(const vf *)(e + i) * scale - lse);
     for (; i < n; i++) e[i] = expf(e[i] * scale - lse);
+}
+
+/* dst[0:n] = bf16(w p (g - r)) (w p first, as the float32 maps were), zeros up to width. */
+static inline void ds_row_bf16(const float *p, const float *g, float r, float w, int64_t n, int64_t width,
+                               uint16_t *dst) {
+    int64_t j = 0;
+    if (w == 1.0f) { /* x 1 is exact: the map's own product */
+        for (; j + LANES <= n; j += LANES) vstore(dst, j, 1, *(const vf *)(p + j) * (*(const vf *)(g + j) - r), LANES);
+        for (; j < n; j++) dst[j] = f32_to_bf16(p[j] * (g[j] - r));
+    } else {
+        for (; j + LANES <= n; j += LANES)
+            vstore(dst, j, 1, w * *(const vf *)(p + j) * (*(const vf *)(g + j) - r), LANES);
+        for (; j < n; j++) dst[j] = f32_to_bf16(w * p[j] * (g[j] - r));
+    }
+    if (width > n) memset(dst + n, 0, (size_t)(width - n) * 2);
 }
 
 #define PAD32(x) (((x) + 31) / 32 * 32)
@@ -1674,13 +1735,14 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
     {
         tiles_begin();
         const int64_t kpa = kpad_all;
-        float *S = (float *)malloc((size_t)(M * cpad * kpa) * sizeof(float));   /* P_m, then dS_m */
-        float *G = (float *)malloc((size_t)(cpad * kpa) * sizeof(float));       /* the combined map, then dP */
+        float *S = (float *)malloc((size_t)(M * cpad * kpa) * sizeof(float));   /* P_m */
+        float *G = (float *)malloc((size_t)(cpad * kpa) * sizeof(float));       /* dP */
         float *acc = (float *)malloc((size_t)((M * d + dv) * kpa) * sizeof(float)); /* dK_m^T, dV^T */
         float *O = (float *)malloc((size_t)(cpad * d) * sizeof(float));
         uint16_t *Qb = (uint16_t *)malloc((size_t)(M * cpad * d) * 2), *QT = (uint16_t *)malloc((size_t)(cpad * d) * 2);
         uint16_t *dOb = (uint16_t *)malloc((size_t)(cpad * dv) * 2), *dOT = (uint16_t *)malloc((size_t)(cpad * dv) * 2);
-        uint16_t *Ab = (uint16_t *)malloc((size_t)(cpad * kpa) * 2), *Bv = (uint16_t *)malloc((size_t)(cpad * kpa) * 2);
+        uint16_t *Ab = (uint16_t *)malloc((size_t)(M * cpad * kpa) * 2); /* dS_m in bf16 */
+        uint16_t *Bv = (uint16_t *)malloc((size_t)(cpad * kpa) * 2);     /* packed: the combined map, then dS_m */
         const int ok = S && G && acc && O && Qb && QT && dOb && dOT && Ab && Bv;
         if (!ok) {
 #pragma omp atomic write
@@ -1703,62 +1765,67 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
                         bf16_gemm(cp, kp, d, Qb + m * cpad * d, d, kt + s * kpa * d, d / 32, S + m * cpad * kp, kp, 0, -1,
                                  diag);
                     }
-                    for (int64_t i = 0; i < cp; i++) { /* P1 (and P2) from the saved log-sum-exp; G */
-                        float *p0 = S + i * kp, *g = G + i * kp, *p1 = S + (cpad + i) * kp;
+                    float lrow[2] = {0.0f, 0.0f};
+                    for (int64_t i = 0; i < cp; i++) { /* P1 (and P2) from the saved log-sum-exp */
+                        float *p0 = S + i * kp, *p1 = S + (cpad + i) * kp;
                         const int64_t n = i < c ? attn_visible(causal, q_start, i0 + i, nk) : 0;
+                        lrow[i & 1] = M == 2 && n ? (lam_rows ? lam_rows[(b * H + h) * N + i0 + i] : lam) : 0.0f;
                         if (n) {
                             const int64_t row = (b * M * H + h) * N + i0 + i;
                             exp_lse_row_scaled(p0, n, scale, lse[row]);
-                            if (M == 1) {
-                                memcpy(g, p0, (size_t)n * sizeof(float));
-                            } else {
-                                const float l = lam_rows ? lam_rows[(b * H + h) * N + i0 + i] : lam;
-                                exp_lse_row_scaled(p1, n, scale, lse[row + H * N]);
-#pragma omp simd
-                                for (int64_t j = 0; j < n; j++) g[j] = p0[j] - l * p1[j];
-                            }
+                            if (M == 2) exp_lse_row_scaled(p1, n, scale, lse[row + H * N]);
                         }
                         memset(p0 + n, 0, (size_t)(kp - n) * sizeof(float));
-                        memset(g + n, 0, (size_t)(kp - n) * sizeof(float));
                         if (M == 2) memset(p1 + n, 0, (size_t)(kp - n) * sizeof(float));
+                        if (i & 1) /* rows i - 1 and i: G = P1 - lambda P2 in float32, packed for dV as pack_bn would */
+                            for (int64_t j = 0; j < kp / 16; j++) {
+                                uint16_t *o = Bv + (j * (cp / 32) + i / 32) * TILE + (i % 32) / 2 * 32;
+                                const float *a0 = S + (i - 1) * kp + j * 16, *b0 = a0 + kp;
+                                vf ga = *(const vf *)a0, gb = *(const vf *)b0;
+                                if (M == 2) {
+                                    ga = ga - lrow[0] * *(const vf *)(a0 + cpad * kp);
+                                    gb = gb - lrow[1] * *(const vf *)(b0 + cpad * kp);
+                                }
+                                *(vu *)o = vround_bf16_pairs(ga, gb);
+                            }
                     }
                     copy_rows_bf16(dout + ((b * N + i0) * H + h) * dv, H * dv, c, cp, dv, dOb);
                     transpose_bf16(dOb, dv, cp, cp, dv, dOT);
                     /* dV^T += dO^T G */
-                    pack_bn(G, 1, kp, cp, cp, kp, Bv);
                     bf16_gemm(dv, kp, cp, dOT, cp, Bv, cp / 32, dVT, kpa, 1, -1, -1);
                     /* dP = dO V^T */
                     bf16_gemm(cp, kp, dv, dOb, dv, vt + t * kpa * dv, dv / 32, G, kp, 0, -1, diag);
-                    for (int64_t i = 0; i < c; i++) { /* dS_m = w_m P_m (dP - rowsum(P_m dP)), w = 1, -lambda */
+                    for (int64_t i = 0; i < cp; i++) { /* dS_m = w_m P_m (dP - rowsum(P_m dP)), w = 1, -lambda: bf16 */
+                        if (i >= c) {
+                            for (int64_t m = 0; m < M; m++) memset(Ab + (m * cpad + i) * kp, 0, (size_t)kp * 2);
+                            continue;
+                        }
                         const int64_t n = attn_visible(causal, q_start, i0 + i, nk);
-                        float *p0 = S + i * kp;
-                        const float *g = G + i * kp;
+                        const float *p0 = S + i * kp, *g = G + i * kp;
                         float r0 = 0.0f;
 #pragma omp simd reduction(+ : r0)
                         for (int64_t j = 0; j < n; j++) r0 += p0[j] * g[j];
+                        ds_row_bf16(p0, g, r0, 1.0f, n, kp, Ab + i * kp);
                         if (M == 2) {
-                            float *p1 = S + (cpad + i) * kp, r1 = 0.0f;
+                            const float *p1 = S + (cpad + i) * kp;
+                            float r1 = 0.0f;
 #pragma omp simd reduction(+ : r1)
                             for (int64_t j = 0; j < n; j++) r1 += p1[j] * g[j];
                             rs2[(b * H + h) * N + i0 + i] = r1;
                             const float w1 = -(lam_rows ? lam_rows[(b * H + h) * N + i0 + i] : lam);
-#pragma omp simd
-                            for (int64_t j = 0; j < n; j++) p1[j] = w1 * p1[j] * (g[j] - r1);
+                            ds_row_bf16(p1, g, r1, w1, n, kp, Ab + (cpad + i) * kp);
                         }
-#pragma omp simd
-                        for (int64_t j = 0; j < n; j++) p0[j] = p0[j] * (g[j] - r0);
                     }
                     for (int64_t m = 0; m < M; m++) {
                         const int64_t s = (b * M + m) * Hk + hk;
-                        float *Sm = S + m * cpad * kp;
+                        const uint16_t *Am = Ab + m * cpad * kp;
                         /* dQ = scale dS K */
-                        for (int64_t i = 0; i < cp; i++) row_to_bf16(Sm + i * kp, 1.0f, NULL, 0.0f, Ab + i * kp, kp, kp);
-                        bf16_gemm(cp, d, kp, Ab, kp, kn + s * kpa * d, kpa / 32, O, d, 0, diag, -1);
+                        bf16_gemm(cp, d, kp, Am, kp, kn + s * kpa * d, kpa / 32, O, d, 0, diag, -1);
                         uint16_t *dqm = dq + (((b * M + m) * H + h) * N + i0) * d;
                         for (int64_t i = 0; i < c; i++) row_to_bf16(O + i * d, scale, NULL, 0.0f, dqm + i * d, d, d);
                         /* dK^T += Q^T dS (scale at the end) */
                         transpose_bf16(Qb + m * cpad * d, d, cp, cp, d, QT);
-                        pack_bn(Sm, 1, kp, cp, cp, kp, Bv);
+                        pack_bn(Am, 0, kp, cp, cp, kp, Bv);
                         bf16_gemm(d, kp, cp, QT, cp, Bv, cp / 32, acc + m * d * kpa, kpa, 1, -1, -1);
                     }
                 }
