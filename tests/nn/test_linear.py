@@ -415,12 +415,14 @@ def _bf16_exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @needs_dot_linear
-@pytest.mark.parametrize("m,k,n", [(256, 64, 96), (77, 96, 32), (5, 32, 64), (130, 128, 160)])
+@pytest.mark.parametrize("m,k,n", [(256, 64, 96), (77, 96, 32), (5, 32, 64), (130, 128, 160),
+                                   (70, 48, 80), (33, 16, 16), (9, 80, 48)])  # odd multiples of 16 of k and n
 @pytest.mark.parametrize("threads", [1, 2])
 def test_dot_kernels_against_float64(m, k, n, threads):
     """pack_wt / pack_rows / dot_mm: float32 outputs within float32 summation error of the float64 product
-    of the bf16-rounded operands (remainder rows of the 8-row block and of a thread's 64-row task included),
-    bf16 outputs that exact value rounded once, and the packing's rounding of float32 = torch's .bfloat16()."""
+    of the bf16-rounded operands (remainder rows of the 8-row block and of a thread's 64-row task included;
+    a contraction or a width that is an odd multiple of 16: half a tile, one strip of 16 columns), bf16
+    outputs that exact value rounded once, and the packing's rounding of float32 = torch's .bfloat16()."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -496,10 +498,11 @@ def test_dot_kernels_bitwise_the_same_on_one_and_two_threads():
 
 @needs_dot_linear
 def test_dot_kernels_decline_what_they_do_not_take():
-    assert native.pack_wt(torch.randn(40, 64)) is None  # rows not a multiple of 32
+    assert native.pack_wt(torch.randn(40, 64)) is None  # rows not a multiple of 16
     assert native.pack_wt(torch.randn(64, 40)) is None
     assert native.pack_wt(torch.randn(64, 64).double()) is None
-    assert native.pack_rows(torch.randn(64, 48), 64) is None
+    assert native.pack_rows(torch.randn(64, 40), 64) is None  # columns not a multiple of 16
+    assert native.pack_rows(torch.randn(40, 64), 40) is None  # nor the rows it pads to
     assert native.pack_rows(torch.randn(70, 64), 64) is None  # more rows than the padding
     assert native.transpose_rows_bf16(torch.randn(48, 64).bfloat16()) is None
     bp = native.pack_wt(torch.randn(64, 64))
@@ -513,15 +516,16 @@ def test_dot_kernels_decline_what_they_do_not_take():
 
 @needs_dot_linear
 @pytest.mark.parametrize("tokens", [256, 50])  # 50: the weight gradients' contraction is not a multiple of 32
-def test_dot_path_is_taken_and_matches_torch(tokens, monkeypatch):
-    """On a CPU with AVX512-BF16 and without AMX, bf16 training calls whose widths are multiples of 32 run
+@pytest.mark.parametrize("widths,d_in", [([64, 96, 32], 64), ([48, 80, 16], 48)])  # 48, 80, 16: odd x 16
+def test_dot_path_is_taken_and_matches_torch(tokens, widths, d_in, monkeypatch):
+    """On a CPU with AVX512-BF16 and without AMX, bf16 training calls whose widths are multiples of 16 run
     _DotLinear, and a width that is not falls back to _Linear (torch's GEMMs); both as close to float64 as
     torch's own path."""
     calls = []
     real = native.dot_mm
     monkeypatch.setattr(native, "dot_mm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    layers = _layers([64, 96, 32], 64, True)
-    x = torch.randn(tokens, 64)
+    layers = _layers(widths, d_in, True)
+    x = torch.randn(tokens, d_in)
     ys, g = _ours(x, layers, autocast=True)
     assert ys[0].grad_fn.name().startswith("_DotLinear")
     n_fwd = 3
@@ -536,6 +540,6 @@ def test_dot_path_is_taken_and_matches_torch(tokens, monkeypatch):
         err_ref = ((b.double() - e).norm() / e.norm()).item()
         assert err <= 1.25 * err_ref + 1e-4, (err, err_ref)
     calls.clear()
-    odd = _layers([48], 64, False)  # 48 rows: not the kernel's
+    odd = _layers([40], d_in, False)  # 40 rows: not a multiple of 16
     ys, _ = _ours(x, odd, autocast=True)
     assert ys[0].grad_fn.name().startswith("_Linear") and not calls

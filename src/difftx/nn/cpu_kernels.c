@@ -122,9 +122,8 @@ static inline int vplain2(vf a, vf b) { /* neither a subnormal nor a NaN among a
 }
 #endif
 
-/* 32 consecutive floats rounded to bf16, as 16 32-bit pairs (the 32 bf16 values in order). */
-static inline vu vround_bf16_32(const float *src) {
-    const vf a = *(const vf *)src, b = *(const vf *)(src + 16);
+/* 32 consecutive floats (a, then b) rounded to bf16, as 16 32-bit pairs (the 32 bf16 values in order). */
+static inline vu vround_bf16_32(vf a, vf b) {
 #ifdef DIFFTX_CVT_BF16
     if (__builtin_expect(vplain2(a, b), 1)) return (vu)_mm512_cvtne2ps_pbh((__m512)b, (__m512)a);
 #endif
@@ -1309,49 +1308,55 @@ int difftx_amx(void) { return 0; }
 #endif
 
 #ifdef DIFFTX_DPBF16
-/* The register block of the bf16 products without AMX: rows [0, mr) (mr <= 8) of C (32 columns) = A rows (lda)
- * x the strip pair at b0 (strips kstride tiles apart), over the first kt tiles of the contraction; A's pairs
- * broadcast against packed rows (vdpbf16ps: acc += a0 b0 + a1 b1 per float32 lane), 16 float32 accumulators.
- * Epilogue: + bias[0:32] (float32) when given; then into cb (bf16, nearest-even) when given, else cf
+/* The register block of the bf16 products without AMX: rows [0, mr) (mr <= 8) of C (16 nv columns, nv 1 or 2) =
+ * A rows (lda) x the strip pair at b0 (strips kstride tiles apart; strip 0 alone when nv is 1), over the first kt
+ * tiles of the contraction, then, with half, the first 8 pair rows (16 values) of tile kt; A's pairs broadcast
+ * against packed rows (vdpbf16ps: acc += a0 b0 + a1 b1 per float32 lane), 8 nv float32 accumulators.
+ * Epilogue: + bias[0:16 nv] (float32) when given; then into cb (bf16, nearest-even) when given, else cf
  * (float32).  acc: the sums start from cf's values. */
-static inline __attribute__((always_inline)) void dot_block(int mr, const uint16_t *a, int64_t lda,
-                                                            const uint16_t *b0, int64_t kstride, int64_t kt,
+#define DOT_STEP(KK, R)                                                                            \
+    do {                                                                                           \
+        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(b0 + (KK) * TILE + (R) * 32);             \
+        const __m512bh v1 = nv == 2 ? (__m512bh)_mm512_loadu_si512(b1 + (KK) * TILE + (R) * 32) : v0; \
+        for (int m = 0; m < mr; m++) {                                                             \
+            int32_t pair;                                                                          \
+            memcpy(&pair, a + m * lda + (KK) * 32 + 2 * (R), 4);                                   \
+            const __m512bh u = (__m512bh)_mm512_set1_epi32(pair);                                  \
+            c0[m] = _mm512_dpbf16_ps(c0[m], u, v0);                                                \
+            if (nv == 2) c1[m] = _mm512_dpbf16_ps(c1[m], u, v1);                                   \
+        }                                                                                          \
+    } while (0)
+
+static inline __attribute__((always_inline)) void dot_block(int mr, int nv, const uint16_t *a, int64_t lda,
+                                                            const uint16_t *b0, int64_t kstride, int64_t kt, int half,
                                                             float *cf, int64_t ldc, int acc, uint16_t *cb,
                                                             int64_t ldb, const float *bias) {
     __m512 c0[8], c1[8];
     const uint16_t *b1 = b0 + kstride * TILE;
     for (int m = 0; m < mr; m++) {
         c0[m] = acc ? _mm512_loadu_ps(cf + m * ldc) : _mm512_setzero_ps();
-        c1[m] = acc ? _mm512_loadu_ps(cf + m * ldc + 16) : _mm512_setzero_ps();
+        c1[m] = acc && nv == 2 ? _mm512_loadu_ps(cf + m * ldc + 16) : _mm512_setzero_ps();
     }
-    for (int64_t kk = 0; kk < kt; kk++) {
-        const uint16_t *t0 = b0 + kk * TILE, *t1 = b1 + kk * TILE, *ak = a + kk * 32;
-        for (int r = 0; r < 16; r++) {
-            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(t0 + r * 32);
-            const __m512bh v1 = (__m512bh)_mm512_loadu_si512(t1 + r * 32);
-            for (int m = 0; m < mr; m++) {
-                int32_t pair;
-                memcpy(&pair, ak + m * lda + 2 * r, 4);
-                const __m512bh u = (__m512bh)_mm512_set1_epi32(pair);
-                c0[m] = _mm512_dpbf16_ps(c0[m], u, v0);
-                c1[m] = _mm512_dpbf16_ps(c1[m], u, v1);
-            }
-        }
-    }
+    for (int64_t kk = 0; kk < kt; kk++)
+        for (int r = 0; r < 16; r++) DOT_STEP(kk, r);
+    if (half)
+        for (int r = 0; r < 8; r++) DOT_STEP(kt, r);
     for (int m = 0; m < mr; m++) {
         __m512 y0 = c0[m], y1 = c1[m];
         if (bias) { /* only then: x + 0 is not x for x = -0 (the attention's products pass none) */
             y0 = _mm512_add_ps(y0, _mm512_loadu_ps(bias));
-            y1 = _mm512_add_ps(y1, _mm512_loadu_ps(bias + 16));
+            if (nv == 2) y1 = _mm512_add_ps(y1, _mm512_loadu_ps(bias + 16));
         }
-        if (cb) {
-            _mm512_storeu_si512(cb + m * ldb, (__m512i)_mm512_cvtne2ps_pbh(y1, y0));
+        if (cb) { /* vround_bf16: subnormal sums kept, as torch's cast keeps them */
+            vstore_bf16(cb + m * ldb, (vf)y0);
+            if (nv == 2) vstore_bf16(cb + m * ldb + 16, (vf)y1);
         } else {
             _mm512_storeu_ps(cf + m * ldc, y0);
-            _mm512_storeu_ps(cf + m * ldc + 16, y1);
+            if (nv == 2) _mm512_storeu_ps(cf + m * ldc + 16, y1);
         }
     }
 }
+#undef DOT_STEP
 
 #define DOT_MR 8 /* rows of C per register block (x 32 columns: 16 accumulators) */
 
@@ -1365,7 +1370,7 @@ static void dot_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t
         for (int64_t j = 0; j < n_end; j += 32) {
             const uint16_t *b0 = Bp + (j / 16) * kt * TILE;
             for (int64_t ii = i; ii < i + 32; ii += DOT_MR)
-                dot_block(DOT_MR, A + ii * lda, lda, b0, kt, kk_end, C + ii * ldc + j, ldc, acc, NULL, 0, NULL);
+                dot_block(DOT_MR, 2, A + ii * lda, lda, b0, kt, kk_end, 0, C + ii * ldc + j, ldc, acc, NULL, 0, NULL);
         }
     }
 }
@@ -1433,21 +1438,25 @@ static inline void transpose16(vu *r) {
 }
 
 /* B = X^T for a product over X's columns: X (n rows of w bf16, or float32 with x_f32, row stride ldx; w a
- * multiple of 32) packed for K = w, N = npad (a multiple of 32; rows past n are zero): strip j, tile kk holds
- * the 32-bit pairs X[16 j + c][32 kk + 2 r : + 2] at row r, column c.  pack_bt_strip: strip j alone. */
+ * multiple of 16) packed for K = w, N = npad (a multiple of 32; rows past n are zero): strip j, tile kk holds
+ * the 32-bit pairs X[16 j + c][32 kk + 2 r : + 2] at row r, column c (past w: zero).  pack_bt_strip: strip j
+ * alone. */
 static inline __attribute__((always_inline)) void pack_bt_strip(const void *x, int x_f32, int64_t ldx, int64_t n,
                                                                  int64_t w, int64_t j, uint16_t *out) {
-    const int64_t kt = w / 32;
+    const int64_t kt = (w + 31) / 32;
     for (int64_t kk = 0; kk < kt; kk++) {
+        const int half = w - kk * 32 < 32; /* w an odd multiple of 16: the last tile's pairs 8-15 are zero */
         vu r[16];
         for (int64_t c = 0; c < 16; c++) {
             const int64_t row = j * 16 + c;
             if (row >= n) {
                 r[c] = (vu){0};
             } else if (x_f32) { /* 32 floats rounded to bf16 (nearest-even), as 16 pairs */
-                r[c] = vround_bf16_32((const float *)x + row * ldx + kk * 32);
+                const float *src = (const float *)x + row * ldx + kk * 32;
+                r[c] = vround_bf16_32(*(const vf *)src, half ? (vf){0} : *(const vf *)(src + 16));
             } else {
-                memcpy(&r[c], (const uint16_t *)x + row * ldx + kk * 32, 64);
+                r[c] = (vu){0};
+                memcpy(&r[c], (const uint16_t *)x + row * ldx + kk * 32, half ? 32 : 64);
             }
         }
         transpose16(r);
@@ -1882,37 +1891,47 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
 #define LIN_MR 8 /* rows per register block (dot_block's most) */
 #define LIN_IB 64 /* rows per thread task: its A rows stay in L1/L2 while every column strip passes */
 
-/* C (M x N) = A (M x 32 kt bf16 rows, lda) B (packed: strip j of 16 columns at Bp + j kt TILE), N a multiple of
- * 32, into cb (bf16, ldb) or cf (float32, ldc; acc: +=), + bias (float32, N) when given.  Threads take
- * blocks of LIN_IB rows (of 32 columns when there are fewer row blocks than threads); each column
- * strip pair is read once per block, its rows 8 at a time. */
-int difftx_dot_linear(const uint16_t *A, int64_t lda, int64_t M, const uint16_t *Bp, int64_t kt, int64_t N,
+/* C (M x N) = A (M x K bf16 rows, lda) B (packed: strip j of 16 columns at Bp + j kst TILE, kst = ceil(K / 32)
+ * tiles, the last one half used when K is an odd multiple of 16), N and K multiples of 16, into cb (bf16, ldb) or
+ * cf (float32, ldc; acc: +=), + bias (float32, N) when given.  Threads take blocks of LIN_IB rows (of column
+ * pairs when there are fewer row blocks than threads); each column strip pair is read once per block, its
+ * rows 8 at a time; an odd last strip alone. */
+int difftx_dot_linear(const uint16_t *A, int64_t lda, int64_t M, const uint16_t *Bp, int64_t K, int64_t N,
                       float *cf, int64_t ldc, int acc, uint16_t *cb, int64_t ldb, const float *bias, int nthreads) {
-    if (N % 32 || kt < 1 || (!cf && !cb)) return 0;
+    if (N % 16 || K % 16 || K < 16 || N < 16 || (!cf && !cb)) return 0;
+    const int64_t kt = K / 32, half = K % 32 != 0, kst = kt + half, pairs = (N + 31) / 32;
     const int64_t rb = (M + LIN_IB - 1) / LIN_IB;
-    const int64_t cbs = rb >= nthreads ? 1 : N / 32; /* column blocks: strips split when rows are too few */
-    const int64_t cw = N / cbs;
+    const int64_t cbs = rb >= nthreads ? 1 : pairs; /* column blocks: strip pairs split when rows are too few */
+    const int64_t per = (pairs + cbs - 1) / cbs;
 #pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
     for (int64_t ib = 0; ib < rb; ib++)
         for (int64_t jb = 0; jb < cbs; jb++) {
             const int64_t i1 = (ib + 1) * LIN_IB < M ? (ib + 1) * LIN_IB : M;
-            for (int64_t j = jb * cw; j < (jb + 1) * cw; j += 32) {
-                const uint16_t *b0 = Bp + (j / 16) * kt * TILE;
+            const int64_t p1 = (jb + 1) * per < pairs ? (jb + 1) * per : pairs;
+            for (int64_t j = jb * per * 32; j < p1 * 32; j += 32) {
+                const uint16_t *b0 = Bp + (j / 16) * kst * TILE;
                 const float *bj = bias ? bias + j : NULL;
+                const int two = N - j >= 32;
                 for (int64_t i = ib * LIN_IB; i < i1; i += LIN_MR) {
                     const uint16_t *a = A + i * lda;
                     float *c = cf ? cf + i * ldc + j : NULL;
                     uint16_t *o = cb ? cb + i * ldb + j : NULL;
+#define LIN_CASE(MR)                                                                  \
+    case MR:                                                                          \
+        if (two) dot_block(MR, 2, a, lda, b0, kst, kt, half, c, ldc, acc, o, ldb, bj); \
+        else dot_block(MR, 1, a, lda, b0, kst, kt, half, c, ldc, acc, o, ldb, bj);     \
+        break;
                     switch (i1 - i < LIN_MR ? i1 - i : LIN_MR) { /* constant counts keep the block in registers */
-                        case 8: dot_block(8, a, lda, b0, kt, kt, c, ldc, acc, o, ldb, bj); break;
-                        case 7: dot_block(7, a, lda, b0, kt, kt, c, ldc, acc, o, ldb, bj); break;
-                        case 6: dot_block(6, a, lda, b0, kt, kt, c, ldc, acc, o, ldb, bj); break;
-                        case 5: dot_block(5, a, lda, b0, kt, kt, c, ldc, acc, o, ldb, bj); break;
-                        case 4: dot_block(4, a, lda, b0, kt, kt, c, ldc, acc, o, ldb, bj); break;
-                        case 3: dot_block(3, a, lda, b0, kt, kt, c, ldc, acc, o, ldb, bj); break;
-                        case 2: dot_block(2, a, lda, b0, kt, kt, c, ldc, acc, o, ldb, bj); break;
-                        default: dot_block(1, a, lda, b0, kt, kt, c, ldc, acc, o, ldb, bj); break;
+                        LIN_CASE(8)
+                        LIN_CASE(7)
+                        LIN_CASE(6)
+                        LIN_CASE(5)
+                        LIN_CASE(4)
+                        LIN_CASE(3)
+                        LIN_CASE(2)
+                        default: LIN_CASE(1)
                     }
+#undef LIN_CASE
                 }
             }
         }
@@ -1920,22 +1939,22 @@ int difftx_dot_linear(const uint16_t *A, int64_t lda, int64_t M, const uint16_t 
 }
 
 /* B = W^T packed for a product over W's columns (pack_bt's layout): W (n rows of k, row stride ldw; float32 when
- * w_f32, rounded to bf16 nearest-even, else bf16), n and k multiples of 32 (returns 0 otherwise).  Threads take
- * strips. */
+ * w_f32, rounded to bf16 nearest-even, else bf16), n and k multiples of 16 (returns 0 otherwise; an odd multiple
+ * of 16 of k leaves the last tile's second half zero).  Threads take strips. */
 int difftx_pack_wt(const void *w, int w_f32, int64_t ldw, int64_t n, int64_t k, uint16_t *out, int nthreads) {
-    if (n % 32 || k % 32) return 0;
+    if (n % 16 || k % 16) return 0;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t j = 0; j < n / 16; j++) pack_bt_strip(w, w_f32, ldw, n, k, j, out);
     return 1;
 }
 
 /* B = X packed for a product over X's rows: X (n rows of w, row stride ldx; float32 when x_f32, else bf16),
- * rows past n up to npad (a multiple of 32) zero, w a multiple of 32 (returns 0 otherwise).  Threads take
+ * rows past n up to npad rounded up to 32 zero, npad and w multiples of 16 (returns 0 otherwise).  Threads take
  * tiles. */
 int difftx_pack_rows(const void *x, int x_f32, int64_t ldx, int64_t n, int64_t npad, int64_t w, uint16_t *out,
                      int nthreads) {
-    if (npad % 32 || w % 32 || n > npad) return 0;
-    const int64_t kt = npad / 32;
+    if (npad % 16 || w % 16 || n > npad) return 0;
+    const int64_t kt = (npad + 31) / 32; /* rows from n up to 32 kt are zero */
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t kk = 0; kk < kt; kk++) pack_bn_tile(x, x_f32, ldx, n, kt, kk, w, out);
     return 1;

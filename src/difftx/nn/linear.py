@@ -154,12 +154,12 @@ class _DotLinear(torch.autograd.Function):
 def _dot_ok(x: torch.Tensor, modules) -> bool:
     """Whether :class:`_DotLinear` takes a bfloat16 training call of ``modules`` on ``x``: the kernel is here
     (:func:`difftx.nn.native.dot_linear`) and every width (x's, each weight's rows and columns) is a multiple
-    of 32, the weights 2-d float32 or bfloat16 with unit column strides."""
-    if not native.dot_linear() or x.shape[-1] % 32 or x.numel() == 0:
+    of 16, the weights 2-d float32 or bfloat16 with unit column strides."""
+    if not native.dot_linear() or x.shape[-1] % 16 or x.numel() == 0:
         return False
     for m in modules:
         w = m.weight
-        if (w.dim() != 2 or w.dtype not in _TAKEN or w.stride(1) != 1 or w.shape[0] % 32 or w.shape[1] != x.shape[-1]
+        if (w.dim() != 2 or w.dtype not in _TAKEN or w.stride(1) != 1 or w.shape[0] % 16 or w.shape[1] != x.shape[-1]
                 or (m.bias is not None and m.bias.dtype not in _TAKEN)):
             return False
     return True

@@ -455,26 +455,32 @@ def dot_linear() -> bool:
     return library() is not None and _STATE.get("dot_linear", False)
 
 
+def _packed_numel(k: int, n: int) -> int:
+    """Elements of a packed B operand for a contraction over k and n columns (whole 32-deep tiles per 16-column
+    strip: an odd multiple of 16 of k is padded with zeros)."""
+    return -(-k // 32) * 32 * n
+
+
 def pack_wt(w: torch.Tensor) -> Optional[torch.Tensor]:
     """W^T packed as :func:`dot_mm`'s B operand, for a 2-d float32 or bfloat16 ``w`` (n, k) with a unit column
     stride (float32 rounded to bfloat16 nearest-even, as autocast casts it); None where n or k is not a multiple
-    of 32 or the kernel is not here."""
+    of 16 or the kernel is not here."""
     if (w.dim() != 2 or w.dtype not in (torch.float32, torch.bfloat16) or w.stride(1) != 1 or not dot_linear()
-            or w.shape[0] % 32 or w.shape[1] % 32 or w.device.type != "cpu"):
+            or w.shape[0] % 16 or w.shape[1] % 16 or w.device.type != "cpu"):
         return None
-    out = torch.empty(w.numel(), dtype=torch.bfloat16)
+    out = torch.empty(_packed_numel(w.shape[1], w.shape[0]), dtype=torch.bfloat16)
     ok = library().difftx_pack_wt(w.data_ptr(), int(w.dtype == torch.float32), w.stride(0), w.shape[0], w.shape[1],
                                   out.data_ptr(), torch.get_num_threads())
     return out if ok else None
 
 
 def pack_rows(x: torch.Tensor, rows_pad: int) -> Optional[torch.Tensor]:
-    """X packed as :func:`dot_mm`'s B operand for a product over X's rows (zero rows up to ``rows_pad``, a multiple
-    of 32), for a 2-d float32 or bfloat16 ``x`` with a unit column stride and columns a multiple of 32; else None."""
+    """X packed as :func:`dot_mm`'s B operand for a product over ``rows_pad`` rows (X's, then zero rows; a multiple
+    of 16), for a 2-d float32 or bfloat16 ``x`` with a unit column stride and columns a multiple of 16; else None."""
     if (x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or x.stride(1) != 1 or not dot_linear()
-            or x.shape[1] % 32 or rows_pad % 32 or x.shape[0] > rows_pad or x.device.type != "cpu"):
+            or x.shape[1] % 16 or rows_pad % 16 or x.shape[0] > rows_pad or x.device.type != "cpu"):
         return None
-    out = torch.empty(rows_pad * x.shape[1], dtype=torch.bfloat16)
+    out = torch.empty(_packed_numel(rows_pad, x.shape[1]), dtype=torch.bfloat16)
     ok = library().difftx_pack_rows(x.data_ptr(), int(x.dtype == torch.float32), x.stride(0), x.shape[0], rows_pad,
                                     x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out if ok else None
@@ -491,12 +497,13 @@ def dot_mm(a: torch.Tensor, bp: torch.Tensor, n: int, out: torch.Tensor, add: Op
     """out (m, n) = a (m, k) @ B (+ ``add``, float32 (m, n), when given: ``out`` itself, or a float32 tensor
     beside a bfloat16 ``out``; +
     ``bias``, float32 (n,), when given), B packed by :func:`pack_wt` or :func:`pack_rows` for this k (``bp``);
-    ``a`` bfloat16 with a unit column stride and k a multiple of 32; ``out`` contiguous, bfloat16 (rounded
+    ``a`` bfloat16 with a unit column stride, k and n multiples of 16; ``out`` contiguous, bfloat16 (rounded
     nearest-even from the float32 sums) or float32.  False where the kernel does not take it (nothing
     written)."""
     m, k = a.shape
     f32 = out.dtype == torch.float32
-    if (a.dtype != torch.bfloat16 or a.stride(1) != 1 or k % 32 or n % 32 or bp.numel() != k * n
+    if (a.dtype != torch.bfloat16 or a.stride(1) != 1 or not k or not n or k % 16 or n % 16
+            or bp.numel() != _packed_numel(k, n)
             or out.shape != (m, n) or not out.is_contiguous() or out.dtype not in (torch.float32, torch.bfloat16)
             or not dot_linear()
             or (add is not None and (add.dtype != torch.float32 or add.shape != (m, n) or not add.is_contiguous()
@@ -505,7 +512,7 @@ def dot_mm(a: torch.Tensor, bp: torch.Tensor, n: int, out: torch.Tensor, add: Op
         return False
     acc = add if add is not None else (out if f32 else None)
     return bool(library().difftx_dot_linear(
-        a.data_ptr(), a.stride(0), m, bp.data_ptr(), k // 32, n, None if acc is None else acc.data_ptr(), n,
+        a.data_ptr(), a.stride(0), m, bp.data_ptr(), k, n, None if acc is None else acc.data_ptr(), n,
         int(add is not None), None if f32 else out.data_ptr(), n, None if bias is None else bias.data_ptr(),
         torch.get_num_threads()))
 
