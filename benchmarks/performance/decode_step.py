@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--timer", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: under autocast, as the bench")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.timer == "cpu" else time.perf_counter
@@ -54,14 +55,15 @@ def main() -> None:
     model = build_model(cfg).eval()
     prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.context))
     best = float("inf")
-    with torch.no_grad():
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+    with torch.no_grad(), amp:
         cache = model.new_cache(args.batch, args.context + args.new)
         first = model(prompt, cache=cache).logits
         for rnd in range(args.rounds + 1):  # round 0 warms up
             seconds = greedy_steps(model, cache, first, args.context, args.new, clock)
             if rnd:
                 best = min(best, seconds / args.new)
-    print(f"{args.arm} {args.preset} batch {args.batch} context {args.context} threads {args.threads} "
+    print(f"{args.arm} {args.preset} {args.dtype} batch {args.batch} context {args.context} threads {args.threads} "
           f"{args.timer}: {best * 1e3:.2f} ms/step, {args.batch / best:.0f} tokens/s")
 
 

@@ -543,3 +543,83 @@ def test_dot_path_is_taken_and_matches_torch(tokens, widths, d_in, monkeypatch):
     odd = _layers([40], d_in, False)  # 40 rows: not a multiple of 16
     ys, _ = _ours(x, odd, autocast=True)
     assert ys[0].grad_fn.name().startswith("_Linear") and not calls
+
+
+@needs_dot_linear
+@pytest.mark.parametrize("rows,d_in,d_out,bias", [(4, 64, 96, True), (37, 48, 80, False), (300, 128, 32, True)])
+def test_bf16_inference_in_a_packed_scope_runs_the_dot_kernels(rows, d_in, d_out, bias, monkeypatch):
+    """Inside packed_weights (a KV cache's decoding), bf16 inference on AVX512-BF16 without AMX runs the
+    dot-product kernels on each weight packed once: within float32 summation error plus one bf16 rounding of the
+    float64 product of the bf16-rounded operands, a row the same bits alone as in a batch, packed again after an
+    in-place update; outside the scope, or with a gradient wanted, or a width not a multiple of 16: not."""
+    calls, packs = [], []
+    real_mm, real_pack = native.dot_mm, native.pack_wt
+    monkeypatch.setattr(native, "dot_mm", lambda *a, **k: calls.append(a[0].shape) or real_mm(*a, **k))
+    monkeypatch.setattr(native, "pack_wt", lambda *a, **k: packs.append(1) or real_pack(*a, **k))
+    layer = _layers([d_out], d_in, bias)[0]
+    x = torch.randn(2, rows, d_in, generator=torch.Generator().manual_seed(rows))
+    store: dict = {}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        outside = layer(x)  # no scope: autocast's F.linear
+        assert not calls and not packs and torch.equal(outside, F.linear(x, layer.weight, layer.bias))
+        with L.packed_weights(store):
+            y = layer(x)
+            one = layer(x[1:, 3:4])
+    assert len(calls) == 2 and len(packs) == 1 and len(store) == 1  # packed once for both calls
+    w = layer.weight.bfloat16().double()
+    exact = x.bfloat16().double() @ w.t() + (layer.bias.bfloat16().double() if bias else 0)
+    bound = 2.0 ** -8 * exact.abs() + d_in * 2.0 ** -23 * (x.bfloat16().double().abs() @ w.abs().t()) + 1e-30
+    assert y.dtype == torch.bfloat16 and ((y.double() - exact).abs() <= bound).all()
+    assert torch.equal(one, y[1:, 3:4])
+    with torch.no_grad():
+        layer.weight.mul_(-1.0)  # an in-place update: a new version, packed again
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), L.packed_weights(store):
+        y2 = layer(x)
+        odd = _layers([40], d_in, bias)[0]
+        n_calls = len(calls)
+        assert torch.equal(odd(x), F.linear(x, odd.weight, odd.bias)) and len(calls) == n_calls  # 40: F.linear
+    assert len(packs) == 2
+    exact2 = x.bfloat16().double() @ -w.t() + (layer.bias.bfloat16().double() if bias else 0)
+    bound2 = 2.0 ** -8 * exact2.abs() + d_in * 2.0 ** -23 * (x.bfloat16().double().abs() @ w.abs().t()) + 1e-30
+    assert ((y2.double() - exact2).abs() <= bound2).all()
+    with torch.autocast("cpu", dtype=torch.bfloat16), L.packed_weights(store):
+        assert layer(x).grad_fn.name().startswith("_DotLinear")  # a gradient wanted: the training path
+
+
+@needs_dot_linear
+@pytest.mark.parametrize("attention", ["softmax", "diff", "diff2"])
+def test_a_kv_caches_bf16_decoding_packs_each_weight_once(monkeypatch, attention):
+    """bf16 cached decoding (autocast) runs every projection on weights the cache packed at the prefill: one
+    pack per weight for the whole generation, logits close to autocast's F.linear ones (a cache whose store is
+    taken away), and reset() drops the packed weights (decoding after it: the same bits as a fresh cache)."""
+    from difftx import ModelConfig
+    from difftx.models import build_model
+
+    packs = []
+    real = native.pack_wt
+    monkeypatch.setattr(native, "pack_wt", lambda *a, **k: packs.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    cfg = ModelConfig(attention=attention, d_model=64, n_heads=2, n_layers=2, vocab_size=50, max_seq_len=32,
+                      tie_embeddings=False)
+    model = build_model(cfg).eval()
+    prompt = torch.randint(0, 50, (4, 9))
+
+    def decode(cache):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(prompt, cache=cache).logits[:, -1:]
+            out = [logits]
+            for t in range(4):
+                out.append(model(torch.full((4, 1), t + 3), cache=cache).logits)
+        return torch.cat(out, 1).float()
+
+    cache = model.new_cache(4, 16)
+    got = decode(cache)
+    n_weights = 2 * (4 + 3)  # q, k, v, o, gate, up, down in 2 layers (the head: F.linear)
+    assert len(packs) == len(cache.packed) == n_weights
+    plain = model.new_cache(4, 16)
+    plain.packed = None  # no store: autocast's F.linear throughout
+    ref = decode(plain)
+    torch.testing.assert_close(got, ref, rtol=0.05, atol=0.05)
+    cache.reset()
+    assert not cache.packed
+    assert torch.equal(decode(cache), decode(model.new_cache(4, 16)))

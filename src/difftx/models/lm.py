@@ -17,7 +17,7 @@ from torch import nn
 from ..errors import DifftxError
 from ..nn.block import Block, run_blocks
 from ..nn.cache import KVCache
-from ..nn.linear import linear, no_hooks
+from ..nn.linear import linear, no_hooks, packed_weights, traced
 from ..nn.loss import linear_cross_entropy
 from ..nn.mask import AttnMask
 from ..nn.norms import make_norm, upcast
@@ -157,7 +157,12 @@ class DecoderLM(ModelMixin, nn.Module):
 
         rope = self.rope.cos_sin(position_ids, x.dtype) if self.rope is not None else None
         mask = AttnMask(causal=True, n_q=n, n_k=q_start + n, q_start=q_start, key_valid=key_valid)
-        x = run_blocks(self.layers, x, rope, mask, cache, self.final_norm)
+        packed = getattr(cache, "packed", None)
+        if isinstance(packed, dict) and not traced():  # a difftx KVCache: bf16 decoding on weights packed once
+            with packed_weights(packed):
+                x = run_blocks(self.layers, x, rope, mask, cache, self.final_norm)
+        else:
+            x = run_blocks(self.layers, x, rope, mask, cache, self.final_norm)
         if cache is not None:
             cache.advance(n, step_valid)
         return x

@@ -28,6 +28,10 @@ class KVCache:
 
     Reuse: :meth:`reset` empties the cache for a new prompt of the same batch size without reallocating; decoding
     after it gives bitwise the logits of a freshly built cache.
+
+    ``packed``: the weights packed for bf16 decoding on CPUs with AVX512-BF16 and without AMX
+    (:func:`difftx.nn.linear.packed_weights`): filled at the first bf16 call through the cache, half the float32
+    weights' bytes, dropped by :meth:`reset` or with the cache.  Set it to None to decode on autocast's F.linear.
     """
 
     def __init__(self, n_layers: int, batch_size: int, max_len: int, device=None, dtype=None):
@@ -43,6 +47,7 @@ class KVCache:
         self.padded = False  # some committed position is padding (then masks carry key_valid)
         self.key_valid = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.packed: dict = {}  # weights packed for bf16 decoding (difftx.nn.linear.packed_weights)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's k, v (B, H, n, d) for ``layer`` (0-based); return all keys/values so far."""
@@ -101,6 +106,7 @@ class KVCache:
         self.padded = False
         self.key_valid.fill_(True)
         self.next_position.zero_()
+        self.packed.clear()
 
     def bytes(self) -> int:
         """Bytes held by the K/V buffers."""
