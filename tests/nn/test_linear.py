@@ -589,9 +589,10 @@ def test_bf16_inference_in_a_packed_scope_runs_the_dot_kernels(rows, d_in, d_out
 @needs_dot_linear
 @pytest.mark.parametrize("attention", ["softmax", "diff", "diff2"])
 def test_a_kv_caches_bf16_decoding_packs_each_weight_once(monkeypatch, attention):
-    """bf16 cached decoding (autocast) runs every projection on weights the cache packed at the prefill: one
-    pack per weight for the whole generation, logits close to autocast's F.linear ones (a cache whose store is
-    taken away), and reset() drops the packed weights (decoding after it: the same bits as a fresh cache)."""
+    """bf16 cached decoding (autocast) runs every projection and the LM head on weights the cache packed at the
+    prefill: one pack per weight for the whole generation, logits close to autocast's F.linear ones (a cache
+    whose store is taken away), and reset() drops the packed weights (decoding after it: the same bits as a
+    fresh cache)."""
     from difftx import ModelConfig
     from difftx.models import build_model
 
@@ -599,10 +600,10 @@ def test_a_kv_caches_bf16_decoding_packs_each_weight_once(monkeypatch, attention
     real = native.pack_wt
     monkeypatch.setattr(native, "pack_wt", lambda *a, **k: packs.append(1) or real(*a, **k))
     torch.manual_seed(0)
-    cfg = ModelConfig(attention=attention, d_model=64, n_heads=2, n_layers=2, vocab_size=50, max_seq_len=32,
+    cfg = ModelConfig(attention=attention, d_model=64, n_heads=2, n_layers=2, vocab_size=64, max_seq_len=32,
                       tie_embeddings=False)
     model = build_model(cfg).eval()
-    prompt = torch.randint(0, 50, (4, 9))
+    prompt = torch.randint(0, 64, (4, 9))
 
     def decode(cache):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -614,7 +615,7 @@ def test_a_kv_caches_bf16_decoding_packs_each_weight_once(monkeypatch, attention
 
     cache = model.new_cache(4, 16)
     got = decode(cache)
-    n_weights = 2 * (4 + 3)  # q, k, v, o, gate, up, down in 2 layers (the head: F.linear)
+    n_weights = 2 * (4 + 3) + 1  # q, k, v, o, gate, up, down in 2 layers, and the LM head
     assert len(packs) == len(cache.packed) == n_weights
     plain = model.new_cache(4, 16)
     plain.packed = None  # no store: autocast's F.linear throughout

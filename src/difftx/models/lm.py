@@ -34,6 +34,16 @@ class LMOutput:
     cache: Optional[KVCache] = None
 
 
+def _with_packed(cache, fn, *args):
+    """fn(*args), inside :func:`difftx.nn.linear.packed_weights` over a difftx KVCache's store when ``cache`` is
+    one (bf16 decoding on weights packed once; not under torch.compile)."""
+    packed = getattr(cache, "packed", None)
+    if isinstance(packed, dict) and not traced():
+        with packed_weights(packed):
+            return fn(*args)
+    return fn(*args)
+
+
 class DecoderLM(ModelMixin, nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -81,7 +91,7 @@ class DecoderLM(ModelMixin, nn.Module):
             weight = self.lm_head.weight if self.lm_head is not None else self.embed.weight
             loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, flat, loss_chunk)
         else:
-            logits = self.head(hidden)
+            logits = _with_packed(cache, self.head, hidden)
             if flat is not None:
                 # at least float32; a float64 model keeps float64 (gradient checks against a float64 reference)
                 loss = F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), flat, ignore_index=-100,
@@ -157,12 +167,7 @@ class DecoderLM(ModelMixin, nn.Module):
 
         rope = self.rope.cos_sin(position_ids, x.dtype) if self.rope is not None else None
         mask = AttnMask(causal=True, n_q=n, n_k=q_start + n, q_start=q_start, key_valid=key_valid)
-        packed = getattr(cache, "packed", None)
-        if isinstance(packed, dict) and not traced():  # a difftx KVCache: bf16 decoding on weights packed once
-            with packed_weights(packed):
-                x = run_blocks(self.layers, x, rope, mask, cache, self.final_norm)
-        else:
-            x = run_blocks(self.layers, x, rope, mask, cache, self.final_norm)
+        x = _with_packed(cache, run_blocks, self.layers, x, rope, mask, cache, self.final_norm)
         if cache is not None:
             cache.advance(n, step_valid)
         return x
