@@ -3,6 +3,8 @@ the transposing kernels against torch's transpose, and the fallbacks (hooks, fro
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -566,8 +568,8 @@ def test_bf16_inference_in_a_packed_scope_runs_the_dot_kernels(rows, d_in, d_out
             y = layer(x)
             one = layer(x[1:, 3:4])
     assert len(calls) == 2 and len(packs) == 1 and len(store) == 1  # packed once for both calls
-    w = layer.weight.bfloat16().double()
-    exact = x.bfloat16().double() @ w.t() + (layer.bias.bfloat16().double() if bias else 0)
+    w = layer.weight.detach().bfloat16().double()  # (no graph: it would hold the weight)
+    exact = x.bfloat16().double() @ w.t() + (layer.bias.detach().bfloat16().double() if bias else 0)
     bound = 2.0 ** -8 * exact.abs() + d_in * 2.0 ** -23 * (x.bfloat16().double().abs() @ w.abs().t()) + 1e-30
     assert y.dtype == torch.bfloat16 and ((y.double() - exact).abs() <= bound).all()
     assert torch.equal(one, y[1:, 3:4])
@@ -579,11 +581,17 @@ def test_bf16_inference_in_a_packed_scope_runs_the_dot_kernels(rows, d_in, d_out
         n_calls = len(calls)
         assert torch.equal(odd(x), F.linear(x, odd.weight, odd.bias)) and len(calls) == n_calls  # 40: F.linear
     assert len(packs) == 2
-    exact2 = x.bfloat16().double() @ -w.t() + (layer.bias.bfloat16().double() if bias else 0)
+    exact2 = x.bfloat16().double() @ -w.t() + (layer.bias.detach().bfloat16().double() if bias else 0)
     bound2 = 2.0 ** -8 * exact2.abs() + d_in * 2.0 ** -23 * (x.bfloat16().double().abs() @ w.abs().t()) + 1e-30
     assert ((y2.double() - exact2).abs() <= bound2).all()
     with torch.autocast("cpu", dtype=torch.bfloat16), L.packed_weights(store):
-        assert layer(x).grad_fn.name().startswith("_DotLinear")  # a gradient wanted: the training path
+        node = layer(x).grad_fn.name()
+    assert node.startswith("_DotLinear")  # a gradient wanted: the training path
+    alive = [entry[0] for entry in store.values()]
+    del layer, odd
+    gc.collect()
+    dead = [entry() is None for entry in alive]
+    assert alive and all(dead), dead  # the store does not keep the weights alive
 
 
 @needs_dot_linear

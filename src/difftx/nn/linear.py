@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from typing import Optional
 
 import torch
@@ -310,8 +311,8 @@ _PACKED: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("difftx
 @contextlib.contextmanager
 def packed_weights(store: dict):
     """Within this context, bf16 inference calls of :func:`linear` on AVX512-BF16 CPUs without AMX run the
-    dot-product kernels on weights packed once and kept in ``store`` (keyed by the weight; a weight updated in
-    place, which bumps its version, or given new storage is packed again).  A :class:`KVCache` holds such a
+    dot-product kernels on weights packed once and kept in ``store`` (keyed by the weight, held weakly; a weight
+    updated in place, which bumps its version, or given new storage is packed again).  A :class:`KVCache` holds such a
     store for its decoding (``model(ids, cache=cache)``): a decoding step then reads each weight once as packed
     bf16, where autocast's F.linear runs oneDNN's small-row product on its cast copy, 2.3-2.6x slower at 4 rows
     (Zen 4).  In-place changes through ``.data`` bypass the version counter: reset the cache after them."""
@@ -342,12 +343,12 @@ def _dot_inference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
             or x.numel() == 0 or (bias is not None and (bias.dtype not in _TAKEN or bias.shape != weight.shape[:1]))):
         return None
     key = (weight.data_ptr(), weight.shape, weight.dtype)
-    entry = store.get(id(weight))
-    if entry is None or entry[0] is not weight or entry[1] != weight._version or entry[2] != key:
+    entry = store.get(id(weight))  # (a weak reference to the weight: the store does not keep weights alive)
+    if entry is None or entry[0]() is not weight or entry[1] != weight._version or entry[2] != key:
         packed = native.pack_wt(weight.detach())
         if packed is None:
             return None
-        entry = store[id(weight)] = (weight, weight._version, key, packed)
+        entry = store[id(weight)] = (weakref.ref(weight), weight._version, key, packed)
     x2 = x.reshape(-1, k).to(_BF16)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
