@@ -98,18 +98,14 @@ class _DotLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, dtype: torch.dtype, n: int, *params):
-        xc = x.to(_BF16)
-        x2 = xc.reshape(-1, xc.shape[-1])
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
+        x2 = _rows_bf16(x)
         outs = []
         for i in range(n):
             w, b = params[2 * i], params[2 * i + 1]
-            y = torch.empty(x2.shape[0], w.shape[0], dtype=_BF16)
-            bias = None if b is None else b.to(_BF16).float()
-            if not native.dot_mm(x2, native.pack_wt(w), w.shape[0], y, bias=bias):
+            y = _dot_product(x2, native.pack_wt(w), w.shape[0], b)
+            if y is None:
                 raise RuntimeError("difftx Linear: the bf16 dot-product kernel refused a call it was given")
-            outs.append(y.view(*xc.shape[:-1], w.shape[0]))
+            outs.append(y.view(*x.shape[:-1], w.shape[0]))
         ctx.save_for_backward(x2, *(params[2 * i] for i in range(n)))
         ctx.dtypes = (x.dtype, x.shape, [None if p is None else p.dtype for p in params])
         return tuple(outs)
@@ -151,6 +147,20 @@ class _DotLinear(torch.autograd.Function):
             if dtypes[2 * i + 1] is not None and need[4 + 2 * i]:
                 grads[2 * i + 1] = dy2s[i].sum(0, dtype=torch.float32).to(dtypes[2 * i + 1])
         return (dx, None, None, *grads)
+
+
+def _rows_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x as bfloat16 rows (-1, its last dim) with a unit column stride: the dot kernels' A operand."""
+    x2 = x.to(_BF16).reshape(-1, x.shape[-1])
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
+
+
+def _dot_product(x2: torch.Tensor, bp: Optional[torch.Tensor], n: int, bias: Optional[torch.Tensor]):
+    """x2 @ B (+ bias rounded to bf16) in bfloat16 (float32 sums, one rounding) for B packed by
+    :func:`difftx.nn.native.pack_wt` (``bp``; n columns), or None where the kernel refuses it."""
+    y = torch.empty(x2.shape[0], n, dtype=_BF16)
+    b = None if bias is None else bias.detach().to(_BF16).float().contiguous()
+    return y if bp is not None and native.dot_mm(x2, bp, n, y, bias=b) else None
 
 
 def _dot_ok(x: torch.Tensor, modules) -> bool:
@@ -349,15 +359,9 @@ def _dot_inference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         if packed is None:
             return None
         entry = store[id(weight)] = (weakref.ref(weight), weight._version, key, packed)
-    x2 = x.reshape(-1, k).to(_BF16)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
     n = weight.shape[0]
-    y = torch.empty(x2.shape[0], n, dtype=_BF16)
-    b = None if bias is None else bias.detach().to(_BF16).float().contiguous()
-    if not native.dot_mm(x2, entry[3], n, y, bias=b):
-        return None
-    return y.view(*x.shape[:-1], n)
+    y = _dot_product(_rows_bf16(x), entry[3], n, bias)
+    return None if y is None else y.view(*x.shape[:-1], n)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
