@@ -368,6 +368,65 @@ def test_bf16_attention_is_causal_thread_count_invariant_and_reads_values_in_pla
     assert torch.equal(o1[:, :-1], o2[:, :-1]) and not torch.equal(o1[:, -1], o2[:, -1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,hk,n,q_start,lam_kind,chunk", [
+    (4, 2, 70, 0, "rows", 32),  # DIFF V2: per-token lambda, two query heads per K/V group
+    (2, 2, 45, 9, "rows", 32),  # queries after a cached prefix
+    (2, 1, 129, 0, "scalar", 64),  # several blocks
+])
+def test_a_key_both_maps_read_is_packed_once_and_gets_both_maps_gradient(dtype, h, hk, n, q_start, lam_kind, chunk,
+                                                                         monkeypatch):
+    """k (B, 1, Hk, Nk, d), one K that both maps read (DIFF V2): the native kernel takes it as it is (one K slice
+    per K/V head, not an expanded copy) and returns dK summed over the maps.  Its output and gradients equal the
+    float64 reference computed on the *expanded* K, whose gradient autograd sums; as closely as the float32
+    kernel's 2e-6 (float32), or as the torch block path on the same inputs (bf16).  1 and 2 threads agree
+    bitwise, and the torch block path takes the shared K too."""
+    if not (HAVE_CC and (dtype == torch.float32 or native.bf16_attention())):
+        pytest.skip("the native attention kernel for this dtype is not available here")
+    (q, k, v, lam), mask = _wide_case(2, h, hk, n, q_start, lam_kind, True)
+    k = k.detach()[:, :1].clone()  # (B, 1, Hk, Nk, d)
+    b = q.shape[0]
+    cast = lambda x, t: x.detach().to(t if x.dim() > 0 and x.shape[-1] > 1 else  # noqa: E731
+                                      (torch.float64 if t == torch.float64 else torch.float32)).requires_grad_()
+
+    def run(t, use_native, expand=False):
+        monkeypatch.setattr(native, "ENABLED", use_native)
+        qq, kk, vv, ll = (None if x is None else cast(x, t) for x in (q, k, v, lam))
+        keys = kk.expand(b, 2, *kk.shape[2:]) if expand else kk
+        out = fused.fused_attention(qq, keys, vv, mask, 0.3, ll, chunk=chunk)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
+        return [out.detach()] + list(torch.autograd.grad((out * w).sum(), [qq, kk, vv, ll]))
+
+    seen = []
+    fwd, bwd = native.attention_forward, native.attention_backward
+    monkeypatch.setattr(native, "attention_forward", lambda *a, **kw: seen.append(a[1].shape) or fwd(*a, **kw))
+    monkeypatch.setattr(native, "attention_backward", lambda *a, **kw: seen.append(a[1].shape) or bwd(*a, **kw))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        got = run(dtype, True)
+        torch.set_num_threads(2)
+        got2 = run(dtype, True)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen and all(s[0] == b * hk for s in seen), seen  # one K slice per (batch, K/V head), both calls
+    for a, c in zip(got, got2):
+        assert torch.equal(a, c)
+    exact = run(torch.float64, False, expand=True)
+    shared64 = run(torch.float64, False)  # the torch block path given the shared K
+    tor = run(dtype, False, expand=True)
+    for i, (a, r, s64, c) in enumerate(zip(got, exact, shared64, tor)):
+        assert a.shape == r.shape and a.dtype == c.dtype
+        scale = r.abs().max().clamp_min(1.0)
+        assert (s64 - r).abs().max() <= 1e-12 * scale, i
+        err = (a.double() - r).abs().max() / scale
+        if dtype == torch.float32:
+            assert err <= 2e-6, (i, err)
+        else:
+            err_torch = (c.double() - r).abs().max() / scale
+            assert err <= 1.5 * err_torch + 2e-3, (i, err, err_torch)
+
+
 @needs_native
 @pytest.mark.parametrize("m,lam_kind", [(2, "scalar"), (2, "rows"), (1, None)])
 def test_fused_attention_native_bf16_is_closer_to_fp32_than_torch_path(m, lam_kind, monkeypatch):

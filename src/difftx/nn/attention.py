@@ -395,7 +395,7 @@ class DiffV2Attention(AttentionBase):
         if backend == "eager":
             o = backends.eager_v2_attention(q, k, v, lam, mask, self.scale, p, self.probe, self.layer)
         elif backend == "sdpa" and backends.resolve_v2_variant(self.diff_variant, q, p) == "fused":
-            o = backends.fused_attention(qs, ks, v, mask, self.scale, lam)  # (B, N, h, d)
+            o = backends.fused_attention(qs, k[:, None], v, mask, self.scale, lam)  # (B, N, h, d); K read by both maps
             return self.out_proj(o.reshape(b, n, -1).to(_out_dtype(x)))
         else:
             o = self._attend(q, k, v, mask)

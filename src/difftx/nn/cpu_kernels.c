@@ -777,11 +777,12 @@ int difftx_rope(const void *x, const int64_t *xst, void *out, const int64_t *ost
  *
  * Layouts (float32; "rows" have a contiguous last dim):
  *   q     (B, M, H, N, d) contiguous          out, dout (B, N, H, dv) contiguous
- *   k     slice s = (b*M + m)*Hk + hk at k + s*ks, key j at + j*kr (nk keys of d)
+ *   k     slice s = (b*MK + m % MK)*Hk + hk at k + s*ks, key j at + j*kr (nk keys of d): MK = M, a K per
+ *         map, or MK = 1, one K that both maps read (DIFF V2's query heads 2i, 2i+1 share a K/V group)
  *   v     slice (b, hk) at v + b*vsb + hk*vsh, key j at + j*vr (nk keys of dv): a head view of the
  *         value projection's output is read in place
  *   lse   (B, M, H, N) log-sum-exp of each map's row (written by the forward when not NULL)
- *   dq like q; dk (B*M*Hk, nk, d) contiguous; dv with its own strides (dvsb, dvsh, dvr) like v's;
+ *   dq like q; dk (B*MK*Hk, nk, d) contiguous (a shared K's: both maps' sum); dv with its own strides (dvsb, dvsh, dvr) like v's;
  *   rs2 (B, H, N): rowsum(P2 dP) of map 2
  * Causal: query i (position q_start + i) sees keys [0, q_start + i]; else all nk keys.
  * d and dv are multiples of GEMM_NR (the caller checks difftx_gemm_nr()). */
@@ -953,11 +954,11 @@ static void pack_values(const float *x, int64_t inner, int64_t so, int64_t si, i
 
 int difftx_attn_forward(const float *q, const float *k, int64_t ks, int64_t kr, const float *v, int64_t vsb,
                         int64_t vsh, int64_t vr, float *out, float *lse, float *kpack, float *vpack, int64_t B,
-                        int64_t M, int64_t H, int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal,
+                        int64_t M, int64_t MK, int64_t H, int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal,
                         int64_t chunk, float scale, float lam, const float *lam_rows, int nthreads) {
     const int64_t np_all = (nk + GEMM_NR - 1) / GEMM_NR, rep = H / Hk;
     const int64_t nblk = (N + chunk - 1) / chunk, tasks = B * H * nblk;
-    pack_keys(k, 1, ks, 0, kr, B * M * Hk, nk, d, kpack, nthreads);
+    pack_keys(k, 1, ks, 0, kr, B * MK * Hk, nk, d, kpack, nthreads);
     pack_values(v, Hk, vsb, vsh, vr, B * Hk, nk, dv, vpack, nthreads);
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
@@ -974,7 +975,7 @@ int difftx_attn_forward(const float *q, const float *k, int64_t ks, int64_t kr, 
             const int64_t np = (ke + GEMM_NR - 1) / GEMM_NR, ld = np * GEMM_NR;
             const int64_t diag = causal ? q_start + i0 : -1; /* the block's first query among the keys */
             for (int64_t m = 0; m < M; m++) {
-                const int64_t s = (b * M + m) * Hk + hk;
+                const int64_t s = (b * MK + m % MK) * Hk + hk; /* K's slice: its own per map, or one shared */
                 const float *qm = q + (((b * M + m) * H + h) * N + i0) * d;
                 gemm_panels(c, np, d, qm, d, kpack + s * np_all * d * GEMM_NR, S + m * chunk * ld, ld, scale, diag);
             }
@@ -1007,12 +1008,12 @@ int difftx_attn_forward(const float *q, const float *k, int64_t ks, int64_t kr, 
 int difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr, const float *v, int64_t vsb,
                          int64_t vsh, int64_t vr, const float *dout, const float *lse, float *dq, float *dk,
                          float *dv_, int64_t dvsb, int64_t dvsh, int64_t dvr,
-                         float *rs2, float *kpack, float *vpack, int64_t B, int64_t M, int64_t H, int64_t Hk,
+                         float *rs2, float *kpack, float *vpack, int64_t B, int64_t M, int64_t MK, int64_t H, int64_t Hk,
                          int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal, int64_t chunk,
                          float scale, float lam, const float *lam_rows, int nthreads) {
     const int64_t np_all = (nk + GEMM_NR - 1) / GEMM_NR, rep = H / Hk;
     const int64_t nblk = (N + chunk - 1) / chunk;
-    pack_keys(k, 1, ks, 0, kr, B * M * Hk, nk, d, kpack, nthreads);
+    pack_keys(k, 1, ks, 0, kr, B * MK * Hk, nk, d, kpack, nthreads);
     pack_keys(v, Hk, vsb, vsh, vr, B * Hk, nk, dv, vpack, nthreads);
     /* one task per K/V head: its dK and dV sums are its own (no races, and the same order of
      * summation whatever the thread count) */
@@ -1028,7 +1029,7 @@ int difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr,
             const int64_t b = t / Hk, hk = t % Hk;
             float *dvs = dv_ + b * dvsb + hk * dvsh;
             for (int64_t j = 0; j < nk; j++) memset(dvs + j * dvr, 0, (size_t)dv * sizeof(float));
-            for (int64_t m = 0; m < M; m++) memset(dk + ((b * M + m) * Hk + hk) * nk * d, 0, (size_t)(nk * d) * sizeof(float));
+            for (int64_t m = 0; m < MK; m++) memset(dk + ((b * MK + m) * Hk + hk) * nk * d, 0, (size_t)(nk * d) * sizeof(float));
             for (int64_t h = hk * rep; h < (hk + 1) * rep; h++) {
                 for (int64_t blk = 0; blk < nblk; blk++) {
                     const int64_t i0 = blk * chunk, i1 = i0 + chunk < N ? i0 + chunk : N, c = i1 - i0;
@@ -1038,7 +1039,7 @@ int difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr,
                     float *G = S + M * chunk * ld; /* the combined map, then dP */
                     const float *doc = dout + ((b * N + i0) * H + h) * dv;
                     for (int64_t m = 0; m < M; m++) { /* the maps again, from the saved log-sum-exp */
-                        const int64_t s = (b * M + m) * Hk + hk;
+                        const int64_t s = (b * MK + m % MK) * Hk + hk;
                         const float *qm = q + (((b * M + m) * H + h) * N + i0) * d;
                         gemm_panels(c, np, d, qm, d, kpack + s * np_all * d * GEMM_NR, S + m * chunk * ld, ld, scale,
                                     diag);
@@ -1093,7 +1094,7 @@ int difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr,
                     }
                     for (int64_t m = 0; m < M; m++) {
                         float *Sm = S + m * chunk * ld;
-                        const int64_t s = (b * M + m) * Hk + hk;
+                        const int64_t s = (b * MK + m % MK) * Hk + hk; /* a shared K sums both maps' dK */
                         const float *qm = q + (((b * M + m) * H + h) * N + i0) * d;
                         /* dQ = scale dS K, dK[:ke] += scale dS^T Q */
                         gemm(c, d, ke, Sm, ld, 1, k + s * ks, kr, dq + (((b * M + m) * H + h) * N + i0) * d, d, scale, 0,
@@ -1121,15 +1122,15 @@ int difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr,
 /* The two entry points' parameters (the same with and without AMX: without it they return 0). */
 #define DIFFTX_ATTN_FORWARD_BF16_ARGS                                                                               \
     const uint16_t *q, const uint16_t *k, int64_t ks, int64_t kr, const uint16_t *v, int64_t vsb, int64_t vsh,      \
-        int64_t vr, uint16_t *out, float *lse, int64_t B, int64_t M, int64_t H, int64_t Hk, int64_t N, int64_t nk, \
-        int64_t d, int64_t dv, int64_t q_start, int causal, int64_t chunk, float scale, float lam,                 \
+        int64_t vr, uint16_t *out, float *lse, int64_t B, int64_t M, int64_t MK, int64_t H, int64_t Hk, int64_t N,  \
+        int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal, int64_t chunk, float scale, float lam,      \
         const float *lam_rows, int nthreads
 #define DIFFTX_ATTN_BACKWARD_BF16_ARGS                                                                              \
     const uint16_t *q, const uint16_t *k, int64_t ks, int64_t kr, const uint16_t *v, int64_t vsb, int64_t vsh,      \
         int64_t vr, const uint16_t *dout, const float *lse, uint16_t *dq, uint16_t *dk, uint16_t *dv_,             \
-        int64_t dvsb, int64_t dvsh, int64_t dvr, float *rs2, int64_t B, int64_t M, int64_t H, int64_t Hk,          \
-        int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal, int64_t chunk, float scale,     \
-        float lam, const float *lam_rows, int nthreads
+        int64_t dvsb, int64_t dvsh, int64_t dvr, float *rs2, int64_t B, int64_t M, int64_t MK, int64_t H,          \
+        int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal, int64_t chunk,      \
+        float scale, float lam, const float *lam_rows, int nthreads
 
 /* ---- Few-row products (decoding): y (M x N) = x (M x K) W^T [+ b], float32 ----
  * W is (N, K) row-major (a Linear's weight), x and y row-major.  With one token per sequence a
@@ -1648,7 +1649,7 @@ int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
     if (!difftx_bf16_attention() || d % 32 || dv % 32 || chunk % 32) return 0;
     const int64_t kpad_all = PAD32(nk), rep = H / Hk, cpad = PAD32(chunk);
     const int64_t nblk = (N + chunk - 1) / chunk, tasks = B * H * nblk;
-    uint16_t *kt = (uint16_t *)malloc((size_t)(B * M * Hk * kpad_all * d) * 2); /* K^T per slice */
+    uint16_t *kt = (uint16_t *)malloc((size_t)(B * MK * Hk * kpad_all * d) * 2); /* K^T per slice */
     uint16_t *vn = (uint16_t *)malloc((size_t)(B * Hk * kpad_all * dv) * 2);    /* V per (b, hk) */
     int failed = 0;
     if (!kt || !vn) {
@@ -1657,7 +1658,7 @@ int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
         return 0;
     }
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t s = 0; s < B * M * Hk; s++) pack_bt(k + s * ks, kr, nk, kpad_all, d, kt + s * kpad_all * d);
+    for (int64_t s = 0; s < B * MK * Hk; s++) pack_bt(k + s * ks, kr, nk, kpad_all, d, kt + s * kpad_all * d);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t s = 0; s < B * Hk; s++)
         pack_bn(v + (s / Hk) * vsb + (s % Hk) * vsh, 0, vr, nk, kpad_all, dv, vn + s * kpad_all * dv);
@@ -1680,7 +1681,7 @@ int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
             const int64_t ke = causal ? (q_start + i1 < nk ? q_start + i1 : nk) : nk, kp = PAD32(ke);
             const int64_t diag = causal ? q_start + i0 : -1;
             for (int64_t m = 0; m < M; m++) {
-                const int64_t s = (b * M + m) * Hk + hk;
+                const int64_t s = (b * MK + m % MK) * Hk + hk; /* K's slice: its own per map, or one shared */
                 copy_rows_bf16(q + (((b * M + m) * H + h) * N + i0) * d, d, c, cp, d, Qb);
                 bf16_gemm(cp, kp, d, Qb, d, kt + s * kpad_all * d, d / 32, S + m * cpad * kp, kp, 0, -1, diag);
             }
@@ -1723,8 +1724,8 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
     if (!difftx_bf16_attention() || d % 32 || dv % 32 || chunk % 32) return 0;
     const int64_t kpad_all = PAD32(nk), rep = H / Hk, cpad = PAD32(chunk);
     const int64_t nblk = (N + chunk - 1) / chunk;
-    uint16_t *kt = (uint16_t *)malloc((size_t)(B * M * Hk * kpad_all * d) * 2); /* K^T: S = Q K^T */
-    uint16_t *kn = (uint16_t *)malloc((size_t)(B * M * Hk * kpad_all * d) * 2); /* K: dQ = dS K */
+    uint16_t *kt = (uint16_t *)malloc((size_t)(B * MK * Hk * kpad_all * d) * 2); /* K^T: S = Q K^T */
+    uint16_t *kn = (uint16_t *)malloc((size_t)(B * MK * Hk * kpad_all * d) * 2); /* K: dQ = dS K */
     uint16_t *vt = (uint16_t *)malloc((size_t)(B * Hk * kpad_all * dv) * 2);    /* V^T: dP = dO V^T */
     int failed = 0;
     if (!kt || !kn || !vt) {
@@ -1734,7 +1735,7 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
         return 0;
     }
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t s = 0; s < B * M * Hk; s++) {
+    for (int64_t s = 0; s < B * MK * Hk; s++) {
         pack_bt(k + s * ks, kr, nk, kpad_all, d, kt + s * kpad_all * d);
         pack_bn(k + s * ks, 0, kr, nk, kpad_all, d, kn + s * kpad_all * d);
     }
@@ -1746,7 +1747,7 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
         const int64_t kpa = kpad_all;
         float *S = (float *)malloc((size_t)(M * cpad * kpa) * sizeof(float));   /* P_m */
         float *G = (float *)malloc((size_t)(cpad * kpa) * sizeof(float));       /* dP */
-        float *acc = (float *)malloc((size_t)((M * d + dv) * kpa) * sizeof(float)); /* dK_m^T, dV^T */
+        float *acc = (float *)malloc((size_t)((MK * d + dv) * kpa) * sizeof(float)); /* dK^T per K slice, dV^T */
         float *O = (float *)malloc((size_t)(cpad * d) * sizeof(float));
         uint16_t *Qb = (uint16_t *)malloc((size_t)(M * cpad * d) * 2), *QT = (uint16_t *)malloc((size_t)(cpad * d) * 2);
         uint16_t *dOb = (uint16_t *)malloc((size_t)(cpad * dv) * 2), *dOT = (uint16_t *)malloc((size_t)(cpad * dv) * 2);
@@ -1761,15 +1762,15 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
         for (int64_t t = 0; t < B * Hk; t++) {
             if (!ok) continue;
             const int64_t b = t / Hk, hk = t % Hk;
-            float *dVT = acc + M * d * kpa;
-            memset(acc, 0, (size_t)((M * d + dv) * kpa) * sizeof(float));
+            float *dVT = acc + MK * d * kpa;
+            memset(acc, 0, (size_t)((MK * d + dv) * kpa) * sizeof(float));
             for (int64_t h = hk * rep; h < (hk + 1) * rep; h++) {
                 for (int64_t blk = 0; blk < nblk; blk++) {
                     const int64_t i0 = blk * chunk, i1 = i0 + chunk < N ? i0 + chunk : N, c = i1 - i0, cp = PAD32(c);
                     const int64_t ke = causal ? (q_start + i1 < nk ? q_start + i1 : nk) : nk, kp = PAD32(ke);
                     const int64_t diag = causal ? q_start + i0 : -1;
                     for (int64_t m = 0; m < M; m++) { /* the maps again */
-                        const int64_t s = (b * M + m) * Hk + hk;
+                        const int64_t s = (b * MK + m % MK) * Hk + hk;
                         copy_rows_bf16(q + (((b * M + m) * H + h) * N + i0) * d, d, c, cp, d, Qb + m * cpad * d);
                         bf16_gemm(cp, kp, d, Qb + m * cpad * d, d, kt + s * kpa * d, d / 32, S + m * cpad * kp, kp, 0, -1,
                                  diag);
@@ -1826,7 +1827,7 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
                         }
                     }
                     for (int64_t m = 0; m < M; m++) {
-                        const int64_t s = (b * M + m) * Hk + hk;
+                        const int64_t s = (b * MK + m % MK) * Hk + hk;
                         const uint16_t *Am = Ab + m * cpad * kp;
                         /* dQ = scale dS K */
                         bf16_gemm(cp, d, kp, Am, kp, kn + s * kpa * d, kpa / 32, O, d, 0, diag, -1);
@@ -1835,12 +1836,12 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
                         /* dK^T += Q^T dS (scale at the end) */
                         transpose_bf16(Qb + m * cpad * d, d, cp, cp, d, QT);
                         pack_bn(Am, 0, kp, cp, cp, kp, Bv);
-                        bf16_gemm(d, kp, cp, QT, cp, Bv, cp / 32, acc + m * d * kpa, kpa, 1, -1, -1);
+                        bf16_gemm(d, kp, cp, QT, cp, Bv, cp / 32, acc + (m % MK) * d * kpa, kpa, 1, -1, -1); /* a shared K: both maps */
                     }
                 }
             }
-            for (int64_t m = 0; m < M; m++)
-                transpose_out(acc + m * d * kpa, kpa, nk, d, scale, dk + ((b * M + m) * Hk + hk) * nk * d, d);
+            for (int64_t m = 0; m < MK; m++)
+                transpose_out(acc + m * d * kpa, kpa, nk, d, scale, dk + ((b * MK + m) * Hk + hk) * nk * d, d);
             transpose_out(dVT, kpa, nk, dv, 1.0f, dv_ + b * dvsb + hk * dvsh, dvr);
         }
         free(S);

@@ -33,7 +33,9 @@ summed in one order whatever the thread count.
 
 Layouts (views; only a block of Q is copied at a time):
     q   (B, M, H, Nq, d)    M maps (1: softmax, 2: differential), H query heads
-    k   (B, M, Hk, Nk, d)   H a multiple of Hk (GQA: query head i uses K/V head i // (H / Hk))
+    k   (B, M, Hk, Nk, d)   H a multiple of Hk (GQA: query head i uses K/V head i // (H / Hk)); or
+        (B, 1, Hk, Nk, d)   one K that both maps read (DIFF V2): the native kernels pack it once and sum its
+                            gradient over the maps themselves; the torch blocks read it expanded
     v   (B, Hk, Nk, dv)     Nk may exceed mask.n_k (a static cache's buffers): positions past n_k
                             get zero weight (they must hold finite values, as a KVCache does)
     lam None (M = 1), a 0-dim tensor (DIFF V1) or (B, H, Nq, 1) (DIFF V2, per token)
@@ -343,7 +345,7 @@ class _Blocks:
 class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lam, mask: AttnMask, scale: float, chunk: int, native_chunk: int):
-        k3 = _batched(k)  # (B*M*Hk, Nk, d); q is contiguous (fused_attention)
+        k3 = _batched(k)  # (B*M*Hk, Nk, d), or (B*Hk, Nk, d) for a shared K; q is contiguous (fused_attention)
         # bf16 (on AMX) takes blocks of 32-row tile pairs (see fused_attention's native_chunk)
         ctx.native_attn = (native.attention_ok(q, k3, v, mask.n_k, mask.key_valid is not None)
                            and (q.dtype == torch.float32 or native_chunk % 32 == 0))
@@ -356,6 +358,7 @@ class _FusedAttention(torch.autograd.Function):
                 ctx.save_for_backward(q, k, v, lam, lse)  # the inputs themselves (a second derivative's graph)
                 ctx.mask, ctx.scale, ctx.chunk, ctx.shapes = mask, scale, native_chunk, (k.shape, v.shape)
             return out
+        k3 = _batched(_per_map(k, q.shape[1]))
         v3 = _batched(v)  # (B*Hk, Nk, dv)
         g = _Blocks(q, k3, v3, lam, mask, scale, chunk)
         out = q.new_empty(g.b, g.n, g.h, v.shape[-1])
@@ -400,7 +403,7 @@ def _attention_torch(q, k, v, lam, mask: AttnMask, scale: float) -> torch.Tensor
     gradients with a graph."""
     from .backends import eager_logits, masked_softmax, repeat_kv
 
-    maps = [masked_softmax(eager_logits(q[:, i], k[:, i], scale), mask) for i in range(q.shape[1])]
+    maps = [masked_softmax(eager_logits(q[:, i], k[:, i % k.shape[1]], scale), mask) for i in range(q.shape[1])]
     comb = maps[0] if lam is None else maps[0] - lam.to(maps[0].dtype) * maps[1]
     out = torch.matmul(comb, upcast(repeat_kv(v, q.shape[2] // v.shape[1])))  # (B, H, Nq, dv)
     return out.transpose(1, 2).to(q.dtype)
@@ -432,7 +435,7 @@ def _native_backward(ctx, dout):
 
 def _backward(ctx, dout):
     q, k, v, lam = ctx.saved_tensors
-    k3, v3 = _batched(k), _batched(v)
+    k3, v3 = _batched(_per_map(k, q.shape[1])), _batched(v)
     k_shape, v_shape = ctx.shapes
     g = _Blocks(q, k3, v3, lam, ctx.mask, ctx.scale, ctx.chunk)
     b, m, h, n, d, hk, rep, cd = g.b, g.m, g.h, g.n, g.d, g.hk, g.rep, g.cd
@@ -503,10 +506,16 @@ def _backward(ctx, dout):
     if m == 2 and g.lam_s is not None:
         dk.view(b, m, hk, nk, d)[:, 1].mul_(-g.lam_s)
     dq = dq.mul_(g.scale).view(b, m, h, n, d).to(q.dtype)
-    dk = dk.mul_(g.scale).view(k_shape).to(k3.dtype)
+    dk = dk.mul_(g.scale).view(b, m, *k_shape[2:])
+    dk = (dk if k_shape[1] == m else dk.sum(1, keepdim=True)).to(k3.dtype)  # a shared K: both maps' sum
     if dlam is not None:
         dlam = dlam.to(lam.dtype)
     return dq, dk, dv.view(v_shape).to(v3.dtype), dlam, None, None, None, None
+
+
+def _per_map(k: torch.Tensor, m: int) -> torch.Tensor:
+    """K as (B, m, Hk, Nk, d): a shared K (B, 1, ...) expanded over the maps (a view), else k itself."""
+    return k if k.shape[1] == m else k.expand(k.shape[0], m, *k.shape[2:])
 
 
 def _acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fresh: bool) -> None:
@@ -547,6 +556,9 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
     b, m, h, n, _ = q.shape
     if m not in (1, 2) or (m == 2) != (lam is not None):
         raise ValueError("fused_attention takes one map without lambda or two maps with lambda")
+    if k.dim() != 5 or k.shape[1] not in (1, m):
+        raise ValueError(f"fused_attention: k must be (B, {m} or 1, Hk, Nk, d) (a K per map, or one K both maps "
+                         f"read); got {tuple(k.shape)}")
     needs_grad = grad_wanted(q, k, v, lam)
     native_chunk = chunk
     if chunk is None:
@@ -587,6 +599,7 @@ def _few_queries(q, k, v, lam, mask: AttnMask, scale: float) -> torch.Tensor:
     oneDNN would do on every call, as long as the tail is shorter than the prefix.
     """
     b, m, h, n, d = q.shape
+    k = _per_map(k, m)
     hk = k.shape[2]
     r = (h // hk) * n
     ke = _key_end(mask, n)

@@ -194,21 +194,21 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_few_rows_linear.restype = None
     lib.difftx_gemm_nr.argtypes = []
     lib.difftx_gemm_nr.restype = i
-    lib.difftx_attn_forward.argtypes = [p, p, i64, i64, p, i64, i64, i64, p, p, p, p] + [i64] * 9 + [i, i64, f, f, p, i]
+    lib.difftx_attn_forward.argtypes = [p, p, i64, i64, p, i64, i64, i64, p, p, p, p] + [i64] * 10 + [i, i64, f, f, p, i]
     lib.difftx_attn_forward.restype = i
     lib.difftx_attn_forward.errcheck = _scratch_check
     lib.difftx_attn_backward.argtypes = ([p, p, i64, i64, p, i64, i64, i64, p, p, p, p, p, i64, i64, i64, p, p, p]
-                                         + [i64] * 9 + [i, i64, f, f, p, i])
+                                         + [i64] * 10 + [i, i64, f, f, p, i])
     lib.difftx_attn_backward.restype = i
     lib.difftx_attn_backward.errcheck = _scratch_check
     lib.difftx_amx.argtypes = []
     lib.difftx_amx.restype = i
     lib.difftx_bf16_attention.argtypes = []
     lib.difftx_bf16_attention.restype = i
-    lib.difftx_attn_forward_bf16.argtypes = [p, p, i64, i64, p, i64, i64, i64, p, p] + [i64] * 9 + [i, i64, f, f, p, i]
+    lib.difftx_attn_forward_bf16.argtypes = [p, p, i64, i64, p, i64, i64, i64, p, p] + [i64] * 10 + [i, i64, f, f, p, i]
     lib.difftx_attn_forward_bf16.restype = i
     lib.difftx_attn_backward_bf16.argtypes = ([p, p, i64, i64, p, i64, i64, i64, p, p, p, p, p, i64, i64, i64, p]
-                                              + [i64] * 9 + [i, i64, f, f, p, i])
+                                              + [i64] * 10 + [i, i64, f, f, p, i])
     lib.difftx_attn_backward_bf16.restype = i
     lib.difftx_transpose_bf16.argtypes = [p, i64, i64, i64, p, i64, i]
     lib.difftx_transpose_bf16.restype = i
@@ -545,7 +545,7 @@ def _transpose_bf16(x: torch.Tensor, pad: int, dtype: torch.dtype) -> Optional[t
 
 def attention_ok(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, nk: int, padded: bool) -> bool:
     """Whether :func:`attention_forward` takes a fused-attention call: on the CPU, no key padding, K rows (k3,
-    (B*M*Hk, nk, d)) and V rows (v, (B, Hk, nk, dv), any strides) with a contiguous last dim and exactly ``nk``
+    (B*M*Hk or B*Hk, nk, d)) and V rows (v, (B, Hk, nk, dv), any strides) with a contiguous last dim and exactly ``nk``
     keys; float32 with head widths multiples of the micro-kernel's column block (16 floats with AVX2, 32 with
     AVX-512), or bfloat16 where :func:`bf16_attention` holds, with head widths multiples of 32."""
     if not supports(q.dtype, q.device) or not q.dtype == k3.dtype == v.dtype or padded:
@@ -571,6 +571,14 @@ def _panels(nk: int) -> int:
     return (nk + nr - 1) // nr * nr
 
 
+def _key_maps(k3: torch.Tensor, b: int, m: int, hk: int) -> int:
+    """How many K slices per (batch, K/V head) ``k3`` holds: ``m`` (one K per map) or 1 (both maps read one K, as
+    DIFF V2's query heads 2i, 2i+1 do; the kernels then return that K's gradient summed over the maps)."""
+    mk = k3.shape[0] // (b * hk)
+    assert mk * b * hk == k3.shape[0] and mk in (1, m) and hk >= 1, (tuple(k3.shape), b, m, hk)
+    return mk
+
+
 def attention_forward(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, causal: bool, q_start: int, chunk: int,
                       scale: float, lam: float, lam_rows: Optional[torch.Tensor], want_lse: bool):
     """The fused attention (one or two maps over one value) in native blocks: (out, lse or None).  float32 on
@@ -578,21 +586,23 @@ def attention_forward(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, causal
     (``chunk`` a multiple of 32; maps, softmax and statistics in float32, products bf16 x bf16 -> float32); see
     :func:`attention_ok`.
 
-    ``q`` (B, M, H, N, d) contiguous; ``k3`` (B*M*Hk, nk, d) with contiguous rows; ``v`` (B, Hk, nk, dv) with
+    ``q`` (B, M, H, N, d) contiguous; ``k3`` (B*M*Hk, nk, d), or (B*Hk, nk, d) for one K that both maps read,
+    with contiguous rows; ``v`` (B, Hk, nk, dv) with
     contiguous rows, read in place (a head view of the value projection); ``lam_rows`` float32 (B, H, N) or
     None (the scalar ``lam``).  out (B, N, H, dv); lse (B, M, H, N), the rows' log-sum-exp that
     :func:`attention_backward` rebuilds the maps from."""
     b, m, h, n, d = q.shape
-    hk, nk, dv = k3.shape[0] // (b * m), k3.shape[1], v.shape[-1]
+    hk, nk, dv = v.shape[1], k3.shape[1], v.shape[-1]
+    mk = _key_maps(k3, b, m, hk)
     assert q.is_contiguous() and (lam_rows is None or (lam_rows.is_contiguous() and lam_rows.dtype == torch.float32))
-    assert v.shape[:2] == (b, hk)
+    assert v.shape[0] == b and h % hk == 0
     out = q.new_empty(b, n, h, dv)
     lse = torch.empty(b, m, h, n, dtype=torch.float32, device=q.device) if want_lse else None
     if q.dtype == torch.bfloat16:
         assert chunk % 32 == 0
         done = library().difftx_attn_forward_bf16(
             q.data_ptr(), k3.data_ptr(), k3.stride(0), k3.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
-            v.stride(2), out.data_ptr(), _ptr(lse), b, m, h, hk, n, nk, d, dv, q_start, int(causal), chunk,
+            v.stride(2), out.data_ptr(), _ptr(lse), b, m, mk, h, hk, n, nk, d, dv, q_start, int(causal), chunk,
             float(scale), float(lam), _ptr(lam_rows), torch.get_num_threads())
         if not done:
             raise MemoryError("the bf16 attention kernel could not allocate its buffers")
@@ -601,7 +611,7 @@ def attention_forward(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, causal
     vpack = _pack("vpack", b * hk * _panels(nk) * dv, q.device)
     library().difftx_attn_forward(q.data_ptr(), k3.data_ptr(), k3.stride(0), k3.stride(1), v.data_ptr(), v.stride(0),
                                   v.stride(1), v.stride(2), out.data_ptr(), _ptr(lse), kpack.data_ptr(),
-                                  vpack.data_ptr(), b, m, h, hk, n, nk, d, dv, q_start, int(causal), chunk,
+                                  vpack.data_ptr(), b, m, mk, h, hk, n, nk, d, dv, q_start, int(causal), chunk,
                                   float(scale), float(lam), _ptr(lam_rows), torch.get_num_threads())
     return out, lse
 
@@ -624,11 +634,12 @@ def empty_in(layout: Optional[tuple], shape, dtype: torch.dtype, device: torch.d
 
 def attention_backward(q, k3, v, dout, lse, causal: bool, q_start: int, chunk: int, scale: float, lam: float,
                        lam_rows: Optional[torch.Tensor]):
-    """Gradients of :func:`attention_forward`: dq (like q), dk (like k3, contiguous), dv (v's shape, in v's
-    layout when dense, see :func:`dense_layout`), and for two maps rowsum(P2 dP) (B, H, N) (lambda's gradient is
-    minus it, summed for a scalar lambda), else None."""
+    """Gradients of :func:`attention_forward`: dq (like q), dk (like k3, contiguous; a shared K's summed over the
+    maps), dv (v's shape, in v's layout when dense, see :func:`dense_layout`), and for two maps rowsum(P2 dP)
+    (B, H, N) (lambda's gradient is minus it, summed for a scalar lambda), else None."""
     b, m, h, n, d = q.shape
-    hk, nk, dv_w = k3.shape[0] // (b * m), k3.shape[1], v.shape[-1]
+    hk, nk, dv_w = v.shape[1], k3.shape[1], v.shape[-1]
+    mk = _key_maps(k3, b, m, hk)
     assert dout.is_contiguous() and dout.shape == (b, n, h, dv_w) and dout.dtype == q.dtype
     dq = torch.empty_like(q)
     dk = q.new_empty(k3.shape[0], nk, d)
@@ -638,7 +649,7 @@ def attention_backward(q, k3, v, dout, lse, causal: bool, q_start: int, chunk: i
         done = library().difftx_attn_backward_bf16(
             q.data_ptr(), k3.data_ptr(), k3.stride(0), k3.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
             v.stride(2), dout.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dv.stride(0),
-            dv.stride(1), dv.stride(2), _ptr(rs2), b, m, h, hk, n, nk, d, dv_w, q_start, int(causal), chunk,
+            dv.stride(1), dv.stride(2), _ptr(rs2), b, m, mk, h, hk, n, nk, d, dv_w, q_start, int(causal), chunk,
             float(scale), float(lam), _ptr(lam_rows), torch.get_num_threads())
         if not done:
             raise MemoryError("the bf16 attention kernel could not allocate its buffers")
@@ -648,7 +659,7 @@ def attention_backward(q, k3, v, dout, lse, causal: bool, q_start: int, chunk: i
     library().difftx_attn_backward(q.data_ptr(), k3.data_ptr(), k3.stride(0), k3.stride(1), v.data_ptr(),
                                    v.stride(0), v.stride(1), v.stride(2), dout.data_ptr(), lse.data_ptr(),
                                    dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dv.stride(0), dv.stride(1),
-                                   dv.stride(2), _ptr(rs2), kpack.data_ptr(), vpack.data_ptr(), b, m, h, hk, n, nk,
+                                   dv.stride(2), _ptr(rs2), kpack.data_ptr(), vpack.data_ptr(), b, m, mk, h, hk, n, nk,
                                    d, dv_w, q_start, int(causal), chunk, float(scale), float(lam), _ptr(lam_rows),
                                    torch.get_num_threads())
     return dq, dk, dv, rs2
