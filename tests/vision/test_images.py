@@ -299,3 +299,72 @@ def test_an_unlabeled_folder_beside_class_folders_is_no_class(tmp_path, name):
     _bad(root, r"found 1 class folder \(cat\)")
     shutil.rmtree(root / "cat")
     _bad(root, "no class folders in it .*unlabeled, unlabelled folders are left out")
+
+
+def test_split_folders_without_train_are_refused(tmp_path):
+    """DIR/{val,test}/<class>/ (no train/) was read as two classes named val and test: a classifier of split names.
+    Without train/ and without other class folders it is refused, naming both readings."""
+    write_folder(tmp_path / "splits" / "val")
+    write_folder(tmp_path / "splits" / "test")
+    _bad(tmp_path / "splits", r"splits: its only folders are val/, test/, .*without train/: as given splits they "
+                              r"need .*splits/train/<class>/<images>.*; as classes, rename them")
+    write_folder(tmp_path / "flat", classes=("val", "test"))  # images right in val/ and test/: still only split names
+    _bad(tmp_path / "flat", r"flat: its only folders are val/, test/")
+    write_folder(tmp_path / "one" / "test", classes=("cat", "dog", "emu"))
+    _bad(tmp_path / "one", r"one: its only folders are test/")
+
+
+def test_a_split_of_class_folders_among_class_folders_is_refused(tmp_path):
+    """DIR/{cat,dog}/*.png beside DIR/test/{cat,dog}/*.png was read as three classes, the third named test: either
+    the splits lack train/ or the class test holds only subfolders; refused, naming both readings."""
+    root = write_folder(tmp_path / "mixed")
+    write_folder(root / "test")
+    _bad(root, r"mixed: test/ holds folders, not images, beside the class folders cat/, dog/: as given splits they "
+               r"need .*mixed/train/<class>/<images>.*; as a class, rename test/")
+
+
+def test_classes_named_like_splits_among_other_classes_stay_classes(tmp_path):
+    """A class that happens to be called train or test (its images in its folder) beside other classes is a class:
+    no split layout, no refusal."""
+    d = load_image_set(str(write_folder(tmp_path / "vehicles", classes=("bus", "car", "train"), n_per_class=2)))
+    assert d.classes == ["bus", "car", "train"] and d.splits is None and len(d.images) == 6
+    assert d.labels.tolist() == [0, 0, 1, 1, 2, 2]
+    root = write_folder(tmp_path / "exams", classes=("quiz", "test", "val"), n_per_class=2)
+    write_folder(root / "test" / "nested", classes=("more",), n_per_class=1)  # a subfolder too: still the class test
+    d = load_image_set(str(root))
+    assert d.classes == ["quiz", "test", "val"] and d.splits is None and d.labels.tolist().count(1) == 3
+
+
+@pytest.mark.parametrize("name", ["unlabeled", "unlabelled"])
+def test_an_unlabeled_folder_inside_a_split_is_no_class(tmp_path, name):
+    """DIR/train/{cat,dog,unlabeled}/: the unlabeled images were read as a third class 'unlabeled' (beside the
+    splits or the class folders they were left out); inside a split they are left out too, with a note."""
+    import shutil
+
+    root = tmp_path / "ds"
+    write_folder(root / "train", classes=("cat", "dog", name), n_per_class=3)
+    write_folder(root / "test", n_per_class=2)
+    d = load_image_set(str(root))
+    assert d.classes == ["cat", "dog"] and len(d.images) == 10
+    assert len(d.splits["train"]) == 6 and len(d.splits["test"]) == 4
+    assert sorted(d.labels[d.splits["train"]].tolist()) == [0, 0, 0, 1, 1, 1]
+    assert any(f"train/{name}" in n and "3 unlabeled images" in n for n in d.notes), d.notes
+    shutil.rmtree(root / "train" / "cat")
+    shutil.rmtree(root / "train" / "dog")
+    _bad(root, rf"ds/train: no class folders in it .*unlabeled, unlabelled folders are left out")
+
+
+def test_a_folder_beside_the_splits_is_refused(tmp_path):
+    """DIR/{train,val,notes}/: the one extra folder turned the split layout off, so train, val and notes were read
+    as three classes; refused, naming the extra folder and the fix."""
+    root = tmp_path / "ds"
+    write_folder(root / "train")
+    write_folder(root / "val", n_per_class=2)
+    write_folder(root, classes=("notes",), n_per_class=1)
+    _bad(root, r"ds: notes/ beside the split folders train/, val/ .*: move notes/ out of .*ds \(or name it "
+               r"unlabeled/ if its images have no labels\)")
+    (root / "notes").rename(root / "unlabeled")  # the fix: now the splits, with the unlabeled image left out
+    d = load_image_set(str(root))
+    assert d.classes == ["cat", "dog"] and set(d.splits) == {"train", "val"} and len(d.images) == 12
+    assert any("unlabeled: 1 unlabeled image " in n for n in d.notes), d.notes
+

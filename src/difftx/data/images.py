@@ -7,9 +7,13 @@
   ``vision`` extra),
 * a directory of image folders, one folder per class (``DIR/<class>/*.png``;
   read with Pillow, the ``vision`` extra), or with given splits
-  (``DIR/train/<class>/...`` plus ``DIR/val/...`` and/or ``DIR/test/...``); an
-  ``unlabeled`` (or ``unlabelled``) folder in ``DIR``, as in STL-10, is left out with a note, beside the
-  splits or beside the class folders alike (it is never a class),
+  (``DIR/train/<class>/...`` plus ``DIR/val/...`` and/or ``DIR/test/...``, and no other folder); an
+  ``unlabeled`` (or ``unlabelled``) folder, as in STL-10, is left out with a note, beside the
+  splits, inside one or beside the class folders alike (it is never a class).  Among other class folders a
+  ``train``, ``val`` or ``test`` folder that holds images is a class (``bus/``, ``car/``, ``train/``).  Layouts
+  that read either way are refused, naming both readings: ``val/`` and/or ``test/`` without ``train/`` and
+  without other classes, a ``val/`` or ``test/`` of class folders among class folders, and a ``train/`` of class
+  folders beside a folder that is no split (``DIR/notes/``),
 * NumPy arrays: an ``.npz`` holding ``x`` and ``y``, a directory holding
   ``x.npy`` and ``y.npy``, or two files ``IMAGES.npy,LABELS.npy``.
 
@@ -45,7 +49,7 @@ from ..errors import DataError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 SPLIT_NAMES = ("train", "val", "test")
-UNLABELED_NAMES = ("unlabeled", "unlabelled")  # beside the splits (STL-10): images without labels, left out
+UNLABELED_NAMES = ("unlabeled", "unlabelled")  # images without labels (STL-10), left out: never a class
 BUILTIN = "digits"
 # labels 0..K-1 with K above this and above 10 x the distinct labels are refused (ids, not class indices)
 MAX_SPARSE_CLASSES = 100
@@ -204,27 +208,24 @@ def _integer_labels(y: np.ndarray, source: str) -> np.ndarray:
 
 def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
     """``root/<class>/<images>``, or ``root/{train,val,test}/<class>/<images>`` with given splits (an
-    ``unlabeled`` folder in ``root``, as in STL-10, is left out with a note: beside the splits or the classes)."""
+    ``unlabeled`` folder, as in STL-10, is left out with a note: beside the splits, inside one, or beside the
+    classes); layouts that read either way are refused (see :func:`_split_layout`)."""
     try:
         from PIL import Image
     except ImportError:
         raise DataError("reading image folders needs Pillow: pip install 'difftx[vision]'") from None
-    subdirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    names = {p.name for p in subdirs}
-    split_layout = "train" in names and names <= set(SPLIT_NAMES) | set(UNLABELED_NAMES)
+    subdirs = _subfolders(root)
+    split_layout = _split_layout(root, subdirs)
     parts = {p.name: p for p in subdirs if p.name in SPLIT_NAMES} if split_layout else {"all": root}
-    notes = []
-    for p in subdirs:
-        if p.name in UNLABELED_NAMES:
-            n = sum(1 for f in p.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file())
-            notes.append(f"left out {p}: {n} unlabeled image{'s' * (n != 1)} (a classifier trains on labelled ones)")
+    # unlabeled folders are no class: beside the class folders, beside the splits or inside one
+    notes = [_unlabeled_note(p) for p in subdirs if p.name in UNLABELED_NAMES] if split_layout else []
     class_dirs = {}
     for part, path in parts.items():
-        dirs = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
-        if part == "all":  # an unlabeled folder beside the class folders is no class
-            dirs = [p for p in dirs if p.name not in UNLABELED_NAMES]
+        sub = _subfolders(path)
+        dirs = [p for p in sub if p.name not in UNLABELED_NAMES]
+        notes += [_unlabeled_note(p) for p in sub if p.name in UNLABELED_NAMES]
         if not dirs:
-            left_out = f"; {', '.join(UNLABELED_NAMES)} folders are left out" if part == "all" and notes else ""
+            left_out = f"; {', '.join(UNLABELED_NAMES)} folders are left out" if len(sub) > len(dirs) else ""
             raise DataError(f"{path}: no class folders in it (expected {path}/<class name>/<image files>{left_out})")
         class_dirs[part] = dirs
     classes = sorted({d.name for dirs in class_dirs.values() for d in dirs})
@@ -277,6 +278,59 @@ def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
         part_arr = np.asarray(part_of)
         splits = {p: np.flatnonzero(part_arr == p) for p in parts}
     return ImageSet(images, labels_arr, classes, str(root), splits, notes)
+
+
+def _subfolders(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _unlabeled_note(path: Path) -> str:
+    n = sum(1 for f in path.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file())
+    return f"left out {path}: {n} unlabeled image{'s' * (n != 1)} (a classifier trains on labelled ones)"
+
+
+def _holds_class_folders(path: Path) -> bool:
+    """A folder laid out as a split (``<class>/<images>``): subfolders and no images of its own.  A class folder
+    holds images (perhaps in subfolders too); a split folder's own image files would be unread."""
+    own_images = any(f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file() and not f.name.startswith(".")
+                     for f in path.iterdir())
+    return not own_images and bool(_subfolders(path))
+
+
+def _split_layout(root: Path, subdirs: list[Path]) -> bool:
+    """Whether ``root`` holds given splits rather than class folders.
+
+    Given splits are ``train/`` with ``val/`` and/or ``test/`` and nothing else (``unlabeled/`` aside).  Beside
+    other folders, a ``train``, ``val`` or ``test`` folder of images is a class like any other (``bus/``, ``car/``,
+    ``train/``).  Refused, with both readings: split names without ``train/`` and no other class (``val/`` and
+    ``test/`` alone would train a classifier on split names), a ``val/`` or ``test/`` of class folders among class
+    folders, and a ``train/`` of class folders beside folders that are no split (``notes/``: the splits read as
+    classes, or a class never read)."""
+    names = {p.name for p in subdirs if p.name not in UNLABELED_NAMES}
+    splits = [s for s in SPLIT_NAMES if s in names]
+    others = sorted(names - set(SPLIT_NAMES))
+    if not splits:
+        return False
+    if "train" in splits and not others:
+        return True
+    split_like = [s for s in splits if _holds_class_folders(root / s)]
+    listed = ", ".join(f"{s}/" for s in splits)
+    if "train" in split_like:
+        extra = ", ".join(f"{o}/" for o in others)
+        raise DataError(f"{root}: {extra} beside the split folders {listed} (given splits are train/ with val/ "
+                        f"and/or test/, nothing else): move {extra} out of {root} (or name it unlabeled/ if its "
+                        f"images have no labels); if {listed} {'are classes' if len(splits) > 1 else 'is a class'}, "
+                        f"rename {'them' if len(splits) > 1 else 'it'}")
+    if not others:
+        raise DataError(f"{root}: its only folders are {listed}, named like splits but without train/: as given "
+                        f"splits they need {root}/train/<class>/<images> beside them; as classes, rename them")
+    if split_like:
+        what = ", ".join(f"{s}/" for s in split_like)
+        classes = ", ".join(f"{o}/" for o in others[:3]) + ", ..." * (len(others) > 3)
+        raise DataError(f"{root}: {what} hold{'s' * (len(split_like) == 1)} folders, not images, beside the class "
+                        f"folders {classes}: as given splits they need {root}/train/<class>/<images> (move the "
+                        f"classes into it); as a class, rename {what}")
+    return False
 
 
 def _pixels(im, grey: bool) -> np.ndarray:
