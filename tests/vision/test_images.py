@@ -368,3 +368,27 @@ def test_a_folder_beside_the_splits_is_refused(tmp_path):
     assert d.classes == ["cat", "dog"] and set(d.splits) == {"train", "val"} and len(d.images) == 12
     assert any("unlabeled: 1 unlabeled image " in n for n in d.notes), d.notes
 
+
+def test_32_bit_integer_images_outside_the_16_bit_range_are_refused(tmp_path):
+    """Pillow opens a 16-bit PGM as its 32-bit mode I: those are divided by 65535 like other 16-bit files.  An int32
+    TIFF (also mode I) with values beyond 65535 or below 0 came out outside [0, 1] (100000 -> 1.53); refused."""
+    from PIL import Image
+
+    for name in ("a", "b"):
+        (tmp_path / "pgm" / name).mkdir(parents=True)
+    Image.fromarray(np.full((8, 8), 40000, dtype=np.uint16)).save(tmp_path / "pgm" / "a" / "0.pgm")
+    Image.fromarray(np.full((8, 8), 1000, dtype=np.uint16)).save(tmp_path / "pgm" / "b" / "0.pgm")
+    with Image.open(tmp_path / "pgm" / "a" / "0.pgm") as im:
+        assert im.mode == "I"
+    d = load_image_set(str(tmp_path / "pgm"))
+    np.testing.assert_allclose(d.images[:, 0, 0, 0], [40000 / 65535, 1000 / 65535], rtol=1e-6)
+    for name, value in (("big", 100000), ("negative", -5)):
+        root = tmp_path / name
+        for cls in ("a", "b"):
+            (root / cls).mkdir(parents=True)
+            Image.fromarray(np.full((8, 8), 7, dtype=np.int32)).save(root / cls / "0.tif")
+        a = np.full((8, 8), 7, dtype=np.int32)
+        a[2, 3] = value
+        Image.fromarray(a).save(root / "b" / "1.tif")
+        _bad(root, rf"{name}/b/1.tif: a 32-bit integer image with values {min(7, value)}..{max(7, value)}; .*"
+                   r"save it as 16-bit \(values 0..65535\) or as a float image \(mode F\) in \[0, 1\]")

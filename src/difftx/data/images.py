@@ -19,7 +19,9 @@
 
 Everything is held in memory as float32 ``(N, C, H, W)``.  Pixel values of
 8- and 16-bit sources (files, ``uint8`` and ``uint16`` arrays) are scaled to
-[0, 1] by their range (digits: /16); float (and bool) arrays are kept as they are.  Other integer arrays
+[0, 1] by their range (digits: /16); float (and bool) arrays are kept as they are.  Pillow's 32-bit integer
+mode ``I`` (how it opens 16-bit PGMs, and older versions 16-bit PNGs) is read as 16-bit; an image of that mode
+with values outside 0..65535 (an int32 TIFF) is refused.  Other integer arrays
 (``int8`` .. ``int64``, ``uint32``, ``uint64``) have no known pixel range and are refused, naming the cast
 that fits their values (``uint8``, ``uint16``, or float32 divided by the maximum).  Arrays may be
 ``(N, H, W)`` (grey), ``(N, C, H, W)`` or ``(N, H, W, C)`` (channels last is recognised when the last axis has 1, 3 or 4
@@ -260,6 +262,12 @@ def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
                 pics.append(im.copy() if im.mode != "P" else im.convert("RGBA"))
         except Exception as e:
             raise DataError(f"{f}: not a readable image ({type(e).__name__}: {e}); remove or replace it") from None
+        if pics[-1].mode == "I":  # 32-bit: how Pillow opens 16-bit PGMs (older ones 16-bit PNGs), or an int32 TIFF
+            lo, hi = pics[-1].getextrema()
+            if lo < 0 or hi > 65535:
+                raise DataError(f"{f}: a 32-bit integer image with values {lo}..{hi}; integer images are read as "
+                                "8- or 16-bit (divided by 255 or 65535): save it as 16-bit (values 0..65535) or "
+                                "as a float image (mode F) in [0, 1]")
     grey = all(im.mode in _GREY_MODES for im in pics)
     arrays, first = [], None
     for f, im in zip(files, pics):
@@ -337,7 +345,7 @@ def _pixels(im, grey: bool) -> np.ndarray:
     """A Pillow image as float32 (C, H, W) in [0, 1] (16-bit and float images by their own range; a grey image in a
     colour set has its grey in R, G and B: Pillow's own conversion to RGB clips 16-bit values at 255)."""
     if im.mode in _GREY_MODES:
-        if im.mode in ("I", "I;16", "I;16B", "I;16L"):
+        if im.mode in ("I", "I;16", "I;16B", "I;16L"):  # "I": 16-bit values (larger ones are refused on reading)
             a = np.asarray(im, dtype=np.float32) / 65535.0
         elif im.mode == "F":
             a = np.asarray(im, dtype=np.float32)
