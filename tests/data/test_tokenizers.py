@@ -47,6 +47,62 @@ def test_bpe_is_reproducible_cached_and_round_trips(tmp_path):
     assert tokenizer_from_dict(a.to_dict()).fingerprint() == a.fingerprint()
 
 
+
+def _bpe_texts():
+    return iter([TEXT[i:i + 500] for i in range(0, len(TEXT), 500)])
+
+
+def _recording_training(monkeypatch) -> list:
+    from difftx.data import tokenizers
+
+    calls, train = [], tokenizers.train_bpe
+    monkeypatch.setattr(tokenizers, "train_bpe", lambda texts, size: calls.append(size) or train(texts, size))
+    return calls
+
+
+def test_a_directory_in_place_of_the_bpe_cache_file_is_one_error_before_training(tmp_path, monkeypatch):
+    """A cache file replaced by a directory was not found (is_file()), so every run trained the vocabulary again and
+    save() wrote tokenizer.json inside the directory, where no run looks: slow, silently, for ever.  One DataError
+    names it and the fix before training, and the fix works."""
+    build_tokenizer("bpe", _bpe_texts, "corpus-hash", 300, tmp_path)
+    (cached,) = (tmp_path / "tokenizers").glob("bpe-300-*.json")
+    cached.unlink()
+    cached.mkdir()
+    (cached / "x").write_text("something")
+    trained = _recording_training(monkeypatch)
+    with pytest.raises(DataError) as e:
+        build_tokenizer("bpe", _bpe_texts, "corpus-hash", 300, tmp_path)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{cached}: a directory, not a BPE vocabulary cache file; ")
+    assert "remove it" in message and "--cache-dir" in message
+    assert trained == [] and [p.name for p in cached.iterdir()] == ["x"]  # not trained, nothing written into it
+    import shutil
+
+    shutil.rmtree(cached)
+    first = build_tokenizer("bpe", _bpe_texts, "corpus-hash", 300, tmp_path)
+    again = build_tokenizer("bpe", lambda: iter(["unused"]), "corpus-hash", 300, tmp_path)
+    assert cached.is_file() and trained == [300] and again.fingerprint() == first.fingerprint()  # cached again
+
+
+def test_difftx_train_with_a_directory_as_the_bpe_cache_file_says_one_line_and_exits_2(tmp_path, capsys):
+    from difftx.cli import main
+    from difftx.data.corpus import resolve_corpus
+
+    corpus, cache = tmp_path / "a.txt", tmp_path / "cache"
+    corpus.write_text(TEXT)
+    data = resolve_corpus(str(corpus))
+    build_tokenizer("bpe", data.texts, data.fingerprint(), 300, cache)  # the vocabulary `difftx train` caches
+    (cached,) = (cache / "tokenizers").glob("bpe-300-*.json")
+    cached.unlink()
+    cached.mkdir()
+    code = main(["train", "--data", str(corpus), "--cache-dir", str(cache), "--tokenizer", "bpe", "--bpe-vocab-size",
+                 "300", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "16", "--batch-size", "2",
+                 "--steps", "1", "--dtype", "fp32", "--no-progress", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"difftx train: error: {cached}: a directory, not a BPE vocabulary cache file; "), err
+
+
 def test_a_saved_hugging_face_tokenizer_json_loads(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 

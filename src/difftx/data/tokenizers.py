@@ -340,6 +340,9 @@ def build_tokenizer(spec: str, texts: Optional[Callable[[], Iterable[str]]] = No
             cached = Path(cache_dir) / "tokenizers" / f"bpe-{bpe_vocab_size}-{key}.json"
             if cached.is_file():
                 return load_tokenizer(cached)
+            if cached.is_dir():  # save() would write tokenizer.json into it, and every run would train again
+                raise DataError(f"{cached}: a directory, not a BPE vocabulary cache file; remove it (the next run "
+                                "trains the vocabulary again and caches it there) or give another --cache-dir")
         tok = train_bpe(texts(), bpe_vocab_size)
         if cached is not None:
             tok.save(cached)
