@@ -1,5 +1,7 @@
 """Token shards: manifest, reuse on rerun, dtype, deterministic split, stateless window sampling."""
 
+import errno
+import io
 import json
 import os
 
@@ -321,3 +323,66 @@ def test_difftx_train_with_a_directory_as_tokens_bin_says_one_line_and_exits_2(t
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith(f"difftx train: error: {folder / TOKENS_FILE}: a directory, not a file; "), err
     assert "delete that folder" in err and "--cache-dir" in err
+
+
+class _FullDisk(io.FileIO):
+    """A file on a disk with ``room`` bytes free: a write past them is ENOSPC, as the kernel reports it (an OSError
+    naming no file)."""
+
+    room = 0
+
+    def write(self, data):
+        if self.tell() + memoryview(data).nbytes > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().write(data)
+
+
+@pytest.mark.parametrize("room", [None, 0, 1500])
+def test_a_full_disk_while_writing_the_tokens_names_tokens_bin_and_keeps_the_old_one(two_files, tmp_path,
+                                                                                      monkeypatch, room):
+    """The disk filling while the tokens were written was an OSError naming the temporary file they went to, which
+    no longer exists (making it failed: room None), or no file at all (a write failed).  One DataError names tokens.bin
+    (with what was written when the disk filled) and the fix; the temporary file is gone and the tokens.bin of an
+    interrupted build is left as it was."""
+    from difftx.data import shards
+
+    folder = _shard_folder(two_files, tmp_path)
+    (folder / MANIFEST_FILE).unlink()  # an interrupted build: rebuilt, its tokens.bin replaced only once written
+    before = (folder / TOKENS_FILE).read_bytes()
+
+    def full_open(path, mode="r", *args, **kwargs):
+        if room is None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        f = _FullDisk(path, "w")
+        f.room = room
+        return f
+
+    monkeypatch.setattr(shards, "open", full_open, raising=False)
+    with pytest.raises(DataError) as e:
+        prepare_tokens(resolve_corpus(str(two_files)), ByteTokenizer(), tmp_path / "cache", progress=False)
+    message = str(e.value)
+    assert "\n" not in message and ".tmp" not in message, message
+    assert message.startswith(f"{folder / TOKENS_FILE}: cannot be written, out of disk space (No space left on "
+                              "device"), message
+    # a.txt's 600 bytes are 1200 bytes of uint16 ids: written; b.txt's are not
+    assert ("; 1,200 bytes written when it filled)" in message) == (room == 1500), message
+    assert message.endswith("free space on that disk or point $DIFFTX_CACHE (or --cache-dir) at another one")
+    assert sorted(p.name for p in folder.iterdir()) == [TOKENS_FILE]  # no temporary file left
+    assert (folder / TOKENS_FILE).read_bytes() == before
+
+
+def test_a_full_disk_while_writing_the_manifest_names_it(two_files, tmp_path, monkeypatch):
+    """The manifest, written last: a full disk there named manifest.json with the advice for a broken cache entry
+    (delete the folder); the advice is the full disk's now."""
+    from difftx import io as difftx_io
+
+    def full(path, text):  # as atomic_write_text fails when it cannot make its temporary file
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path.parent / f".{path.name}.x1y2z3.tmp"))
+
+    monkeypatch.setattr(difftx_io, "atomic_write_text", full)
+    with pytest.raises(DataError) as e:
+        prepare_tokens(resolve_corpus(str(two_files)), ByteTokenizer(), tmp_path / "cache", progress=False)
+    (folder,) = (tmp_path / "cache" / "shards").iterdir()
+    assert str(e.value).startswith(f"{folder / MANIFEST_FILE}: cannot be written, out of disk space ("), str(e.value)
+    assert "delete that folder" not in str(e.value) and "$DIFFTX_CACHE" in str(e.value)
+    assert sorted(p.name for p in folder.iterdir()) == [TOKENS_FILE]  # no manifest: the next run rebuilds

@@ -1,6 +1,9 @@
 """Tokenizers: round trips, local BPE (reproducible, cached), a saved HF tokenizer.json, load_tokenizer for all."""
 
+import errno
+import io
 import json
+import os
 
 import numpy as np
 import pytest
@@ -102,6 +105,47 @@ def test_difftx_train_with_a_directory_as_the_bpe_cache_file_says_one_line_and_e
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith(f"difftx train: error: {cached}: a directory, not a BPE vocabulary cache file; "), err
 
+
+class _FullDisk(io.FileIO):
+    """A file on a disk with no room left: a write is ENOSPC, as the kernel reports it (an OSError naming no
+    file)."""
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("where", ["create", "write"])
+def test_a_full_disk_while_caching_the_bpe_vocabulary_names_the_cache_file(tmp_path, monkeypatch, where):
+    """The disk filling as the trained vocabulary was cached was an OSError naming the temporary file the write
+    went to, which does not exist (making it failed), or no file (writing it failed).  One DataError names the cache
+    file, the size it needs and the fix; the temporary file is gone and the cached vocabulary of another size is
+    intact."""
+    import tempfile
+
+    from difftx import io as difftx_io
+
+    build_tokenizer("bpe", _bpe_texts, "corpus-hash", 257, tmp_path)
+    folder = tmp_path / "tokenizers"
+    (other,) = folder.iterdir()
+    before = other.read_bytes()
+    if where == "create":
+        def make(prefix="", suffix="", dir=None):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(dir, f"{prefix}x1y2z3{suffix}"))
+
+        monkeypatch.setattr(tempfile, "mkstemp", make)
+    else:
+        monkeypatch.setattr(difftx_io.os, "fdopen", lambda fd, mode: _FullDisk(fd, "w"))
+    with pytest.raises(DataError) as e:
+        build_tokenizer("bpe", _bpe_texts, "corpus-hash", 300, tmp_path)
+    monkeypatch.undo()
+    assert list(folder.iterdir()) == [other] and other.read_bytes() == before  # no temporary file, nothing lost
+    build_tokenizer("bpe", _bpe_texts, "corpus-hash", 300, tmp_path)  # with room again: cached where it says
+    (cached,) = folder.glob("bpe-300-*")
+    message = str(e.value)
+    assert "\n" not in message and ".tmp" not in message, message
+    assert message.startswith(f"{cached}: cannot be written, out of disk space (No space left on device; "), message
+    assert f"; {cached.stat().st_size:,} bytes needed)" in message, message  # the size of the file it caches
+    assert message.endswith("free space on that disk or point $DIFFTX_CACHE (or --cache-dir) at another one")
 
 def test_a_saved_hugging_face_tokenizer_json_loads(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers

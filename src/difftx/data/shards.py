@@ -21,6 +21,7 @@ micro-batches they are split into.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -113,6 +114,25 @@ def _unusable(folder: Path, name: str, why: str) -> DataError:
     no permission): one line naming it and the fix, not an OSError naming a temporary file."""
     return DataError(f"{folder / name}: {why}; the token cache entry {folder} cannot be used: delete that folder (the "
                      "next run rebuilds it) or give another --cache-dir")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2 ** 30:,.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB" if n >= 2 ** 20 else f"{n:,} bytes"
+
+
+def raise_if_disk_full(path: Path, e: OSError, needed: int = 0, written: int = 0) -> None:
+    """Raise one DataError naming the cache file ``path`` when ``e`` says the disk (or the quota) is full, with the
+    size the file needs (``needed``) or what was written of it when the disk filled (``written``), where known.
+
+    ``e`` names the temporary file the write went to first, gone by the time the message is read (deleted, or
+    never made), or no file at all (a failed write() names none); the file it was for and the fix are what the user
+    needs.  Other errors return.
+    """
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        size = f"; {_size(needed)} needed" if needed else f"; {_size(written)} written when it filled" if written \
+            else ""
+        raise DataError(f"{path}: cannot be written, out of disk space ({e.strerror or e}{size}); free space on that "
+                        "disk or point $DIFFTX_CACHE (or --cache-dir) at another one") from None
 
 
 def _open_tokens(folder: Path, manifest: dict) -> np.ndarray:
@@ -213,7 +233,13 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
         try:
             os.replace(tmp, folder / TOKENS_FILE)
         except OSError as e:  # e names the temporary file, deleted below
+            raise_if_disk_full(folder / TOKENS_FILE, e)
             raise _unusable(folder, TOKENS_FILE, f"cannot be written ({e.strerror or e})") from None
+    except OSError as e:
+        # a full disk while the temporary file is made, written, flushed or closed: e names that file (gone by
+        # then) or none; tokens.bin, if there is one, is untouched.  Other errors (reading the corpus) pass on
+        raise_if_disk_full(folder / TOKENS_FILE, e, written=tmp.stat().st_size if tmp.exists() else 0)
+        raise
     finally:
         bar.close()
         if tmp.exists():
@@ -231,6 +257,7 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
     try:
         atomic_write_text(folder / MANIFEST_FILE, json.dumps(manifest, indent=1))
     except OSError as e:
+        raise_if_disk_full(folder / MANIFEST_FILE, e)
         raise _unusable(folder, MANIFEST_FILE, f"cannot be written ({e.strerror or e})") from None
     return manifest
 

@@ -345,7 +345,13 @@ def build_tokenizer(spec: str, texts: Optional[Callable[[], Iterable[str]]] = No
                                 "trains the vocabulary again and caches it there) or give another --cache-dir")
         tok = train_bpe(texts(), bpe_vocab_size)
         if cached is not None:
-            tok.save(cached)
+            try:
+                tok.save(cached)
+            except OSError as e:  # e names save()'s temporary file (gone by then), or no file
+                from .shards import raise_if_disk_full
+
+                raise_if_disk_full(cached, e, needed=len(tok._json.encode()))
+                raise
         return tok
     path = Path(spec).expanduser()  # '~' as --data takes it (no shell expands '--tokenizer=~/...')
     if not path.exists():
