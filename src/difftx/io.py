@@ -6,8 +6,8 @@ either the old file or the new one.  State-dict keys never carry wrapper
 prefixes (``_orig_mod.`` from torch.compile, ``module.`` from DDP).
 
 :func:`load_model` accepts a model directory, a training run or checkpoint
-directory (the newest checkpoint inside is used) or, through registered
-resolvers (e.g. :mod:`difftx.interop`), other layouts.
+directory (of a run, its newest complete checkpoint is used) or, through
+registered resolvers (e.g. :mod:`difftx.interop`), other layouts.
 """
 
 from __future__ import annotations
@@ -295,19 +295,39 @@ def cast_model(model: torch.nn.Module, device=None, dtype: Optional[torch.dtype]
 
 
 def list_checkpoints(run_dir) -> list[Path]:
-    """Complete checkpoints of a training run, oldest first.
+    """The checkpoint directories (``step_XXXXXXXX``) of a training run, oldest first.
 
     The trainer assembles a checkpoint under a temporary name and renames it to
     ``step_XXXXXXXX`` when complete, so a directory of that name is whole unless
     something else damaged it (a partial copy, files deleted by hand):
-    ``difftx.train.checkpoint.missing_parts`` tells, and ``--resume auto`` passes
-    such a directory over.
+    ``difftx.train.checkpoint.missing_parts`` tells, and ``--resume auto``,
+    :func:`load_model` and the divergence error pass such a directory over
+    (``difftx.train.checkpoint.newest_complete``).
     """
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
     return [p for _, p in sorted(found)]
+
+
+def _newest_complete_checkpoint(run_dir: Path) -> Path:
+    """The checkpoint ``load_model(run_dir)`` loads: the newest complete one, as ``--resume auto`` takes it
+    (``difftx.train.checkpoint.newest_complete``); newer ``step_*`` directories that lack files are passed over with
+    a warning, and a run with no complete checkpoint is one CheckpointError naming what each one lacks."""
+    import warnings
+
+    from .train.checkpoint import describe_missing, newest_complete
+
+    ckpt, passed, missing = newest_complete(run_dir)
+    if ckpt is None:
+        raise CheckpointError(f"{run_dir}: no complete checkpoint in {CHECKPOINTS_DIR}/ (missing: "
+                              f"{describe_missing(passed, missing)}); restore those files, or load one of them by its "
+                              f"path (a step_* directory needs only {CONFIG_FILE} and {WEIGHTS_FILE})")
+    if passed:
+        warnings.warn(f"difftx.load_model: skipped incomplete checkpoint(s) of {run_dir} (missing: "
+                      f"{describe_missing(passed, missing)}); loading {ckpt}", stacklevel=3)
+    return ckpt
 
 
 def is_model_dir(path: Path) -> bool:
@@ -345,8 +365,8 @@ def load_model(path, device: Optional[str] = None, dtype=None) -> torch.nn.Modul
             path = path.parent
         else:
             raise CheckpointError(f"{path}: expected a directory or a .safetensors file")
-    if not is_model_dir(path) and list_checkpoints(path):
-        path = list_checkpoints(path)[-1]  # a training run: its newest complete checkpoint
+    if not is_model_dir(path) and list_checkpoints(path):  # a training run: its newest complete checkpoint
+        path = _newest_complete_checkpoint(path)
     if not is_model_dir(path):
         for fn in _RESOLVERS:
             model = fn(path, device)

@@ -254,3 +254,62 @@ def test_resume_of_a_run_directory_into_a_new_out_skips_its_incomplete_checkpoin
     assert train_cli("--steps", 6, "--checkpoint-every", 2, "--eval-every", 0, "--out", tmp_path / "clean") == 0
     a, b = difftx.load_model(tmp_path / "fork").state_dict(), difftx.load_model(tmp_path / "clean").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _same_weights(a, b):
+    a, b = a.state_dict(), b.state_dict()
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("how", ["optimizer.pt", "rng", "model.safetensors"])
+def test_load_model_of_a_run_takes_its_newest_complete_checkpoint(two_checkpoints, how):
+    """difftx.load_model(RUN) took the newest step_* directory whatever it lacked: the weights of a checkpoint
+    --resume auto passes over (its optimizer state or RNG state missing), or 'no difftx model here' (its weights
+    missing).  Now it loads the checkpoint --resume auto takes, with a warning naming the one passed over."""
+    ckpts = two_checkpoints / "checkpoints"
+    _damage(ckpts / "step_00000004", how)
+    with pytest.warns(UserWarning, match="skipped incomplete checkpoint") as caught:
+        model = difftx.load_model(two_checkpoints)
+    message = str(caught[0].message)
+    assert str(ckpts / "step_00000004") in message and f"loading {ckpts / 'step_00000002'}" in message, message
+    assert _same_weights(model, difftx.load_model(ckpts / "step_00000002"))
+    if how != "model.safetensors":  # not step 4's weights, which it could read
+        assert not _same_weights(model, difftx.load_model(ckpts / "step_00000004"))
+
+
+def test_load_model_of_a_run_with_no_complete_checkpoint_is_one_error(two_checkpoints):
+    """Every step_* directory incomplete: one CheckpointError naming the run, what each lacks and the fix (a
+    step directory named directly still loads: it needs only its config and weights)."""
+    ckpts = two_checkpoints / "checkpoints"
+    for step in ("step_00000002", "step_00000004"):
+        _damage(ckpts / step, "optimizer.pt")
+    with pytest.raises(CheckpointError) as e:
+        difftx.load_model(two_checkpoints)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{two_checkpoints}: no complete checkpoint"), msg
+    assert all(str(ckpts / s / "optimizer.pt") in msg for s in ("step_00000002", "step_00000004")), msg
+    assert "restore those files, or load one of them by its path" in msg, msg
+    assert difftx.load_model(ckpts / "step_00000004").config.d_model == 32  # the way it names
+
+
+def test_non_finite_loss_names_the_newest_complete_checkpoint_as_last_good(tmp_path, train_cli, capsys, monkeypatch):
+    """The divergence error's 'Last good checkpoint' was the newest step_* directory, complete or not; now the one
+    --resume auto would take (and load_model(RUN) loads)."""
+    from difftx.train.domain import LMDomain
+
+    real, calls, run = LMDomain.loss, {"n": 0}, tmp_path / "run"
+
+    def poisoned(self, model, batch):
+        calls["n"] += 1
+        loss = real(self, model, batch)
+        if calls["n"] == 5:  # step 5: step 4's checkpoint damaged in the meantime (a file deleted), then a NaN
+            (run / "checkpoints" / "step_00000004" / "optimizer.pt").unlink()
+            return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(LMDomain, "loss", poisoned)
+    assert train_cli("--steps", 8, "--checkpoint-every", 2, "--eval-every", 0, "--out", run) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "non-finite loss at step 5" in err, err
+    assert f"Last good checkpoint: {run / 'checkpoints' / 'step_00000002'}." in err, err
+

@@ -23,6 +23,8 @@ does not keep renames in order after a power loss): :func:`missing_parts` names 
 skips such directories for the newest complete checkpoint (:func:`resolve_resume`, with a warning; with none
 complete it refuses) and the run keeps them, renamed out of the list of checkpoints (``step_XXXXXXXX.incomplete``,
 :func:`set_aside`), rather than deleting them; an explicit ``--resume PATH`` to one is refused.
+``difftx.load_model(RUN)`` and the divergence error's "last good checkpoint" take the same newest complete
+checkpoint (:func:`newest_complete`).
 """
 
 from __future__ import annotations
@@ -516,21 +518,35 @@ def resolve_resume(resume: Optional[str], run_dir: Path, restore: bool = True,
     return _newest_complete(path, skipped, f"--resume {resume}")
 
 
-def _newest_complete(run_dir: Path, skipped, flag: str) -> Optional[Path]:
-    """The newest complete checkpoint of ``run_dir`` (None when it has none at all); the newer incomplete ones go to
-    ``skipped``.  Only incomplete ones: refused (the run is not started over in their place)."""
+def newest_complete(run_dir: Path) -> tuple[Optional[Path], list[Path], list[list[str]]]:
+    """The newest complete checkpoint of ``run_dir`` (None when there is none), the newer ``step_*`` directories
+    passed over for lacking files (newest first) and what each lacks (:func:`missing_parts`).  The one notion of
+    "the newest checkpoint" of a run: ``--resume auto``, ``difftx.load_model(RUN)`` and the divergence error's last
+    good checkpoint all take it."""
     passed, missing = [], []
     for ckpt in reversed(list_checkpoints(run_dir)):
         lacks = missing_parts(ckpt)
         if not lacks:
-            break
+            return ckpt, passed, missing
         passed.append(ckpt)
         missing.append(lacks)
-    else:
+    return None, passed, missing
+
+
+def describe_missing(passed: list[Path], missing: list[list[str]]) -> str:
+    """What the incomplete directories ``passed`` lack, for a message: their missing files' paths."""
+    return "; ".join(", ".join(str(p / m) for m in lacks) for p, lacks in zip(passed, missing))
+
+
+def _newest_complete(run_dir: Path, skipped, flag: str) -> Optional[Path]:
+    """The newest complete checkpoint of ``run_dir`` (None when it has none at all); the newer incomplete ones go to
+    ``skipped``.  Only incomplete ones: refused (the run is not started over in their place)."""
+    ckpt, passed, missing = newest_complete(run_dir)
+    if ckpt is None:
         if passed:
-            what = "; ".join(", ".join(str(p / m) for m in lacks) for p, lacks in zip(passed, missing))
-            raise CheckpointError(f"{flag}: no complete checkpoint to resume (missing: {what}); restore those files, "
-                                  "or move the incomplete step_* directories away to start the run over")
+            raise CheckpointError(f"{flag}: no complete checkpoint to resume (missing: "
+                                  f"{describe_missing(passed, missing)}); restore those files, or move the incomplete "
+                                  "step_* directories away to start the run over")
         return None
     if passed and skipped is not None:
         skipped(passed, missing)

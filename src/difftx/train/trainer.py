@@ -177,12 +177,11 @@ class Trainer:
         gnorm = self._clip()
         if not (math.isfinite(mean_loss) and math.isfinite(gnorm)):
             self.optimizer.zero_grad(set_to_none=True)
-            last = ckpt.list_checkpoints(self.run_dir)
+            last = ckpt.newest_complete(self.run_dir)[0]  # the one --resume auto would take: not a damaged one
             raise TrainingDiverged(
                 f"non-finite {'loss' if not math.isfinite(mean_loss) else 'gradient norm'} at step {step + 1} "
                 f"(loss {mean_loss}, grad norm {gnorm}); stopped before applying it. Last good checkpoint: "
-                f"{last[-1] if last else 'none'}. Lower --lr, raise --warmup, clip with --grad-clip or use "
-                "--dtype fp32")
+                f"{last or 'none'}. Lower --lr, raise --warmup, clip with --grad-clip or use --dtype fp32")
         for cb in self.callbacks:
             if hasattr(cb, "on_before_optimizer_step"):
                 cb.on_before_optimizer_step(self)
