@@ -313,3 +313,65 @@ def test_non_finite_loss_names_the_newest_complete_checkpoint_as_last_good(tmp_p
     assert err.count("\n") == 1 and "non-finite loss at step 5" in err, err
     assert f"Last good checkpoint: {run / 'checkpoints' / 'step_00000002'}." in err, err
 
+
+def _as_if_saved_by_two_processes(ckpt, rank_1=True):
+    """Checkpoint ``ckpt`` as a run of 2 processes leaves it: world_size 2 in its trainer state, and (``rank_1``)
+    the RNG state file of rank 1 beside rank 0's."""
+    import json
+
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    (ckpt / "trainer_state.json").write_text(json.dumps({**state, "world_size": 2}))
+    if rank_1:
+        (ckpt / "rng" / "rank_1.json").write_bytes((ckpt / "rng" / "rank_0.json").read_bytes())
+
+
+def test_a_checkpoint_of_several_processes_is_complete_only_with_the_rng_state_of_each(two_checkpoints):
+    """Each process of a run writes rng/rank_N.json; the completeness check asked for rank_0.json only.  The
+    number of processes comes from the checkpoint's trainer_state.json (a corrupt value: rank 0 only, as
+    load_checkpoint reads it and reports it; a huge one does not list every rank)."""
+    import json
+
+    from difftx.train.checkpoint import missing_parts
+
+    ckpt = two_checkpoints / "checkpoints" / "step_00000004"
+    assert missing_parts(ckpt) == []
+    _as_if_saved_by_two_processes(ckpt, rank_1=False)
+    assert missing_parts(ckpt) == ["rng/rank_1.json"]
+    (ckpt / "rng" / "rank_1.json").write_bytes(b"")  # empty: missing, as any other file
+    assert missing_parts(ckpt) == ["rng/rank_1.json"]
+    (ckpt / "rng" / "rank_1.json").write_bytes((ckpt / "rng" / "rank_0.json").read_bytes())
+    assert missing_parts(ckpt) == []
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    (ckpt / "trainer_state.json").write_text(json.dumps({**state, "world_size": 10 ** 15}))
+    assert missing_parts(ckpt) == ["rng/rank_2.json", "rng/rank_3.json", "rng/rank_4.json",
+                                   f"rng/rank_N.json of {10 ** 15 - 5} more of the {10 ** 15} processes that saved it"]
+    for bad in ("two", 0, None, True):
+        (ckpt / "trainer_state.json").write_text(json.dumps({**state, "world_size": bad}))
+        assert missing_parts(ckpt) == [], bad
+    (ckpt / "rng" / "rank_0.json").unlink()
+    assert missing_parts(ckpt) == ["rng/rank_0.json"]
+
+
+def test_resume_passes_over_a_checkpoint_of_two_processes_that_lacks_one_rng_state(two_checkpoints, train_cli,
+                                                                                    capsys):
+    """A checkpoint of 2 processes without rng/rank_1.json was taken by --resume auto as complete (on one process
+    nothing read rank 1's file; under torchrun rank 1 failed alone).  Now it is incomplete as a checkpoint lacking
+    any other file: --resume auto passes over it (kept, renamed) for the one before, load_model(RUN) too, and a
+    --resume naming it is refused in one line."""
+    ckpts = two_checkpoints / "checkpoints"
+    _as_if_saved_by_two_processes(ckpts / "step_00000002")
+    _as_if_saved_by_two_processes(ckpts / "step_00000004", rank_1=False)
+    with pytest.warns(UserWarning, match="rank_1.json"):
+        assert _same_weights(difftx.load_model(two_checkpoints), difftx.load_model(ckpts / "step_00000002"))
+    common = ["--steps", 6, "--checkpoint-every", 2, "--eval-every", 0, "--global-batch", 8, "--out", two_checkpoints]
+    capsys.readouterr()
+    assert train_cli(*common, "--resume", ckpts / "step_00000004") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "incomplete checkpoint" in err, err
+    assert str(ckpts / "step_00000004" / "rng" / "rank_1.json") in err, err
+    assert train_cli(*common, "--resume", "auto") == 0
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and str(ckpts / "step_00000004") in err and "rng/rank_1.json" in err, err
+    assert f"resuming from {ckpts / 'step_00000002'}" in out, out
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000004", "step_00000004.incomplete",
+                                                       "step_00000006"]

@@ -189,6 +189,8 @@ def test_resuming_on_another_process_count_keeps_the_global_batch_or_is_refused(
     state = json.loads(state_file.read_text())
     assert (state["world_size"], state["micro_batches"]) == (1, 1)
     state_file.write_text(json.dumps({**state, "world_size": 2}))
+    rng = state_file.parent / "rng"  # each of the 2 processes saved its RNG state
+    (rng / "rank_1.json").write_bytes((rng / "rank_0.json").read_bytes())
     capsys.readouterr()
     assert train_cli("--steps", 4, "--eval-every", 0, "--out", out, "--resume", "auto") == 2
     err = capsys.readouterr().err

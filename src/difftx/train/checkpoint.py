@@ -19,23 +19,25 @@ one pickle-based file format involved (DCP's ``.metadata``) is read with an allo
 unpickler.
 
 A ``step_*`` directory can still lack files (copied or synced in part, files deleted by hand, a file system that
-does not keep renames in order after a power loss): :func:`missing_parts` names what it lacks.  ``--resume auto``
-skips such directories for the newest complete checkpoint (:func:`resolve_resume`, with a warning; with none
-complete it refuses) and the run keeps them, renamed out of the list of checkpoints (``step_XXXXXXXX.incomplete``,
-:func:`set_aside`), rather than deleting them; an explicit ``--resume PATH`` to one is refused.
-``difftx.load_model(RUN)`` and the divergence error's "last good checkpoint" take the same newest complete
-checkpoint (:func:`newest_complete`).
+does not keep renames in order after a power loss): :func:`missing_parts` names what it lacks (a run of N processes
+wrote N RNG files).  ``--resume auto`` skips such directories for the newest complete checkpoint
+(:func:`resolve_resume`, with a warning; with none complete it refuses) and the run keeps them, renamed out of the
+list of checkpoints (``step_XXXXXXXX.incomplete``, :func:`set_aside`), rather than deleting them; an explicit
+``--resume PATH`` to one is refused.  ``difftx.load_model(RUN)`` and the divergence error's "last good checkpoint"
+take the same newest complete checkpoint (:func:`newest_complete`).
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 import math
 import os
 import pickle
 import random
+import re
 import shutil
 import textwrap
 from pathlib import Path
@@ -97,16 +99,48 @@ def remove_later(run_dir: Path, step: int) -> list[Path]:
 
 def missing_parts(path: Path) -> list[str]:
     """What checkpoint directory ``path`` lacks of a complete one (paths relative to it; an empty file counts as
-    missing); empty for a complete checkpoint.  Only presence is checked: a file with corrupt contents is
-    reported by :func:`load_checkpoint`, which names it."""
+    missing); empty for a complete checkpoint.  Each process of the run that saved it wrote its RNG state: the
+    ``rng/rank_N.json`` of every rank below the ``world_size`` of its trainer_state.json is needed.  Only presence
+    is checked: a file with corrupt contents is reported by :func:`load_checkpoint`, which names it."""
     path = Path(path)
     need = [CONFIG_FILE, STATE_FILE, WEIGHTS_FILE]
     need.append(f"{SHARDED_DIR}/.metadata" if (path / SHARDED_DIR).is_dir() else OPTIM_FILE)
-    need.append(f"{RNG_DIR}/rank_0.json")  # the other ranks' (a run on several processes): load_checkpoint checks
     run_dir = path.parent.parent if path.parent.name == CHECKPOINTS_DIR else None
     if run_dir is not None and (run_dir / TOKENIZER_FILE).is_file():  # kept by the run: kept in each checkpoint
         need.append(TOKENIZER_FILE)
-    return [name for name in need if not _nonempty_file(path / name)]
+    return [name for name in need if not _nonempty_file(path / name)] + _missing_rng(path, _saved_world_size(path))
+
+
+def _saved_world_size(path: Path) -> int:
+    """The number of processes that saved checkpoint ``path`` (each wrote its ``rng/rank_N.json``): ``world_size``
+    of its trainer_state.json; 1 when the file says none (as :func:`load_checkpoint` reads it), or is missing or
+    unreadable (missing: :func:`missing_parts` names it; unreadable: :func:`load_checkpoint` does)."""
+    try:
+        world = json.loads((Path(path) / STATE_FILE).read_text()).get("world_size", 1)
+    except (OSError, ValueError, RecursionError, AttributeError):  # ValueError: JSON or UTF-8; AttributeError: no dict
+        return 1
+    return world if isinstance(world, int) and not isinstance(world, bool) and world >= 1 else 1
+
+
+def _missing_rng(path: Path, world: int, show: int = 3) -> list[str]:
+    """The RNG state files of ranks ``0 .. world - 1`` that checkpoint ``path`` lacks (an empty one counts as
+    missing): the first ``show`` by name, then one entry counting the rest (``world`` is read from the checkpoint,
+    so a corrupt one may be huge: the ranks are never listed one by one)."""
+    rng = Path(path) / RNG_DIR
+    try:
+        names = {f.name for f in rng.iterdir() if _nonempty_file(f)} if rng.is_dir() else set()
+    except OSError:
+        names = set()
+    present = sum(1 for n in names if (m := _RNG_FILE.match(n)) and int(m.group(1)) < world)
+    first = list(itertools.islice((r for r in range(world) if f"rank_{r}.json" not in names), show))
+    lacks = [f"{RNG_DIR}/rank_{r}.json" for r in first]
+    rest = world - present - len(first)
+    if rest > 0:
+        lacks.append(f"{RNG_DIR}/rank_N.json of {rest} more of the {world} processes that saved it")
+    return lacks
+
+
+_RNG_FILE = re.compile(r"^rank_(0|[1-9]\d*)\.json$")
 
 
 def _nonempty_file(path: Path) -> bool:
