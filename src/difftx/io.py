@@ -365,8 +365,9 @@ def load_model(path, device: Optional[str] = None, dtype=None) -> torch.nn.Modul
             path = path.parent
         else:
             raise CheckpointError(f"{path}: expected a directory or a .safetensors file")
+    run = None
     if not is_model_dir(path) and list_checkpoints(path):  # a training run: its newest complete checkpoint
-        path = _newest_complete_checkpoint(path)
+        run, path = path, _newest_complete_checkpoint(path)
     if not is_model_dir(path):
         for fn in _RESOLVERS:
             model = fn(path, device)
@@ -376,10 +377,21 @@ def load_model(path, device: Optional[str] = None, dtype=None) -> torch.nn.Modul
             f"{path}: no difftx model here (need {CONFIG_FILE} with '{FORMAT_KEY}' and {WEIGHTS_FILE}, "
             "or a training run / checkpoint directory)"
         )
-    cfg, data = _read_model_config(path)
-    model = build_model(cfg)
-    state = load_safetensors(path / WEIGHTS_FILE)
-    load_state_dict_into(model, state, str(path / WEIGHTS_FILE))
+    try:
+        cfg, data = _read_model_config(path)
+        model = build_model(cfg)
+        state = load_safetensors(path / WEIGHTS_FILE)
+        load_state_dict_into(model, state, str(path / WEIGHTS_FILE))
+    except CheckpointError as e:  # a corrupt file is refused, not passed over: say which checkpoint loads instead
+        if run is None:
+            raise
+        from .train.checkpoint import newest_complete
+
+        prev = newest_complete(run, before=int(_STEP_DIR.match(path.name).group(1)))[0]
+        if prev is None:
+            raise
+        raise CheckpointError(f"{e}; {path} is the newest complete checkpoint of {run}: load the one before it, "
+                              f"{prev}, by its path") from None
     if dtype is None:  # the dtype it was saved in (a bf16 conversion stays bf16)
         dtype = saved_dtype(model, clean_state_dict(state), data.get(DTYPE_KEY))
     model = cast_model(model, device, dtype)  # lambdas stay float32 in a bf16 model, as the HF wrapper keeps them

@@ -72,6 +72,9 @@ def two_checkpoints(tmp_path, train_cli):
                                          ("optimizer.pt", "garbage"), ("trainer_state.json", "garbage"),
                                          ("model.safetensors", "nan")])
 def test_corrupt_checkpoint_names_the_file(two_checkpoints, train_cli, capsys, victim, how):
+    """A complete step directory with a corrupt file is refused, not passed over (difftx never leaves one: its files
+    are renamed into place whole): one line naming the file and how to resume the checkpoint before it; nothing
+    is changed."""
     path = two_checkpoints / "checkpoints" / "step_00000004" / victim
     if how == "nan":  # a well-formed file whose weights are not finite
         from safetensors.torch import load_file, save_file
@@ -82,14 +85,52 @@ def test_corrupt_checkpoint_names_the_file(two_checkpoints, train_cli, capsys, v
     else:
         data = path.read_bytes()
         path.write_bytes(data[: len(data) // 3] if how == "truncate" else b"\x00garbage" * 10)
+    before = _files(two_checkpoints)
     assert train_cli("--steps", 6, "--out", two_checkpoints, "--resume", "auto") == 2
     err = capsys.readouterr().err
     assert str(path) in err and err.count("\n") == 1, err
+    ckpts = two_checkpoints / "checkpoints"
+    assert err.rstrip().endswith(f"rename {ckpts / 'step_00000004'} to step_00000004.corrupt (kept, and no longer a "
+                                 f"checkpoint): --resume auto then takes {ckpts / 'step_00000002'}"), err
+    assert _files(two_checkpoints) == before
     if how == "nan":
         assert "'final_norm.weight' holds 1 non-finite value" in err, err
     if victim == "model.safetensors":
-        with pytest.raises(CheckpointError, match=victim):
+        with pytest.raises(CheckpointError, match=victim) as e:
             difftx.load_model(two_checkpoints)
+        assert str(e.value).endswith(f"load the one before it, {ckpts / 'step_00000002'}, by its path")
+        assert "\n" not in str(e.value)
+
+
+def _files(root):
+    return {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_the_way_a_corrupt_checkpoint_error_names_resumes_the_checkpoint_before_it(two_checkpoints, train_cli,
+                                                                                   capsys, tmp_path):
+    """The fix the error names works: renamed as it says, the corrupt directory is kept as it was and --resume auto
+    continues from the step before; a run directory resumed into another --out gets --resume of that step, which
+    leaves the source run as it was."""
+    ckpts = two_checkpoints / "checkpoints"
+    path = ckpts / "step_00000004" / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:300])
+    source, corrupt = _files(two_checkpoints), _files(ckpts / "step_00000004")
+    capsys.readouterr()
+    assert train_cli("--steps", 6, "--eval-every", 0, "--out", tmp_path / "fork", "--resume", two_checkpoints) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err, err
+    assert err.rstrip().endswith(f"the checkpoint before it is complete: --resume {ckpts / 'step_00000002'}"), err
+    assert train_cli("--steps", 6, "--eval-every", 0, "--out", tmp_path / "fork", "--resume",
+                     ckpts / "step_00000002") == 0
+    assert f"resuming from {ckpts / 'step_00000002'}" in capsys.readouterr().out
+    assert _files(two_checkpoints) == source
+    (ckpts / "step_00000004").rename(ckpts / "step_00000004.corrupt")
+    assert train_cli("--steps", 6, "--checkpoint-every", 2, "--eval-every", 0, "--out", two_checkpoints,
+                     "--resume", "auto") == 0
+    assert f"resuming from {ckpts / 'step_00000002'}" in capsys.readouterr().out
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000004", "step_00000004.corrupt",
+                                                       "step_00000006"]
+    assert _files(ckpts / "step_00000004.corrupt") == corrupt
 
 
 def test_pickled_code_in_a_checkpoint_is_never_run(two_checkpoints, train_cli, capsys, tmp_path):
@@ -255,6 +296,20 @@ def test_resume_of_a_run_directory_into_a_new_out_skips_its_incomplete_checkpoin
     a, b = difftx.load_model(tmp_path / "fork").state_dict(), difftx.load_model(tmp_path / "clean").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
+
+def test_a_corrupt_checkpoint_named_before_the_newest_names_the_one_before_it(tmp_path, train_cli, capsys):
+    """--resume of a corrupt step_4 when step_6 is the run's newest: renaming step_4 would not make --resume auto
+    take step_2 (it takes step_6), so the error names --resume of step_2."""
+    run = tmp_path / "run"
+    assert train_cli("--steps", 6, "--checkpoint-every", 2, "--eval-every", 0, "--out", run) == 0
+    ckpts = run / "checkpoints"
+    path = ckpts / "step_00000004" / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:300])
+    capsys.readouterr()
+    assert train_cli("--steps", 6, "--eval-every", 0, "--out", run, "--resume", ckpts / "step_00000004") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and "rename" not in err, err
+    assert err.rstrip().endswith(f"the checkpoint before it is complete: --resume {ckpts / 'step_00000002'}"), err
 
 def _same_weights(a, b):
     a, b = a.state_dict(), b.state_dict()

@@ -199,10 +199,11 @@ def test_unloadable_optimizer_state_whole_message_no_warning(run4, train_cli, ca
         assert train_cli("--steps", 6, "--out", run4, "--resume", "auto") == 2
     err = _one_line(capsys)
     refused = (f"{path}: not a weights-only torch file (torch.load(weights_only=True) refused it): corrupt, or "
-               "unsafe pickled objects (nothing in it was run); use another checkpoint")
+               "unsafe pickled objects (nothing in it was run); use another checkpoint; ")
     unreadable = f"{path}: not a readable optimizer state ("  # random bytes may fail before the unpickler
-    assert err.rstrip().endswith(refused) or (content == "random" and unreadable in err and err.rstrip().endswith(
-        "the file is truncated or corrupt, use another checkpoint")), err
+    assert refused in err or (content == "random" and unreadable in err and
+                              "the file is truncated or corrupt, use another checkpoint; " in err), err
+    assert err.rstrip().endswith(f"--resume auto then takes {run4 / 'checkpoints' / 'step_00000002'}"), err  # the way
     assert not [w for w in caught if issubclass(w.category, UserWarning)], [str(w.message)[:200] for w in caught]
     assert not (tmp_path / "pwned").exists()
 

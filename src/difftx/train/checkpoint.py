@@ -24,7 +24,9 @@ wrote N RNG files).  ``--resume auto`` skips such directories for the newest com
 (:func:`resolve_resume`, with a warning; with none complete it refuses) and the run keeps them, renamed out of the
 list of checkpoints (``step_XXXXXXXX.incomplete``, :func:`set_aside`), rather than deleting them; an explicit
 ``--resume PATH`` to one is refused.  ``difftx.load_model(RUN)`` and the divergence error's "last good checkpoint"
-take the same newest complete checkpoint (:func:`newest_complete`).
+take the same newest complete checkpoint (:func:`newest_complete`).  A complete directory whose contents are corrupt
+is refused, not skipped (difftx never writes one: its files are renamed into place whole), by a line naming the file
+and, for a run's checkpoint, how to resume the one before (:func:`earlier_hint`).
 """
 
 from __future__ import annotations
@@ -552,13 +554,15 @@ def resolve_resume(resume: Optional[str], run_dir: Path, restore: bool = True,
     return _newest_complete(path, skipped, f"--resume {resume}")
 
 
-def newest_complete(run_dir: Path) -> tuple[Optional[Path], list[Path], list[list[str]]]:
-    """The newest complete checkpoint of ``run_dir`` (None when there is none), the newer ``step_*`` directories
-    passed over for lacking files (newest first) and what each lacks (:func:`missing_parts`).  The one notion of
-    "the newest checkpoint" of a run: ``--resume auto``, ``difftx.load_model(RUN)`` and the divergence error's last
-    good checkpoint all take it."""
+def newest_complete(run_dir: Path, before: Optional[int] = None) -> tuple[Optional[Path], list[Path], list[list[str]]]:
+    """The newest complete checkpoint of ``run_dir`` (before step ``before``, if given; None when there is none),
+    the newer ``step_*`` directories passed over for lacking files (newest first) and what each lacks
+    (:func:`missing_parts`).  The one notion of "the newest checkpoint" of a run: ``--resume auto``,
+    ``difftx.load_model(RUN)`` and the divergence error's last good checkpoint all take it."""
     passed, missing = [], []
     for ckpt in reversed(list_checkpoints(run_dir)):
+        if before is not None and int(ckpt.name.split("_")[1]) >= before:
+            continue
         lacks = missing_parts(ckpt)
         if not lacks:
             return ckpt, passed, missing
@@ -570,6 +574,28 @@ def newest_complete(run_dir: Path) -> tuple[Optional[Path], list[Path], list[lis
 def describe_missing(passed: list[Path], missing: list[list[str]]) -> str:
     """What the incomplete directories ``passed`` lack, for a message: their missing files' paths."""
     return "; ".join(", ".join(str(p / m) for m in lacks) for p, lacks in zip(passed, missing))
+
+
+def earlier_hint(err: CheckpointError, ckpt: Path, out: Optional[Path] = None) -> str:
+    """What to append to ``err``, an error reading checkpoint ``ckpt`` of a run (a file in it truncated or corrupt,
+    which is refused, not passed over): the way to resume the complete checkpoint before it.  ``ckpt`` the newest
+    of ``out`` (the run being resumed): rename it out of the list of checkpoints (kept, and ``--resume auto`` takes
+    the one before; ``--resume`` of that one would delete it as a later step); else: ``--resume`` the one before.
+    Empty when the error is not about a file in ``ckpt`` (the wrong --parallel) or there is no checkpoint before."""
+    ckpt = Path(ckpt)
+    if ckpt.parent.name != CHECKPOINTS_DIR or not _STEP_DIR.match(ckpt.name) or \
+            not str(err).startswith(f"{ckpt}{os.sep}"):
+        return ""
+    run = ckpt.parent.parent
+    prev = newest_complete(run, before=int(ckpt.name.split("_")[1]))[0]
+    if prev is None:
+        return ""
+    newest = newest_complete(run)[0]
+    if out is not None and run.resolve() == Path(out).resolve() and newest is not None and \
+            newest.resolve() == ckpt.resolve():
+        return (f"; to resume from the checkpoint before it, rename {ckpt} to {ckpt.name}.corrupt (kept, and no "
+                f"longer a checkpoint): --resume auto then takes {prev}")
+    return f"; the checkpoint before it is complete: --resume {prev}"
 
 
 def _newest_complete(run_dir: Path, skipped, flag: str) -> Optional[Path]:

@@ -16,6 +16,7 @@ model, train, data, world), ``tokenizer.json``, ``metrics.jsonl``,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -26,11 +27,12 @@ import torch
 
 from ..accounting import count_parameters
 from ..config import ModelConfig
-from ..errors import ConfigError, option_flag
+from ..errors import CheckpointError, ConfigError, option_flag
 from ..io import CHECKPOINTS_DIR, CONFIG_FILE, FORMAT_KEY, FORMAT_VERSION, atomic_write_text, make_out_dir
 from ..nn import native
 from ..runtime import SLOW_BF16, keep_freed_memory, native_bf16_matmul
-from .checkpoint import STATE_FILE, read_json, remove_partial, resolve_resume, restore_resaved, set_aside
+from .checkpoint import (STATE_FILE, earlier_hint, read_json, remove_partial, resolve_resume, restore_resaved,
+                         set_aside)
 from .config import RESUMABLE_CHANGES, TrainConfig
 from .distributed import init_world, resolve_parallel, shutdown_world
 from .domain import get_domain
@@ -131,6 +133,19 @@ def _merge_resumed(saved: dict, source: Path, tcfg: TrainConfig, mcfg: ModelConf
     return old_t.replace(**changes), old_m
 
 
+@contextlib.contextmanager
+def _naming_the_one_before(ckpt: Optional[Path], out: Path):
+    """A file of checkpoint ``ckpt`` that is corrupt is refused (not passed over, as a missing one is): its error
+    also says how to resume the complete checkpoint before it (:func:`~difftx.train.checkpoint.earlier_hint`)."""
+    try:
+        yield
+    except CheckpointError as e:
+        hint = earlier_hint(e, ckpt, out) if ckpt is not None else ""
+        if not hint:
+            raise
+        raise CheckpointError(f"{e}{hint}") from None
+
+
 def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = None,
           explicit_train: Iterable[str] = (), explicit_model: Iterable[str] = (), callbacks=(),
           announce=print, memory_check: bool = True) -> dict:
@@ -166,8 +181,9 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
                                      f"{resume_ckpt} there")
         fixed_model = set(explicit_model)
         if source is not None:
-            tcfg, mcfg = _merge_resumed(read_json(source / CONFIG_FILE, "run config"), source, tcfg, mcfg,
-                                        explicit_train, explicit_model)
+            with _naming_the_one_before(resume_ckpt, out):
+                saved = read_json(source / CONFIG_FILE, "run config")
+            tcfg, mcfg = _merge_resumed(saved, source, tcfg, mcfg, explicit_train, explicit_model)
             fixed_model |= {"vocab_size", "max_seq_len"}
         if tcfg.tensorboard:  # given, or the resumed run's
             _require_tensorboard()
@@ -205,7 +221,8 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
                       "torch": torch.__version__}
         trainer = Trainer(mcfg, tcfg, domain, world, out, run_config, callbacks)
         if resume_ckpt is not None:  # load (and so check) the checkpoint before writing anything
-            trainer.resume(resume_ckpt)
+            with _naming_the_one_before(resume_ckpt, out):
+                trainer.resume(resume_ckpt)
             if tcfg.stop_at is not None and tcfg.stop_at <= trainer.step:
                 raise ConfigError("stop_at", f"{tcfg.stop_at} is not past step {trainer.step}, where the run being "
                                              "resumed stands, so nothing would train; give a later --stop-at or "
