@@ -398,3 +398,32 @@ def test_a_job_json_of_the_wrong_shape_is_not_a_finished_job(tmp_path, content):
             "curve": {"tokens_per_step": 1024.0, "train": [[1, 2.0]], "val": [[3, 1.5, None]]}}
     (tmp_path / "job.json").write_text(json.dumps(good))
     assert read_job(tmp_path) == good
+
+
+@pytest.mark.parametrize("fit,jobs_cap", [(1, None), (4, 1)])
+def test_cores_of_jobs_that_do_not_run_go_to_the_jobs_that_do(fit, jobs_cap, tmp_path, monkeypatch):
+    """Threads per job are the CPUs shared among the jobs that run at once: when memory fits fewer jobs than CPUs
+    (fit 1), or the study has fewer jobs (one arm, one seed, one task), each gets the idle cores' share instead of
+    the one thread that CPUs / (one job per CPU) gave it."""
+    from difftx.compare import runner
+
+    monkeypatch.setattr(runner, "cpu_count", lambda: 4)
+    monkeypatch.setattr(runner, "fit_in_memory", lambda study, workers, world: (min(workers, fit), fit < 4, None))
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    class Recorder:
+        def __init__(self, study, out, workers, threads, is_main):
+            seen.append((workers, threads))
+            raise Stop
+
+    monkeypatch.setattr(runner, "Executor", Recorder)
+    if jobs_cap:  # one job
+        study = StudyConfig(arms=["transformer:adamw"], seeds=1, retrieval="none", steps=3)
+    else:
+        study = StudyConfig(arms=["transformer:adamw", "diff:adamw"], seeds=2, steps=3, retrieval_steps=3)
+    with pytest.raises(Stop):
+        runner.run_study(study, tmp_path / "out", progress=False)
+    assert seen == [(1, 4)]

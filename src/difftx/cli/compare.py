@@ -93,7 +93,8 @@ def add_parser(sub) -> None:
     r.add_argument("--device", help="auto (default), cpu, cuda or cuda:N; under torchrun each rank's GPU")
     r.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help="auto: bf16 autocast where the hardware has it")
     r.add_argument("--workers", type=int, help="parallel job processes on a CPU (default: one per core)")
-    r.add_argument("--threads", type=int, help="torch threads per job process (default: cores / workers)")
+    r.add_argument("--threads", type=int, help="torch threads per job process (default: cores / the jobs that run at "
+                   "once)")
     r.add_argument("--no-progress", action="store_true", help="no progress display (the final lines only)")
     r.add_argument("--quiet", action="store_true", help="print nothing on success")
     p.set_defaults(func=run)

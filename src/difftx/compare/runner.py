@@ -8,8 +8,9 @@
   previous study's files (and only a study directory's).
 * **Execution.** On a CPU the jobs run in a pool of worker processes (spawned,
   one torch thread each by default: tiny models train much faster as two
-  single-threaded processes than as one process with two threads), longest
-  first.  On a GPU, and under ``torchrun``, they run one after another in this
+  single-threaded processes than as one process with two threads; the cores
+  of jobs that cannot run at once, for want of jobs or of memory, go to the
+  jobs that do), longest first.  On a GPU, and under ``torchrun``, they run one after another in this
   process, each trained on every rank by the trainer (DDP/FSDP); measurements
   run on rank 0.
 * **Results.** Every job's ``job.json`` is gathered into ``results.json``;
@@ -211,8 +212,16 @@ def resolve_workers(study: StudyConfig, n_jobs: int, device_type: str, distribut
     if distributed or device_type == "cuda":
         return 1, study.threads
     workers = study.workers or max(1, min(n_jobs, cpu_count()))
-    threads = study.threads or max(1, cpu_count() // workers)
-    return workers, threads
+    return workers, threads_per_job(study, workers, device_type, distributed)
+
+
+def threads_per_job(study: StudyConfig, workers: int, device_type: str, distributed: bool) -> Optional[int]:
+    """Torch threads for each of ``workers`` parallel jobs: ``--threads``, else the CPUs shared out among the jobs
+    that actually run at once (fewer than asked when the study has fewer jobs or memory fits fewer: their cores
+    go to the jobs that run, not idle)."""
+    if distributed or device_type == "cuda" or study.threads:
+        return study.threads
+    return max(1, cpu_count() // workers)
 
 
 def fit_in_memory(study: StudyConfig, workers: int, world) -> tuple[int, bool, Optional[str]]:
@@ -401,6 +410,7 @@ def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False
             main = [j for j in main if not (j.task == "corpus" and j.seed == study.seed)]
         costs = {j.key: step_cost(study, j) for j in sweep + main}
         workers = min(workers, max(1, len(sweep + main)))
+        threads = threads_per_job(study, workers, world.device.type, world.distributed)
         show = world.is_main and (progress if progress is not None else True)
         prog = StudyProgress(sweep + main, costs, workers, stream=stream, enabled=show)
         prog.line(f"difftx compare: {len(study.arm_list())} arms x {study.seeds} seeds x {len(study.tasks())} tasks"
