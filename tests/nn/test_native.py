@@ -1020,6 +1020,50 @@ def test_every_vector_width_computes_the_same(flags, tmp_path):
     assert passed and int(passed.group(1)) >= 40 and "failed" not in r.stdout, r.stdout[-500:]
 
 
+def _clang_with_openmp(tmp_path) -> bool:
+    """Whether clang is on PATH and builds an OpenMP program (libomp's headers installed)."""
+    clang = shutil.which("clang")
+    if clang is None:
+        return False
+    src = tmp_path / "omp.c"
+    src.write_text("#include <omp.h>\nint f(void) { return omp_get_max_threads(); }\n")
+    r = subprocess.run([clang, "-fopenmp", "-fPIC", "-shared", str(src), "-o", str(tmp_path / "omp.so")],
+                       capture_output=True, timeout=120)
+    return r.returncode == 0
+
+
+def test_the_kernels_build_and_compute_the_same_with_clang(tmp_path):
+    """The kernels are GCC/Clang vector-extension C: with CC=clang (where it and libomp are installed) they build at
+    this CPU's width and pass the kernel-level tests (float32 and bf16 attention, a shared K, SwiGLU, RoPE,
+    norms, decoding, the bf16 Linear products).  Clang has no __builtin_shuffle (GCC's only before 12): the
+    SHUF1 / SHUF2 macros pick __builtin_shufflevector there."""
+    import re
+
+    if not _clang_with_openmp(tmp_path):
+        pytest.skip("clang with OpenMP (libomp) is not installed here")
+    env = dict(os.environ, CC="clang", DIFFTX_CACHE_DIR=str(tmp_path / "cache"))
+    probe = "from difftx.nn import native; print(native.status())"
+    status = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert status.stdout.startswith("on (") and str(tmp_path) in status.stdout, status.stdout + status.stderr
+    # libomp's threads, beside torch's libgomp pool, do not spin after a parallel region (unless the user says so)
+    blocktime = "from difftx.nn import native; native.library(); import os; print(os.environ.get('KMP_BLOCKTIME'))"
+    for cc, user, want in (("clang", None, "0"), ("clang", "50", "50"), ("gcc", None, "None")):
+        e = {k: v for k, v in env.items() if k != "KMP_BLOCKTIME"}
+        e.update(CC=cc, **({"KMP_BLOCKTIME": user} if user else {}))
+        got = subprocess.run([sys.executable, "-c", blocktime], env=e, capture_output=True, text=True, timeout=300)
+        assert got.stdout.strip() == want, (cc, user, got.stdout, got.stderr)
+    tests = ("softmax_combine_and_backward or rms_norm_native or native_equals_torch_path_fp32 or swiglu or rope "
+             "or decode or native_float32_attention or few_rows or nan_payloads or bf16_attention or key_both_maps "
+             "or bf16_stores or float32_packing or dot_kernels or dot_path")
+    here = Path(__file__).parent
+    r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-p", "no:cacheprovider", "-o", "addopts=", "-m",
+                        "not slow", __file__, str(here / "test_linear.py"), "-k", tests],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", r.stdout)
+    assert passed and int(passed.group(1)) >= 60 and "failed" not in r.stdout, r.stdout[-500:]
+
+
 @needs_native
 def test_a_failed_scratch_allocation_raises_memory_error():
     """A kernel whose per-thread scratch cannot be allocated raises MemoryError (it used to write through a NULL

@@ -63,6 +63,25 @@ static inline uint16_t f32_to_bf16(float f) {
 typedef float vf __attribute__((vector_size(VBYTES), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(VBYTES), aligned(4)));
 
+/* Lanes of a (and b) picked by constant indices (b's lanes numbered after a's).  Clang (and GCC >= 12) have
+ * __builtin_shufflevector; GCC before 12 only __builtin_shuffle, which takes the indices as a vector of
+ * type T (of a's lane width). */
+#if defined(__clang__)
+#define SHUF1(a, T, ...) __builtin_shufflevector(a, a, __VA_ARGS__)
+#define SHUF2(a, b, T, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF1(a, T, ...) __builtin_shuffle(a, (T){__VA_ARGS__})
+#define SHUF2(a, b, T, ...) __builtin_shuffle(a, b, (T){__VA_ARGS__})
+#endif
+#define DIFFTX_LIST(...) __VA_ARGS__
+/* Loops over a register block's rows, unrolled so that its accumulator arrays live in registers: GCC does so
+ * where the row count is a constant (always_inline, a switch per count); Clang only when told. */
+#if defined(__clang__)
+#define DIFFTX_UNROLL _Pragma("clang loop unroll(full)")
+#else
+#define DIFFTX_UNROLL
+#endif
+
 /* exp(x) for x <= 0 (x - row max), LANES at a time: Cephes' expf polynomial, within 2 ulp;
  * exactly 0 below -87.3, so -inf (a masked logit) gives 0. */
 
@@ -122,15 +141,17 @@ static inline int vplain2(vf a, vf b) { /* neither a subnormal nor a NaN among a
 }
 #endif
 
+#if LANES == 16 /* the bf16 packing's (AVX-512 only) */
 /* 32 consecutive floats (a, then b) rounded to bf16, as 16 32-bit pairs (the 32 bf16 values in order). */
 static inline vu vround_bf16_32(vf a, vf b) {
 #ifdef DIFFTX_CVT_BF16
     if (__builtin_expect(vplain2(a, b), 1)) return (vu)_mm512_cvtne2ps_pbh((__m512)b, (__m512)a);
 #endif
     const vu lo = vbf16_bits(a), hi = vbf16_bits(b);
-    return __builtin_shuffle(lo, hi, (vu){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) |
-           (__builtin_shuffle(lo, hi, (vu){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}) << 16);
+    return SHUF2(lo, hi, vu, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) |
+           (SHUF2(lo, hi, vu, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31) << 16);
 }
+#endif
 
 /* Two rows' LANES floats rounded to bf16 and interleaved: lane c = bf16(a[c]) | bf16(b[c]) << 16. */
 static inline vu vround_bf16_pairs(vf a, vf b) {
@@ -178,17 +199,17 @@ static inline void vstore(void *base, int64_t off, int is_bf16, vf v, int64_t n)
 /* The sum of the lanes (a shuffle tree). */
 static inline float vhsum(vf v) {
 #if LANES == 16
-    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    v += SHUF1(v, vi, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += SHUF1(v, vi, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += SHUF1(v, vi, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += SHUF1(v, vi, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
 #elif LANES == 8
-    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3});
-    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5});
-    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6});
+    v += SHUF1(v, vi, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += SHUF1(v, vi, 2, 3, 0, 1, 6, 7, 4, 5);
+    v += SHUF1(v, vi, 1, 0, 3, 2, 5, 4, 7, 6);
 #else
-    v += __builtin_shuffle(v, (vi){2, 3, 0, 1});
-    v += __builtin_shuffle(v, (vi){1, 0, 3, 2});
+    v += SHUF1(v, vi, 2, 3, 0, 1);
+    v += SHUF1(v, vi, 1, 0, 3, 2);
 #endif
     return v[0];
 }
@@ -782,7 +803,8 @@ int difftx_rope(const void *x, const int64_t *xst, void *out, const int64_t *ost
  *   v     slice (b, hk) at v + b*vsb + hk*vsh, key j at + j*vr (nk keys of dv): a head view of the
  *         value projection's output is read in place
  *   lse   (B, M, H, N) log-sum-exp of each map's row (written by the forward when not NULL)
- *   dq like q; dk (B*MK*Hk, nk, d) contiguous (a shared K's: both maps' sum); dv with its own strides (dvsb, dvsh, dvr) like v's;
+ *   dq like q; dk (B*MK*Hk, nk, d) contiguous (a shared K's: both maps' sum); dv with its own strides
+ *   (dvsb, dvsh, dvr) like v's;
  *   rs2 (B, H, N): rowsum(P2 dP) of map 2
  * Causal: query i (position q_start + i) sees keys [0, q_start + i]; else all nk keys.
  * d and dv are multiples of GEMM_NR (the caller checks difftx_gemm_nr()). */
@@ -954,7 +976,8 @@ static void pack_values(const float *x, int64_t inner, int64_t so, int64_t si, i
 
 int difftx_attn_forward(const float *q, const float *k, int64_t ks, int64_t kr, const float *v, int64_t vsb,
                         int64_t vsh, int64_t vr, float *out, float *lse, float *kpack, float *vpack, int64_t B,
-                        int64_t M, int64_t MK, int64_t H, int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal,
+                        int64_t M, int64_t MK, int64_t H, int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv,
+                        int64_t q_start, int causal,
                         int64_t chunk, float scale, float lam, const float *lam_rows, int nthreads) {
     const int64_t np_all = (nk + GEMM_NR - 1) / GEMM_NR, rep = H / Hk;
     const int64_t nblk = (N + chunk - 1) / chunk, tasks = B * H * nblk;
@@ -1008,7 +1031,8 @@ int difftx_attn_forward(const float *q, const float *k, int64_t ks, int64_t kr, 
 int difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr, const float *v, int64_t vsb,
                          int64_t vsh, int64_t vr, const float *dout, const float *lse, float *dq, float *dk,
                          float *dv_, int64_t dvsb, int64_t dvsh, int64_t dvr,
-                         float *rs2, float *kpack, float *vpack, int64_t B, int64_t M, int64_t MK, int64_t H, int64_t Hk,
+                         float *rs2, float *kpack, float *vpack, int64_t B, int64_t M, int64_t MK, int64_t H,
+                         int64_t Hk,
                          int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal, int64_t chunk,
                          float scale, float lam, const float *lam_rows, int nthreads) {
     const int64_t np_all = (nk + GEMM_NR - 1) / GEMM_NR, rep = H / Hk;
@@ -1029,7 +1053,8 @@ int difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr,
             const int64_t b = t / Hk, hk = t % Hk;
             float *dvs = dv_ + b * dvsb + hk * dvsh;
             for (int64_t j = 0; j < nk; j++) memset(dvs + j * dvr, 0, (size_t)dv * sizeof(float));
-            for (int64_t m = 0; m < MK; m++) memset(dk + ((b * MK + m) * Hk + hk) * nk * d, 0, (size_t)(nk * d) * sizeof(float));
+            for (int64_t m = 0; m < MK; m++)
+                memset(dk + ((b * MK + m) * Hk + hk) * nk * d, 0, (size_t)(nk * d) * sizeof(float));
             for (int64_t h = hk * rep; h < (hk + 1) * rep; h++) {
                 for (int64_t blk = 0; blk < nblk; blk++) {
                     const int64_t i0 = blk * chunk, i1 = i0 + chunk < N ? i0 + chunk : N, c = i1 - i0;
@@ -1319,6 +1344,7 @@ int difftx_amx(void) { return 0; }
     do {                                                                                           \
         const __m512bh v0 = (__m512bh)_mm512_loadu_si512(b0 + (KK) * TILE + (R) * 32);             \
         const __m512bh v1 = nv == 2 ? (__m512bh)_mm512_loadu_si512(b1 + (KK) * TILE + (R) * 32) : v0; \
+        DIFFTX_UNROLL                                                                              \
         for (int m = 0; m < mr; m++) {                                                             \
             int32_t pair;                                                                          \
             memcpy(&pair, a + m * lda + (KK) * 32 + 2 * (R), 4);                                   \
@@ -1334,6 +1360,7 @@ static inline __attribute__((always_inline)) void dot_block(int mr, int nv, cons
                                                             int64_t ldb, const float *bias) {
     __m512 c0[8], c1[8];
     const uint16_t *b1 = b0 + kstride * TILE;
+    DIFFTX_UNROLL
     for (int m = 0; m < mr; m++) {
         c0[m] = acc ? _mm512_loadu_ps(cf + m * ldc) : _mm512_setzero_ps();
         c1[m] = acc && nv == 2 ? _mm512_loadu_ps(cf + m * ldc + 16) : _mm512_setzero_ps();
@@ -1342,6 +1369,7 @@ static inline __attribute__((always_inline)) void dot_block(int mr, int nv, cons
         for (int r = 0; r < 16; r++) DOT_STEP(kk, r);
     if (half)
         for (int r = 0; r < 8; r++) DOT_STEP(kt, r);
+    DIFFTX_UNROLL
     for (int m = 0; m < mr; m++) {
         __m512 y0 = c0[m], y1 = c1[m];
         if (bias) { /* only then: x + 0 is not x for x = -0 (the attention's products pass none) */
@@ -1424,17 +1452,17 @@ static inline void transpose16(vu *r) {
     for (int i = 0; i < 16; i++)                                                  \
         if (!(i & (b))) {                                                         \
             const vu x = r[i], y = r[i + (b)];                                    \
-            r[i] = __builtin_shuffle(x, y, (vu)lo);                               \
-            r[i + (b)] = __builtin_shuffle(x, y, (vu)hi);                         \
+            r[i] = SHUF2(x, y, vu, DIFFTX_LIST lo);                                \
+            r[i + (b)] = SHUF2(x, y, vu, DIFFTX_LIST hi);                          \
         }
-    DIFFTX_STAGE(8, ((vi){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}),
-                 ((vi){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}))
-    DIFFTX_STAGE(4, ((vi){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}),
-                 ((vi){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}))
-    DIFFTX_STAGE(2, ((vi){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}),
-                 ((vi){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}))
-    DIFFTX_STAGE(1, ((vi){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}),
-                 ((vi){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}))
+    DIFFTX_STAGE(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                 (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+    DIFFTX_STAGE(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
+                 (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+    DIFFTX_STAGE(2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+                 (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+    DIFFTX_STAGE(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
+                 (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
 #undef DIFFTX_STAGE
 }
 
@@ -1836,7 +1864,8 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
                         /* dK^T += Q^T dS (scale at the end) */
                         transpose_bf16(Qb + m * cpad * d, d, cp, cp, d, QT);
                         pack_bn(Am, 0, kp, cp, cp, kp, Bv);
-                        bf16_gemm(d, kp, cp, QT, cp, Bv, cp / 32, acc + (m % MK) * d * kpa, kpa, 1, -1, -1); /* a shared K: both maps */
+                        /* a shared K (MK 1): both maps' products into its one accumulator */
+                        bf16_gemm(d, kp, cp, QT, cp, Bv, cp / 32, acc + (m % MK) * d * kpa, kpa, 1, -1, -1);
                     }
                 }
             }

@@ -19,6 +19,7 @@ which, and ``difftx bench`` records it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -123,9 +124,16 @@ def _intact(library: Path, digest: Path) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def _version(cc: tuple) -> str:
+    """The compiler's ``--version`` text (part of the cache key; "clang" in it picks :func:`_load`'s libomp
+    setting)."""
+    return subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+
+
 def _build(cc: list[str]) -> Path:
     source = _SOURCE.read_bytes()
-    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    version = _version(tuple(cc))
     flags = _flags()
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
                                      _cpu_features().encode(), platform.machine().encode()])).hexdigest()[:16]
@@ -194,7 +202,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_few_rows_linear.restype = None
     lib.difftx_gemm_nr.argtypes = []
     lib.difftx_gemm_nr.restype = i
-    lib.difftx_attn_forward.argtypes = [p, p, i64, i64, p, i64, i64, i64, p, p, p, p] + [i64] * 10 + [i, i64, f, f, p, i]
+    lib.difftx_attn_forward.argtypes = ([p, p, i64, i64, p, i64, i64, i64, p, p, p, p] + [i64] * 10
+                                        + [i, i64, f, f, p, i])
     lib.difftx_attn_forward.restype = i
     lib.difftx_attn_forward.errcheck = _scratch_check
     lib.difftx_attn_backward.argtypes = ([p, p, i64, i64, p, i64, i64, i64, p, p, p, p, p, i64, i64, i64, p, p, p]
@@ -239,6 +248,12 @@ def _load() -> None:
             _STATE.update(lib=None, status="no C compiler found (pure torch; set CC to enable)")
             return
         path = _build(cc)  # a damaged cached file fails its digest and is built again
+        if "clang" in _version(tuple(cc)).lower():
+            # Clang's OpenMP is libomp, beside torch's libgomp: two thread pools on the same cores.  libomp's
+            # threads spin 200 ms after each parallel region (KMP_BLOCKTIME), taking the cores from torch's
+            # next GEMM: a 2-thread fp32 DIFF step took 3.44-3.52 s against GCC's 2.00 (2.23-2.36 with this;
+            # docs/performance.md, Known limits).  Read when libomp starts, at the kernels' first parallel region.
+            os.environ.setdefault("KMP_BLOCKTIME", "0")
         lib = ctypes.CDLL(str(path))
         _declare(lib)
     except Exception as e:  # noqa: BLE001 -- any failure means the torch path, with the reason kept
