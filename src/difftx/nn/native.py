@@ -19,7 +19,6 @@ which, and ``difftx bench`` records it.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import os
 import platform
@@ -124,16 +123,14 @@ def _intact(library: Path, digest: Path) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
-def _version(cc: tuple) -> str:
-    """The compiler's ``--version`` text (part of the cache key; "clang" in it picks :func:`_load`'s libomp
-    setting)."""
+def _version(cc: list[str]) -> str:
+    """The compiler's ``--version`` text (part of the library's cache key)."""
     return subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
 
 
-def _build(cc: list[str]) -> Path:
+def _build(cc: list[str], version: Optional[str] = None) -> Path:
     source = _SOURCE.read_bytes()
-    version = _version(tuple(cc))
+    version = _version(cc) if version is None else version
     flags = _flags()
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
                                      _cpu_features().encode(), platform.machine().encode()])).hexdigest()[:16]
@@ -247,8 +244,9 @@ def _load() -> None:
         if cc is None:
             _STATE.update(lib=None, status="no C compiler found (pure torch; set CC to enable)")
             return
-        path = _build(cc)  # a damaged cached file fails its digest and is built again
-        if "clang" in _version(tuple(cc)).lower():
+        version = _version(cc)
+        path = _build(cc, version)  # a damaged cached file fails its digest and is built again
+        if "clang" in version.lower():
             # Clang's OpenMP is libomp, beside torch's libgomp: two thread pools on the same cores.  libomp's
             # threads spin 200 ms after each parallel region (KMP_BLOCKTIME), taking the cores from torch's
             # next GEMM: a 2-thread fp32 DIFF step took 3.44-3.52 s against GCC's 2.00 (2.23-2.36 with this;
@@ -560,8 +558,8 @@ def _transpose_bf16(x: torch.Tensor, pad: int, dtype: torch.dtype) -> Optional[t
 
 def attention_ok(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, nk: int, padded: bool) -> bool:
     """Whether :func:`attention_forward` takes a fused-attention call: on the CPU, no key padding, K rows (k3,
-    (B*M*Hk or B*Hk, nk, d)) and V rows (v, (B, Hk, nk, dv), any strides) with a contiguous last dim and exactly ``nk``
-    keys; float32 with head widths multiples of the micro-kernel's column block (16 floats with AVX2, 32 with
+    (B*M*Hk or B*Hk, nk, d)) and V rows (v, (B, Hk, nk, dv), any strides) with a contiguous last dim and exactly
+    ``nk`` keys; float32 with head widths multiples of the micro-kernel's column block (16 floats with AVX2, 32 with
     AVX-512), or bfloat16 where :func:`bf16_attention` holds, with head widths multiples of 32."""
     if not supports(q.dtype, q.device) or not q.dtype == k3.dtype == v.dtype or padded:
         return False
@@ -602,9 +600,8 @@ def attention_forward(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, causal
     :func:`attention_ok`.
 
     ``q`` (B, M, H, N, d) contiguous; ``k3`` (B*M*Hk, nk, d), or (B*Hk, nk, d) for one K that both maps read,
-    with contiguous rows; ``v`` (B, Hk, nk, dv) with
-    contiguous rows, read in place (a head view of the value projection); ``lam_rows`` float32 (B, H, N) or
-    None (the scalar ``lam``).  out (B, N, H, dv); lse (B, M, H, N), the rows' log-sum-exp that
+    with contiguous rows; ``v`` (B, Hk, nk, dv) with contiguous rows, read in place (a head view of the value
+    projection); ``lam_rows`` float32 (B, H, N) or None (the scalar ``lam``).  out (B, N, H, dv); lse (B, M, H, N), the rows' log-sum-exp that
     :func:`attention_backward` rebuilds the maps from."""
     b, m, h, n, d = q.shape
     hk, nk, dv = v.shape[1], k3.shape[1], v.shape[-1]
