@@ -369,6 +369,88 @@ def test_a_folder_beside_the_splits_is_refused(tmp_path):
     assert any("unlabeled: 1 unlabeled image " in n for n in d.notes), d.notes
 
 
+def _loose_images(folder, n):
+    """n grey 8x8 PNGs right in ``folder`` (no class folders: unlabelled, as a Kaggle test set)."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        Image.fromarray(np.full((8, 8), 9 * i, dtype=np.uint8)).save(folder / f"img_{i}.png")
+
+
+@pytest.mark.parametrize("split", ["test", "val"])
+def test_a_split_of_images_without_class_folders_is_left_out_and_drawn_from_train(tmp_path, split):
+    """DIR/train/<class>/ beside DIR/test/*.png (a Kaggle test set: images, no labels) was refused ('DIR/test: no class
+    folders in it'); like an unlabeled/ folder those images have one reading, unlabelled, so they are left out with a
+    note and that split is carved out of train/ as when no test/ is given."""
+    root = tmp_path / "kaggle"
+    write_folder(root / "train", n_per_class=5)
+    _loose_images(root / split, 7)
+    d = load_image_set(str(root))
+    assert d.classes == ["cat", "dog"] and len(d.images) == 10 and set(d.splits) == {"train"}
+    assert sorted(d.labels.tolist()) == [0] * 5 + [1] * 5  # the unlabelled images are not read as a class
+    note = (f"left out {root / split}: 7 images without class folders (unlabelled: a classifier trains and evaluates "
+            f"on labelled ones); the {split} split comes from train/")
+    assert any(n.startswith(note) for n in d.notes), d.notes
+    idx = split_indices(d.labels, 0.2, 0.4, 0, d.splits)  # the split is carved out of train/, stratified
+    per_class = {"val": 1, "test": 2}[split]
+    assert sorted(d.labels[idx[split]].tolist()) == [0] * per_class + [1] * per_class
+    assert not set(idx[split].tolist()) & set(idx["train"].tolist())
+    assert np.array_equal(idx[split], split_indices(d.labels, 0.2, 0.4, 0)[split])  # as without the folder
+
+
+def test_a_split_of_only_unlabelled_images_reads_alike_directly_or_in_unlabeled(tmp_path):
+    """A test/ whose images are all unlabelled is left out whether they lie in it or in test/unlabeled/ (that was
+    refused as 'no class folders'); a labelled test/ beside an unlabelled val/ is kept; an empty test/ and a train/
+    without class folders (nothing to train on) are still refused."""
+    import shutil
+
+    root = tmp_path / "ds"
+    write_folder(root / "train", n_per_class=4)
+    _loose_images(root / "test" / "unlabeled", 3)
+    _loose_images(root / "test", 2)
+    d = load_image_set(str(root))
+    assert set(d.splits) == {"train"} and len(d.images) == 8
+    assert [n for n in d.notes if "test" in n] == [n for n in d.notes if n.startswith(
+        f"left out {root / 'test'}: 5 images without class folders")], d.notes  # one note for the split
+    for f in (root / "test").glob("*.png"):
+        f.unlink()
+    d = load_image_set(str(root))
+    assert set(d.splits) == {"train"} and any(n.startswith(f"left out {root / 'test'}: 3 images ") for n in d.notes)
+    shutil.rmtree(root / "test")
+    _loose_images(root / "val", 4)
+    write_folder(root / "test", n_per_class=2)
+    d = load_image_set(str(root))
+    assert set(d.splits) == {"train", "test"} and len(d.splits["test"]) == 4 and len(d.images) == 12
+    assert any(n.startswith(f"left out {root / 'val'}: 4 images ") for n in d.notes), d.notes
+    shutil.rmtree(root / "val")
+    (root / "val").mkdir()
+    _bad(root, r"ds/val: no class folders in it")  # empty: nothing that reads as unlabelled images
+    shutil.rmtree(root / "val")
+    shutil.rmtree(root / "train")
+    _loose_images(root / "train", 6)
+    _bad(root, r"ds/train: no class folders in it")
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_images_directly_in_a_split_beside_its_class_folders_are_refused(tmp_path, split):
+    """DIR/{split}/{cat,dog}/ plus DIR/{split}/*.png: the loose images were silently never read.  They are misplaced
+    labelled images or unlabelled ones; refused in one line naming both fixes, and the second fix loads."""
+    root = tmp_path / "ds"
+    write_folder(root / "train", n_per_class=4)
+    write_folder(root / "test", n_per_class=2)
+    _loose_images(root / split, 3)
+    _bad(root, rf"ds/{split}: 3 image files directly in it beside its class folders cat/, dog/ \(a split holds "
+               rf"<class>/<images> only\): move them into their class folders, or into .*ds/{split}/unlabeled/ if "
+               "they have no labels")
+    (root / split / "unlabeled").mkdir()
+    for f in (root / split).glob("*.png"):
+        f.rename(root / split / "unlabeled" / f.name)
+    d = load_image_set(str(root))
+    assert set(d.splits) == {"train", "test"} and len(d.images) == 12
+    assert any(f"{split}/unlabeled: 3 unlabeled images" in n for n in d.notes), d.notes
+
+
 def test_32_bit_integer_images_outside_the_16_bit_range_are_refused(tmp_path):
     """Pillow opens a 16-bit PGM as its 32-bit mode I: those are divided by 65535 like other 16-bit files.  An int32
     TIFF (also mode I) with values beyond 65535 or below 0 came out outside [0, 1] (100000 -> 1.53); refused."""

@@ -242,6 +242,27 @@ def test_split_fractions_beside_the_folders_splits_are_refused(tmp_path, capsys)
     assert json.loads((tmp_path / "run2" / "config.json").read_text())["data"]["n_val"] == 6
 
 
+def test_a_kaggle_layout_trains_on_train_and_carves_its_test_split(tmp_path, capsys):
+    """DIR/train/<class>/ beside DIR/test/*.png (a competition's unlabelled test set) failed with exit 2 ('no class
+    folders'); the run trains, its test split carved out of train/ (so test_fraction is accepted), and the note
+    says the folder was left out."""
+    from PIL import Image
+
+    from .conftest import write_folder
+
+    root = tmp_path / "kaggle"
+    write_folder(root / "train", n_per_class=8)
+    (root / "test").mkdir()
+    for i in range(5):
+        Image.fromarray(np.full((8, 8), 40 * i, dtype=np.uint8)).save(root / "test" / f"{i}.png")
+    out = tmp_path / "run"
+    assert train(root, out, "--steps", 1, "--eval-every", 0, "--domain-opt", "test_fraction=0.25") == 0
+    err = capsys.readouterr().err
+    assert f"left out {root / 'test'}: 5 images without class folders" in err
+    data = json.loads((out / "config.json").read_text())["data"]
+    assert data["n_test"] == 4 and data["n_train"] + data["n_val"] + data["n_test"] == 16
+
+
 def test_a_failing_run_prints_its_error_alone_and_a_good_one_the_data_notes(tmp_path, capsys):
     """The 'skipped N non-image files' note went to stderr as the folder was read, so a run that then failed (an
     unreadable image, a patch size the data refuses) printed two lines; the error is the one line now, and the notes

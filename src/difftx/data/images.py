@@ -13,7 +13,11 @@
   ``train``, ``val`` or ``test`` folder that holds images is a class (``bus/``, ``car/``, ``train/``).  Layouts
   that read either way are refused, naming both readings: ``val/`` and/or ``test/`` without ``train/`` and
   without other classes, a ``val/`` or ``test/`` of class folders among class folders, and a ``train/`` of class
-  folders beside a folder that is no split (``DIR/notes/``),
+  folders beside a folder that is no split (``DIR/notes/``).  A ``val/`` or ``test/`` split of images without
+  class folders (a Kaggle test set: ``DIR/test/*.jpg``) is unlabelled too: it has that one reading (beside
+  ``train/`` it is no class), so it is left out with a note, as ``unlabeled/`` is, and that split is drawn from
+  ``train/`` as when the folder is absent (a classifier trains and evaluates on labelled images).  A split
+  holding images directly beside its class folders is refused (misplaced labelled images, or unlabelled ones),
 * NumPy arrays: an ``.npz`` holding ``x`` and ``y``, a directory holding
   ``x.npy`` and ``y.npy``, or two files ``IMAGES.npy,LABELS.npy``.
 
@@ -211,7 +215,14 @@ def _integer_labels(y: np.ndarray, source: str) -> np.ndarray:
 def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
     """``root/<class>/<images>``, or ``root/{train,val,test}/<class>/<images>`` with given splits (an
     ``unlabeled`` folder, as in STL-10, is left out with a note: beside the splits, inside one, or beside the
-    classes); layouts that read either way are refused (see :func:`_split_layout`)."""
+    classes); layouts that read either way are refused (see :func:`_split_layout`).
+
+    A ``val/`` or ``test/`` split without class folders whose images are all unlabelled (directly in it, as in a
+    Kaggle test set, or in ``unlabeled/``) is left out with a note and that split drawn from ``train/``: like an
+    ``unlabeled/`` folder it has one reading (its images have no class), and refusing it would only make the
+    user move a folder the data came with.  ``train/`` without class folders has nothing to train on: refused.
+    A split holding images directly beside its class folders reads two ways (labelled images put in the wrong
+    folder, or unlabelled ones) and would lose them silently: refused, naming both fixes."""
     try:
         from PIL import Image
     except ImportError:
@@ -225,7 +236,20 @@ def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
     for part, path in parts.items():
         sub = _subfolders(path)
         dirs = [p for p in sub if p.name not in UNLABELED_NAMES]
-        notes += [_unlabeled_note(p) for p in sub if p.name in UNLABELED_NAMES]
+        unlabeled = [p for p in sub if p.name in UNLABELED_NAMES]
+        loose = _image_count(path, recursive=False) if part != "all" else 0  # a split's own image files
+        if loose and dirs:
+            shown = ", ".join(f"{d.name}/" for d in dirs[:3]) + ", ..." * (len(dirs) > 3)
+            raise DataError(f"{path}: {loose} image file{'s' * (loose != 1)} directly in it beside its class "
+                            f"folders {shown} (a split holds <class>/<images> only): move them into their class "
+                            f"folders, or into {path / UNLABELED_NAMES[0]}/ if they have no labels")
+        if not dirs and part in ("val", "test") and (loose or unlabeled):
+            n = loose + sum(_image_count(p) for p in unlabeled)
+            notes.append(f"left out {path}: {n} image{'s' * (n != 1)} without class folders (unlabelled: a "
+                         f"classifier trains and evaluates on labelled ones); the {part} split comes from "
+                         f"train/, as when no {part}/ is given")
+            continue
+        notes += [_unlabeled_note(p) for p in unlabeled]
         if not dirs:
             left_out = f"; {', '.join(UNLABELED_NAMES)} folders are left out" if len(sub) > len(dirs) else ""
             raise DataError(f"{path}: no class folders in it (expected {path}/<class name>/<image files>{left_out})")
@@ -284,7 +308,7 @@ def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
     splits = None
     if split_layout:
         part_arr = np.asarray(part_of)
-        splits = {p: np.flatnonzero(part_arr == p) for p in parts}
+        splits = {p: np.flatnonzero(part_arr == p) for p in class_dirs}  # a left-out split is drawn from train
     return ImageSet(images, labels_arr, classes, str(root), splits, notes)
 
 
@@ -292,17 +316,23 @@ def _subfolders(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
+def _image_count(path: Path, recursive: bool = True) -> int:
+    """Image files under ``path`` (``recursive=False``: its own, not hidden ones)."""
+    if recursive:
+        return sum(1 for f in path.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file())
+    return sum(1 for f in path.iterdir()
+               if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file() and not f.name.startswith("."))
+
+
 def _unlabeled_note(path: Path) -> str:
-    n = sum(1 for f in path.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file())
+    n = _image_count(path)
     return f"left out {path}: {n} unlabeled image{'s' * (n != 1)} (a classifier trains on labelled ones)"
 
 
 def _holds_class_folders(path: Path) -> bool:
     """A folder laid out as a split (``<class>/<images>``): subfolders and no images of its own.  A class folder
     holds images (perhaps in subfolders too); a split folder's own image files would be unread."""
-    own_images = any(f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file() and not f.name.startswith(".")
-                     for f in path.iterdir())
-    return not own_images and bool(_subfolders(path))
+    return not _image_count(path, recursive=False) and bool(_subfolders(path))
 
 
 def _split_layout(root: Path, subdirs: list[Path]) -> bool:
