@@ -386,3 +386,113 @@ def test_a_full_disk_while_writing_the_manifest_names_it(two_files, tmp_path, mo
     assert str(e.value).startswith(f"{folder / MANIFEST_FILE}: cannot be written, out of disk space ("), str(e.value)
     assert "delete that folder" not in str(e.value) and "$DIFFTX_CACHE" in str(e.value)
     assert sorted(p.name for p in folder.iterdir()) == [TOKENS_FILE]  # no manifest: the next run rebuilds
+
+
+def _refusing_mkdir(monkeypatch, cache, code):
+    """``cache`` exists but nothing can be made in it (no permission, or a read-only file system: simulated, tests may
+    run as root): os.mkdir of a folder in it fails as the kernel reports it, naming that folder."""
+    mkdir = os.mkdir
+
+    def refuse(path, *args, **kwargs):
+        if os.path.dirname(os.fspath(path)) == str(cache):
+            raise OSError(code, os.strerror(code), os.fspath(path))
+        return mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", refuse)
+
+
+def _assert_cannot_be_written(message, path, code, folder):
+    """One line naming ``path`` (not a temporary file), why (the kernel's words) and the fix: ``folder``'s
+    permissions, or a cache folder that can be written."""
+    assert "\n" not in message and ".tmp" not in message and "delete that folder" not in message, message
+    assert message.startswith(f"{path}: "), message
+    assert f"({os.strerror(code)}); " in message, message
+    if code == errno.EROFS:
+        assert message.endswith("; point $DIFFTX_CACHE (or --cache-dir) at a folder on a writable disk"), message
+    else:
+        assert message.endswith(f"; fix the permissions of {folder} or point $DIFFTX_CACHE (or --cache-dir) at a "
+                                "folder you can write to"), message
+
+
+@pytest.mark.parametrize("where, code", [("entry", errno.EACCES), ("entry", errno.EROFS), ("tokens", errno.EACCES),
+                                         ("tokens", errno.EPERM), ("tokens", errno.EROFS), ("manifest", errno.EACCES),
+                                         ("manifest", errno.EROFS)])
+def test_a_cache_folder_that_cannot_be_written_is_one_error_naming_the_cache_file(two_files, tmp_path, monkeypatch,
+                                                                                  where, code):
+    """A cache folder without write permission, or on a read-only file system, was a PermissionError (or OSError)
+    naming the temporary file that was never made (tokens.bin, manifest.json), or the advice for a file in the way
+    (the entry's folder).  One DataError names the cache file or folder and the fix; no temporary file is left and
+    the tokens.bin of an interrupted build is kept."""
+    import tempfile
+
+    from difftx.data import shards
+
+    cache = tmp_path / "cache"
+    if where == "entry":  # an empty cache folder that cannot be written: the shards' folder cannot be made in it
+        cache.mkdir()
+        _refusing_mkdir(monkeypatch, cache, code)
+    else:
+        folder = _shard_folder(two_files, tmp_path)
+        (folder / MANIFEST_FILE).unlink()  # an interrupted build: rebuilt, its tokens.bin replaced only once written
+        before = (folder / TOKENS_FILE).read_bytes()
+    if where == "tokens":
+        def refuse(path, mode="r", *args, **kwargs):
+            raise OSError(code, os.strerror(code), str(path))  # open() of the temporary file, as the kernel says
+
+        monkeypatch.setattr(shards, "open", refuse, raising=False)
+    elif where == "manifest":
+        mkstemp = tempfile.mkstemp
+
+        def refuse(prefix="", suffix="", dir=None):
+            if prefix.startswith(f".{MANIFEST_FILE}."):
+                raise OSError(code, os.strerror(code), os.path.join(dir, f"{prefix}x1y2z3{suffix}"))
+            return mkstemp(prefix=prefix, suffix=suffix, dir=dir)
+
+        monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    with pytest.raises(DataError) as e:
+        prepare_tokens(resolve_corpus(str(two_files)), ByteTokenizer(), cache, progress=False)
+    message = str(e.value)
+    if where == "entry":
+        assert list(cache.iterdir()) == []
+        folder = cache / "shards" / shards.shard_key(resolve_corpus(str(two_files)), ByteTokenizer())
+        _assert_cannot_be_written(message, folder, code, cache)
+        assert message.startswith(f"{folder}: cannot make the token cache entry ("), message
+        return
+    name = TOKENS_FILE if where == "tokens" else MANIFEST_FILE
+    _assert_cannot_be_written(message, folder / name, code, folder)
+    assert message.startswith(f"{folder / name}: cannot be written ("), message
+    assert sorted(p.name for p in folder.iterdir()) == [TOKENS_FILE]  # no temporary file, no manifest
+    assert (folder / TOKENS_FILE).read_bytes() == before
+
+
+@pytest.mark.parametrize("where, code", [("entry", errno.EACCES), ("entry", errno.EROFS), ("tokens", errno.EACCES)])
+def test_difftx_train_with_a_cache_dir_that_cannot_be_written_says_one_line_and_exits_2(two_files, tmp_path,
+                                                                                         monkeypatch, capsys, where,
+                                                                                         code):
+    """``difftx train --cache-dir`` at a folder that cannot be written: one line naming the cache entry or tokens.bin
+    (not the temporary file, with "check the path, its permissions and free space") and the fix, exit code 2."""
+    from difftx.cli import main
+    from difftx.data import shards
+
+    cache, corpus = tmp_path / "cache", two_files / "a.txt"
+    if where == "entry":
+        cache.mkdir()
+        _refusing_mkdir(monkeypatch, cache, code)
+        folder = cache / "shards" / shards.shard_key(resolve_corpus(str(corpus)), ByteTokenizer())
+        path, where_to_fix = folder, cache
+    else:
+        folder = prepare_tokens(resolve_corpus(str(corpus)), ByteTokenizer(), cache, progress=False).path
+        (folder / MANIFEST_FILE).unlink()
+        path, where_to_fix = folder / TOKENS_FILE, folder
+
+        def refuse(path, mode="r", *args, **kwargs):
+            raise OSError(code, os.strerror(code), str(path))
+
+        monkeypatch.setattr(shards, "open", refuse, raising=False)
+    code_ = main(["train", "--data", str(corpus), "--cache-dir", str(cache), "--tokenizer", "byte", "--d-model", "32",
+                  "--n-layers", "1", "--n-heads", "2", "--seq-len", "16", "--batch-size", "2", "--steps", "1",
+                  "--dtype", "fp32", "--no-progress", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code_ == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"difftx train: error: {path}: "), err
+    _assert_cannot_be_written(err.rstrip("\n").removeprefix("difftx train: error: "), path, code, where_to_fix)

@@ -147,6 +147,56 @@ def test_a_full_disk_while_caching_the_bpe_vocabulary_names_the_cache_file(tmp_p
     assert f"; {cached.stat().st_size:,} bytes needed)" in message, message  # the size of the file it caches
     assert message.endswith("free space on that disk or point $DIFFTX_CACHE (or --cache-dir) at another one")
 
+
+@pytest.mark.parametrize("where, code", [("create", errno.EACCES), ("create", errno.EPERM), ("create", errno.EROFS),
+                                         ("folder", errno.EACCES), ("folder", errno.EROFS)])
+def test_a_cache_folder_that_cannot_be_written_names_the_bpe_cache_file(tmp_path, monkeypatch, where, code):
+    """A cache folder without write permission, or on a read-only file system (simulated: tests may run as root),
+    was a PermissionError (or OSError) naming the temporary file that was never made, or the folder for the
+    vocabularies that could not be made.  One DataError names the cache file, why and the fix; no temporary file is
+    left and the cached vocabulary of another size is intact."""
+    import tempfile
+
+    folder = tmp_path / "tokenizers"
+    if where == "create":  # the vocabularies' folder is there, but no file can be made in it
+        build_tokenizer("bpe", _bpe_texts, "corpus-hash", 257, tmp_path)
+        (other,) = folder.iterdir()
+        before = other.read_bytes()
+
+        def make(prefix="", suffix="", dir=None):
+            raise OSError(code, os.strerror(code), os.path.join(dir, f"{prefix}x1y2z3{suffix}"))
+
+        monkeypatch.setattr(tempfile, "mkstemp", make)
+        refused = folder
+    else:  # a cache folder in which the vocabularies' folder cannot be made
+        mkdir = os.mkdir
+
+        def make(path, *args, **kwargs):
+            if os.fspath(path) == str(folder):
+                raise OSError(code, os.strerror(code), os.fspath(path))
+            return mkdir(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "mkdir", make)
+        refused = tmp_path
+    with pytest.raises(DataError) as e:
+        build_tokenizer("bpe", _bpe_texts, "corpus-hash", 300, tmp_path)
+    monkeypatch.undo()
+    if where == "create":
+        assert list(folder.iterdir()) == [other] and other.read_bytes() == before  # no temporary file, nothing lost
+    else:
+        assert not folder.exists()
+    build_tokenizer("bpe", _bpe_texts, "corpus-hash", 300, tmp_path)  # once it can be written: cached where it says
+    (cached,) = folder.glob("bpe-300-*")
+    message = str(e.value)
+    assert "\n" not in message and ".tmp" not in message, message
+    assert message.startswith(f"{cached}: cannot be written ({os.strerror(code)}); "), message
+    if code == errno.EROFS:
+        assert message.endswith("; point $DIFFTX_CACHE (or --cache-dir) at a folder on a writable disk"), message
+    else:
+        assert message.endswith(f"; fix the permissions of {refused} or point $DIFFTX_CACHE (or --cache-dir) at a "
+                                "folder you can write to"), message
+
+
 def test_a_saved_hugging_face_tokenizer_json_loads(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 

@@ -135,6 +135,22 @@ def raise_if_disk_full(path: Path, e: OSError, needed: int = 0, written: int = 0
                         "disk or point $DIFFTX_CACHE (or --cache-dir) at another one") from None
 
 
+def raise_if_not_writable(path: Path, e: OSError, what: str = "cannot be written") -> None:
+    """Raise one DataError naming the cache file (or folder) ``path`` when ``e`` says the cache cannot be written
+    there: no permission (EACCES, EPERM) or a read-only file system (EROFS).
+
+    As for a full disk, ``e`` names the temporary file the write went to (never made) or the folder ``mkdir`` could
+    not make; the folder that refused it, the parent of the one named, is the one to fix.  Other errors return.
+    """
+    if e.errno == errno.EROFS:
+        raise DataError(f"{path}: {what} ({e.strerror or e}); point $DIFFTX_CACHE (or --cache-dir) at a folder on a "
+                        "writable disk") from None
+    if e.errno in (errno.EACCES, errno.EPERM):
+        where = Path(os.fsdecode(e.filename)).parent if isinstance(e.filename, (str, bytes)) else path.parent
+        raise DataError(f"{path}: {what} ({e.strerror or e}); fix the permissions of {where} or point $DIFFTX_CACHE "
+                        "(or --cache-dir) at a folder you can write to") from None
+
+
 def _open_tokens(folder: Path, manifest: dict) -> np.ndarray:
     try:
         return np.memmap(folder / TOKENS_FILE, dtype=np.dtype(manifest["dtype"]), mode="r")
@@ -182,7 +198,8 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
     dtype = token_dtype(tokenizer.vocab_size)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a file where the entry's folder (or the cache's) should be
+    except OSError as e:  # a file where the entry's folder (or the cache's) should be, or a cache not writable
+        raise_if_not_writable(folder, e, "cannot make the token cache entry")
         raise DataError(f"{folder}: cannot make the token cache entry ({e.strerror or e}); give another --cache-dir "
                         "or remove the file in its way") from None
     tmp = folder / f".{TOKENS_FILE}.{os.getpid()}.tmp"
@@ -234,11 +251,14 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
             os.replace(tmp, folder / TOKENS_FILE)
         except OSError as e:  # e names the temporary file, deleted below
             raise_if_disk_full(folder / TOKENS_FILE, e)
+            raise_if_not_writable(folder / TOKENS_FILE, e)
             raise _unusable(folder, TOKENS_FILE, f"cannot be written ({e.strerror or e})") from None
     except OSError as e:
         # a full disk while the temporary file is made, written, flushed or closed: e names that file (gone by
         # then) or none; tokens.bin, if there is one, is untouched.  Other errors (reading the corpus) pass on
         raise_if_disk_full(folder / TOKENS_FILE, e, written=tmp.stat().st_size if tmp.exists() else 0)
+        if e.filename == str(tmp):  # making it: no permission in the folder, or a read-only file system
+            raise_if_not_writable(folder / TOKENS_FILE, e)
         raise
     finally:
         bar.close()
@@ -258,6 +278,7 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
         atomic_write_text(folder / MANIFEST_FILE, json.dumps(manifest, indent=1))
     except OSError as e:
         raise_if_disk_full(folder / MANIFEST_FILE, e)
+        raise_if_not_writable(folder / MANIFEST_FILE, e)
         raise _unusable(folder, MANIFEST_FILE, f"cannot be written ({e.strerror or e})") from None
     return manifest
 
