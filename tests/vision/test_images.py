@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import numpy as np
@@ -351,7 +352,7 @@ def test_an_unlabeled_folder_inside_a_split_is_no_class(tmp_path, name):
     assert any(f"train/{name}" in n and "3 unlabeled images" in n for n in d.notes), d.notes
     shutil.rmtree(root / "train" / "cat")
     shutil.rmtree(root / "train" / "dog")
-    _bad(root, rf"ds/train: no class folders in it .*unlabeled, unlabelled folders are left out")
+    _bad(root, r"ds/train: no class folders in it .*unlabeled, unlabelled folders are left out")
 
 
 def test_a_folder_beside_the_splits_is_refused(tmp_path):
@@ -449,6 +450,57 @@ def test_images_directly_in_a_split_beside_its_class_folders_are_refused(tmp_pat
     d = load_image_set(str(root))
     assert set(d.splits) == {"train", "test"} and len(d.images) == 12
     assert any(f"{split}/unlabeled: 3 unlabeled images" in n for n in d.notes), d.notes
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_images_directly_in_the_data_folder_beside_its_class_folders_are_refused(tmp_path, n):
+    """DIR/{cat,dog}/ plus DIR/*.png: the loose images were silently never read (as in a split beside its class
+    folders, which is refused).  Refused in one line naming DIR, the count and both fixes; a README, a CSV and hidden
+    files there stay allowed, and the second fix loads."""
+    root = write_folder(tmp_path / "ds", n_per_class=3)
+    (root / "README.md").write_text("cats and dogs\n")
+    (root / "labels.csv").write_text("file,label\n")
+    _loose_images(root / ".thumbs", 1)
+    (root / ".thumbs" / "img_0.png").rename(root / ".cover.png")  # a hidden image file: no image of the data
+    d = load_image_set(str(root))  # non-image and hidden files beside the class folders: read as before
+    assert d.classes == ["cat", "dog"] and len(d.images) == 6 and d.splits is None
+    _loose_images(root, n)
+    at = re.escape(str(root))
+    fix = "them into their class folders" if n > 1 else "it into its class folder"
+    _bad(root, rf"^{at}: {n} image files? directly in it beside its class folders cat/, dog/ \(an image folder "
+               rf"holds <class>/<images> only\): move {fix}, or into {at}/unlabeled/ if (they have|it has) no "
+               "labels$")
+    (root / "unlabeled").mkdir()
+    for f in root.glob("img_*.png"):
+        f.rename(root / "unlabeled" / f.name)
+    d = load_image_set(str(root))
+    assert d.classes == ["cat", "dog"] and len(d.images) == 6 and d.splits is None
+    assert any(f"ds/unlabeled: {n} unlabeled image" in note for note in d.notes), d.notes
+
+
+def test_images_directly_in_the_data_folder_beside_the_splits_are_refused(tmp_path):
+    """DIR/{train,val,test}/ plus DIR/*.png: the loose images were silently never read.  Refused in one line naming
+    the splits and both fixes (their class folders in a split, or DIR/unlabeled/); a README and a CSV beside the
+    splits stay allowed, and the second fix loads with the splits kept."""
+    root = tmp_path / "ds"
+    write_folder(root / "train", n_per_class=4)
+    write_folder(root / "val", n_per_class=1)
+    write_folder(root / "test", n_per_class=2)
+    (root / "README.txt").write_text("splits\n")
+    (root / "test.csv").write_text("file\n")
+    d = load_image_set(str(root))
+    assert set(d.splits) == {"train", "val", "test"} and len(d.images) == 14
+    _loose_images(root, 5)
+    at = re.escape(str(root))
+    _bad(root, rf"^{at}: 5 image files directly in it beside the split folders train/, val/, test/ \(given "
+               rf"splits hold <split>/<class>/<images> only\): move them into their class folders in a split, or "
+               rf"into {at}/unlabeled/ if they have no labels$")
+    (root / "unlabeled").mkdir()
+    for f in root.glob("img_*.png"):
+        f.rename(root / "unlabeled" / f.name)
+    d = load_image_set(str(root))
+    assert set(d.splits) == {"train", "val", "test"} and len(d.images) == 14 and d.classes == ["cat", "dog"]
+    assert any("ds/unlabeled: 5 unlabeled images" in n for n in d.notes), d.notes
 
 
 def test_32_bit_integer_images_outside_the_16_bit_range_are_refused(tmp_path):

@@ -16,8 +16,10 @@
   folders beside a folder that is no split (``DIR/notes/``).  A ``val/`` or ``test/`` split of images without
   class folders (a Kaggle test set: ``DIR/test/*.jpg``) is unlabelled too: it has that one reading (beside
   ``train/`` it is no class), so it is left out with a note, as ``unlabeled/`` is, and that split is drawn from
-  ``train/`` as when the folder is absent (a classifier trains and evaluates on labelled images).  A split
-  holding images directly beside its class folders is refused (misplaced labelled images, or unlabelled ones),
+  ``train/`` as when the folder is absent (a classifier trains and evaluates on labelled images).  Image files
+  directly in ``DIR`` beside its class folders or its splits, or directly in a split beside its class folders,
+  would never be read and are refused (misplaced labelled images, or unlabelled ones: move them into their class
+  folders, or into an ``unlabeled/`` folder there); other files there (a README, a CSV) are fine,
 * NumPy arrays: an ``.npz`` holding ``x`` and ``y``, a directory holding
   ``x.npy`` and ``y.npy``, or two files ``IMAGES.npy,LABELS.npy``.
 
@@ -221,8 +223,10 @@ def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
     Kaggle test set, or in ``unlabeled/``) is left out with a note and that split drawn from ``train/``: like an
     ``unlabeled/`` folder it has one reading (its images have no class), and refusing it would only make the
     user move a folder the data came with.  ``train/`` without class folders has nothing to train on: refused.
-    A split holding images directly beside its class folders reads two ways (labelled images put in the wrong
-    folder, or unlabelled ones) and would lose them silently: refused, naming both fixes."""
+    Image files directly in ``root`` beside its class folders or its splits, or directly in a split beside its
+    class folders, read two ways (labelled images put in the wrong folder, or unlabelled ones) and would be lost
+    silently: refused, naming both fixes (see :func:`_loose_images`).  Other files there (README, CSV) are
+    allowed."""
     try:
         from PIL import Image
     except ImportError:
@@ -230,6 +234,10 @@ def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
     subdirs = _subfolders(root)
     split_layout = _split_layout(root, subdirs)
     parts = {p.name: p for p in subdirs if p.name in SPLIT_NAMES} if split_layout else {"all": root}
+    if split_layout and _image_count(root, recursive=False):  # root's own image files beside the splits
+        splits = [parts[s] for s in SPLIT_NAMES if s in parts]
+        raise DataError(_loose_images(root, splits, "the split folders",
+                                      "given splits hold <split>/<class>/<images>", " in a split"))
     # unlabeled folders are no class: beside the class folders, beside the splits or inside one
     notes = [_unlabeled_note(p) for p in subdirs if p.name in UNLABELED_NAMES] if split_layout else []
     class_dirs = {}
@@ -237,12 +245,10 @@ def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
         sub = _subfolders(path)
         dirs = [p for p in sub if p.name not in UNLABELED_NAMES]
         unlabeled = [p for p in sub if p.name in UNLABELED_NAMES]
-        loose = _image_count(path, recursive=False) if part != "all" else 0  # a split's own image files
+        loose = _image_count(path, recursive=False)  # a split's (or root's) own image files
         if loose and dirs:
-            shown = ", ".join(f"{d.name}/" for d in dirs[:3]) + ", ..." * (len(dirs) > 3)
-            raise DataError(f"{path}: {loose} image file{'s' * (loose != 1)} directly in it beside its class "
-                            f"folders {shown} (a split holds <class>/<images> only): move them into their class "
-                            f"folders, or into {path / UNLABELED_NAMES[0]}/ if they have no labels")
+            holds = "an image folder holds <class>/<images>" if part == "all" else "a split holds <class>/<images>"
+            raise DataError(_loose_images(path, dirs, "its class folders", holds))
         if not dirs and part in ("val", "test") and (loose or unlabeled):
             n = loose + sum(_image_count(p) for p in unlabeled)
             notes.append(f"left out {path}: {n} image{'s' * (n != 1)} without class folders (unlabelled: a "
@@ -322,6 +328,16 @@ def _image_count(path: Path, recursive: bool = True) -> int:
         return sum(1 for f in path.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file())
     return sum(1 for f in path.iterdir()
                if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file() and not f.name.startswith("."))
+
+
+def _loose_images(path: Path, folders: list[Path], beside: str, holds: str, where: str = "") -> str:
+    """The one-line refusal of image files directly in ``path`` beside ``folders`` (its class folders, or the
+    splits): never read, and either labelled images in the wrong folder or unlabelled ones, so both fixes."""
+    n = _image_count(path, recursive=False)
+    shown = ", ".join(f"{d.name}/" for d in folders[:3]) + ", ..." * (len(folders) > 3)
+    move, label = ("them into their class folders", "they have") if n != 1 else ("it into its class folder", "it has")
+    return (f"{path}: {n} image file{'s' * (n != 1)} directly in it beside {beside} {shown} ({holds} only): move "
+            f"{move}{where}, or into {path / UNLABELED_NAMES[0]}/ if {label} no labels")
 
 
 def _unlabeled_note(path: Path) -> str:
