@@ -308,18 +308,24 @@ def test_an_unreadable_tokens_file_is_one_error_naming_the_cache_entry(two_files
     assert "cannot be read (Permission denied)" in str(e.value)
 
 
-def test_difftx_train_with_a_directory_as_tokens_bin_says_one_line_and_exits_2(two_files, tmp_path, capsys):
+def _train_one_step(corpus, cache, out, capsys) -> tuple[int, str]:
+    """``difftx train`` of a tiny byte model on ``corpus`` for one step with ``--cache-dir cache``: (exit code,
+    stderr)."""
     from difftx.cli import main
 
+    code = main(["train", "--data", str(corpus), "--cache-dir", str(cache), "--tokenizer", "byte", "--d-model", "32",
+                 "--n-layers", "1", "--n-heads", "2", "--seq-len", "16", "--batch-size", "2", "--steps", "1",
+                 "--dtype", "fp32", "--no-progress", "--out", str(out)])
+    return code, capsys.readouterr().err
+
+
+def test_difftx_train_with_a_directory_as_tokens_bin_says_one_line_and_exits_2(two_files, tmp_path, capsys):
     cache = tmp_path / "cache"
     corpus = two_files / "a.txt"
     folder = prepare_tokens(resolve_corpus(str(corpus)), ByteTokenizer(), cache, progress=False).path
     (folder / TOKENS_FILE).unlink()
     (folder / TOKENS_FILE).mkdir()
-    code = main(["train", "--data", str(corpus), "--cache-dir", str(cache), "--tokenizer", "byte", "--d-model", "32",
-                 "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--batch-size", "4", "--steps", "1",
-                 "--dtype", "fp32", "--no-progress", "--out", str(tmp_path / "run")])
-    err = capsys.readouterr().err
+    code, err = _train_one_step(corpus, cache, tmp_path / "run", capsys)
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith(f"difftx train: error: {folder / TOKENS_FILE}: a directory, not a file; "), err
     assert "delete that folder" in err and "--cache-dir" in err
@@ -471,7 +477,6 @@ def test_difftx_train_with_a_cache_dir_that_cannot_be_written_says_one_line_and_
                                                                                          code):
     """``difftx train --cache-dir`` at a folder that cannot be written: one line naming the cache entry or tokens.bin
     (not the temporary file, with "check the path, its permissions and free space") and the fix, exit code 2."""
-    from difftx.cli import main
     from difftx.data import shards
 
     cache, corpus = tmp_path / "cache", two_files / "a.txt"
@@ -489,10 +494,7 @@ def test_difftx_train_with_a_cache_dir_that_cannot_be_written_says_one_line_and_
             raise OSError(code, os.strerror(code), str(path))
 
         monkeypatch.setattr(shards, "open", refuse, raising=False)
-    code_ = main(["train", "--data", str(corpus), "--cache-dir", str(cache), "--tokenizer", "byte", "--d-model", "32",
-                  "--n-layers", "1", "--n-heads", "2", "--seq-len", "16", "--batch-size", "2", "--steps", "1",
-                  "--dtype", "fp32", "--no-progress", "--out", str(tmp_path / "run")])
-    err = capsys.readouterr().err
+    code_, err = _train_one_step(corpus, cache, tmp_path / "run", capsys)
     assert code_ == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith(f"difftx train: error: {path}: "), err
     _assert_cannot_be_written(err.rstrip("\n").removeprefix("difftx train: error: "), path, code, where_to_fix)

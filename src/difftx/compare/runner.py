@@ -207,12 +207,12 @@ def cpu_count() -> int:
     return usable_cpus()
 
 
-def resolve_workers(study: StudyConfig, n_jobs: int, device_type: str, distributed: bool) -> tuple[int, Optional[int]]:
-    """(parallel job processes, torch threads per process)."""
+def resolve_workers(study: StudyConfig, n_jobs: int, device_type: str, distributed: bool) -> int:
+    """Parallel job processes (at most; memory and the job count may lower them: :func:`threads_per_job` then
+    shares the CPUs among those that run)."""
     if distributed or device_type == "cuda":
-        return 1, study.threads
-    workers = study.workers or max(1, min(n_jobs, cpu_count()))
-    return workers, threads_per_job(study, workers, device_type, distributed)
+        return 1
+    return study.workers or max(1, min(n_jobs, cpu_count()))
 
 
 def threads_per_job(study: StudyConfig, workers: int, device_type: str, distributed: bool) -> Optional[int]:
@@ -399,7 +399,7 @@ def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False
         if resume and (out / STUDY_FILE).is_file():  # every rank: each refuses, none waits at a barrier
             check_world_size(out, world.world_size)
         check_inputs(study)
-        workers, threads = resolve_workers(study, 1 << 30, world.device.type, world.distributed)
+        workers = resolve_workers(study, 1 << 30, world.device.type, world.distributed)
         workers, memory_bound, memory_warning = on_rank0(world, lambda: fit_in_memory(study, workers, world))
         if world.is_main:
             created = prepare_out(out, study, force, resume, command, world.world_size)

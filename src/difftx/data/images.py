@@ -234,9 +234,10 @@ def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
     subdirs = _subfolders(root)
     split_layout = _split_layout(root, subdirs)
     parts = {p.name: p for p in subdirs if p.name in SPLIT_NAMES} if split_layout else {"all": root}
-    if split_layout and _image_count(root, recursive=False):  # root's own image files beside the splits
+    loose = _image_count(root, recursive=False) if split_layout else 0  # root's own image files beside the splits
+    if loose:
         splits = [parts[s] for s in SPLIT_NAMES if s in parts]
-        raise DataError(_loose_images(root, splits, "the split folders",
+        raise DataError(_loose_images(root, loose, splits, "the split folders",
                                       "given splits hold <split>/<class>/<images>", " in a split"))
     # unlabeled folders are no class: beside the class folders, beside the splits or inside one
     notes = [_unlabeled_note(p) for p in subdirs if p.name in UNLABELED_NAMES] if split_layout else []
@@ -248,7 +249,7 @@ def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
         loose = _image_count(path, recursive=False)  # a split's (or root's) own image files
         if loose and dirs:
             holds = "an image folder holds <class>/<images>" if part == "all" else "a split holds <class>/<images>"
-            raise DataError(_loose_images(path, dirs, "its class folders", holds))
+            raise DataError(_loose_images(path, loose, dirs, "its class folders", holds))
         if not dirs and part in ("val", "test") and (loose or unlabeled):
             n = loose + sum(_image_count(p) for p in unlabeled)
             notes.append(f"left out {path}: {n} image{'s' * (n != 1)} without class folders (unlabelled: a "
@@ -330,10 +331,9 @@ def _image_count(path: Path, recursive: bool = True) -> int:
                if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file() and not f.name.startswith("."))
 
 
-def _loose_images(path: Path, folders: list[Path], beside: str, holds: str, where: str = "") -> str:
-    """The one-line refusal of image files directly in ``path`` beside ``folders`` (its class folders, or the
-    splits): never read, and either labelled images in the wrong folder or unlabelled ones, so both fixes."""
-    n = _image_count(path, recursive=False)
+def _loose_images(path: Path, n: int, folders: list[Path], beside: str, holds: str, where: str = "") -> str:
+    """The one-line refusal of the ``n`` image files directly in ``path`` beside ``folders`` (its class folders, or
+    the splits): never read, and either labelled images in the wrong folder or unlabelled ones, so both fixes."""
     shown = ", ".join(f"{d.name}/" for d in folders[:3]) + ", ..." * (len(folders) > 3)
     move, label = ("them into their class folders", "they have") if n != 1 else ("it into its class folder", "it has")
     return (f"{path}: {n} image file{'s' * (n != 1)} directly in it beside {beside} {shown} ({holds} only): move "
