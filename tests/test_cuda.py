@@ -166,15 +166,17 @@ def _leaf(t: torch.Tensor, device, dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5), (torch.bfloat16, 6e-2)])
-@pytest.mark.parametrize("lam_kind,hk,padded,q_start", [(None, 2, True, 5), ("scalar", 4, False, 0),
-                                                        ("scalar", 1, True, 5), ("rows", 2, False, 0)])
-def test_fused_kernel_on_cuda(dtype, tol, lam_kind, hk, padded, q_start):
-    """difftx.nn.fused's pure-torch blocks on the GPU against explicit float64 maps on the CPU."""
+@pytest.mark.parametrize("lam_kind,hk,padded,q_start,shared_k", [
+    (None, 2, True, 5, False), ("scalar", 4, False, 0, False), ("scalar", 1, True, 5, False),
+    ("rows", 2, False, 0, False), ("scalar", 2, True, 5, True), ("rows", 4, False, 0, True)])
+def test_fused_kernel_on_cuda(dtype, tol, lam_kind, hk, padded, q_start, shared_k):
+    """difftx.nn.fused's pure-torch blocks on the GPU against explicit float64 maps on the CPU; shared_k: one K
+    read by both maps (DIFF V2's layout, k of shape (B, 1, Hk, Nk, d)), whose gradient sums both maps'."""
     g = torch.Generator().manual_seed(0)
     b, m, h, n, d, dv = 2, 1 if lam_kind is None else 2, 4, 45, 16, 32
     nk = n + q_start
     q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64) for s in
-               ((b, m, h, n, d), (b, m, hk, nk, d), (b, hk, nk, dv)))
+               ((b, m, h, n, d), (b, 1 if shared_k else m, hk, nk, d), (b, hk, nk, dv)))
     lam = None if lam_kind is None else (torch.tensor(0.37, dtype=torch.float64) if lam_kind == "scalar"
                                          else torch.rand(b, h, n, 1, generator=g, dtype=torch.float64))
     valid = None
@@ -186,7 +188,7 @@ def test_fused_kernel_on_cuda(dtype, tol, lam_kind, hk, padded, q_start):
     # reference: explicit maps in float64 (keys/values repeated to the query heads)
     ins = [_leaf(t, "cpu", torch.float64) for t in (q, k, v)] + ([] if lam is None else [_leaf(lam, "cpu", torch.float64)])
     rep = h // hk
-    s = ins[0] @ ins[1].repeat_interleave(rep, 2).transpose(-1, -2) * 0.3
+    s = ins[0] @ ins[1].expand(b, m, hk, nk, d).repeat_interleave(rep, 2).transpose(-1, -2) * 0.3
     s = s.masked_fill(~mask.dense("cpu")[:, None], float("-inf"))
     p = torch.softmax(s, -1)
     p = p[:, 0] if m == 1 else p[:, 0] - ins[3] * p[:, 1]
