@@ -1064,6 +1064,40 @@ def test_the_kernels_build_and_compute_the_same_with_clang(tmp_path):
     assert passed and int(passed.group(1)) >= 60 and "failed" not in r.stdout, r.stdout[-500:]
 
 
+def test_an_arm_build_asks_for_its_own_instruction_set_and_the_source_builds_for_aarch64(tmp_path, monkeypatch):
+    """The instruction-set flags follow the machine: x86 gets -march=native (and whole 512-bit vectors), Arm
+    -mcpu=native and none of x86's options (GCC and Clang on AArch64 reject -mprefer-vector-width: with x86's
+    flags every build there failed, and every kernel fell back to torch), other machines the compiler's own
+    default.  Where a cross compiler is installed (Debian: gcc-aarch64-linux-gnu), the source builds for AArch64
+    with exactly the Arm flags, a named core standing in for -mcpu=native (a cross compiler has no host to ask)."""
+    monkeypatch.delenv("DIFFTX_NATIVE_CFLAGS", raising=False)
+    for machine, want, unwanted in (("x86_64", {"-march=native", "-mprefer-vector-width=512"}, {"-mcpu=native"}),
+                                    ("AMD64", {"-march=native"}, {"-mcpu=native"}),
+                                    ("aarch64", {"-mcpu=native"}, {"-march=native", "-mprefer-vector-width=512"}),
+                                    ("arm64", {"-mcpu=native"}, {"-march=native", "-mprefer-vector-width=512"}),
+                                    ("riscv64", set(), {"-march=native", "-mcpu=native", "-mprefer-vector-width=512"})):
+        monkeypatch.setattr(native.platform, "machine", lambda m=machine: m)
+        flags = native._flags()
+        assert want <= set(flags) and not unwanted & set(flags), (machine, flags)
+        assert {"-O3", "-fopenmp", "-fPIC", "-shared"} <= set(flags), (machine, flags)
+    monkeypatch.setattr(native.platform, "machine", lambda: "aarch64")
+    arm_flags = native._flags()
+    cross = shutil.which("aarch64-linux-gnu-gcc")
+    if cross is None:
+        pytest.skip("no AArch64 cross compiler here (Debian: gcc-aarch64-linux-gnu)")
+    out = tmp_path / "kernels-aarch64.so"
+    flags = ["-mcpu=neoverse-n1" if f == "-mcpu=native" else f for f in arm_flags]
+    r = subprocess.run([cross, *flags, str(native._SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    head = out.read_bytes()[:20]
+    assert head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == 183  # EM_AARCH64
+    # without the change: x86's flag is what stopped the build
+    r = subprocess.run([cross, *flags, "-mprefer-vector-width=512", str(native._SOURCE), "-o", str(out), "-lm"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "prefer-vector-width" in r.stderr
+
+
 @needs_native
 def test_a_failed_scratch_allocation_raises_memory_error():
     """A kernel whose per-thread scratch cannot be allocated raises MemoryError (it used to write through a NULL

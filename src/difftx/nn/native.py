@@ -36,7 +36,11 @@ import torch
 from ..io import atomic_write_text
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-fno-strict-aliasing", "-fPIC", "-shared"]
+_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-strict-aliasing", "-fPIC", "-shared"]
+# The machine's own instruction set, by architecture: x86 names it with -march (and asks GCC for whole 512-bit
+# vectors where it has AVX-512); Arm with -mcpu (GCC and Clang on AArch64 reject -mprefer-vector-width, so a
+# build with x86's flags failed there and every kernel fell back to torch); elsewhere the compiler's default.
+_ARCH_FLAGS = {"x86": ["-march=native", "-mprefer-vector-width=512"], "arm": ["-mcpu=native"]}
 _LOCK = threading.Lock()
 # False forces the pure-torch path everywhere (tests compare the two); DIFFTX_NATIVE=0 also skips the build.
 ENABLED = True
@@ -104,9 +108,21 @@ def _compiler() -> Optional[list[str]]:
 
 
 def _flags() -> list[str]:
-    """The compiler flags: _FLAGS, then ``$DIFFTX_NATIVE_CFLAGS`` (e.g. ``-mno-avx512f`` builds the 8-lane
-    AVX2 kernels on an AVX-512 CPU, ``-mno-avx`` the 4-lane ones; the tests build each width this way)."""
-    return _FLAGS + shlex.split(os.environ.get("DIFFTX_NATIVE_CFLAGS", ""))
+    """The compiler flags: _FLAGS, the machine's instruction set (:func:`_arch_flags`), then
+    ``$DIFFTX_NATIVE_CFLAGS`` (e.g. ``-mno-avx512f`` builds the 8-lane AVX2 kernels on an AVX-512 CPU, ``-mno-avx``
+    the 4-lane ones; the tests build each width this way)."""
+    return _FLAGS + _arch_flags(platform.machine()) + shlex.split(os.environ.get("DIFFTX_NATIVE_CFLAGS", ""))
+
+
+def _arch_flags(machine: str) -> list[str]:
+    """The instruction-set flags for a machine as ``platform.machine()`` names it (x86_64 / AMD64, aarch64 /
+    arm64, ...)."""
+    m = machine.lower()
+    if m in ("x86_64", "amd64", "i386", "i686"):
+        return _ARCH_FLAGS["x86"]
+    if m in ("aarch64", "arm64") or m.startswith("armv8"):
+        return _ARCH_FLAGS["arm"]
+    return []
 
 
 def _sha256(path: Path) -> str:
