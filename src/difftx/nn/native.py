@@ -10,8 +10,8 @@ It is built once per machine with the system C compiler (``$CC``, else ``cc``/``
 a few seconds) into ``$DIFFTX_CACHE_DIR`` (default ``$XDG_CACHE_HOME/difftx``, else ``~/.cache/difftx``),
 keyed by the source, the compiler, its flags and the CPU's features, and loaded with ctypes: no Python
 extension ABI, no build step at install time.  Vectors are as wide as the CPU's registers (16 floats with
-AVX-512, 8 with AVX2, 4 elsewhere: SSE, Arm's NEON); ``$DIFFTX_NATIVE_CFLAGS`` adds compiler flags.  Without a compiler, off Linux,
-or with ``DIFFTX_NATIVE=0``, everything runs the pure-torch path (same results up to rounding; the
+AVX-512, 8 with AVX2, 4 elsewhere: SSE, Arm's NEON); ``$DIFFTX_NATIVE_CFLAGS`` adds compiler flags.  Without a
+compiler, off Linux, or with ``DIFFTX_NATIVE=0``, everything runs the pure-torch path (same results up to rounding; the
 native paths round less: e.g. the combined map once from float32 probabilities).  :func:`status` says
 which, and ``difftx bench`` records it.
 """

@@ -12,7 +12,9 @@ dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[sys.argv[1]]
 mode = sys.argv[3]  # fwd | fb
 b, h, n, d = 4, 8, 512, 64
 g = torch.Generator().manual_seed(0)
-q = torch.randn(b, 1, h, n, d, generator=g).to(dt); k = torch.randn(b, 1, h, n, d, generator=g).to(dt); v = torch.randn(b, h, n, d, generator=g).to(dt)
+q = torch.randn(b, 1, h, n, d, generator=g).to(dt)
+k = torch.randn(b, 1, h, n, d, generator=g).to(dt)
+v = torch.randn(b, h, n, d, generator=g).to(dt)
 w = torch.randn(b, n, h, d, generator=g).to(dt)
 mask = AttnMask(causal=True, n_q=n, n_k=n)
 def step():

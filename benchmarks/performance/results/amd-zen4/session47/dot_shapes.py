@@ -27,4 +27,6 @@ for (k, n) in [(512, 512), (512, 1408), (1408, 512), (512, 256)]:
     t_dw = tm(lambda: native.dot_mm(dyt, xp, k, dw))
     t_px = tm(lambda: native.pack_rows(x, T)); t_tr = tm(lambda: native.transpose_rows_bf16(dy))
     fl = 2 * T * k * n / 1e9
-    print(f"k={k:5d} n={n:5d}  fwd {fl/t_f:6.1f}  dx {fl/t_dx:6.1f}  dw {fl/t_dw:6.1f} GFLOP/s | ms: fwd {t_f*1e3:.2f} packwt {t_pw*1e3:.2f} dx {t_dx*1e3:.2f} packrows(w) {t_pr*1e3:.2f} dw {t_dw*1e3:.2f} packrows(x) {t_px*1e3:.2f} transp(dy) {t_tr*1e3:.2f}")
+    print(f"k={k:5d} n={n:5d}  fwd {fl/t_f:6.1f}  dx {fl/t_dx:6.1f}  dw {fl/t_dw:6.1f} GFLOP/s | "
+          f"ms: fwd {t_f*1e3:.2f} packwt {t_pw*1e3:.2f} dx {t_dx*1e3:.2f} packrows(w) {t_pr*1e3:.2f} "
+          f"dw {t_dw*1e3:.2f} packrows(x) {t_px*1e3:.2f} transp(dy) {t_tr*1e3:.2f}")

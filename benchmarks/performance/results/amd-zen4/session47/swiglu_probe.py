@@ -20,8 +20,10 @@ native.swiglu_backward = wk; ffn._NativeSwiGLU.backward = staticmethod(wb)
 bc = BenchConfig(arms=[arm_name], peers=False)
 dev = torch.device("cpu"); g = torch.Generator().manual_seed(0)
 arm = build_arms(bc, dev)[0]
-x = torch.randint(0, arm.cfg.vocab_size, (4, 512), generator=g); y = torch.randint(0, arm.cfg.vocab_size, (4, 512), generator=g)
+x = torch.randint(0, arm.cfg.vocab_size, (4, 512), generator=g)
+y = torch.randint(0, arm.cfg.vocab_size, (4, 512), generator=g)
 for _ in range(2): _train_step(arm, x, y, dtype, dev)
 rk.clear(); rb.clear()
 for _ in range(steps): _train_step(arm, x, y, dtype, dev)
-print(arm_name, dtype, "kernel ms/step %.1f, whole backward ms/step %.1f" % (sum(rk)*1e3/steps, sum(rb)*1e3/steps), info[-1])
+print(arm_name, dtype, "kernel ms/step %.1f, whole backward ms/step %.1f"
+      % (sum(rk) * 1e3 / steps, sum(rb) * 1e3 / steps), info[-1])
