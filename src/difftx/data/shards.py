@@ -151,6 +151,13 @@ def raise_if_not_writable(path: Path, e: OSError, what: str = "cannot be written
                         "(or --cache-dir) at a folder you can write to") from None
 
 
+def raise_if_cache_unwritable(path: Path, e: OSError, needed: int = 0) -> None:
+    """:func:`raise_if_disk_full`, then :func:`raise_if_not_writable`: the one DataError for a cache file that a
+    full disk, a missing permission or a read-only file system kept from being written.  Other errors return."""
+    raise_if_disk_full(path, e, needed=needed)
+    raise_if_not_writable(path, e)
+
+
 def _open_tokens(folder: Path, manifest: dict) -> np.ndarray:
     try:
         return np.memmap(folder / TOKENS_FILE, dtype=np.dtype(manifest["dtype"]), mode="r")
@@ -250,8 +257,7 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
         try:
             os.replace(tmp, folder / TOKENS_FILE)
         except OSError as e:  # e names the temporary file, deleted below
-            raise_if_disk_full(folder / TOKENS_FILE, e)
-            raise_if_not_writable(folder / TOKENS_FILE, e)
+            raise_if_cache_unwritable(folder / TOKENS_FILE, e)
             raise _unusable(folder, TOKENS_FILE, f"cannot be written ({e.strerror or e})") from None
     except OSError as e:
         # a full disk while the temporary file is made, written, flushed or closed: e names that file (gone by
@@ -277,8 +283,7 @@ def _tokenise(corpus: Corpus, tokenizer: Tokenizer, folder: Path, progress: bool
     try:
         atomic_write_text(folder / MANIFEST_FILE, json.dumps(manifest, indent=1))
     except OSError as e:
-        raise_if_disk_full(folder / MANIFEST_FILE, e)
-        raise_if_not_writable(folder / MANIFEST_FILE, e)
+        raise_if_cache_unwritable(folder / MANIFEST_FILE, e)
         raise _unusable(folder, MANIFEST_FILE, f"cannot be written ({e.strerror or e})") from None
     return manifest
 

@@ -348,10 +348,9 @@ def build_tokenizer(spec: str, texts: Optional[Callable[[], Iterable[str]]] = No
             try:
                 tok.save(cached)
             except OSError as e:  # e names save()'s temporary file (gone by then), the folder it made, or no file
-                from .shards import raise_if_disk_full, raise_if_not_writable
+                from .shards import raise_if_cache_unwritable
 
-                raise_if_disk_full(cached, e, needed=len(tok._json.encode()))
-                raise_if_not_writable(cached, e)
+                raise_if_cache_unwritable(cached, e, needed=len(tok._json.encode()))
                 raise
         return tok
     path = Path(spec).expanduser()  # '~' as --data takes it (no shell expands '--tokenizer=~/...')
