@@ -151,3 +151,20 @@ def test_noise_stats_counts_the_finite_entries_it_uses():
     s = np.random.default_rng(0).standard_normal((4, 100))
     s[:, 7] = np.nan  # one coordinate's samples unusable: its 4 centred values are dropped
     assert tails.noise_stats(s)["n"] == 4 * 99
+
+
+def test_constant_float64_data_has_no_spread_not_rounding_noise():
+    """float64 values that do not divide exactly (0.1, most of them) have a mean a rounding error off: a constant
+    tensor read as a kurtosis of -2 (the lightest possible tail), and coordinates whose 12 gradients are all equal
+    read as noise, its tail index that of the rounding errors (alpha 1.87, Hill 9.4) where there is none."""
+    assert math.isnan(tails.excess_kurtosis(np.full(1000, 0.1)))
+    v = np.random.default_rng(0).normal(size=4096)
+    const = tails.noise_stats(np.tile(v, (12, 1)))
+    assert math.isnan(const["alpha_mohammadi"]) and math.isnan(const["hill"]), const
+    assert math.isnan(const["excess_kurtosis"]), const
+    s = np.random.default_rng(1).standard_normal((12, 4096))
+    zero, flat = s.copy(), s.copy()
+    zero[:, :2048], flat[:, :2048] = 0.0, v[:2048]  # no noise there, either way
+    a, b = tails.noise_stats(zero), tails.noise_stats(flat)
+    for key in ("alpha_mohammadi", "hill", "q99_9_over_q50", "excess_kurtosis"):
+        assert b[key] == pytest.approx(a[key], rel=1e-9), (key, a, b)

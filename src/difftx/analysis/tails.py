@@ -62,7 +62,8 @@ def excess_kurtosis(x) -> float:
     a = _flat(x)
     if a.size == 0:
         return math.nan
-    c = a - a.mean()
+    c = a - a[0]  # shifted first: a constant's deviations are exact zeros, not its mean's rounding error
+    c = c - c.mean()
     c2 = c * c
     var = float(np.mean(c2))
     return float(np.mean(c2 * c2) / var ** 2 - 3.0) if var > 0 else math.nan
@@ -160,10 +161,13 @@ def noise_stats(samples, seed: int = 0, k_frac: float = 0.01) -> dict:
 
     Each row is centred by the mean over the B batches (column-wise), then all
     B * n centred values are pooled, as in Simsekli et al. (2019).  ``n`` counts
-    the finite ones, the values the estimators use.
+    the finite ones, the values the estimators use.  Each column is first shifted
+    by its first sample, so that a coordinate whose B gradients are equal has exact
+    zero noise (left out, as a dead unit's), not its mean's rounding error in float64.
     """
     s = np.asarray(samples, dtype=np.float64)
-    noise = (s - s.mean(axis=0, keepdims=True)).reshape(-1)
+    d = s - s[:1]
+    noise = (d - d.mean(axis=0, keepdims=True)).reshape(-1)
     return {
         "n": int(np.isfinite(noise).sum()),
         "alpha_mohammadi": mohammadi_alpha(noise, seed=seed),
