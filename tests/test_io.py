@@ -103,3 +103,23 @@ def test_save_model_to_a_path_that_is_a_file_is_one_difftx_error(tmp_path):
             difftx.save_model(tiny_model(), path)
         assert str(path) in str(e.value) and "\n" not in str(e.value)
     assert (tmp_path / "f").read_text() == "keep"
+
+
+def test_load_model_of_a_safetensors_file_loads_that_file_or_names_it(tmp_path):
+    """A .safetensors file stands for its directory's model only as that model's own model.safetensors: another
+    file beside a model loaded the directory's weights, not the file named (a copy of other weights, say), and
+    a stray file elsewhere was reported as its directory ('.: no difftx model here')."""
+    from difftx.io import CheckpointError
+
+    model = tiny_model()
+    d = difftx.save_model(model, tmp_path / "m")
+    other = tiny_model()
+    torch.nn.init.zeros_(other.embed.weight)
+    d2 = difftx.save_model(other, tmp_path / "m2")
+    (d / "other.safetensors").write_bytes((d2 / "model.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match=r"other\.safetensors: not this directory's weights"):
+        difftx.load_model(d / "other.safetensors")
+    assert torch.equal(difftx.load_model(d / "model.safetensors").embed.weight, model.embed.weight)
+    (tmp_path / "junk.safetensors").write_bytes(b"junk")
+    with pytest.raises(CheckpointError, match=r"junk\.safetensors \(in .*\): no difftx model here"):
+        difftx.load_model(tmp_path / "junk.safetensors")

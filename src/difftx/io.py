@@ -360,11 +360,15 @@ def load_model(path, device: Optional[str] = None, dtype=None) -> torch.nn.Modul
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory; pass a difftx model, checkpoint or run directory")
+    given = path
     if path.is_file():
-        if path.suffix == ".safetensors":
-            path = path.parent
-        else:
+        if path.suffix != ".safetensors":
             raise CheckpointError(f"{path}: expected a directory or a .safetensors file")
+        if path.name != WEIGHTS_FILE and is_model_dir(path.parent):  # the directory's model is another file
+            raise CheckpointError(f"{path}: not this directory's weights ({WEIGHTS_FILE}, which load_model reads "
+                                  f"with its {CONFIG_FILE}); pass {path.parent}, or a directory holding the "
+                                  f"file as {WEIGHTS_FILE} beside its {CONFIG_FILE}")
+        path = path.parent  # its directory: a difftx model, or a layout a resolver reads (sharded HF weights)
     run = None
     if not is_model_dir(path) and list_checkpoints(path):  # a training run: its newest complete checkpoint
         run, path = path, _newest_complete_checkpoint(path)
@@ -373,8 +377,9 @@ def load_model(path, device: Optional[str] = None, dtype=None) -> torch.nn.Modul
             model = fn(path, device)
             if model is not None:
                 return cast_model(model, dtype=dtype) if dtype is not None else model
+        where = f"{given} (in {path})" if given != path else f"{path}"
         raise CheckpointError(
-            f"{path}: no difftx model here (need {CONFIG_FILE} with '{FORMAT_KEY}' and {WEIGHTS_FILE}, "
+            f"{where}: no difftx model here (need {CONFIG_FILE} with '{FORMAT_KEY}' and {WEIGHTS_FILE}, "
             "or a training run / checkpoint directory)"
         )
     try:
