@@ -291,3 +291,36 @@ def test_other_hugging_face_files_travel_beside_a_difftx_tokenizer(tmp_path):
     for out in ("dx", "hf2"):
         for name in names:
             assert (tmp_path / out / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), (out, name)
+
+
+@pytest.mark.parametrize("stale", ["model.safetensors.index.json", "pytorch_model.bin.index.json",
+                                   "pytorch_model.bin"])
+def test_weights_are_read_from_the_file_transformers_reads(tmp_path, stale):
+    """save_hf into a directory holding older weights (shards and their index, a pytorch_model.bin) writes
+    model.safetensors beside them: transformers loads that file first, and load_model / convert read the older
+    shards (or the .bin) instead, another model's weights, silently."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    old = difftx_model(attention="softmax", n_heads=4, n_kv_heads=2, seed=1)
+    new = difftx_model(attention="softmax", n_heads=4, n_kv_heads=2, seed=2)
+    save_hf(old, tmp_path / "old", "hf-llama")
+    old_sd = LlamaForCausalLM.from_pretrained(tmp_path / "old").state_dict()
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    if stale == "pytorch_model.bin":
+        torch.save(old_sd, hf / stale)
+    else:
+        shard = "model-00001-of-00001.safetensors" if stale.startswith("model") else "pytorch_model-00001-of-00001.bin"
+        (save_file if shard.endswith(".safetensors") else torch.save)(old_sd, hf / shard)
+        (hf / stale).write_text(json.dumps({"weight_map": {k: shard for k in old_sd}}))
+    save_hf(new, hf, "hf-llama")
+    x = tokens(97)
+    with torch.no_grad():
+        ref = new(x).logits
+        assert max_diff(LlamaForCausalLM.from_pretrained(hf).eval()(x).logits, ref) < TOL
+        assert max_diff(difftx.load_model(hf)(x).logits, ref) < TOL
+        convert(hf, tmp_path / "dx")
+        assert max_diff(difftx.load_model(tmp_path / "dx")(x).logits, ref) < TOL

@@ -90,10 +90,19 @@ def _load_bin(path: Path) -> dict:
 
 
 def read_hf_weights(path) -> dict:
-    """All tensors of a Hugging Face directory (single file or shards), on CPU."""
+    """All tensors of a Hugging Face directory (single file or shards), on CPU.
+
+    The files are tried in transformers' order (``model.safetensors``, its shards, ``pytorch_model.bin``, its
+    shards), so a directory holding several (older shards beside a ``model.safetensors`` written over them) gives
+    the weights transformers loads."""
     path = Path(path)
-    for index_name, loader in ((SAFE_INDEX, load_safetensors), (BIN_INDEX, _load_bin)):
-        index = path / index_name
+    for name, loader in ((SAFE_FILE, load_safetensors), (SAFE_INDEX, load_safetensors), (BIN_FILE, _load_bin),
+                         (BIN_INDEX, _load_bin)):
+        if name in (SAFE_FILE, BIN_FILE):
+            if (path / name).is_file():
+                return loader(path / name)
+            continue
+        index = path / name
         if index.is_file():
             weight_map = read_json(index, "weight index").get("weight_map")
             if not isinstance(weight_map, dict):
@@ -109,10 +118,6 @@ def read_hf_weights(path) -> dict:
                     raise CheckpointError(f"{index}: shard {shard!r} lies outside the model directory")
                 state.update(loader(path / shard))
             return state
-    if (path / SAFE_FILE).is_file():
-        return load_safetensors(path / SAFE_FILE)
-    if (path / BIN_FILE).is_file():
-        return _load_bin(path / BIN_FILE)
     raise CheckpointError(f"{path}: no weights ({SAFE_FILE}, {SAFE_INDEX} or {BIN_FILE})")
 
 
