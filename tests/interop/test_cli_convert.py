@@ -555,6 +555,7 @@ def unilm_file(tmp_path):
 @pytest.mark.parametrize("src, argv, needles", [
     ("unilm", ["--diff-init", "twin"], ["--diff-init", "DIFF attention already"]),
     ("unilm", ["--verify"], ["--verify", "attention modules"]),  # was refused after DST was written
+    ("unilm", ["--depth", "0"], ["'layers.0.self_attn.' -> 0", "--depth is for a module whose prefix has none"]),
     ("diff", ["--to", "hf-llama", "--depth", "2"], ["--depth applies to a unilm weights file"]),
     ("diff", ["--to", "hf-difftx", "--unilm-variant", "naive"], ["--unilm-variant applies to a unilm"]),
     ("diff", ["--to", "hf-diffllama", "--pairing", "adjacent"], ["--pairing: --to hf-diffllama has a fixed layout"]),

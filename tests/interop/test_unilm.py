@@ -214,3 +214,29 @@ def test_file_conversion_ignores_a_rotary_inv_freq_buffer_in_the_module(tmp_path
     save_file(state, tmp_path / "ckpt.safetensors")
     convert_unilm_file(tmp_path / "ckpt.safetensors", tmp_path / "out")
     assert sorted(load_attention_modules(tmp_path / "out")) == ["layers.2.self_attn."]
+
+
+def test_a_layer_number_in_the_prefix_gives_the_depth_and_depth_the_other_modules(tmp_path):
+    """depth (--depth) went to every module of the file, over the layer numbers of their prefixes: one number for
+    several layers, so all but one got another layer's lambda_init, silently.  It now gives the depth of the modules
+    whose prefix has no number, and is refused when every module has one."""
+    from safetensors.torch import save_file
+
+    from difftx.errors import DifftxError
+
+    state = {f"extra_attn.{k}": v for k, v in official_state(seed=0).items()}  # a prefix without a layer number
+    state.update({f"layers.3.self_attn.{k}": v for k, v in official_state(seed=3).items()})
+    save_file(state, tmp_path / "ckpt.safetensors")
+    convert_unilm_file(tmp_path / "ckpt.safetensors", tmp_path / "out", depth=5)
+    modules = load_attention_modules(tmp_path / "out")
+    assert {p: m.layer for p, m in modules.items()} == {"extra_attn.": 6, "layers.3.self_attn.": 4}
+    x = torch.randn(1, 5, 64)
+    with torch.no_grad():
+        out = run_difftx(modules["layers.3.self_attn."], x)
+    assert float((out - reference_forward(official_state(seed=3), x, 3)).abs().max()) < 1e-5
+
+    state = {f"layers.{i}.self_attn.{k}": v for i in (0, 3) for k, v in official_state(seed=i).items()}
+    save_file(state, tmp_path / "layers.safetensors")
+    with pytest.raises(DifftxError, match=r"'layers\.0\.self_attn\.' -> 0.*--depth is for a module whose prefix has"):
+        convert_unilm_file(tmp_path / "layers.safetensors", tmp_path / "out2", depth=0)
+    assert not (tmp_path / "out2").exists()

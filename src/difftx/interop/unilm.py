@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from ..config import ModelConfig
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, DifftxError
 from ..io import (atomic_write_text, cast_state, load_safetensors, load_state_dict_into, make_out_dir, model_dtype,
                   save_safetensors, torch_load_weights_only)
 from .layouts import relayout
@@ -168,18 +168,24 @@ def convert_unilm_file(src, dst, depth: Optional[int] = None, rope_theta: float 
     Writes ``attention.safetensors`` (difftx names under each module's prefix) and
     ``attention.json`` (per prefix: difftx layer and ModelConfig); read them back
     with :func:`load_attention_modules`.  The depth of each module is taken from
-    the first number in its prefix (``layers.3.self_attn.`` -> 3) or ``depth``.
+    the first number in its prefix (``layers.3.self_attn.`` -> 3), else ``depth`` (one number cannot be the
+    depth of several layers; a ``depth`` no module needs is refused, not ignored).
     Weights are stored in ``dtype``, else in the modules' own dtype (float32 if they mix several).
     """
     src, dst = Path(src), Path(dst)
     modules = split_modules(read_weights_file(src))
     if not modules:
         raise CheckpointError(f"{src}: no official DIFF attention module (q_proj.weight + lambda_q1 ...) inside")
+    depths = {prefix: depth_from_prefix(prefix) for prefix in modules}
+    if depth is not None and None not in depths.values():
+        prefix = sorted(depths)[0]
+        raise DifftxError(f"{src}: every module's key prefix holds its layer number ('{prefix}' -> {depths[prefix]}), "
+                          "which gives its depth; --depth is for a module whose prefix has none: drop it")
     if dtype is None:  # the modules' own (bf16 weights with float32 lambdas: bf16), else float32
         dtype = model_dtype({f"{p}{k}": v for p, state in modules.items() for k, v in state.items()}) or torch.float32
     tensors, index = {}, {}
     for prefix, state in sorted(modules.items()):
-        layer_depth = depth if depth is not None else depth_from_prefix(prefix)
+        layer_depth = depths[prefix] if depths[prefix] is not None else depth
         if layer_depth is None:
             raise CheckpointError(f"{src}: cannot tell the depth of module '{prefix or '<root>'}' "
                                   "(lambda_init depends on it); pass --depth")
