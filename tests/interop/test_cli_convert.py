@@ -858,3 +858,19 @@ def test_a_difftx_tokenizer_beside_a_difftx_tokenizer_json_is_refused_for_huggin
     _one_error_line(rc, err, "difftx_tokenizer.json")
     for name in ("tokenizer.json", "difftx_tokenizer.json"):
         assert (tmp_path / "dx" / name).read_bytes() == (tmp_path / "m" / name).read_bytes()
+
+
+def test_a_vision_model_to_hf_difftx_is_one_error_line(capsys, tmp_path):
+    """A difftx vision model (domain='vision') converted --to hf-difftx was written as a DifftxForCausalLM
+    directory that transformers then refused ("DifftxConfig holds language models"); now one line before anything
+    is written, as --to hf-llama / hf-diffllama refuse it."""
+    from difftx.errors import ConfigError
+
+    model = difftx.build_model(difftx.ModelConfig(domain="vision", d_model=64, n_layers=2, n_heads=2))
+    difftx.save_model(model, tmp_path / "vit")
+    rc, _, err = run_main(capsys, tmp_path / "vit", tmp_path / "out", "--to", "hf-difftx")
+    _one_error_line(rc, err, "domain", "cannot export to hf-difftx", "language models")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match="domain"):
+        save_hf(model, tmp_path / "out", "hf-difftx")
+    assert not (tmp_path / "out").exists()

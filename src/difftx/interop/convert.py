@@ -325,7 +325,8 @@ def resolve_hf_dir(path: Path, device: Optional[str] = None):
 def difftx_to_hf(cfg: ModelConfig, state: dict, fmt: str) -> tuple[dict, dict]:
     """(config.json dict, tensors) of a difftx model in Hugging Face format ``fmt``."""
     state = clean_state_dict(state)
-    if fmt == "hf-difftx":
+    if fmt == "hf-difftx":  # DifftxConfig refuses another domain: transformers could not load the directory
+        _require(cfg, fmt, "domain", cfg.domain == "lm", "DifftxForCausalLM holds language models only")
         return hf_config_dict(cfg), {HF_DIFFTX_PREFIX + k: v for k, v in state.items()}
     if fmt not in ("hf-llama", "hf-diffllama"):
         raise DifftxError(f"unknown Hugging Face format {fmt!r}; one of {', '.join(HF_FORMATS)}")
