@@ -874,3 +874,16 @@ def test_a_vision_model_to_hf_difftx_is_one_error_line(capsys, tmp_path):
     with pytest.raises(ConfigError, match="domain"):
         save_hf(model, tmp_path / "out", "hf-difftx")
     assert not (tmp_path / "out").exists()
+
+
+def test_force_refuses_a_dst_that_holds_the_source(capsys, llama_dir, tmp_path):
+    """--force over a model directory that holds SRC (a difftx copy kept inside the Hugging Face directory it came
+    from) converted, then replaced DST as a whole: the source was deleted with it.  Now one line, nothing changed."""
+    model, dst = llama_dir
+    difftx.save_model(model, dst / "dx")
+    before = sorted(p.relative_to(dst) for p in dst.rglob("*"))
+    rc, _, err = run_main(capsys, dst / "dx", dst, "--to", "hf-llama", "--force")
+    _one_error_line(rc, err, "holds the source", "--force", "pick another DST")
+    assert sorted(p.relative_to(dst) for p in dst.rglob("*")) == before
+    assert difftx.load_model(dst / "dx") is not None
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

@@ -178,6 +178,9 @@ def run(args) -> int:
         raise DifftxError(f"{dst}: directory is not empty; pick a new one or pass --force to overwrite")
     if dst.exists() and dst.resolve() == src.resolve():
         raise DifftxError(f"{dst}: the destination is the source; pick another directory")
+    if args.force and dst.is_dir() and dst.resolve() in src.resolve().parents:
+        raise DifftxError(f"{dst}: holds the source {src}, and --force replaces DST as a whole, which would delete "
+                          "the source; pick another DST (nothing was changed)")
     detected = detect_format(src)
     if args.verify and detected == "unilm":  # before anything is written
         raise DifftxError("--verify compares whole models; unilm files hold attention modules (drop --verify)")
