@@ -324,3 +324,17 @@ def test_weights_are_read_from_the_file_transformers_reads(tmp_path, stale):
         assert max_diff(difftx.load_model(hf)(x).logits, ref) < TOL
         convert(hf, tmp_path / "dx")
         assert max_diff(difftx.load_model(tmp_path / "dx")(x).logits, ref) < TOL
+
+
+def test_a_diffllama_lambda_std_dev_of_zero_survives_hf_to_difftx_to_hf(tmp_path):
+    """lambda_std_dev 0.0 (lambda vectors initialised to zero) was read with `or 0.1`, so the difftx config and the
+    Hugging Face config written back from it said 0.1."""
+    import json
+
+    hf = hf_llama("diffllama", heads=4, kv=2, eps=1e-5)
+    hf.config.lambda_std_dev = 0.0
+    hf.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "dx")
+    assert difftx.load_model(tmp_path / "dx").config.lambda_std == 0.0
+    convert(tmp_path / "dx", tmp_path / "hf2", dst_format="hf-diffllama")
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["lambda_std_dev"] == 0.0

@@ -103,9 +103,10 @@ def _llama_like_config(hf: dict, src: str, diff: bool) -> ModelConfig:
         if heads % 2 or kv % 2:
             raise CheckpointError(f"{src}: DiffLlama needs even num_attention_heads and num_key_value_heads; "
                                   f"got {heads} and {kv}")
+        std = hf.get("lambda_std_dev")  # 0.0 is a value (lambdas initialised to 0), not a missing one
         fields.update(attention="diff", n_heads=heads // 2, n_kv_heads=kv // 2, pairing="halves",
                       head_norm=True, head_norm_weight=False, head_norm_eps=fields["norm_eps"],
-                      lambda_init="schedule", lambda_std=number("lambda_std_dev", hf.get("lambda_std_dev") or 0.1))
+                      lambda_init="schedule", lambda_std=number("lambda_std_dev", 0.1 if std is None else std))
     try:
         return ModelConfig(**fields)
     except ConfigError as e:
