@@ -338,3 +338,27 @@ def test_a_diffllama_lambda_std_dev_of_zero_survives_hf_to_difftx_to_hf(tmp_path
     assert difftx.load_model(tmp_path / "dx").config.lambda_std == 0.0
     convert(tmp_path / "dx", tmp_path / "hf2", dst_format="hf-diffllama")
     assert json.loads((tmp_path / "hf2" / "config.json").read_text())["lambda_std_dev"] == 0.0
+
+
+def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(tmp_path):
+    """A config holding rope_parameters and a rope_scaling (the older name, added by hand to extend the context):
+    transformers uses rope_scaling, and difftx read rope_parameters, so a linear scaling was converted as plain RoPE
+    and another theta ignored, the logits off without a word."""
+    import json
+
+    from transformers import LlamaForCausalLM
+
+    hf_llama("llama").save_pretrained(tmp_path / "hf")
+    cfg_path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    assert cfg["rope_parameters"]["rope_theta"] == 500.0
+    cfg["rope_scaling"] = {"rope_type": "default", "rope_theta": 10000.0}
+    cfg_path.write_text(json.dumps(cfg))
+    x = tokens(97)
+    with torch.no_grad():
+        ref = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()(x).logits
+        assert max_diff(difftx.load_model(tmp_path / "hf")(x).logits, ref) < TOL
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="RoPE scaling 'linear' is not supported"):
+        difftx.load_model(tmp_path / "hf")

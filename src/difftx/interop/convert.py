@@ -75,7 +75,7 @@ def _llama_like_config(hf: dict, src: str, diff: bool) -> ModelConfig:
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise CheckpointError(f"{src}: hidden_act={act!r} is not supported; difftx's SwiGLU uses silu")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}  # transformers takes rope_scaling first
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if rope_type != "default":
         raise CheckpointError(f"{src}: RoPE scaling {rope_type!r} is not supported by difftx (only plain RoPE)")
