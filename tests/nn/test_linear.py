@@ -499,6 +499,38 @@ def test_dot_kernels_bitwise_the_same_on_one_and_two_threads():
 
 
 @needs_dot_linear
+@pytest.mark.parametrize("m,k,n", [(256, 64, 96), (64, 48, 80), (32, 16, 16), (96, 176, 48)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dot_kernels_pack_a_and_a_packed_operand(m, k, n, threads):
+    """dot_mm's pack_a writes pack_rows(a) bit for bit beside the same product (one row block shared by two
+    threads' column blocks included), and dot_mm_t on that packed operand (dY^T X with no transpose of dY) gives
+    the bits of the product on the transposed copy, within float32 summation error of the float64 product."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(m + k + n)
+        a = torch.randn(m, k, generator=g).bfloat16()
+        bp = native.pack_wt(torch.randn(n, k, generator=g))
+        plain, out = torch.empty(m, n, dtype=torch.bfloat16), torch.empty(m, n, dtype=torch.bfloat16)
+        pa = torch.full((native.packed_rows_numel(m, k),), float("nan"), dtype=torch.bfloat16)
+        assert native.dot_mm(a, bp, n, plain) and native.dot_mm(a, bp, n, out, pack_a=pa)
+        assert torch.equal(out, plain) and torch.equal(pa, native.pack_rows(a, m))
+        x = torch.randn(m, n, generator=g).bfloat16()  # the other operand over the same m rows
+        xp = native.pack_rows(x, m)
+        for dtype in (torch.float32, torch.bfloat16):
+            dw, ref = torch.empty(k, n, dtype=dtype), torch.empty(k, n, dtype=dtype)
+            assert native.dot_mm_t(pa, m, k, xp, n, dw)
+            assert native.dot_mm(a.t().contiguous(), xp, n, ref)
+            assert torch.equal(dw, ref)
+        bound = m * 2.0 ** -23 * (a.double().abs().t() @ x.double().abs())
+        dw = torch.empty(k, n)
+        assert native.dot_mm_t(pa, m, k, xp, n, dw)
+        assert ((dw.double() - a.double().t() @ x.double()).abs() <= bound).all()
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_dot_linear
 def test_dot_kernels_decline_what_they_do_not_take():
     assert native.pack_wt(torch.randn(40, 64)) is None  # rows not a multiple of 16
     assert native.pack_wt(torch.randn(64, 40)) is None
@@ -514,6 +546,16 @@ def test_dot_kernels_decline_what_they_do_not_take():
     assert not native.dot_mm(x, bp, 32, torch.empty(8, 32))  # bp for another n
     assert not native.dot_mm(x, bp, 64, torch.empty(8, 64), add=torch.zeros(8, 64))  # float32 out: add must be out
     assert not native.dot_mm(x, bp, 64, torch.empty(8, 64, dtype=torch.float16))
+    pa = torch.empty(native.packed_rows_numel(8, 64), dtype=torch.bfloat16)
+    assert not native.dot_mm(x, bp, 64, torch.empty(8, 64), pack_a=pa)  # 8 rows: not whole 32-row tiles
+    x32, pa = torch.randn(32, 64).bfloat16(), torch.empty(native.packed_rows_numel(32, 64), dtype=torch.bfloat16)
+    assert not native.dot_mm(x32, bp, 64, torch.empty(32, 64), pack_a=pa[1:])  # a buffer of the wrong size
+    yp, xp = native.pack_rows(torch.randn(48, 64), 48), native.pack_rows(torch.randn(48, 32), 48)
+    assert not native.dot_mm_t(yp, 48, 64, xp, 32, torch.empty(64, 32))  # 48 rows: not whole 32-row tiles
+    yp, xp = native.pack_rows(torch.randn(64, 64), 64), native.pack_rows(torch.randn(64, 32), 64)
+    assert native.dot_mm_t(yp, 64, 64, xp, 32, torch.empty(64, 32))
+    assert not native.dot_mm_t(yp, 64, 64, xp, 32, torch.empty(32, 64))  # out of the wrong shape
+    assert not native.dot_mm_t(yp, 64, 64, xp[16:], 32, torch.empty(64, 32))  # B packed for other rows
 
 
 @needs_dot_linear
@@ -523,15 +565,18 @@ def test_dot_path_is_taken_and_matches_torch(tokens, widths, d_in, monkeypatch):
     """On a CPU with AVX512-BF16 and without AMX, bf16 training calls whose widths are multiples of 16 run
     _DotLinear, and a width that is not falls back to _Linear (torch's GEMMs); both as close to float64 as
     torch's own path."""
-    calls = []
-    real = native.dot_mm
+    calls, wcalls = [], []
+    real, real_t = native.dot_mm, native.dot_mm_t
     monkeypatch.setattr(native, "dot_mm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(native, "dot_mm_t", lambda *a, **k: wcalls.append(a[1:3]) or real_t(*a, **k))
     layers = _layers(widths, d_in, True)
     x = torch.randn(tokens, d_in)
     ys, g = _ours(x, layers, autocast=True)
     assert ys[0].grad_fn.name().startswith("_DotLinear")
     n_fwd = 3
-    assert len(calls) >= n_fwd + 3 + (3 if tokens % 32 == 0 else 0)
+    assert len(calls) >= n_fwd + 3
+    # the weight gradients: on dY packed by the dx products (no transpose of dY), or torch's GEMM at 50 tokens
+    assert len(wcalls) == (3 if tokens % 32 == 0 else 0)
     ys_ref, g_ref = _reference(x, layers, torch.bfloat16, autocast=True)
     for a, b in zip(ys, ys_ref):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b)
@@ -542,9 +587,10 @@ def test_dot_path_is_taken_and_matches_torch(tokens, widths, d_in, monkeypatch):
         err_ref = ((b.double() - e).norm() / e.norm()).item()
         assert err <= 1.25 * err_ref + 1e-4, (err, err_ref)
     calls.clear()
+    wcalls.clear()
     odd = _layers([40], d_in, False)  # 40 rows: not a multiple of 16
     ys, _ = _ours(x, odd, autocast=True)
-    assert ys[0].grad_fn.name().startswith("_Linear") and not calls
+    assert ys[0].grad_fn.name().startswith("_Linear") and not calls and not wcalls
 
 
 @needs_dot_linear

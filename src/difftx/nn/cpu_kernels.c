@@ -1337,7 +1337,9 @@ int difftx_amx(void) { return 0; }
 /* The register block of the bf16 products without AMX: rows [0, mr) (mr <= 8) of C (16 nv columns, nv 1 or 2) =
  * A rows (lda) x the strip pair at b0 (strips kstride tiles apart; strip 0 alone when nv is 1), over the first kt
  * tiles of the contraction, then, with half, the first 8 pair rows (16 values) of tile kt; A's pairs broadcast
- * against packed rows (vdpbf16ps: acc += a0 b0 + a1 b1 per float32 lane), 8 nv float32 accumulators.
+ * against packed rows (vdpbf16ps: acc += a0 b0 + a1 b1 per float32 lane), 8 nv float32 accumulators.  Pair p of
+ * A's row m is at a + m lda + p ps: ps 2 for row-major A, 32 for A^T packed as a B operand (pack_bn's layout,
+ * where a row's pairs are 32 elements apart; callers pass ps as a constant).
  * Epilogue: + bias[0:16 nv] (float32) when given; then into cb (bf16, nearest-even) when given, else cf
  * (float32).  acc: the sums start from cf's values. */
 #define DOT_STEP(KK, R)                                                                            \
@@ -1347,14 +1349,14 @@ int difftx_amx(void) { return 0; }
         DIFFTX_UNROLL                                                                              \
         for (int m = 0; m < mr; m++) {                                                             \
             int32_t pair;                                                                          \
-            memcpy(&pair, a + m * lda + (KK) * 32 + 2 * (R), 4);                                   \
+            memcpy(&pair, a + m * lda + ((KK) * 16 + (R)) * ps, 4);                                \
             const __m512bh u = (__m512bh)_mm512_set1_epi32(pair);                                  \
             c0[m] = _mm512_dpbf16_ps(c0[m], u, v0);                                                \
             if (nv == 2) c1[m] = _mm512_dpbf16_ps(c1[m], u, v1);                                   \
         }                                                                                          \
     } while (0)
 
-static inline __attribute__((always_inline)) void dot_block(int mr, int nv, const uint16_t *a, int64_t lda,
+static inline __attribute__((always_inline)) void dot_block(int mr, int nv, const uint16_t *a, int64_t lda, int ps,
                                                             const uint16_t *b0, int64_t kstride, int64_t kt, int half,
                                                             float *cf, int64_t ldc, int acc, uint16_t *cb,
                                                             int64_t ldb, const float *bias) {
@@ -1399,7 +1401,7 @@ static void dot_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t
         for (int64_t j = 0; j < n_end; j += 32) {
             const uint16_t *b0 = Bp + (j / 16) * kt * TILE;
             for (int64_t ii = i; ii < i + 32; ii += DOT_MR)
-                dot_block(DOT_MR, 2, A + ii * lda, lda, b0, kt, kk_end, 0, C + ii * ldc + j, ldc, acc, NULL, 0, NULL);
+                dot_block(DOT_MR, 2, A + ii * lda, lda, 2, b0, kt, kk_end, 0, C + ii * ldc + j, ldc, acc, NULL, 0, NULL);
         }
     }
 }
@@ -1925,10 +1927,21 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
  * tiles, the last one half used when K is an odd multiple of 16), N and K multiples of 16, into cb (bf16, ldb) or
  * cf (float32, ldc; acc: +=), + bias (float32, N) when given.  Threads take blocks of LIN_IB rows (of column
  * pairs when there are fewer row blocks than threads); each column strip pair is read once per block, its
- * rows 8 at a time; an odd last strip alone. */
+ * rows 8 at a time; an odd last strip alone.
+ *
+ * A weight gradient's two operands both run over the tokens: dW = dY^T X needs dY^T's token pairs side by side
+ * and X packed along the tokens.  Two options spare the passes that made them (a transpose of dY, a pack of X,
+ * each reading its whole tensor back from memory):
+ * - pack_a (row-major A only; M a multiple of 32): the call also writes A packed as a B operand for a product
+ *   over its rows (difftx_pack_rows(A, M)'s layout), each block of rows packed by the thread that multiplies
+ *   it, while they are in its cache.  The forward's x and the dx product's dY come out packed this way.
+ * - a_packed: A is such a packed operand of a matrix Y (K rows, a multiple of 32, of M columns) and the
+ *   product is Y^T B: row m of A is Y's column m, whose token pairs sit 32 elements apart (lda is ignored). */
 int difftx_dot_linear(const uint16_t *A, int64_t lda, int64_t M, const uint16_t *Bp, int64_t K, int64_t N,
-                      float *cf, int64_t ldc, int acc, uint16_t *cb, int64_t ldb, const float *bias, int nthreads) {
+                      float *cf, int64_t ldc, int acc, uint16_t *cb, int64_t ldb, const float *bias, int a_packed,
+                      uint16_t *pack_a, int nthreads) {
     if (N % 16 || K % 16 || K < 16 || N < 16 || (!cf && !cb)) return 0;
+    if ((a_packed && (K % 32 || M % 16 || pack_a)) || (pack_a && M % 32)) return 0;
     const int64_t kt = K / 32, half = K % 32 != 0, kst = kt + half, pairs = (N + 31) / 32;
     const int64_t rb = (M + LIN_IB - 1) / LIN_IB;
     const int64_t cbs = rb >= nthreads ? 1 : pairs; /* column blocks: strip pairs split when rows are too few */
@@ -1938,28 +1951,36 @@ int difftx_dot_linear(const uint16_t *A, int64_t lda, int64_t M, const uint16_t 
         for (int64_t jb = 0; jb < cbs; jb++) {
             const int64_t i1 = (ib + 1) * LIN_IB < M ? (ib + 1) * LIN_IB : M;
             const int64_t p1 = (jb + 1) * per < pairs ? (jb + 1) * per : pairs;
+            if (pack_a && jb == 0) /* this block's rows, whole 32-row tiles (LIN_IB is a multiple of 32) */
+                for (int64_t kk = ib * LIN_IB / 32; kk < i1 / 32; kk++) pack_bn_tile(A, 0, lda, M, M / 32, kk, K, pack_a);
             for (int64_t j = jb * per * 32; j < p1 * 32; j += 32) {
                 const uint16_t *b0 = Bp + (j / 16) * kst * TILE;
                 const float *bj = bias ? bias + j : NULL;
                 const int two = N - j >= 32;
                 for (int64_t i = ib * LIN_IB; i < i1; i += LIN_MR) {
-                    const uint16_t *a = A + i * lda;
+                    /* packed A: rows i .. i + 7 lie in one 16-column strip of Y, 2 elements apart */
+                    const uint16_t *a = a_packed ? A + (i / 16) * kt * TILE + (i % 16) * 2 : A + i * lda;
                     float *c = cf ? cf + i * ldc + j : NULL;
                     uint16_t *o = cb ? cb + i * ldb + j : NULL;
-#define LIN_CASE(MR)                                                                  \
-    case MR:                                                                          \
-        if (two) dot_block(MR, 2, a, lda, b0, kst, kt, half, c, ldc, acc, o, ldb, bj); \
-        else dot_block(MR, 1, a, lda, b0, kst, kt, half, c, ldc, acc, o, ldb, bj);     \
+#define LIN_CASE(MR)                                                                          \
+    case MR:                                                                                  \
+        if (two) dot_block(MR, 2, a, lda, 2, b0, kst, kt, half, c, ldc, acc, o, ldb, bj);      \
+        else dot_block(MR, 1, a, lda, 2, b0, kst, kt, half, c, ldc, acc, o, ldb, bj);          \
         break;
-                    switch (i1 - i < LIN_MR ? i1 - i : LIN_MR) { /* constant counts keep the block in registers */
-                        LIN_CASE(8)
-                        LIN_CASE(7)
-                        LIN_CASE(6)
-                        LIN_CASE(5)
-                        LIN_CASE(4)
-                        LIN_CASE(3)
-                        LIN_CASE(2)
-                        default: LIN_CASE(1)
+                    if (a_packed) { /* M a multiple of 16: whole blocks of 8 rows */
+                        if (two) dot_block(LIN_MR, 2, a, 2, 32, b0, kst, kt, half, c, ldc, acc, o, ldb, bj);
+                        else dot_block(LIN_MR, 1, a, 2, 32, b0, kst, kt, half, c, ldc, acc, o, ldb, bj);
+                    } else {
+                        switch (i1 - i < LIN_MR ? i1 - i : LIN_MR) { /* constant counts keep the block in registers */
+                            LIN_CASE(8)
+                            LIN_CASE(7)
+                            LIN_CASE(6)
+                            LIN_CASE(5)
+                            LIN_CASE(4)
+                            LIN_CASE(3)
+                            LIN_CASE(2)
+                            default: LIN_CASE(1)
+                        }
                     }
 #undef LIN_CASE
                 }
@@ -1993,7 +2014,8 @@ int difftx_pack_rows(const void *x, int x_f32, int64_t ldx, int64_t n, int64_t n
 #undef LIN_IB
 #else
 int difftx_dot_linear(const uint16_t *A, int64_t lda, int64_t M, const uint16_t *Bp, int64_t kt, int64_t N,
-                      float *cf, int64_t ldc, int acc, uint16_t *cb, int64_t ldb, const float *bias, int nthreads) {
+                      float *cf, int64_t ldc, int acc, uint16_t *cb, int64_t ldb, const float *bias, int a_packed,
+                      uint16_t *pack_a, int nthreads) {
     return 0;
 }
 int difftx_pack_wt(const void *w, int w_f32, int64_t ldw, int64_t n, int64_t k, uint16_t *out, int nthreads) {

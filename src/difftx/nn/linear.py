@@ -23,6 +23,10 @@ Three things torch leaves on the table there:
   gradients' products ran 6-14% faster than torch's (oneDNN reads dY^T as a transposed view), the others
   within a few percent either way, and the small preset's bf16 training step 0-6% faster (within that VM's
   noise) with 7% less memory: no bf16 weight copies (``benchmarks/performance/results/amd-zen4/dot-linear/``).
+  A weight gradient's operands both run over the tokens, so each needs its token pairs side by side: x
+  comes out packed that way from the forward product (kept instead of x, the same size) and dY from the dx
+  product, each block packed while the product has it in cache, in place of a transpose of dY and a pack of
+  x that each read the whole tensor back from memory (``results/amd-zen4/session48/``).
 
 Every product is the same GEMM in the same dtype as torch's (bfloat16 with float32 accumulation under
 autocast, float32 otherwise); weight gradients come back in the weight's dtype, as autocast's cast would
@@ -99,27 +103,39 @@ class _DotLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dtype: torch.dtype, n: int, *params):
         x2 = _rows_bf16(x)
+        m, k = x2.shape
+        # The weight gradients' B operand is x packed along the tokens (whole 32-row tiles): the first product
+        # writes it while x's rows are in cache, and it is kept instead of x2 (same size).
+        xp = None
+        if m % 32 == 0 and any(ctx.needs_input_grad[3 + 2 * i] for i in range(n)):
+            xp = torch.empty(native.packed_rows_numel(m, k), dtype=_BF16)
         outs = []
         for i in range(n):
             w, b = params[2 * i], params[2 * i + 1]
-            y = _dot_product(x2, native.pack_wt(w), w.shape[0], b)
+            y = _dot_product(x2, native.pack_wt(w), w.shape[0], b, pack_a=xp if i == 0 else None)
             if y is None:
                 raise RuntimeError("difftx Linear: the bf16 dot-product kernel refused a call it was given")
             outs.append(y.view(*x.shape[:-1], w.shape[0]))
-        ctx.save_for_backward(x2, *(params[2 * i] for i in range(n)))
-        ctx.dtypes = (x.dtype, x.shape, [None if p is None else p.dtype for p in params])
+        ctx.save_for_backward(x2 if xp is None else xp, *(params[2 * i] for i in range(n)))
+        ctx.dtypes = (x.dtype, x.shape, [None if p is None else p.dtype for p in params], (m, k), xp is not None)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *dys):
-        x2, *ws = ctx.saved_tensors
-        x_dtype, x_shape, dtypes = ctx.dtypes
+        xs, *ws = ctx.saved_tensors
+        x_dtype, x_shape, dtypes, (m, k), packed = ctx.dtypes
         n, need = len(ws), ctx.needs_input_grad
         if torch.is_grad_enabled():  # create_graph=True: the kernels' outputs have no graph
             raise RuntimeError("difftx Linear: a second derivative through its bf16 native backward is not "
                                "supported; run this in float32, or set DIFFTX_NATIVE=0 for torch's own path")
-        m, k = x2.shape
         dy2s = [dy.to(_BF16).reshape(m, -1).contiguous() for dy in dys]
+        wanted = [i for i in range(n) if need[3 + 2 * i]]
+        # dY packed along the tokens, the weight gradient's A operand (dY^T's rows): written by the dx product
+        # that reads dY anyway, or packed on its own where dx is not wanted
+        dyps: list = [None] * n
+        if packed and need[0]:
+            for i in wanted:
+                dyps[i] = torch.empty(native.packed_rows_numel(m, dy2s[i].shape[1]), dtype=_BF16)
         grads: list = [None] * (2 * n)
         dx = None
         if need[0]:  # float32 sums across the projections, rounded once into x's dtype
@@ -130,19 +146,19 @@ class _DotLinear(torch.autograd.Function):
                     out = torch.empty(m, k, dtype=_BF16)
                 else:
                     out = sums if sums is not None else torch.empty(m, k, dtype=torch.float32)
-                if not native.dot_mm(dy2, native.pack_rows(w, w.shape[0]), k, out, add=sums):
+                if not native.dot_mm(dy2, native.pack_rows(w, w.shape[0]), k, out, add=sums, pack_a=dyps[i]):
                     raise RuntimeError("difftx Linear: the bf16 dot-product kernel refused a call it was given")
                 sums = out
             dx = sums.view(x_shape).to(x_dtype)
-        wanted = [i for i in range(n) if need[3 + 2 * i]]
-        if wanted:
-            xp = native.pack_rows(x2, m) if m % 32 == 0 else None  # the contraction over tokens: whole tiles
-            for i in wanted:
-                dyt = native.transpose_rows_bf16(dy2s[i]) if xp is not None else None
+        for i in wanted:
+            if packed:
+                dyp = dyps[i] if need[0] else native.pack_rows(dy2s[i], m)
                 dw = torch.empty(ws[i].shape, dtype=dtypes[2 * i])
-                if dyt is None or not native.dot_mm(dyt, xp, k, dw):
-                    dw = (dy2s[i].t() @ x2).to(dtypes[2 * i])  # rows not a multiple of 32: torch's GEMM
-                grads[2 * i] = dw
+                if dyp is None or not native.dot_mm_t(dyp, m, dy2s[i].shape[1], xs, k, dw):
+                    raise RuntimeError("difftx Linear: the bf16 dot-product kernel refused a call it was given")
+            else:  # rows not a multiple of 32: torch's GEMM
+                dw = (dy2s[i].t() @ xs).to(dtypes[2 * i])
+            grads[2 * i] = dw
         for i in range(n):
             if dtypes[2 * i + 1] is not None and need[4 + 2 * i]:
                 grads[2 * i + 1] = dy2s[i].sum(0, dtype=torch.float32).to(dtypes[2 * i + 1])
@@ -155,12 +171,14 @@ def _rows_bf16(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
-def _dot_product(x2: torch.Tensor, bp: Optional[torch.Tensor], n: int, bias: Optional[torch.Tensor]):
+def _dot_product(x2: torch.Tensor, bp: Optional[torch.Tensor], n: int, bias: Optional[torch.Tensor],
+                 pack_a: Optional[torch.Tensor] = None):
     """x2 @ B (+ bias rounded to bf16) in bfloat16 (float32 sums, one rounding) for B packed by
-    :func:`difftx.nn.native.pack_wt` (``bp``; n columns), or None where the kernel refuses it."""
+    :func:`difftx.nn.native.pack_wt` (``bp``; n columns), or None where the kernel refuses it; ``pack_a``:
+    x2 packed along its rows there too (:func:`difftx.nn.native.dot_mm`)."""
     y = torch.empty(x2.shape[0], n, dtype=_BF16)
     b = None if bias is None else bias.detach().to(_BF16).float().contiguous()
-    return y if bp is not None and native.dot_mm(x2, bp, n, y, bias=b) else None
+    return y if bp is not None and native.dot_mm(x2, bp, n, y, bias=b, pack_a=pack_a) else None
 
 
 def _dot_ok(x: torch.Tensor, modules) -> bool:

@@ -236,7 +236,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_transpose_bf16.restype = i
     lib.difftx_transpose_bf16_f32.argtypes = [p, i64, i64, i64, p, i64, i]
     lib.difftx_transpose_bf16_f32.restype = i
-    lib.difftx_dot_linear.argtypes = [p, i64, i64, p, i64, i64, p, i64, i, p, i64, p, i]
+    lib.difftx_dot_linear.argtypes = [p, i64, i64, p, i64, i64, p, i64, i, p, i64, p, i, p, i]
     lib.difftx_dot_linear.restype = i
     lib.difftx_pack_wt.argtypes = [p, i, i64, i64, i64, p, i]
     lib.difftx_pack_wt.restype = i
@@ -522,13 +522,15 @@ def transpose_rows_bf16(x: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def dot_mm(a: torch.Tensor, bp: torch.Tensor, n: int, out: torch.Tensor, add: Optional[torch.Tensor] = None,
-           bias: Optional[torch.Tensor] = None) -> bool:
+           bias: Optional[torch.Tensor] = None, pack_a: Optional[torch.Tensor] = None) -> bool:
     """out (m, n) = a (m, k) @ B (+ ``add``, float32 (m, n), when given: ``out`` itself, or a float32 tensor
     beside a bfloat16 ``out``; +
     ``bias``, float32 (n,), when given), B packed by :func:`pack_wt` or :func:`pack_rows` for this k (``bp``);
     ``a`` bfloat16 with a unit column stride, k and n multiples of 16; ``out`` contiguous, bfloat16 (rounded
-    nearest-even from the float32 sums) or float32.  False where the kernel does not take it (nothing
-    written)."""
+    nearest-even from the float32 sums) or float32.  ``pack_a`` (bfloat16, :func:`packed_rows_numel` (m, k)
+    elements; m a multiple of 32): the same call also writes ``pack_rows(a, m)`` there, each block of a's rows
+    packed while it is in cache (for a later product over a's rows: :func:`dot_mm_t`).  False where the kernel
+    does not take it (nothing written)."""
     m, k = a.shape
     f32 = out.dtype == torch.float32
     if (a.dtype != torch.bfloat16 or a.stride(1) != 1 or not k or not n or k % 16 or n % 16
@@ -537,13 +539,38 @@ def dot_mm(a: torch.Tensor, bp: torch.Tensor, n: int, out: torch.Tensor, add: Op
             or not dot_linear()
             or (add is not None and (add.dtype != torch.float32 or add.shape != (m, n) or not add.is_contiguous()
                                      or (f32 and add is not out)))
-            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()))):
+            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()))
+            or (pack_a is not None and (m % 32 or pack_a.dtype != torch.bfloat16 or not pack_a.is_contiguous()
+                                        or pack_a.numel() != _packed_numel(m, k)))):
         return False
     acc = add if add is not None else (out if f32 else None)
     return bool(library().difftx_dot_linear(
         a.data_ptr(), a.stride(0), m, bp.data_ptr(), k, n, None if acc is None else acc.data_ptr(), n,
         int(add is not None), None if f32 else out.data_ptr(), n, None if bias is None else bias.data_ptr(),
-        torch.get_num_threads()))
+        0, None if pack_a is None else pack_a.data_ptr(), torch.get_num_threads()))
+
+
+def packed_rows_numel(rows: int, cols: int) -> int:
+    """Elements of ``pack_rows(x, rows)`` for an x of ``cols`` columns (the buffer :func:`dot_mm`'s ``pack_a``
+    fills)."""
+    return _packed_numel(rows, cols)
+
+
+def dot_mm_t(ap: torch.Tensor, rows: int, cols: int, bp: torch.Tensor, n: int, out: torch.Tensor) -> bool:
+    """out (cols, n) = Y^T @ B for Y (``rows`` x ``cols``) given packed as ``ap`` (:func:`pack_rows` (Y, rows), or
+    :func:`dot_mm`'s ``pack_a``; rows a multiple of 32, cols of 16) and B packed for a product over ``rows``
+    (:func:`pack_rows` of X: a weight gradient dY^T X with no transpose of dY).  ``out`` contiguous, float32 or
+    bfloat16 (rounded nearest-even from the float32 sums); False where the kernel does not take it."""
+    if (ap.dtype != torch.bfloat16 or bp.dtype != torch.bfloat16 or rows % 32 or cols % 16 or n % 16 or not n
+            or not rows or not cols or ap.numel() != _packed_numel(rows, cols) or bp.numel() != _packed_numel(rows, n)
+            or not ap.is_contiguous() or not bp.is_contiguous()
+            or out.shape != (cols, n) or not out.is_contiguous() or out.dtype not in (torch.float32, torch.bfloat16)
+            or not dot_linear()):
+        return False
+    f32 = out.dtype == torch.float32
+    return bool(library().difftx_dot_linear(
+        ap.data_ptr(), 2, cols, bp.data_ptr(), rows, n, out.data_ptr() if f32 else None, n, 0,
+        None if f32 else out.data_ptr(), n, None, 1, None, torch.get_num_threads()))
 
 
 def transpose_bf16(x: torch.Tensor, pad: int = 0, dtype: torch.dtype = torch.bfloat16) -> Optional[torch.Tensor]:
