@@ -46,6 +46,26 @@ def test_batched_left_padding_equals_single_rows(attention):
         assert torch.equal(batched[i, width:], single[0, len(r):])
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("attention", ["softmax", "diff", "diff2"])
+def test_batched_right_padding_equals_single_rows(attention, use_cache):
+    """Right-padded prompts: each row continues from its own last token (not from the padding after it), its new
+    tokens following its padding, which the cache and positions skip: the tokens of the row generated alone."""
+    model = model_for(attention)
+    torch.manual_seed(1)
+    rows = [torch.randint(1, 53, (n,)) for n in (3, 7, 5, 1)]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(4, width, dtype=torch.long)
+    mask = torch.zeros(4, width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+        mask[i, :len(r)] = 1
+    batched = model.generate(ids, max_new_tokens=6, temperature=0, attention_mask=mask, use_cache=use_cache)
+    for i, r in enumerate(rows):
+        single = model.generate(r[None], max_new_tokens=6, temperature=0)
+        assert torch.equal(batched[i, width:], single[0, len(r):]), i
+
+
 def test_sampling_filters():
     logits = torch.tensor([[0.0, 5.0, 4.9, -1.0, 3.0]])
     g = torch.Generator().manual_seed(0)

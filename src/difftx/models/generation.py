@@ -47,8 +47,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, temperatu
 
     ``temperature=0`` (or ``do_sample=False``) is greedy.  For a batch of
     prompts of different lengths, left-pad them and pass ``attention_mask``
-    (1 = token).  A row that emits one of ``stop_tokens`` is finished: later
-    positions hold ``pad_token_id``; decoding ends when every row is finished.
+    (1 = token); right padding works too (a row continues from its own last
+    token, and its new tokens follow its padding).  A row that emits one of
+    ``stop_tokens`` is finished: later positions hold ``pad_token_id``;
+    decoding ends when every row is finished.
     Returns (B, N + generated).
     """
     cfg = model.config
@@ -76,7 +78,11 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, temperatu
     try:
         mask = None if attention_mask is None else attention_mask.to(input_ids.device).long()
         cache = model.new_cache(b, n + max_new_tokens) if use_cache else None
-        logits = model.head(model.features(input_ids, mask, cache=cache)[:, -1])  # the prompt's last logits only
+        hidden = model.features(input_ids, mask, cache=cache)
+        last = n - 1  # the prompt's last logits only: each row's last token (before its padding if right-padded)
+        if mask is not None:
+            last = n - 1 - (mask != 0).long().flip(-1).argmax(-1)
+        logits = model.head(hidden[torch.arange(b, device=hidden.device), last])
         out = [input_ids]
         finished = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
         for step in range(max_new_tokens):
