@@ -372,3 +372,24 @@ def test_a_cache_for_another_batch_size_is_refused(attention, positions):
     direct = KVCache(1, 3, 8)  # an attention module's own writes are checked too
     with pytest.raises(ValueError, match="made for 3 sequences.*layer 1 gave K/V for a batch of 1"):
         direct.update(0, torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8))
+
+
+@pytest.mark.parametrize("attention", KINDS)
+def test_a_filled_cache_refuses_keys_of_another_model_or_dtype(attention):
+    """Continuing a filled cache with K/V that do not fit its buffers (another model's: fewer K/V heads; or the
+    model moved to another dtype since the prefill) is one ValueError naming the layer and saying to reset the cache,
+    with nothing written; the write used to broadcast (one K/V head into the buffers of two: silently wrong logits)
+    or cast, then fail inside a kernel.  After reset() the same cache decodes the other model as a fresh one."""
+    torch.manual_seed(0)
+    model = build_model(tiny(attention, n_kv_heads=2)).eval()
+    x = torch.randint(0, 61, (2, 8))
+    with torch.no_grad():
+        for then in (build_model(tiny(attention, n_kv_heads=1)).eval(),
+                     build_model(tiny(attention, n_kv_heads=2)).double().eval()):
+            cache = model.new_cache(2, 12)
+            model(x[:, :6], cache=cache)
+            with pytest.raises(ValueError, match=r"KV cache layer 1 holds K .* do not fit.*call cache\.reset\(\)"):
+                then(x[:, 6:7], cache=cache)
+            assert cache.length == 6
+            cache.reset()
+            assert (then(x, cache=cache).logits - then(x).logits).abs().max() < 1e-5

@@ -73,6 +73,13 @@ class KVCache:
             dtype = k.dtype
             self.k[layer] = torch.zeros(k.shape[0], k.shape[1], self.max_len, k.shape[3], dtype=dtype, device=k.device)
             self.v[layer] = torch.zeros(v.shape[0], v.shape[1], self.max_len, v.shape[3], dtype=dtype, device=v.device)
+        elif not (_fits(self.k[layer], k) and _fits(self.v[layer], v)):
+            # else the write broadcasts (fewer heads) or casts into buffers made for other K/V: silently wrong keys
+            kb, vb = self.k[layer], self.v[layer]
+            raise ValueError(f"KV cache layer {layer + 1} holds K {tuple(kb.shape)} and V {tuple(vb.shape)} "
+                             f"({kb.dtype}, {kb.device}), which this step's K {tuple(k.shape)} and V "
+                             f"{tuple(v.shape)} ({k.dtype}, {k.device}) do not fit: the cache was filled by another "
+                             "model, or before the model changed dtype or device; call cache.reset() and prefill again")
         self.k[layer][:, :, self.length:end] = k
         self.v[layer][:, :, self.length:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
