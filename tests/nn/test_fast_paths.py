@@ -437,6 +437,28 @@ def test_lambda_is_fresh_outside_a_generation():
         assert attn._lambda().requires_grad  # training never sees a memoised value
 
 
+def test_decoding_after_a_prefill_with_gradients_into_a_reset_cache_sees_the_new_lambda():
+    """The lambda memoised for a cache's earlier generation is not reused by its next one: a prefill into the reset
+    cache with autograd on (lambda computed afresh, not memoised) used to leave the old memo in place, so the
+    following no-grad decoding steps read the lambda of the weights before their change."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(attention="diff", d_model=32, n_heads=2, n_layers=2, vocab_size=20)
+    model = build_model(cfg).eval()
+    ids = torch.randint(0, 20, (1, 8))
+    cache = model.new_cache(1, 8)
+    with torch.no_grad():
+        model(ids[:, :6], cache=cache)
+        model(ids[:, 6:7], cache=cache)  # decoding: lambda memoised for this cache
+        for layer in model.layers:
+            layer.attn.lambda_q1.add_(0.5)
+        ref = model(ids).logits[:, -1]
+    cache.reset()
+    model(ids[:, :7], cache=cache)  # a prefill with autograd on
+    with torch.no_grad():
+        step = model(ids[:, 7:], cache=cache).logits[:, -1]
+    assert (step - ref).abs().max() < 1e-5
+
+
 def test_evaluation_after_a_fused_adamw_step_sees_the_new_lambda():
     """Regression: a version-keyed lambda cache went stale under fused AdamW (no version bumps)."""
     torch.manual_seed(0)

@@ -242,6 +242,8 @@ class DifferentialAttention(AttentionBase):
         in place without bumping them.
         """
         if torch.is_grad_enabled() or cache is None:
+            if cache is not None and not decoding:  # a new generation: a memo of the cache's last one is stale
+                self._lambda_memo = None
             return self.lambda_full()
         memo = getattr(self, "_lambda_memo", None)
         if decoding and memo is not None and memo[0]() is cache:
