@@ -75,3 +75,12 @@ def test_evaluate_attention_reports_every_depth_and_layer():
     assert r["depths"] == [0.0, 1.0] and len(r["table"]["answer"]) == 2
     assert [x["layer"] for x in r["by_layer"]] == [1, 2]
     assert set(r["mean"]) == set(REGION_NAMES)
+
+
+def test_a_depths_samples_do_not_depend_on_the_other_depths_asked_for():
+    """The samples of a depth were drawn from its position in --depths: 50% alone and 50% beside 0% were measured
+    on different needles and haystacks (neither run reproduced the other's 50% column)."""
+    model, text = tiny_model("diff"), haystack_text()
+    alone = evaluate_attention(model, TOK, depths=[0.5], length=160, samples=2, text=text, seed=3)
+    both = evaluate_attention(model, TOK, depths=[0.0, 0.5], length=160, samples=2, text=text, seed=3)
+    assert both["by_depth"][1]["mean"] == alone["by_depth"][0]["mean"]

@@ -296,3 +296,28 @@ def test_niah_task_names_the_flag_its_caller_gives():
     with pytest.raises(ConfigError, match="raise --retrieval-seq-len to 118"):
         get_task("niah")(ByteTokenizer(), 64, 0, template="short", digits=2, needles="1-4",
                          seq_len_flag="--retrieval-seq-len")
+
+
+def test_a_cells_samples_do_not_depend_on_the_other_cells_asked_for(monkeypatch):
+    """A cell's samples were drawn from its positions in --grid, --lengths and --depths, so N2R2 at 256 tokens and
+    50% depth got other needles and haystacks alone than beside N1R1, 300 tokens or 0% (its number could not be
+    reproduced by asking for that cell): they are now a function of (seed, N, R, length, depth, sample)."""
+    drawn = []
+    sample = NiahBuilder.sample
+
+    def recording(self, rng, length, needles, queries, depth=None):
+        s = sample(self, rng, length, needles, queries, depth)
+        drawn.append(((needles, queries, length, depth), tuple(s.ids)))
+        return s
+
+    monkeypatch.setattr(NiahBuilder, "sample", recording)
+    model = tiny_model("softmax")
+
+    def cell(**kw):
+        drawn.clear()
+        evaluate_niah(model, TOK, samples=2, text=haystack_text(), seed=3, generation=False, **kw)
+        return sorted(ids for key, ids in drawn if key == (2, 2, 256, 0.5))
+
+    alone = cell(grid="N2R2", lengths=[256], depths=[0.5])
+    assert len(alone) == 2
+    assert cell(grid="N1R1,N2R2", lengths=[256, 300], depths=[0.0, 0.5]) == alone

@@ -38,7 +38,7 @@ from ..errors import ConfigError
 from ..nn.probe import AttentionProbe
 from .common import (attach, batches, check_count, check_depths, check_seed, hard_limit, map_batch_size, model_device,
                      pad_right, require_memory, rng_for, task_context)
-from .niah import DEPTHS, REGION_NAMES, NiahBuilder, NiahSample
+from .niah import DEPTHS, REGION_NAMES, NiahBuilder, NiahSample, depth_key
 
 NORMALIZATIONS = ("l1", "rowsum", "positive", "none")
 
@@ -160,8 +160,9 @@ def evaluate_attention(model, tokenizer, depths: Sequence[float] = DEPTHS, lengt
     require_memory(model, samples, length, f"{samples:,} sample(s) of {length:,} tokens", "pass a shorter --length "
                    "or fewer --samples")
     by_depth = []
-    for di, d in enumerate(depths):
-        ss = [builder.sample(rng_for(seed, 0xA77, di, k), length, needles, 1, d) for k in range(samples)]
+    for d in depths:  # a depth's samples, whatever other depths are asked for
+        ss = [builder.sample(rng_for(seed, 0xA77, depth_key(d), k), length, needles, 1, d)
+              for k in range(samples)]
         res = allocation(model, ss, normalize, batch_size)
         by_depth.append({"depth": float(d), **res})
         if progress:

@@ -72,6 +72,13 @@ NOISE, ANSWER, ANSWER_NEEDLE, OTHER_NEEDLE, QUERY = 0, 1, 2, 3, 4
 REGION_NAMES = ("noise", "answer", "answer_needle", "other_needles", "query")
 
 
+def depth_key(depth: float) -> int:
+    """A depth as an integer key of :func:`~difftx.evals.common.rng_for` (millionths): samples are drawn from a
+    cell's values, not from its positions in the lists asked for, so a cell run alone draws what it drew beside
+    others (and its number can be reproduced by asking for that cell)."""
+    return int(round(float(depth) * 1_000_000))
+
+
 def parse_grid(spec) -> list[tuple[int, int]]:
     """'N1R1,N2R2' (or [(1, 1), (2, 2)]) -> [(1, 1), (2, 2)]."""
     if not isinstance(spec, str):  # --metric-opt grid=0 or grid=[1] was a TypeError traceback
@@ -346,9 +353,9 @@ def evaluate_niah(model, tokenizer, grid=DEFAULT_GRID, lengths: Optional[Sequenc
     cells, skipped = [], []
     for n, r in grid:  # every cell can be built at all, before any is scored
         builder.check_needles(n, "grid")
-    for ci, (n, r) in enumerate(grid):
+    for n, r in grid:
         need = builder.min_length(n, r)
-        for li, length in enumerate(lengths):
+        for length in lengths:
             if hard is not None and length > hard:
                 skipped.append({"needles": n, "queries": r, "length": length,
                                 "reason": f"longer than max_seq_len={hard} ({model.config.positions} positions)"})
@@ -361,8 +368,8 @@ def evaluate_niah(model, tokenizer, grid=DEFAULT_GRID, lengths: Optional[Sequenc
             require_memory(model, n_built, length, f"{n_built:,} sample(s) of {length:,} tokens", "pass shorter "
                            "--lengths, fewer --samples or fewer --depths")
             try:  # min_length is exact for a byte tokenizer; a BPE tokenizes numbers and cities to varying lengths
-                built = [[builder.sample(rng_for(seed, ci, li, di, k), length, n, r, d) for k in range(samples)]
-                         for di, d in enumerate(depths)]
+                built = [[builder.sample(rng_for(seed, n, r, length, depth_key(d), k), length, n, r, d)
+                          for k in range(samples)] for d in depths]
             except DataError:
                 skipped.append({"needles": n, "queries": r, "length": length,
                                 "reason": f"a drawn sample's needles and queries do not fit in {length} tokens "
