@@ -80,6 +80,7 @@ BAD = [
     (["lm", "--checkpoint", ""], "--checkpoint is empty"),
     (["niah", "--template", "{city} {number} {oops}"], "only '{city}' and '{number}'"),
     (["niah", "--template", "{city} is {number} {"], "only '{city}' and '{number}'"),
+    (["niah", "--grid", "N1R1,N2R2,n1r1"], "'n1r1' given twice"),  # a duplicate row, as --depths 50,50
     # an option the evaluation does not read is refused, not ignored
     (["lm", "--quant-granularity", "row"], "--quant-granularity: sets how --quant-bits"),
     (["quant", "--metric", "mqar", "--bits", "8", "--max-tokens", "64", "--metric-opt", "lengths=[16]",

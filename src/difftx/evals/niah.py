@@ -97,6 +97,8 @@ def parse_grid(spec) -> list[tuple[int, int]]:
             raise ConfigError("grid", f"cell {item!r}: need 1 <= R <= N")
         if n > len(CITIES):
             raise ConfigError("grid", f"cell {item!r}: at most {len(CITIES)} needles")
+        if (n, r) in out:  # a duplicate row of the table, scored twice (as --depths 50,50 is refused)
+            raise ConfigError("grid", f"cell {item.strip()!r} given twice; give each cell once")
         out.append((n, r))
     return out
 
