@@ -69,6 +69,19 @@ def test_derived_fields():
     assert cfg.replace(d_model=512, head_dim=16).head_dim == 16
 
 
+def test_replace_with_a_field_at_its_current_value_keeps_the_derived_ones():
+    """replace(attention=<its own kind>) (from_preset(name, attention=...) of a preset of that kind, difftx info
+    DIR --set attention=...) re-derived head_dim and n_kv_heads: a GQA model with its own head_dim became
+    another model (4 K/V heads of 16 instead of 2 of 8, 2x the attention parameters)."""
+    cfg = ModelConfig(d_model=64, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=100)
+    assert cfg.replace(attention="softmax") == cfg
+    assert cfg.replace(n_heads=4, d_model=64, ffn="swiglu") == cfg
+    diff = ModelConfig(attention="diff", d_model=64, n_heads=2, n_kv_heads=1, head_dim=8)
+    assert diff.replace(attention="diff") == diff
+    assert cfg.replace(attention="diff").head_dim == 8  # a changed kind still re-derives (64 / (2 * 4))
+    assert cfg.replace(n_heads=2).n_kv_heads == 2
+
+
 def test_roundtrip_dict():
     cfg = ModelConfig.from_preset("small", attention="diff", norms="dnt")
     again = ModelConfig.from_dict(cfg.to_dict())

@@ -330,8 +330,11 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         """A copy with ``changes`` applied and re-validated.
 
-        Derived fields (head_dim, n_kv_heads, ffn_dim, norm flags) are re-derived
-        unless given, when the fields they derive from change.
+        Derived fields (head_dim, n_kv_heads, ffn_dim) are re-derived unless given,
+        when the fields they derive from change value: a field given its current
+        value changes nothing (``replace(attention="softmax")`` of a softmax GQA model
+        keeps its K/V heads and head_dim).  The norm flags follow ``norms`` whenever
+        it is given (a study's arm names its whole placement).
         """
         base = self.to_dict()
         derived_from = {
@@ -340,7 +343,7 @@ class ModelConfig:
             "ffn_dim": ("d_model", "ffn", "ffn_multiple_of"),
         }
         for derived, sources in derived_from.items():
-            if derived not in changes and any(s in changes for s in sources):
+            if derived not in changes and any(s in changes and changes[s] != base[s] for s in sources):
                 base[derived] = None
         if "norms" in changes:
             for flag in NORM_FLAGS:
