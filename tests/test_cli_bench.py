@@ -602,3 +602,20 @@ def test_a_peer_that_fails_mid_run_is_left_out_of_the_rest_with_a_warning(tmp_pa
     assert "diff_over_hf_diffllama_train" in res["ratios"] and "diff_over_hf_diffllama_decode" not in res["ratios"]
     assert "hf-diffllama failed in the fp32 decode phase (AttributeError: " in (tmp_path / "bench.md").read_text()
     assert res["arms"]["hf-diffllama"]["failed"]["phase"] == "fp32 decode"
+
+
+def test_arms_are_their_kinds_whatever_the_presets_kind():
+    """A DIFF preset (--preset diff-830m) made the 'transformer' arm the preset itself, a DIFF model, and the
+    'dnt' arm DIFF inside DNT (transformers' Llama peer was built at DIFF's shapes too): every ratio 'over
+    transformer' compared DIFF with itself.  Each arm is now its kind, the preset's matched twin."""
+    from difftx import ModelConfig
+    from difftx.benchmarking.speed import ARMS
+
+    kinds = {"transformer": "softmax", "diff": "diff", "diff2": "diff2", "dnt": "softmax", "diff-dnt": "diff"}
+    for preset in ("diff-830m", "transformer-830m", "small"):
+        for name, overrides in ARMS.items():
+            cfg = ModelConfig.from_preset(preset, **overrides)
+            assert cfg.attention == kinds[name], (preset, name)
+            assert cfg.norms == ("dnt" if "dnt" in name else "S1"), (preset, name)
+    twin = ModelConfig.from_preset("diff-830m", **ARMS["transformer"])
+    assert twin == ModelConfig.from_preset("transformer-830m").replace(preset="diff-830m")

@@ -50,11 +50,11 @@ from ..optim import build_optimizer
 from ..runtime import SLOW_BF16, keep_freed_memory, native_bf16_matmul, resolve_device
 from .memory import peak_live_bytes
 
-ARMS = {  # name -> ModelConfig.from_preset overrides (the matched twins of the preset)
-    "transformer": {},
+ARMS = {  # name -> ModelConfig.from_preset overrides (the matched twins of the preset, whatever its own kind)
+    "transformer": {"attention": "softmax"},
     "diff": {"attention": "diff"},
     "diff2": {"attention": "diff2"},
-    "dnt": {"norms": "dnt"},
+    "dnt": {"attention": "softmax", "norms": "dnt"},
     "diff-dnt": {"attention": "diff", "norms": "dnt"},
 }
 PEERS = {"hf-llama": "transformer", "hf-diffllama": "diff"}  # peer -> the arm whose shapes it copies
