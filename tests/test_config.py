@@ -207,3 +207,24 @@ def test_flops_per_token_by_hand():
         v = ModelConfig(domain="vision", image_size=32, patch_size=4, d_model=64, n_layers=2, n_heads=4,
                         pooling=pooling)
         assert flops_per_token(v) == flops_per_token(v, tokens)
+
+
+@pytest.mark.parametrize("overrides", [dict(d_model=256), dict(ffn="gelu"), dict(d_model=384, n_layers=2)])
+def test_preset_twin_with_other_overrides_is_matched_to_the_overridden_preset(overrides, tmp_path):
+    """from_preset("small", attention="diff2", d_model=256) (difftx train --attention diff2 --d-model 256)
+    twinned the 512-wide preset, then re-derived the FFN for d_model 256 at the baseline's full width: 8% more
+    parameters than from_preset("small", d_model=256).  The twin is now the overridden preset's."""
+    base = ModelConfig.from_preset("small", **overrides)
+    p = count_parameters(base)
+    for kind in ("diff", "diff2"):
+        twin = ModelConfig.from_preset("small", attention=kind, **overrides)
+        assert twin == base.twin(kind)
+        assert abs(count_parameters(twin) - p) / p <= 2e-3, kind
+    # fields in the twin's own terms still apply to the twin: 2 DIFF K/V groups of the 4 DIFF heads
+    assert ModelConfig.from_preset("small", attention="diff", n_kv_heads=2, **overrides).n_kv_heads == 2
+    # difftx info CONFIG.json --set attention=diff2 --set d_model=...: the same twin
+    from difftx.cli.info import resolve_config
+
+    path = tmp_path / "small.json"
+    path.write_text(ModelConfig.from_preset("small").to_json())
+    assert resolve_config(str(path), dict(overrides, attention="diff2")) == base.twin("diff2")

@@ -76,6 +76,10 @@ def lambda_init_for_layer(layer: int, lambda_init: Union[str, float] = "schedule
     return float(lambda_init)
 
 
+# overrides given with an attention kind that are in that kind's own terms (its K/V heads, head and FFN widths, its
+# pairing): from_preset / difftx info apply them to the twin, every other override to the model it is twinned from
+TWIN_OWN_FIELDS = ("n_kv_heads", "head_dim", "ffn_dim", "pairing")
+
 GEMM_MULTIPLE = 8  # FFN widths of DIFF V2 twins: a multiple of this where the parameter count allows
 TWIN_TOLERANCE = 2e-3  # ... within this fraction of the baseline's parameters
 
@@ -425,7 +429,10 @@ class ModelConfig:
 
         Overriding ``attention`` alone converts the preset to its matched twin
         (e.g. ``from_preset("small", attention="diff")`` halves the heads), so
-        parameter counts stay comparable; give ``n_heads`` too to opt out.
+        parameter counts stay comparable; give ``n_heads`` too to opt out.  The
+        twin is that of the preset with the other overrides (``d_model=256``: a
+        DIFF V2 FFN shrunk for that width), except those given in the twin's own
+        terms (:data:`TWIN_OWN_FIELDS`), applied to it.
         """
         from .presets import PRESETS
 
@@ -436,7 +443,16 @@ class ModelConfig:
         cfg = cls.from_dict(dict(PRESETS[name].fields, preset=name))
         attention = overrides.pop("attention", None)
         if attention is not None and attention != cfg.attention and "n_heads" not in overrides:
-            cfg = cfg.twin(attention)
+            cfg, overrides = cfg.twin_with(attention, overrides)
         elif attention is not None:
             overrides["attention"] = attention
         return cfg.replace(**overrides) if overrides else cfg
+
+    def twin_with(self, attention: str, overrides: dict) -> "tuple[ModelConfig, dict]":
+        """(the matched ``attention`` twin of this config with ``overrides`` applied, the overrides still to apply
+        to it): those in the twin's own terms (:data:`TWIN_OWN_FIELDS`).  The others go in first, so the twin
+        is matched to the overridden model: twinning first and then changing ``d_model`` (or ``ffn``) re-derived
+        a DIFF V2 twin's FFN at the baseline's full width (``small`` at d_model 256: 8% more parameters)."""
+        first = {k: v for k, v in overrides.items() if k not in TWIN_OWN_FIELDS}
+        rest = {k: v for k, v in overrides.items() if k in TWIN_OWN_FIELDS}
+        return (self.replace(**first) if first else self).twin(attention), rest

@@ -68,7 +68,7 @@ def resolve_config(name: str, overrides: dict):
         return ModelConfig.from_preset(name, **overrides)
     attention = overrides.pop("attention", None)
     if attention and attention != cfg.attention and "n_heads" not in overrides:
-        cfg = cfg.twin(attention)
+        cfg, overrides = cfg.twin_with(attention, overrides)
     elif attention is not None:  # with n_heads given: the kind as it is (ModelConfig.from_preset does the same)
         overrides["attention"] = attention
     return cfg.replace(**overrides) if overrides else cfg
