@@ -28,6 +28,7 @@ from difftx.presets import PRESETS
     (dict(lambda_init="warm"), "lambda_init"),
     (dict(attention="diff2", pairing="halves"), "pairing"),
     (dict(domain="vision", image_size=30, patch_size=4), "patch_size"),
+    (dict(domain="vision", tie_embeddings=True), "tie_embeddings"),  # was built untied, the flag ignored
     (dict(head_dim=5), "head_dim"),  # odd head dim cannot rotate
     (dict(tie_embeddings="no"), "tie_embeddings"),  # a string is not a flag (and "no" is truthy)
     (dict(bias=1), "bias"),

@@ -289,6 +289,11 @@ class ModelConfig:
                     f"image_size {self.image_size} is not divisible by patch_size {self.patch_size}; "
                     "pick a patch size that divides the image size",
                 )
+            if self.tie_embeddings:  # else accepted and ignored: the classifier has nothing to be tied to
+                raise ConfigError(
+                    "tie_embeddings",
+                    "a vision model has no token embedding to tie its classifier to; set tie_embeddings=false",
+                )
 
     # ------------------------------------------------------------------ derived facts
     @property
