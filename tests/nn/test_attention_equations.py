@@ -139,6 +139,29 @@ def test_flex_takes_one_key_valid_row_for_the_whole_batch(attention, causal):
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.skipif(not flex_available(), reason="FlexAttention is not available in this torch")
+@pytest.mark.parametrize("attention", ["softmax", "diff"])
+def test_compiled_flex_serves_float64_on_the_cpu(attention, monkeypatch):
+    """Inductor's CPU FlexAttention takes float32, float16 and bfloat16 only: a float64 model on the flex backend
+    (compiled, the default) raised a LoweringException at its first forward."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from difftx.nn import backends
+
+    monkeypatch.setattr(backends, "_FLEX", torch.compile(flex_attention, dynamic=False))  # DIFFTX_FLEX_COMPILE=1
+    cfg = ModelConfig(attention=attention, d_model=24, n_heads=2, n_kv_heads=1, head_dim=6, n_layers=2,
+                      positions="none")
+    m = _module(cfg, layer=2)
+    x = torch.randn(2, 5, cfg.d_model, dtype=torch.float64)
+    mask = AttnMask(causal=True, n_q=5, n_k=5, key_valid=torch.tensor([[False, True, True, True, True]] * 2))
+    with torch.no_grad():
+        m.backend = "eager"
+        ref = m(x, None, mask)
+        m.backend = "flex"
+        out = m(x, None, mask)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("head_norm,weight", [(False, False), (True, False)])
 def test_diff_attention_norm_ablations(head_norm, weight):
     """Without the per-head norm (paper's 'without GroupNorm'), and without its learnable weight (DiffLlama)."""

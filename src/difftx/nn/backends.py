@@ -331,9 +331,14 @@ def _flex_fn():
 
 def flex(q, k, v, mask: AttnMask, scale: float) -> torch.Tensor:
     bm = mask.block_mask(q.shape[0], q.device)
+    fn = _flex_fn()
+    if q.device.type == "cpu" and q.dtype == torch.float64:
+        # Inductor's CPU FlexAttention takes float32, float16 and bfloat16 only (a LoweringException otherwise):
+        # float64 runs unfused, which is exact
+        from torch.nn.attention.flex_attention import flex_attention as fn
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        return _flex_fn()(q, k, v, block_mask=bm, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def flex_available() -> bool:
