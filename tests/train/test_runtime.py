@@ -143,3 +143,23 @@ def test_python_and_numpy_rngs_are_seeded_per_run(tmp_path):
     random.random(), np.random.rand()  # what ran between the two runs moved the process's streams
     assert draws(3) == first
     assert draws(4) != first
+
+
+def test_diagnostic_gradient_norms_are_of_the_gradients_grad_norm_measures(tmp_path, corpus, cache):
+    """The per-kind and per-layer gradient norms of a diagnostics row are of the step's gradients before clipping,
+    as its grad_norm is: they were taken after clipping, so with --grad-clip 0.01 they all added up to 0.01 beside
+    a grad_norm of ~3."""
+    import math
+
+    from difftx.train import train
+
+    tcfg, mcfg = tiny(corpus, cache, steps=2, eval_every=0, diag_every=1, grad_clip=0.01)
+    train(tcfg, mcfg.twin("diff"), tmp_path / "run", announce=None)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["grad_norm"] > 0.1, r  # clipping acted
+        by_kind = math.sqrt(sum(v * v for v in r["grad_norms"].values()))
+        assert by_kind == pytest.approx(r["grad_norm"], rel=1e-4), r
+        assert all(0 < v < by_kind for v in r["layer_grad_norms"]), r

@@ -174,6 +174,8 @@ class Trainer:
             loss_sum += loss.detach().double()
         world.all_reduce_sum(loss_sum)
         mean_loss = float(loss_sum) / max(count, 1.0)
+        # the step's gradients before clipping, as grad_norm is (clipped ones would all scale down to the clip)
+        diag = self.diagnostics() if cfg.diag_every and (step + 1) % cfg.diag_every == 0 else {}
         gnorm = self._clip()
         if not (math.isfinite(mean_loss) and math.isfinite(gnorm)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -185,9 +187,7 @@ class Trainer:
         for cb in self.callbacks:
             if hasattr(cb, "on_before_optimizer_step"):
                 cb.on_before_optimizer_step(self)
-        row = {"step": step + 1, "loss": mean_loss, "lr": lr, "grad_norm": gnorm}
-        if cfg.diag_every and (step + 1) % cfg.diag_every == 0:
-            row.update(self.diagnostics())
+        row = {"step": step + 1, "loss": mean_loss, "lr": lr, "grad_norm": gnorm, **diag}
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
