@@ -7,6 +7,7 @@ preset on the built-in corpus (the Python standard library) for 500 steps.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -33,8 +34,8 @@ def _kv(items, flag):
 def _betas(text: str):
     try:
         b1, b2 = (float(x) for x in text.split(","))
-    except ValueError:
-        raise DifftxError(f"--betas expects two numbers like 0.9,0.95; got {text!r}") from None
+    except ValueError:  # argparse shows an ArgumentTypeError's message; any other ValueError as "invalid _betas value"
+        raise argparse.ArgumentTypeError(f"expects two numbers like 0.9,0.95; got {text!r}") from None
     return (b1, b2)
 
 
