@@ -94,6 +94,23 @@ def test_a_recipes_bpe_vocab_size_is_not_refused_under_another_tokenizer():
         _check_unread(tcfg.replace(bpe_vocab_size=512), {"tokenizer", "bpe_vocab_size"})
 
 
+def test_min_lr_with_a_constant_schedule_is_refused_not_ignored(tmp_path, train_cli, capsys):
+    """--min-lr is where a cosine or linear schedule decays to; with --schedule constant no step reads it, and the
+    run trained at --lr throughout, silently.  A recipe's own min_lr under --schedule constant is not the user's."""
+    from difftx.train import resolve_configs
+    from difftx.train.run import _check_unread
+
+    out = tmp_path / "run"
+    assert train_cli("--steps", 2, "--schedule", "constant", "--min-lr", 1e-5, "--out", out) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("difftx train: error: min_lr: ") and "drop --min-lr" in err and err.count("\n") == 1, err
+    assert not out.exists()
+    tcfg, _ = resolve_configs("nanogpt-char", dict(schedule="constant"))
+    _check_unread(tcfg, {"schedule", "min_lr"})  # the recipe's fields count as explicit
+    _check_unread(tcfg.replace(schedule="cosine", min_lr=1e-5), {"min_lr"})
+    assert train_cli("--steps", 2, "--schedule", "constant", "--eval-every", 0, "--out", out) == 0
+
+
 def test_recipe_epochs_give_way_to_steps_and_warmup():
     """--steps and --warmup beat a recipe's epochs and warmup_epochs (both dropped, not half-kept); --warmup alone
     beats its warmup_epochs (it was ignored, and the run's own command then could not resume it)."""

@@ -262,6 +262,13 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
 
 def _check_unread(tcfg: TrainConfig, explicit: set, explicit_model: set = frozenset()) -> None:
     """An explicitly given field that the run's domain or data source never reads is refused, not ignored."""
+    if "min_lr" in explicit and tcfg.schedule == "constant":  # only a decay reads it (optim.lr_at)
+        from .recipes import RECIPES
+
+        recipe = RECIPES.get(tcfg.recipe) if tcfg.recipe else None  # a recipe's own, as for --bpe-vocab-size below
+        if recipe is None or recipe.train.get("min_lr") != tcfg.min_lr:
+            raise ConfigError("min_lr", "is the rate a cosine or linear schedule decays to, and this run's schedule "
+                                        "is constant; drop --min-lr (or give --schedule cosine or linear)")
     if tcfg.domain == "vision":
         for name in ("tokenizer", "bpe_vocab_size", "text_field", "task", "task_options", "seq_len", "vocab_size"):
             if name in explicit or name in explicit_model:
