@@ -393,3 +393,21 @@ def test_a_filled_cache_refuses_keys_of_another_model_or_dtype(attention):
             assert cache.length == 6
             cache.reset()
             assert (then(x, cache=cache).logits - then(x).logits).abs().max() < 1e-5
+
+
+def test_a_cache_of_no_room_is_refused_at_once_and_a_full_one_says_how_to_make_room():
+    """KVCache(max_len=-1) failed at the first write with torch's 'negative dimension' (max_len=0: 'KV cache
+    full' on any prompt); a full cache said only that it was full."""
+    from difftx.nn.cache import KVCache
+
+    for bad in ({"max_len": -1}, {"max_len": 0}, {"batch_size": 0}, {"n_layers": 2.5}, {"max_len": True}):
+        kwargs = {"n_layers": 1, "batch_size": 1, "max_len": 8, **bad}
+        with pytest.raises(ValueError, match=f"KVCache {next(iter(bad))} must be a positive integer"):
+            KVCache(**kwargs)
+    cache = KVCache(1, 1, 4)
+    k = torch.zeros(1, 2, 3, 8)
+    cache.update(0, k, k)
+    cache.length = 3
+    with pytest.raises(ValueError, match=r"KV cache full: 5 positions needed, room for 4; make the cache with "
+                                         r"max_len >= 5 .*or reset\(\) it"):
+        cache.update(0, k[:, :, :2], k[:, :, :2])

@@ -17,6 +17,7 @@ a fresh one (bitwise the same logits) in the buffers it already holds.
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -35,6 +36,13 @@ class KVCache:
     """
 
     def __init__(self, n_layers: int, batch_size: int, max_len: int, device=None, dtype=None):
+        for name, value in (("n_layers", n_layers), ("batch_size", batch_size), ("max_len", max_len)):
+            try:  # else torch's "negative dimension" from the first buffer, or a cache that never fits a step
+                ok = not isinstance(value, bool) and operator.index(value) >= 1
+            except TypeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"KVCache {name} must be a positive integer; got {value!r}")
         self.n_layers = n_layers
         self.batch_size = batch_size
         self.max_len = max_len
@@ -60,7 +68,8 @@ class KVCache:
         n = k.shape[2]
         end = self.length + n
         if end > self.max_len:
-            raise ValueError(f"KV cache full: {end} positions needed, room for {self.max_len}")
+            raise ValueError(f"KV cache full: {end} positions needed, room for {self.max_len}; make the cache with "
+                             f"max_len >= {end} (model.new_cache(batch_size, max_len)), or reset() it for a new prompt")
         if self._recycled[layer]:  # the first write since reset(): K/V of another shape get new buffers, as fresh
             self._recycled[layer] = False
             if not (_fits(self.k[layer], k) and _fits(self.v[layer], v)):
