@@ -243,6 +243,46 @@ def test_an_arm_whose_runs_all_diverged_stays_in_the_outlier_and_tail_tables():
     assert outliers_section(res) is None
 
 
+def test_an_arm_whose_runs_all_diverged_is_the_worse_one_in_every_comparison():
+    """One diverged run of two made DIFF the worse arm on attention and outliers; both diverged, and those comparisons
+    vanished from the answers and the verdicts (the arm has no entry for a metric none of its runs measured), though
+    docs/compare.md says an arm that lost runs is the worse one in every comparison of that metric."""
+    from difftx.compare.results import corpus_arm, questions, retrieval_arm
+
+    def run(seed, diverged, task):
+        r = {"job": {"seed": seed, "steps": 8}, "diverged": diverged}
+        if not diverged and task == "corpus":
+            r["final"] = {"val_loss": 2.0 + seed / 10}
+            r["outliers"] = {k: {"top1": 9.0 + seed, "top10": 5.0, "median": 1.0}
+                             for k in ("attention_logits", "hidden_states")}
+        elif not diverged:
+            r["final"] = {"val_loss": 1.0}
+            r["retrieval"] = {"cells": {"N2@64": 0.5}, "overall": 0.5 + seed / 10}
+            r["attention"] = {"mean": {"answer": 0.2 + seed / 10, "noise": 0.1}}
+        return r
+
+    study = StudyConfig(arms=["transformer:adamw", "diff:adamw"], steps=8)
+    verdicts = {}
+    for lost in (1, 2):
+        diff = [s >= 2 - lost for s in range(2)]
+        corpus = {"transformer-adamw": corpus_arm([run(s, False, "corpus") for s in range(2)], "lm"),
+                  "diff-adamw": corpus_arm([run(s, d, "corpus") for s, d in enumerate(diff)], "lm")}
+        retrieval = {"arms": {"transformer-adamw": retrieval_arm([run(s, False, "retrieval") for s in range(2)]),
+                              "diff-adamw": retrieval_arm([run(s, d, "retrieval") for s, d in enumerate(diff)])}}
+        rows = questions(study, corpus, retrieval)["diff_vs_transformer"]["rows"]
+        verdicts[lost] = {r["metric"]: r["verdict"] for r in rows}
+    assert set(verdicts[2]) == set(verdicts[1]) == {"val_loss", "retrieval", "attention_answer", "attention_noise",
+                                                    "outliers_attention_logits_top1", "outliers_hidden_states_top1"}
+    assert all(v == "worse (2 of 2 runs of a diverged or were not measured)" for v in verdicts[2].values())
+    # a vision study measures no outliers and trains no retrieval task: still no such rows
+    vision = StudyConfig(domain="vision", arms=["vit:adamw", "diff-vit:adamw"], steps=8)
+    corpus = {"vit-adamw": corpus_arm([run(s, False, "corpus") for s in range(2)], "vision"),
+              "diff-vit-adamw": corpus_arm([run(s, True, "corpus") for s in range(2)], "vision")}
+    for c in corpus.values():
+        c.pop("outliers", None)
+    assert [r["metric"] for r in questions(vision, corpus, None)["diff_vs_transformer"]["rows"]] == ["test_acc"]
+
+
 @pytest.mark.parametrize("seeds", [2, 3, 4])
 def test_equal_arms_are_rarely_called_different(seeds):
     """Two arms of equal performance with normal seed noise: compare() calls a difference clear at most ~5% of the

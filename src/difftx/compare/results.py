@@ -239,6 +239,12 @@ def questions(study: StudyConfig, corpus: dict, retrieval: Optional[dict]) -> di
     quality = ("test_acc", True) if vision else ("val_loss", False)
     q: dict = {}
 
+    def lost(x: dict) -> Optional[dict]:
+        """The seeds of a metric an arm has no entry for because every run of it diverged (None: not measured).
+        Left out, the comparison vanished, where one diverged run of the same arm made it the worse one."""
+        n = len(x.get("seeds") or ())
+        return stat([None] * n, [True] * n) if n and x.get("diverged") == n else None
+
     def metric_rows(a: str, b: str) -> list[dict]:
         rows = [{"metric": quality[0], "a": a, "b": b, **(compare(corpus[a].get(quality[0]), corpus[b].get(quality[0]),
                                                                    quality[1]) or {})}]
@@ -246,14 +252,14 @@ def questions(study: StudyConfig, corpus: dict, retrieval: Optional[dict]) -> di
             ra, rb = retrieval["arms"][a], retrieval["arms"][b]
             rows.append({"metric": "retrieval", "a": a, "b": b, **(compare(ra["overall"], rb["overall"], True) or {})})
             for region, hib in (("answer", True), ("noise", False)):
-                if region in ra["attention"] and region in rb["attention"]:
-                    rows.append({"metric": f"attention_{region}", "a": a, "b": b,
-                                 **(compare(ra["attention"][region], rb["attention"][region], hib) or {})})
+                sa, sb = ra["attention"].get(region) or lost(ra), rb["attention"].get(region) or lost(rb)
+                if (region in ra["attention"] or region in rb["attention"]) and sa and sb:
+                    rows.append({"metric": f"attention_{region}", "a": a, "b": b, **(compare(sa, sb, hib) or {})})
         for kind in ("attention_logits", "hidden_states"):
-            if "outliers" in corpus[a] and "outliers" in corpus[b]:
-                rows.append({"metric": f"outliers_{kind}_top1", "a": a, "b": b,
-                             **(compare(corpus[a]["outliers"][kind]["top1"], corpus[b]["outliers"][kind]["top1"],
-                                        False) or {})})
+            sa = _get(corpus[a], "outliers", kind, "top1") or lost(corpus[a])
+            sb = _get(corpus[b], "outliers", kind, "top1") or lost(corpus[b])
+            if ("outliers" in corpus[a] or "outliers" in corpus[b]) and sa and sb:
+                rows.append({"metric": f"outliers_{kind}_top1", "a": a, "b": b, **(compare(sa, sb, False) or {})})
         return rows
 
     primary = {quality[0], "retrieval"}
