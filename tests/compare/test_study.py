@@ -283,6 +283,38 @@ def test_an_arm_whose_runs_all_diverged_is_the_worse_one_in_every_comparison():
     assert [r["metric"] for r in questions(vision, corpus, None)["diff_vs_transformer"]["rows"]] == ["test_acc"]
 
 
+@pytest.mark.parametrize("domain", ["lm", "vision"])
+def test_a_run_whose_last_update_broke_the_weights_is_a_diverged_run(domain, tmp_path, monkeypatch):
+    """The trainer checks a step's loss before applying its update, so the last update can leave NaN weights: the run
+    finished with a NaN validation loss, read as "not measured", and a vision run's NaN logits (argmax 0) scored a
+    finite test accuracy of about chance, averaged into its arm's mean as a result; it is a diverged run."""
+    import difftx.train
+    from difftx.compare import worker
+    from difftx.compare.report import ms
+    from difftx.compare.results import corpus_arm
+
+    def train(tcfg, mcfg, run_dir, **kw):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        nan = float("nan")
+        return {"val_loss": nan, "stopped_by": None, **({"val_acc": 0.1, "test_acc": 0.1, "test_loss": nan}
+                                                        if domain == "vision" else {})}
+
+    measured = []
+    monkeypatch.setattr(difftx.train, "train", train)
+    monkeypatch.setattr(worker, "measurements", lambda *args: measured.append(args) or {})
+    study = StudyConfig(domain=domain, arms=["vit:adamw" if domain == "vision" else "transformer:adamw"], steps=4,
+                        retrieval="none", device="cpu", seeds=1)
+    job = plan(study)[0]
+    r = worker.run_job(study, job, tmp_path)
+    assert r["diverged"] and "final" not in r and "non-finite val_loss" in r["message"]
+    assert not measured  # NaN weights: no outliers, tails or memory of them
+    assert worker.read_job(job.run_dir(tmp_path))["diverged"] is True
+    arm = corpus_arm([r], domain)
+    assert ms(arm["val_loss"]) == "diverged" and arm["diverged"] == 1
+    if domain == "vision":
+        assert ms(arm["test_acc"]) == "diverged"
+
+
 @pytest.mark.parametrize("seeds", [2, 3, 4])
 def test_equal_arms_are_rarely_called_different(seeds):
     """Two arms of equal performance with normal seed noise: compare() calls a difference clear at most ~5% of the

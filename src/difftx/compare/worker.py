@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import signal
 import time
@@ -117,6 +118,11 @@ def run_job(study: StudyConfig, job: Job, out: Path, report: Report = lambda e: 
                        "world_size": world.world_size, "threads": torch.get_num_threads()}
     if summary is not None and summary.get("stopped_by"):
         raise KeyboardInterrupt(f"{job.key} stopped by {summary['stopped_by']}")
+    broken = [k for k in ("val_loss", "test_loss") if summary and summary.get(k) is not None
+              and not math.isfinite(summary[k])]
+    if broken:  # the trainer checks a step's loss before applying it: the last update can still break the weights,
+        summary = None  # whose evaluations then read as results (a vision run's NaN logits: test_acc ~0.1, finite)
+        result.update(diverged=True, message=f"non-finite {broken[0]} after the last step")
     if world.is_main:
         report({"event": "measure", "job": job.key})
         rows = _metrics(run_dir)
