@@ -41,7 +41,7 @@ def markdown(results: dict) -> str:
                   + (" This device has no bf16 matmul hardware: torch's fallback kernels differ by op, so the "
                      "share of this peak means little." if slow else ""), "",
                   "| arm | params | train tok/s | x | prefill tok/s | x | decode tok/s | x | "
-                  "train memory MB | x | KV B/token | train % peak |",
+                  "train memory MiB | x | KV B/token | train % peak |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         base = arms["transformer"]["by_dtype"][dt]
         for name, a in arms.items():
