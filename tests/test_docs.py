@@ -369,3 +369,32 @@ def test_the_collection_is_not_empty_and_the_checks_can_fail():
         check_options(["compare", "[--no-such-option]"])
     with pytest.raises(NameError):
         run_block(Block("x.md:3", 3, "python", "undefined_name\n"))
+
+
+def test_cache_defaults_name_both_variables(monkeypatch, tmp_path):
+    """Token shards, bpe vocabularies and the native kernels share one cache directory, which either of
+    ``$DIFFTX_CACHE`` and ``$DIFFTX_CACHE_DIR`` moves (``difftx.runtime.cache_root``).  Every place that spells out
+    the default (a chain down to ``$XDG_CACHE_HOME``: the docs, the ``--cache-dir`` helps, the kernels' module
+    doc) names both: docs/training.md called ``$DIFFTX_CACHE_DIR`` "a different variable" after it moved the
+    shards too."""
+    from difftx.data.shards import default_cache_dir
+    from difftx.nn import native
+
+    for var in ("DIFFTX_CACHE", "DIFFTX_CACHE_DIR"):
+        for v in ("DIFFTX_CACHE", "DIFFTX_CACHE_DIR"):
+            monkeypatch.delenv(v, raising=False)
+        monkeypatch.setenv(var, str(tmp_path / var))
+        assert default_cache_dir() == native._cache_dir() == tmp_path / var, var
+    texts = [(path.relative_to(ROOT).as_posix(), path.read_text(encoding="utf-8")) for path in DOCS]
+    for sub in ("train", "compare"):
+        parser = next(a for a in _parser(sub)._actions if isinstance(a, argparse._SubParsersAction)).choices[sub]
+        texts += [(f"difftx {sub} --cache-dir", a.help) for a in parser._actions if "--cache-dir" in a.option_strings]
+    texts.append(("difftx.nn.native", native.__doc__))
+    bad = []
+    for where, text in texts:
+        for m in re.finditer(r"XDG_CACHE_HOME", text):
+            chain = " ".join(text[max(0, m.start() - 120):m.start()].split())
+            if not (re.search(r"DIFFTX_CACHE(?!_DIR)", chain) and "DIFFTX_CACHE_DIR" in chain):
+                line = text.count("\n", 0, m.start()) + 1
+                bad.append(f"{where}:{line}: ...{chain}XDG_CACHE_HOME")
+    assert len(texts) >= 10 and not bad, "\n".join(bad)

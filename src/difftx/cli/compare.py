@@ -59,8 +59,8 @@ def add_parser(sub) -> None:
     d = p.add_argument_group("data and budget")
     d.add_argument("--data", help="text corpus (file, directory, glob, .jsonl; default: the built-in corpus)")
     d.add_argument("--tokenizer", help="byte (default), char, bpe or a tokenizer.json path")
-    d.add_argument("--cache-dir", help="token shards (default: $DIFFTX_CACHE, else $XDG_CACHE_HOME/difftx, else "
-                                       "~/.cache/difftx)")
+    d.add_argument("--cache-dir", help="token shards (default: $DIFFTX_CACHE, else $DIFFTX_CACHE_DIR, else "
+                                       "$XDG_CACHE_HOME/difftx, else ~/.cache/difftx)")
     d.add_argument("--tokens", type=int, help="corpus tokens per run (the token budget; default 256000)")
     d.add_argument("--steps", type=int, help="corpus steps per run instead of --tokens (vision: the budget)")
     d.add_argument("--seq-len", type=int, help="corpus tokens per sequence (64)")

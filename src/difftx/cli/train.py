@@ -57,7 +57,7 @@ def add_parser(sub) -> None:
     d.add_argument("--domain", choices=["lm", "vision"], help="lm (default) or vision")
     d.add_argument("--domain-opt", action="append", metavar="KEY=VALUE", help="an option of the domain (repeatable)")
     d.add_argument("--cache-dir", help="token shards and bpe vocabularies (default: $DIFFTX_CACHE, else "
-                                       "$XDG_CACHE_HOME/difftx, else ~/.cache/difftx)")
+                                       "$DIFFTX_CACHE_DIR, else $XDG_CACHE_HOME/difftx, else ~/.cache/difftx)")
     m = p.add_argument_group("model")
     m.add_argument("--preset", help="model preset (default: nano; see `difftx info --list`)")
     m.add_argument("--attention", choices=["softmax", "diff", "diff2"], help="attention kind (matched-size twin)")

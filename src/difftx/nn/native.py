@@ -7,7 +7,8 @@ and backward; and bf16 DIFF decoding over a paired KV cache with the per-head no
 and sums are float32.  Loops run on torch's own OpenMP threads.
 
 It is built once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``;
-a few seconds) into ``$DIFFTX_CACHE_DIR`` (default ``$XDG_CACHE_HOME/difftx``, else ``~/.cache/difftx``),
+a few seconds) into ``$DIFFTX_CACHE_DIR`` (else ``$DIFFTX_CACHE``, else ``$XDG_CACHE_HOME/difftx``, else
+``~/.cache/difftx``),
 keyed by the source, the compiler, its flags and the CPU's features, and loaded with ctypes: no Python
 extension ABI, no build step at install time.  Vectors are as wide as the CPU's registers (16 floats with
 AVX-512, 8 with AVX2, 4 elsewhere: SSE, Arm's NEON); ``$DIFFTX_NATIVE_CFLAGS`` adds compiler flags.  Without a

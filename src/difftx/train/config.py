@@ -43,7 +43,8 @@ class TrainConfig:
     task: Optional[str] = None            # a registered synthetic task instead of a corpus
     task_options: dict = field(default_factory=dict)
     domain_options: dict = field(default_factory=dict)  # extra knobs of a domain (e.g. vision augmentation)
-    # token shards and bpe vocabularies; default $DIFFTX_CACHE, else $XDG_CACHE_HOME/difftx, else ~/.cache/difftx
+    # token shards and bpe vocabularies; default $DIFFTX_CACHE, else $DIFFTX_CACHE_DIR, else
+    # $XDG_CACHE_HOME/difftx, else ~/.cache/difftx
     cache_dir: Optional[str] = None
 
     # batch and length
