@@ -124,6 +124,21 @@ def test_recipe_epochs_give_way_to_steps_and_warmup():
     assert (tcfg.epochs, tcfg.warmup, tcfg.warmup_epochs) == (40, 2, None)
 
 
+def test_steps_beside_epochs_is_refused_not_ignored(tmp_path, train_cli, capsys):
+    """--epochs sets the run's step count from the data, so --steps beside it was accepted and ignored (--steps 2
+    --epochs 1 ran 416 steps).  A recipe's epochs still give way to an explicit --steps (the test above)."""
+    from difftx.train import resolve_configs
+
+    out = tmp_path / "run"
+    assert train_cli("--steps", 2, "--epochs", 1, "--out", out) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("difftx train: error: steps: ") and "not both" in err and err.count("\n") == 1, err
+    assert not out.exists()
+    with pytest.raises(DifftxError, match="steps"):
+        resolve_configs(None, train=dict(steps=10, epochs=2))
+    assert resolve_configs(None, train=dict(epochs=2))[0].epochs == 2
+
+
 def test_a_saved_config_with_the_old_ignored_warmup_epochs_still_loads():
     """Runs saved before --warmup-epochs without --epochs was refused (a recipe's, kept beside --steps and
     --warmup) still resume: the field was ignored then and is dropped on loading; a new config is refused."""

@@ -76,6 +76,8 @@ def resolve_configs(recipe: Optional[str] = None, train: Optional[dict] = None, 
     tcfg = TrainConfig(**{**(r.train if r else {}), **train})
     if train.get("warmup") is not None and tcfg.warmup_epochs is not None:  # one would be ignored
         raise ConfigError("warmup", "give the warmup in steps (--warmup) or in epochs (--warmup-epochs), not both")
+    if train.get("steps") is not None and train.get("epochs") is not None:  # the epochs set the steps: one ignored
+        raise ConfigError("steps", "give the run's length in steps (--steps) or in epochs (--epochs), not both")
     preset = preset or (r.preset if r else DEFAULT_PRESET)
     overrides = {**(r.model if r else {}), **model}
     if tcfg.seq_len is not None and "max_seq_len" not in model:
