@@ -222,3 +222,19 @@ def test_a_new_wrapper_keeps_the_difftx_init_of_its_seed(attention):
         assert got.keys() == ref.keys()
         for k, v in ref.items():
             assert torch.equal(got[k], v), k
+
+
+def test_a_directory_without_a_difftx_config_is_refused(tmp_path):
+    """A Llama directory, or a difftx model directory (not exported with --to hf-difftx), holds no ``difftx``
+    object: DifftxForCausalLM / DifftxConfig.from_pretrained refuse it in one line instead of building the
+    default ModelConfig and loading whichever of its weights fit."""
+    from .hf_helpers import hf_llama
+    llama, native = tmp_path / "llama", tmp_path / "native"
+    hf_llama().save_pretrained(llama)
+    cfg = difftx.ModelConfig(rope_theta=500.0, norms="dnt")  # the default's shapes: every weight would fit
+    difftx.save_model(difftx.build_model(cfg), native)
+    for path in (llama, native):
+        for load in (DifftxConfig.from_pretrained, DifftxForCausalLM.from_pretrained):
+            with pytest.raises(difftx.errors.CheckpointError, match="no 'difftx' object"):
+                load(path)
+    assert DifftxConfig().model_config == difftx.ModelConfig()  # the default config itself is still built

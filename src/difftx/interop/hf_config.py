@@ -9,6 +9,7 @@ from __future__ import annotations
 from transformers import AutoConfig, PreTrainedConfig
 
 from ..config import ModelConfig
+from ..errors import CheckpointError
 from .convert import hf_standard_fields, model_config_from_hf
 
 
@@ -41,6 +42,19 @@ class DifftxConfig(PreTrainedConfig):
         for key, value in hf_standard_fields(cfg).items():
             setattr(self, key, value)
         super().__post_init__(**kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs) -> "DifftxConfig":
+        """A saved config (``from_pretrained``, ``AutoConfig``) must hold the ``difftx`` object: without it (a Llama
+        ``config.json``, a difftx model directory's) the default ModelConfig would be built, and whichever of the
+        directory's weights fit it loaded, silently.  ``DifftxConfig()`` alone is still the default config."""
+        if not isinstance(config_dict.get("difftx"), dict):
+            src = kwargs.get("name_or_path") or config_dict.get("_name_or_path") or "config.json"
+            kind = "a difftx model directory" if "difftx_format" in config_dict else \
+                f"model_type {config_dict.get('model_type')!r}"
+            raise CheckpointError(f"{src}: {kind} with no 'difftx' object: not a DifftxForCausalLM config; load it "
+                                  "with difftx.load_model, or write one with `difftx convert SRC DST --to hf-difftx`")
+        return super().from_dict(config_dict, **kwargs)
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, **kwargs) -> "DifftxConfig":
