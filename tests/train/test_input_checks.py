@@ -139,6 +139,17 @@ def test_steps_beside_epochs_is_refused_not_ignored(tmp_path, train_cli, capsys)
     assert resolve_configs(None, train=dict(epochs=2))[0].epochs == 2
 
 
+def test_a_stop_step_past_the_last_step_is_refused(tmp_path, train_cli, capsys):
+    """--stop-at beyond --steps never stopped the run: it trained to --steps and ended there, silently, where a
+    --stop-at at or before the resumed step is refused.  At --steps it is the run's own end, and allowed."""
+    out = tmp_path / "run"
+    assert train_cli("--steps", 2, "--stop-at", 5, "--out", out) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("difftx train: error: stop_at: 5 is past the run's last step, 2") and err.count("\n") == 1
+    assert not out.exists()
+    assert train_cli("--steps", 2, "--stop-at", 2, "--eval-every", 0, "--out", out) == 0
+
+
 def test_a_saved_config_with_the_old_ignored_warmup_epochs_still_loads():
     """Runs saved before --warmup-epochs without --epochs was refused (a recipe's, kept beside --steps and
     --warmup) still resume: the field was ignored then and is dropped on loading; a new config is refused."""

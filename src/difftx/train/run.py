@@ -216,6 +216,9 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
         if tcfg.epochs is not None and source is None:
             tcfg = _epochs_to_steps(tcfg, domain, world.world_size)
 
+        if tcfg.stop_at is not None and tcfg.stop_at > tcfg.steps:  # the run ends at its last step: it never stops
+            raise ConfigError("stop_at", f"{tcfg.stop_at} is past the run's last step, {tcfg.steps}, where it ends "
+                                         "anyway; give an earlier --stop-at, or more --steps")
         memory_warning = (check_run(world, mcfg, tcfg, resolve_parallel(tcfg.parallel, world)) if memory_check
                           else None)
         run_config = {FORMAT_KEY: FORMAT_VERSION, "model": mcfg.to_dict(), "train": tcfg.to_dict(),
