@@ -230,3 +230,28 @@ def test_metric_options_of_the_wrong_type_or_set_twice_are_one_line(metric, opt,
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("difftx eval: error:") and message in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("metric, opts, message", [
+    ("icl", ["shots=[1,1]", "seeds=1", "test_examples=2"], "shots: 1 given twice"),
+    ("icl", ['arrangements=["random","random"]', "shots=[1]", "seeds=1", "test_examples=2"],
+     "arrangements: 'random' given twice"),
+    ("icl", ['tasks=["synthetic-6","synthetic-6"]', "shots=[1]", "seeds=1", "test_examples=2"],
+     "tasks: 'synthetic-6' given twice"),
+    ("mqar", ["lengths=[32,32]", "pairs=[4]", "samples=1"], "lengths: 32 given twice"),
+    ("mqar", ["lengths=[32]", "pairs=[4,2,4]", "samples=1"], "pairs: 4 given twice"),
+    ("niah", ["depths=[0.5,0.5]", "samples=1"], "depths: 0.5 given twice"),
+])
+def test_a_value_given_twice_in_a_metric_option_is_one_line(metric, opts, message, checkpoint, tmp_path, capsys):
+    """A list option's value given twice through --metric-opt (which the command line's own lists refuse: --shots 2,2)
+    was scored twice and counted twice in the metric's value (icl's and mqar's overall accuracy)."""
+    from difftx.cli import main
+
+    out = tmp_path / "o"
+    argv = ["eval", "quant", "--checkpoint", str(checkpoint), "--out", str(out), "--bits", "8", "--metric", metric]
+    for opt in opts:
+        argv += ["--metric-opt", opt]
+    rc = main([*argv, "--no-plot", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("difftx eval: error:") and message in err[0], err
+    assert not out.exists()

@@ -325,6 +325,9 @@ def evaluate_icl(model, tokenizer, tasks: Sequence[str] = ("synthetic-6",),
     for name, values in (("tasks", tasks), ("arrangements", arrangements)):  # arrangements=1 was a TypeError
         if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) for v in values):
             raise ConfigError(name, f"must be a name or a list of names, got {values!r}")
+        twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+        if twice is not None:  # its points were scored and counted twice in overall_accuracy
+            raise ConfigError(name, f"{twice!r} given twice; give each name once")
     seed = check_seed(seed)
     if not tasks:
         raise ConfigError("tasks", "must name at least one task")
