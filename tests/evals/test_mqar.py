@@ -104,3 +104,23 @@ def test_mqar_task_names_the_flag_its_caller_gives():
         get_task("mqar")(ByteTokenizer(), 64, 0, pairs="2-6", vocab=8, seq_len_flag="--retrieval-seq-len")
     assert e.value.field == "vocab" and "seq-len" not in str(e.value)
     get_task("mqar")(ByteTokenizer(), 64, 0, pairs="2-6", vocab=14)
+
+
+@pytest.mark.parametrize("overrides, args, fix, fixed", [
+    ({}, dict(lengths=[8, 12], pairs=[4, 8]), "pass --lengths of at least 16 (4 x pairs) or fewer --pairs",
+     dict(lengths=[16], pairs=[4])),
+    ({}, dict(lengths=[64], pairs=[4], vocab=8), "pass --pairs up to 3 or a larger --vocab",
+     dict(lengths=[64], pairs=[3], vocab=8)),
+    ({"positions": "learned", "max_seq_len": 64}, dict(lengths=[128], pairs=[4]), "pass --lengths up to 64",
+     dict(lengths=[64], pairs=[4])),
+])
+def test_no_shape_fits_names_the_fix(overrides, args, fix, fixed):
+    """'no (length, pairs) shape fits: longer than max_seq_len=64' named the problem and no fix (niah's refusal names
+    one); the fix it names now runs."""
+    from evals_helpers import tiny_model
+
+    model = tiny_model("diff", **overrides)
+    with pytest.raises(ConfigError, match="no \\(length, pairs\\) shape fits") as e:
+        evaluate_mqar(model, samples=1, **args)
+    assert str(e.value).endswith(fix)
+    assert evaluate_mqar(model, samples=1, **fixed)["cells"]

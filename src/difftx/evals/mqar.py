@@ -127,8 +127,17 @@ def evaluate_mqar(model, lengths: Sequence[int] = DEFAULT_LENGTHS, pairs: Sequen
             cells.append({"seq_len": L, "pairs": D, "accuracy": c / t, "queries": t})
             if progress:
                 print(f"  mqar len {L} pairs {D}: {c / t:.3f}", flush=True)
-    if not cells:
-        raise ConfigError("mqar", f"no (length, pairs) shape fits: {skipped[0]['reason']}")
+    if not cells:  # the fix too, as niah's refusal (the reason alone named no flag)
+        d = min(pairs)
+        if limit and min(lengths) > limit:
+            fix = f"pass --lengths up to {limit}"
+        elif check_shape(4 * d, d, vocab):
+            larger = vocab < model.config.vocab_size  # --vocab below the model's
+            fix = f"pass a --vocab of at least {2 * d + 2}" if vocab < 4 else \
+                f"pass --pairs up to {vocab // 2 - 1}" + (" or a larger --vocab" if larger else "")
+        else:
+            fix = f"pass --lengths of at least {4 * d} (4 x pairs) or fewer --pairs"
+        raise ConfigError("mqar", f"no (length, pairs) shape fits: {skipped[0]['reason']}; {fix}")
     total = sum(c["queries"] for c in cells)
     return {"vocab": vocab, "power_a": power_a, "cells": cells, "skipped": skipped,
             "overall_accuracy": sum(c["accuracy"] * c["queries"] for c in cells) / total}
