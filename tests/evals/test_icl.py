@@ -134,6 +134,23 @@ def test_max_len_past_learned_positions_is_refused_not_cut():
     assert r["tasks"][0]["max_shots_that_fit"] >= 1
 
 
+def test_zero_shots_whose_test_input_passes_max_len_are_refused(tmp_path):
+    """0 shots always 'fit' (fit >= 0), so --shots 0 ran prompts longer than --max-len (a RoPE model: silently; learned
+    positions: the model's own error, naming no flag); now one DataError with the tokens needed and the fix."""
+    f = tmp_path / "long.jsonl"
+    f.write_text("\n".join(json.dumps({"text": "word " * 20 + str(i), "label": ["pos", "neg"][i % 2]})
+                           for i in range(12)))
+    need = max(len(TOK.encode(f"Input: {'word ' * 20}{i}\nLabel:")) for i in range(12)) + len(TOK.encode(" pos\n"))
+    with pytest.raises(DataError, match=f"take {need} tokens, more than the prompt limit of 50 .*"
+                                        f"pass --max-len {need} or more"):
+        evaluate_icl(tiny_model("diff"), TOK, tasks=[str(f)], shots=[0], seeds=1, test_examples=4, max_len=50)
+    with pytest.raises(DataError, match="positions end at 64"):
+        evaluate_icl(tiny_model("diff", positions="learned", max_seq_len=64), TOK, tasks=[str(f)], shots=[0], seeds=1,
+                     test_examples=4)
+    r = evaluate_icl(tiny_model("diff"), TOK, tasks=[str(f)], shots=[0], seeds=1, test_examples=4, max_len=need)
+    assert [p["shots"] for p in r["tasks"][0]["curves"]["random"]] == [0]
+
+
 @pytest.mark.parametrize("option, value, needle", [
     ("seeds", 10 ** 12, "seeds: at most 10,000 demonstration orders"),  # ran for ever, a forward per order
     ("test_examples", 10 ** 8, "test_examples: at most 100,000 test examples"),  # fit the memory: ran for hours

@@ -272,6 +272,12 @@ def evaluate_task(model, tokenizer, task: ClassificationTask, shots: Optional[Se
                                          f"{model.config.positions} positions; pass --max-len up to {hard}")
     max_len = max_len or task_context(model)
     longest_query = max(len(pb.query(ex)) for ex in task.test)
+    need = longest_query + pb.trie.depth
+    if need > max_len and 0 in (shots or ()):  # --shots 0 ran past --max-len (learned positions: the model's error)
+        fix = f"pass --max-len {need} or more" if hard is None or need <= hard else \
+            f"pass shorter test texts (the model's positions end at {hard})"
+        raise DataError(f"{task.name}: the longest test input and its label take {need} tokens, more than the "
+                        f"prompt limit of {max_len} (--max-len); {fix}")
     pool = balanced_demos(task, len(task.train), seed)
     used, fit = 0, 0
     for ex in pool:  # how many demonstrations fit beside the longest test input and its label
