@@ -73,3 +73,18 @@ def test_a_damaged_optimizer_groups_file_of_a_sharded_checkpoint_is_one_line(dis
         assert others == [err], (name, err, others)
         assert err.startswith("CheckpointError: ") and "sharded" in err and "NaN or inf" in err, (name, err)
         assert "\n" not in err, (name, err)
+
+
+def test_a_finished_run_resumed_again_evaluates_on_every_process_or_none(tmp_path):
+    """A run stopped by --stop-at, finished by a resume with --steps at that step (its validation evaluated after
+    the loop, no new checkpoint), then resumed once more: rank 0 read the metrics file, found that val_loss and
+    skipped the evaluation; the other processes (which write no file) did not find it and evaluated, waiting in
+    its all-reduce for rank 0, which had left (a crash, "Connection closed by peer", or a hang).  Now every process
+    takes rank 0's answer: none evaluates again, each returns the same summary, and the file holds one val_loss."""
+    import json
+
+    data, cache = write_corpus(tmp_path / "corpus.txt"), tmp_path / "cache"
+    out = run_torchrun_worker(Path(__file__).parent / "dist_resume_worker.py", data, cache, tmp_path)
+    summaries = [json.loads((out / f"summary_{rank}.json").read_text()) for rank in (0, 1)]
+    assert summaries[0]["step"] == 2 and summaries[1] == summaries[0], summaries
+    assert len(losses(out / "finished", "val_loss")) == 1

@@ -287,9 +287,10 @@ class Trainer:
             if self.step == cfg.steps:
                 for split in self.domain.eval_splits:
                     # val: evaluated at the last step in the loop, unless no step ran (a run stopped by --stop-at
-                    # and resumed with --steps at that step) and the file lacks it
+                    # and resumed with --steps at that step) and the file lacks it (rank 0's file: every process
+                    # takes its answer, as evaluating is collective)
                     done = split == "val" and (self.last_eval.get("step") == self.step
-                                               or logger.has(self.step, "val_loss"))
+                                               or world.broadcast_object(logger.has(self.step, "val_loss")))
                     metrics = self.evaluate(split) if not done else {}
                     if metrics:
                         extra = {"step": self.step, **metrics}
