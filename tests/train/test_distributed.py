@@ -53,6 +53,26 @@ def test_fsdp_sharded_checkpoint_resumes_exactly(dist_runs):
         assert torch.equal(v, w), k
 
 
+def test_a_sharded_checkpoint_lacking_a_process_s_shard_file_is_incomplete(dist_runs, tmp_path):
+    """Each of the N processes of an FSDP run writes its own sharded/__R_0.distcp; one of them missing (copied in
+    part, deleted by hand) left the checkpoint "complete": --resume auto took it and failed reading it, instead of
+    passing it over for the checkpoint before (as for a missing rng/rank_N.json).  Now it is incomplete, by name."""
+    import shutil
+
+    from difftx.train.checkpoint import missing_parts, resolve_resume
+
+    tmp, _, _ = dist_runs
+    run = tmp_path / "run"
+    shutil.copytree(tmp / "fsdp_resumed", run)
+    newest = run / "checkpoints" / "step_00000004"
+    assert missing_parts(newest) == []
+    (newest / "sharded" / "__1_0.distcp").unlink()
+    assert missing_parts(newest) == ["sharded/__1_0.distcp"]
+    skipped = []
+    assert resolve_resume("auto", run, skipped=lambda paths, missing: skipped.extend(zip(paths, missing))) == \
+        run / "checkpoints" / "step_00000002"
+    assert skipped == [(newest, ["sharded/__1_0.distcp"])]
+
 def test_a_damaged_optimizer_groups_file_of_a_sharded_checkpoint_is_one_line(dist_runs):
     """An FSDP checkpoint's optimizer_groups.json that is not JSON was a traceback (JSONDecodeError); one with no
     groups, or with the groups' parameters swapped (weight decay on the norms), resumed: now each is a

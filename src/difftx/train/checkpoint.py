@@ -102,15 +102,35 @@ def remove_later(run_dir: Path, step: int) -> list[Path]:
 def missing_parts(path: Path) -> list[str]:
     """What checkpoint directory ``path`` lacks of a complete one (paths relative to it; an empty file counts as
     missing); empty for a complete checkpoint.  Each process of the run that saved it wrote its RNG state: the
-    ``rng/rank_N.json`` of every rank below the ``world_size`` of its trainer_state.json is needed.  Only presence
-    is checked: a file with corrupt contents is reported by :func:`load_checkpoint`, which names it."""
+    ``rng/rank_N.json`` of every rank below the ``world_size`` of its trainer_state.json is needed (and with FSDP its
+    shard file: each one that ``sharded/.metadata`` names).  Only presence is checked: a file with corrupt contents
+    is reported by :func:`load_checkpoint`, which names it."""
     path = Path(path)
     need = [CONFIG_FILE, STATE_FILE, WEIGHTS_FILE]
-    need.append(f"{SHARDED_DIR}/.metadata" if (path / SHARDED_DIR).is_dir() else OPTIM_FILE)
+    sharded = (path / SHARDED_DIR).is_dir()
+    need.append(f"{SHARDED_DIR}/.metadata" if sharded else OPTIM_FILE)
     run_dir = path.parent.parent if path.parent.name == CHECKPOINTS_DIR else None
     if run_dir is not None and (run_dir / TOKENIZER_FILE).is_file():  # kept by the run: kept in each checkpoint
         need.append(TOKENIZER_FILE)
-    return [name for name in need if not _nonempty_file(path / name)] + _missing_rng(path, _saved_world_size(path))
+    shards = _missing_shards(path / SHARDED_DIR) if sharded else []
+    return [name for name in need if not _nonempty_file(path / name)] + shards + \
+        _missing_rng(path, _saved_world_size(path))
+
+
+def _missing_shards(sharded: Path, show: int = 3) -> list[str]:
+    """The data files (``__R_0.distcp``, one per process that saved it) that the ``.metadata`` of sharded state
+    ``sharded`` names and it lacks (an empty one counts as missing): the first ``show``, then one entry counting the
+    rest.  None when the metadata is missing (:func:`missing_parts` names it) or unreadable (:func:`load_checkpoint`
+    does)."""
+    try:
+        with open(sharded / ".metadata", "rb") as f:
+            files = sorted({str(info.relative_path) for info in _AllowListUnpickler(f).load().storage_data.values()})
+    except Exception:  # noqa: BLE001 -- whatever is wrong with it, load_checkpoint reports it by path
+        return []
+    lacks = [f"{SHARDED_DIR}/{name}" for name in files if not _nonempty_file(sharded / name)]
+    if len(lacks) > show:
+        lacks[show:] = [f"{SHARDED_DIR}/__N_0.distcp of {len(lacks) - show} more of the {len(files)} shard files"]
+    return lacks
 
 
 def _saved_world_size(path: Path) -> int:
