@@ -1,7 +1,8 @@
 """Run under ``python -m torch.distributed.run --nproc-per-node 2``: DDP and FSDP2 runs of the tiny model.
 
 argv: DATA CACHE OUT.  Writes OUT/{ddp,fsdp,fsdp_chunked,fsdp_resumed}/ run dirs,
-OUT/grads_{mode}.safetensors and OUT/fsdp_groups_errors.json (rank 0): the damaged-checkpoint resumes' errors.
+OUT/grads_{mode}.safetensors, OUT/fsdp_groups_errors.json and OUT/fsdp_shard_errors.json (rank 0): the
+damaged-checkpoint resumes' errors.
 """
 
 import json
@@ -91,6 +92,24 @@ for part in ("optim", "model"):
     errors[f"nonfinite_{part}"] = gathered
 if dist.get_rank() == 0:
     (out / "fsdp_groups_errors.json").write_text(json.dumps(errors))
+# a truncated shard file of rank 1 (present, so the checkpoint is complete, and corrupt): every rank's error
+phase("fsdp_truncated_shard")
+run = out / "fsdp_truncated_shard"
+if dist.get_rank() == 0:
+    shutil.copytree(out / "fsdp_resumed", run)
+    for ckpt in (run / "checkpoints").iterdir():
+        shard = ckpt / "sharded" / "__1_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:1000])
+dist.barrier()
+try:
+    train(*tiny(data, cache, parallel="fsdp", eval_batches=3, steps=6), run, resume="auto", announce=None)
+    err = "resumed"
+except BaseException as e:  # noqa: BLE001 -- torch.distributed.checkpoint's CheckpointException is no Exception
+    err = f"{type(e).__name__}: {e}"
+gathered = [None] * dist.get_world_size()
+dist.all_gather_object(gathered, err)
+if dist.get_rank() == 0:
+    (out / "fsdp_shard_errors.json").write_text(json.dumps(gathered))
 phase("destroy_process_group")
 dist.destroy_process_group()
 phase("done")

@@ -108,3 +108,16 @@ def test_a_finished_run_resumed_again_evaluates_on_every_process_or_none(tmp_pat
     summaries = [json.loads((out / f"summary_{rank}.json").read_text()) for rank in (0, 1)]
     assert summaries[0]["step"] == 2 and summaries[1] == summaries[0], summaries
     assert len(losses(out / "finished", "val_loss")) == 1
+
+
+def test_a_truncated_shard_file_is_one_line_on_every_process(dist_runs):
+    """A truncated sharded/__1_0.distcp (the checkpoint complete, a file corrupt) raised torch.distributed.checkpoint's
+    CheckpointException, a BaseException that the one-line CheckpointError handling (except Exception) let through:
+    a traceback of every process's error on every process.  Now every process raises the same CheckpointError."""
+    import json
+
+    tmp, _, _ = dist_runs
+    err, *others = json.loads((tmp / "fsdp_shard_errors.json").read_text())
+    assert others == [err], (err, others)
+    assert err.startswith("CheckpointError: ") and "step_00000004/sharded: cannot read the sharded state" in err, err
+    assert "\n" not in err, err

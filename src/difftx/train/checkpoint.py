@@ -269,6 +269,17 @@ def _safe_dcp_reader(path: Path):
     return SafeReader(str(path))
 
 
+def _dcp_failure(e: BaseException) -> BaseException:
+    """The error behind ``e``: torch.distributed.checkpoint raises a CheckpointException holding the error of each
+    process that failed (the same on every process); the lowest rank's that says something (a truncated file can be
+    a bare EOFError on one process).  Any other error is itself."""
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return e
+    errors = [failures[rank][0] for rank in sorted(failures)]
+    return next((err for err in errors if str(err).strip()), errors[0])
+
+
 def _safe_dcp_planner():
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
@@ -502,13 +513,18 @@ def load_checkpoint(trainer, path: Path) -> dict:
         model_sd = get_model_state_dict(trainer.model)
         optim_sd = get_optimizer_state_dict(trainer.model, trainer.optimizer)
         target = {"model": model_sd, "optim": optim_sd["state"]}
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             dcp.load(target, storage_reader=_safe_dcp_reader(path / SHARDED_DIR), planner=_safe_dcp_planner())
         except CheckpointError:
             raise
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # DCP's own is a BaseException wrapping each process's error
+            e = _dcp_failure(e)
+            if isinstance(e, CheckpointError):
+                raise CheckpointError(str(e)) from None
             raise CheckpointError(f"{path / SHARDED_DIR}: cannot read the sharded state ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:120]})") from None
+                                  f"{(str(e).splitlines() or [''])[0][:120]})") from None
         check_sharded_finite(target, trainer.world, path / SHARDED_DIR)
         groups = _read_groups(path / OPTIM_GROUPS_FILE, optim_sd["param_groups"]) \
             if (path / OPTIM_GROUPS_FILE).is_file() else optim_sd["param_groups"]
