@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -55,8 +57,6 @@ def losses(run_dir: Path, key: str = "loss") -> list[float]:
 
 def cli_env(**extra) -> dict:
     """Environment for a `python -m difftx` / torchrun subprocess that imports this checkout."""
-    import os
-
     src = str(Path(__file__).resolve().parents[2] / "src")
     env = dict(os.environ)
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
@@ -104,3 +104,10 @@ def torchrun_failure(proc) -> str:
     summary = err[err.find("Root Cause"):] if "Root Cause" in err else ""
     return (f"exit {proc.returncode}\n--- workers' stderr (last 6000 chars) ---\n{workers[-6000:]}\n"
             f"--- launcher ---\n{summary[:1200]}\n--- stdout (last 1500 chars) ---\n{proc.stdout[-1500:]}")
+
+
+def phase(name: str) -> None:
+    """A torchrun worker's progress on stderr (its rank, from torchrun's $RANK, and ``name``), so that a worker's
+    death names the phase it died in (also after its process group is gone)."""
+    print(f"rank {os.environ.get('RANK', '?')}: {name}", file=sys.stderr, flush=True)
+

@@ -11,17 +11,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch.distributed as dist  # noqa: E402
-from _helpers import tiny  # noqa: E402
+from _helpers import phase, tiny  # noqa: E402
 
 from difftx.train import train  # noqa: E402
 
 data, cache, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 dist.init_process_group("gloo")
 RANK = dist.get_rank()
-
-
-def phase(name: str) -> None:  # on stderr, so that a worker's death names the phase it died in
-    print(f"rank {RANK}: {name}", file=sys.stderr, flush=True)
 
 
 run = out / "finished"

@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch.distributed as dist  # noqa: E402
-from _helpers import GradRecorder, tiny  # noqa: E402
+from _helpers import GradRecorder, phase, tiny  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from difftx.train import train  # noqa: E402
@@ -21,10 +21,6 @@ from difftx.train import train  # noqa: E402
 data, cache, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 dist.init_process_group("gloo")
 RANK = dist.get_rank()
-
-
-def phase(name: str) -> None:  # on stderr, so that a worker's death names the phase it died in
-    print(f"rank {RANK}: {name}", file=sys.stderr, flush=True)
 
 
 for mode in ("ddp", "fsdp", "fsdp_chunked"):  # fsdp_chunked: FSDP2 with the chunked loss (--loss-chunk 5)
