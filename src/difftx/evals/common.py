@@ -427,10 +427,15 @@ def check_list(name: str, values, lo: float = 1, hi: float = math.inf, kind=int)
         if isinstance(v, bool) or not ok_type or not (lo <= v <= hi):
             what = "an integer" if kind is int else "a number"
             raise ConfigError(name, f"every value must be {what} in [{lo:g}, {hi:g}], got {v!r}")
-    twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    twice = first_repeat(values)
     if twice is not None:  # a duplicate row or point, scored and counted twice (as the command line's lists refuse)
         raise ConfigError(name, f"{twice!r} given twice; give each value once")
     return [kind(v) for v in values]
+
+
+def first_repeat(values: Sequence):
+    """The first value of ``values`` that an earlier one equals, or None."""
+    return next((v for i, v in enumerate(values) if v in values[:i]), None)
 
 
 def check_depths(depths) -> list[float]:

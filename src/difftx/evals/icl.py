@@ -33,8 +33,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import ConfigError, DataError
-from .common import (batches, check_count, check_list, check_seed, encode, hard_limit, model_device, pad_left,
-                     require_memory, rng_for, task_context)
+from .common import (batches, check_count, check_list, check_seed, encode, first_repeat, hard_limit, model_device,
+                     pad_left, require_memory, rng_for, task_context)
 
 ARRANGEMENTS = ("random", "alternating")
 # the most orders per point and test examples per task: each order is a forward per test example, so more ran for
@@ -331,7 +331,7 @@ def evaluate_icl(model, tokenizer, tasks: Sequence[str] = ("synthetic-6",),
     for name, values in (("tasks", tasks), ("arrangements", arrangements)):  # arrangements=1 was a TypeError
         if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) for v in values):
             raise ConfigError(name, f"must be a name or a list of names, got {values!r}")
-        twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+        twice = first_repeat(values)
         if twice is not None:  # its points were scored and counted twice in overall_accuracy
             raise ConfigError(name, f"{twice!r} given twice; give each name once")
     seed = check_seed(seed)
