@@ -325,6 +325,38 @@ def test_bf16_attention_matches_float64_as_closely_as_the_torch_path(m, h, hk, n
             assert err <= 2e-2, (i, err)
 
 
+@pytest.mark.skipif(not (HAVE_CC and native.bf16_attention() and not native.amx()),
+                    reason="the untransposed dK / dV products run on AVX512-BF16 without AMX")
+@pytest.mark.parametrize("m,mk,h,hk,n,q_start,causal,chunk", [
+    (1, 1, 4, 4, 70, 0, True, 32),  # a last block of 6 rows; keys not a multiple of 32
+    (2, 2, 4, 2, 129, 0, True, 64),  # GQA, several blocks: the causal start of each 8 keys' contraction
+    (2, 1, 4, 2, 45, 9, True, 32),  # one K both maps read (DIFF V2), queries after a cached prefix
+    (1, 1, 2, 2, 100, 0, False, 32),  # no causal mask: every key's whole contraction
+])
+def test_bf16_attention_backward_forms_give_the_same_bits(m, mk, h, hk, n, q_start, causal, chunk):
+    """Without AMX the backward multiplies the packed maps as they are (dK = dS^T Q, dV = G^T dO: no transposed
+    operand, each block of keys starting its sum at the first query that sees it); form 0 runs AMX's transposed
+    products (Q^T dS, dO^T G) on the same dot products.  The same products summed in the same order: equal bits."""
+    g = torch.Generator().manual_seed(3)
+    b, d, dv, nk = 2, 32, 64, n + q_start
+    t = lambda *shape: torch.randn(*shape, generator=g).bfloat16()  # noqa: E731
+    q, k, v, dout = t(b, m, h, n, d), t(b * mk * hk, nk, d), t(b, hk, nk, dv), t(b, n, h, dv)
+    lam = 0.37 if m == 2 else 0.0
+    _, lse = native.attention_forward(q, k, v, causal, q_start, chunk, 0.3, lam, None, True)
+    before = native.attention_backward_form()
+    try:
+        assert native.attention_backward_form(0) == 0
+        old = native.attention_backward(q, k, v, dout, lse, causal, q_start, chunk, 0.3, lam, None)
+        assert native.attention_backward_form(1) == 1
+        new = native.attention_backward(q, k, v, dout, lse, causal, q_start, chunk, 0.3, lam, None)
+    finally:
+        native.attention_backward_form(before)
+    for a, c in zip(old, new):
+        assert (a is None) == (c is None)
+        if a is not None:
+            assert torch.equal(a, c) and a.abs().sum() > 0
+
+
 @needs_bf16_attention
 def test_bf16_attention_is_causal_thread_count_invariant_and_reads_values_in_place(monkeypatch):
     """Bitwise the same with 1 and 2 threads; the last query's inputs change no earlier output; V as a strided

@@ -1405,6 +1405,24 @@ static void dot_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t
         }
     }
 }
+
+/* C (M x N float32, row stride ldc) += A B with A given as A^T packed as a B operand (pack_bn's layout: strip
+ * r of 16 rows of A at Ap + r kt TILE, kt tiles) and B packed (strip j at Bp + j kt TILE, the same kt): the
+ * attention's dK = dS^T Q and dV = G^T dO with dS and G in the layout the maps are packed in anyway, so no
+ * operand is transposed and the gradients come out row-major.  Causal (diag >= 0): A's row i is zero over
+ * the contraction before i - diag (a key's gradient has no term from the queries that cannot see it), so each
+ * block of rows starts at the tile holding its first nonzero term. */
+static void dot_gemm_at(int64_t M, int64_t N, const uint16_t *Ap, const uint16_t *Bp, int64_t kt, float *C,
+                        int64_t ldc, int64_t diag) {
+    for (int64_t i = 0; i < M; i += DOT_MR) {
+        int64_t k0 = diag >= 0 && i > diag ? (i - diag) / 32 : 0;
+        if (k0 > kt) k0 = kt;
+        const uint16_t *a = Ap + (i / 16) * kt * TILE + (i % 16) * 2 + k0 * TILE;
+        for (int64_t j = 0; j < N; j += 32)
+            dot_block(DOT_MR, 2, a, 2, 32, Bp + ((j / 16) * kt + k0) * TILE, kt, kt - k0, 0, C + i * ldc + j, ldc, 1,
+                      NULL, 0, NULL);
+    }
+}
 #undef DOT_MR
 #endif
 
@@ -1474,24 +1492,23 @@ static inline void transpose16(vu *r) {
  * alone. */
 static inline __attribute__((always_inline)) void pack_bt_strip(const void *x, int x_f32, int64_t ldx, int64_t n,
                                                                  int64_t w, int64_t j, uint16_t *out) {
-    const int64_t kt = (w + 31) / 32;
+    const int64_t kt = (w + 31) / 32, rows = n - j * 16 < 16 ? (n > j * 16 ? n - j * 16 : 0) : 16;
     for (int64_t kk = 0; kk < kt; kk++) {
         const int half = w - kk * 32 < 32; /* w an odd multiple of 16: the last tile's pairs 8-15 are zero */
         vu r[16];
-        for (int64_t c = 0; c < 16; c++) {
-            const int64_t row = j * 16 + c;
-            if (row >= n) {
-                r[c] = (vu){0};
-            } else if (x_f32) { /* 32 floats rounded to bf16 (nearest-even), as 16 pairs */
-                const float *src = (const float *)x + row * ldx + kk * 32;
-                r[c] = vround_bf16_32(*(const vf *)src, half ? (vf){0} : *(const vf *)(src + 16));
-            } else {
-                r[c] = (vu){0};
-                memcpy(&r[c], (const uint16_t *)x + row * ldx + kk * 32, half ? 32 : 64);
+        if (x_f32) {
+            for (int64_t c = 0; c < 16; c++) {
+                const float *src = (const float *)x + (j * 16 + c) * ldx + kk * 32;
+                /* 32 floats rounded to bf16 (nearest-even), as 16 pairs */
+                r[c] = c < rows ? vround_bf16_32(*(const vf *)src, half ? (vf){0} : *(const vf *)(src + 16)) : (vu){0};
             }
+        } else { /* masked loads: a variable-length copy per row took 3-5x as long (2026-11-27, AMD EPYC) */
+            const __mmask16 m = half ? 0xff : 0xffff;
+            const uint16_t *src = (const uint16_t *)x + j * 16 * ldx + kk * 32;
+            for (int64_t c = 0; c < 16; c++) r[c] = c < rows ? (vu)_mm512_maskz_loadu_epi32(m, src + c * ldx) : (vu){0};
         }
         transpose16(r);
-        memcpy(out + (j * kt + kk) * TILE, r, sizeof r);
+        for (int c = 0; c < 16; c++) memcpy(out + (j * kt + kk) * TILE + c * 32, &r[c], 64); /* kept in registers */
     }
 }
 
@@ -1622,13 +1639,10 @@ static inline void row_to_bf16(const float *src, float a, const float *src2, flo
 
 /* e[0:n] = exp(scale * (e - max)) (unnormalised); returns the sum, sets *mx to scale * max. */
 static inline float exp_row_scaled(float *e, int64_t n, float scale, float *mx_out) {
-    vf vm = (vf){0} - INFINITY;
+    __m512 vm = _mm512_set1_ps(-INFINITY);
     int64_t t = 0;
-    for (; t + LANES <= n; t += LANES) {
-        const vf x = *(const vf *)(e + t);
-        const vi gt = x > vm;
-        vm = (vf)(((vi)x & gt) | ((vi)vm & ~gt));
-    }
+    /* vmaxps(x, m) is x > m ? x : m (m where x is NaN), as the compare-and-select it replaces, in half the time */
+    for (; t + LANES <= n; t += LANES) vm = _mm512_max_ps(_mm512_loadu_ps(e + t), vm);
     float mx = -INFINITY;
     for (int64_t l = 0; l < LANES; l++) mx = vm[l] > mx ? vm[l] : mx;
     for (; t < n; t++) mx = e[t] > mx ? e[t] : mx;
@@ -1750,40 +1764,51 @@ int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
     return !failed;
 }
 
+/* The backward's form for dK and dV: 1 (AVX512-BF16 without AMX, unless a test asked for 0) the products
+ * dS^T Q and G^T dO from the packed maps (dot_gemm_at), else dK^T = Q^T dS and dV^T = dO^T G, transposed at
+ * the end (AMX tiles read their A rows contiguous).  Both sum the same products in the same order: the same
+ * bits.  difftx_attn_bwd_form(f) sets it (f 0 or 1; -1 reads it) and returns it. */
+static int bwd_form = 1;
+int difftx_attn_bwd_form(int f) {
+    if (f == 0 || f == 1) bwd_form = f;
+    return bwd_form;
+}
+static int bwd_at_form(void) {
+#ifdef DIFFTX_DPBF16
+    return bwd_form && !difftx_amx();
+#else
+    return 0;
+#endif
+}
+#ifdef DIFFTX_DPBF16
+#define DOT_GEMM_AT(...) dot_gemm_at(__VA_ARGS__)
+#else
+#define DOT_GEMM_AT(...) ((void)0)
+#endif
+
 int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
     if (!difftx_bf16_attention() || d % 32 || dv % 32 || chunk % 32) return 0;
+    const int at = bwd_at_form(); /* dK, dV row-major through dot_gemm_at (else transposed, as on AMX) */
     const int64_t kpad_all = PAD32(nk), rep = H / Hk, cpad = PAD32(chunk);
     const int64_t nblk = (N + chunk - 1) / chunk;
-    uint16_t *kt = (uint16_t *)malloc((size_t)(B * MK * Hk * kpad_all * d) * 2); /* K^T: S = Q K^T */
-    uint16_t *kn = (uint16_t *)malloc((size_t)(B * MK * Hk * kpad_all * d) * 2); /* K: dQ = dS K */
-    uint16_t *vt = (uint16_t *)malloc((size_t)(B * Hk * kpad_all * dv) * 2);    /* V^T: dP = dO V^T */
     int failed = 0;
-    if (!kt || !kn || !vt) {
-        free(kt);
-        free(kn);
-        free(vt);
-        return 0;
-    }
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t s = 0; s < B * MK * Hk; s++) {
-        pack_bt(k + s * ks, kr, nk, kpad_all, d, kt + s * kpad_all * d);
-        pack_bn(k + s * ks, 0, kr, nk, kpad_all, d, kn + s * kpad_all * d);
-    }
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t s = 0; s < B * Hk; s++) pack_bt(v + (s / Hk) * vsb + (s % Hk) * vsh, vr, nk, kpad_all, dv, vt + s * kpad_all * dv);
 #pragma omp parallel num_threads(nthreads)
     {
         tiles_begin();
         const int64_t kpa = kpad_all;
+        /* the task's K and V, packed by the thread that reads them (while they are in its cache) */
+        uint16_t *kt = (uint16_t *)malloc((size_t)(MK * kpa * d) * 2); /* K^T: S = Q K^T */
+        uint16_t *kn = (uint16_t *)malloc((size_t)(MK * kpa * d) * 2); /* K: dQ = dS K */
+        uint16_t *vt = (uint16_t *)malloc((size_t)(kpa * dv) * 2);     /* V^T: dP = dO V^T */
         float *S = (float *)malloc((size_t)(M * cpad * kpa) * sizeof(float));   /* P_m */
         float *G = (float *)malloc((size_t)(cpad * kpa) * sizeof(float));       /* dP */
-        float *acc = (float *)malloc((size_t)((MK * d + dv) * kpa) * sizeof(float)); /* dK^T per K slice, dV^T */
+        float *acc = (float *)malloc((size_t)((MK * d + dv) * kpa) * sizeof(float)); /* dK (or ^T) per K slice, dV */
         float *O = (float *)malloc((size_t)(cpad * d) * sizeof(float));
         uint16_t *Qb = (uint16_t *)malloc((size_t)(M * cpad * d) * 2), *QT = (uint16_t *)malloc((size_t)(cpad * d) * 2);
         uint16_t *dOb = (uint16_t *)malloc((size_t)(cpad * dv) * 2), *dOT = (uint16_t *)malloc((size_t)(cpad * dv) * 2);
         uint16_t *Ab = (uint16_t *)malloc((size_t)(M * cpad * kpa) * 2); /* dS_m in bf16 */
         uint16_t *Bv = (uint16_t *)malloc((size_t)(cpad * kpa) * 2);     /* packed: the combined map, then dS_m */
-        const int ok = S && G && acc && O && Qb && QT && dOb && dOT && Ab && Bv;
+        const int ok = kt && kn && vt && S && G && acc && O && Qb && QT && dOb && dOT && Ab && Bv;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -1793,6 +1818,12 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
             if (!ok) continue;
             const int64_t b = t / Hk, hk = t % Hk;
             float *dVT = acc + MK * d * kpa;
+            for (int64_t m = 0; m < MK; m++) {
+                const uint16_t *km = k + ((b * MK + m) * Hk + hk) * ks;
+                pack_bt(km, kr, nk, kpa, d, kt + m * kpa * d);
+                pack_bn(km, 0, kr, nk, kpa, d, kn + m * kpa * d);
+            }
+            pack_bt(v + b * vsb + hk * vsh, vr, nk, kpa, dv, vt);
             memset(acc, 0, (size_t)((MK * d + dv) * kpa) * sizeof(float));
             for (int64_t h = hk * rep; h < (hk + 1) * rep; h++) {
                 for (int64_t blk = 0; blk < nblk; blk++) {
@@ -1800,10 +1831,9 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
                     const int64_t ke = causal ? (q_start + i1 < nk ? q_start + i1 : nk) : nk, kp = PAD32(ke);
                     const int64_t diag = causal ? q_start + i0 : -1;
                     for (int64_t m = 0; m < M; m++) { /* the maps again */
-                        const int64_t s = (b * MK + m % MK) * Hk + hk;
                         copy_rows_bf16(q + (((b * M + m) * H + h) * N + i0) * d, d, c, cp, d, Qb + m * cpad * d);
-                        bf16_gemm(cp, kp, d, Qb + m * cpad * d, d, kt + s * kpa * d, d / 32, S + m * cpad * kp, kp, 0, -1,
-                                 diag);
+                        bf16_gemm(cp, kp, d, Qb + m * cpad * d, d, kt + (m % MK) * kpa * d, d / 32, S + m * cpad * kp, kp,
+                                  0, -1, diag);
                     }
                     float lrow[2] = {0.0f, 0.0f};
                     for (int64_t i = 0; i < cp; i++) { /* P1 (and P2) from the saved log-sum-exp */
@@ -1830,11 +1860,15 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
                             }
                     }
                     copy_rows_bf16(dout + ((b * N + i0) * H + h) * dv, H * dv, c, cp, dv, dOb);
-                    transpose_bf16(dOb, dv, cp, cp, dv, dOT);
-                    /* dV^T += dO^T G */
-                    bf16_gemm(dv, kp, cp, dOT, cp, Bv, cp / 32, dVT, kpa, 1, -1, -1);
+                    if (at) { /* dV += G^T dO */
+                        pack_bn(dOb, 0, dv, cp, cp, dv, dOT);
+                        DOT_GEMM_AT(kp, dv, Bv, dOT, cp / 32, dVT, dv, diag);
+                    } else { /* dV^T += dO^T G */
+                        transpose_bf16(dOb, dv, cp, cp, dv, dOT);
+                        bf16_gemm(dv, kp, cp, dOT, cp, Bv, cp / 32, dVT, kpa, 1, -1, -1);
+                    }
                     /* dP = dO V^T */
-                    bf16_gemm(cp, kp, dv, dOb, dv, vt + t * kpa * dv, dv / 32, G, kp, 0, -1, diag);
+                    bf16_gemm(cp, kp, dv, dOb, dv, vt, dv / 32, G, kp, 0, -1, diag);
                     for (int64_t i = 0; i < cp; i++) { /* dS_m = w_m P_m (dP - rowsum(P_m dP)), w = 1, -lambda: bf16 */
                         if (i >= c) {
                             for (int64_t m = 0; m < M; m++) memset(Ab + (m * cpad + i) * kp, 0, (size_t)kp * 2);
@@ -1857,24 +1891,40 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
                         }
                     }
                     for (int64_t m = 0; m < M; m++) {
-                        const int64_t s = (b * MK + m % MK) * Hk + hk;
                         const uint16_t *Am = Ab + m * cpad * kp;
                         /* dQ = scale dS K */
-                        bf16_gemm(cp, d, kp, Am, kp, kn + s * kpa * d, kpa / 32, O, d, 0, diag, -1);
+                        bf16_gemm(cp, d, kp, Am, kp, kn + (m % MK) * kpa * d, kpa / 32, O, d, 0, diag, -1);
                         uint16_t *dqm = dq + (((b * M + m) * H + h) * N + i0) * d;
                         for (int64_t i = 0; i < c; i++) row_to_bf16(O + i * d, scale, NULL, 0.0f, dqm + i * d, d, d);
-                        /* dK^T += Q^T dS (scale at the end) */
-                        transpose_bf16(Qb + m * cpad * d, d, cp, cp, d, QT);
+                        /* dK += dS^T Q, or dK^T += Q^T dS (scale at the end); a shared K (MK 1): both maps'
+                         * products into its one accumulator */
                         pack_bn(Am, 0, kp, cp, cp, kp, Bv);
-                        /* a shared K (MK 1): both maps' products into its one accumulator */
-                        bf16_gemm(d, kp, cp, QT, cp, Bv, cp / 32, acc + (m % MK) * d * kpa, kpa, 1, -1, -1);
+                        if (at) {
+                            pack_bn(Qb + m * cpad * d, 0, d, cp, cp, d, QT);
+                            DOT_GEMM_AT(kp, d, Bv, QT, cp / 32, acc + (m % MK) * d * kpa, d, diag);
+                        } else {
+                            transpose_bf16(Qb + m * cpad * d, d, cp, cp, d, QT);
+                            bf16_gemm(d, kp, cp, QT, cp, Bv, cp / 32, acc + (m % MK) * d * kpa, kpa, 1, -1, -1);
+                        }
                     }
                 }
             }
-            for (int64_t m = 0; m < MK; m++)
-                transpose_out(acc + m * d * kpa, kpa, nk, d, scale, dk + ((b * MK + m) * Hk + hk) * nk * d, d);
-            transpose_out(dVT, kpa, nk, dv, 1.0f, dv_ + b * dvsb + hk * dvsh, dvr);
+            if (at) {
+                for (int64_t m = 0; m < MK; m++) {
+                    uint16_t *dkm = dk + ((b * MK + m) * Hk + hk) * nk * d;
+                    for (int64_t j = 0; j < nk; j++) row_to_bf16(acc + m * d * kpa + j * d, scale, NULL, 0.0f, dkm + j * d, d, d);
+                }
+                for (int64_t j = 0; j < nk; j++)
+                    row_to_bf16(dVT + j * dv, 1.0f, NULL, 0.0f, dv_ + b * dvsb + hk * dvsh + j * dvr, dv, dv);
+            } else {
+                for (int64_t m = 0; m < MK; m++)
+                    transpose_out(acc + m * d * kpa, kpa, nk, d, scale, dk + ((b * MK + m) * Hk + hk) * nk * d, d);
+                transpose_out(dVT, kpa, nk, dv, 1.0f, dv_ + b * dvsb + hk * dvsh, dvr);
+            }
         }
+        free(kt);
+        free(kn);
+        free(vt);
         free(S);
         free(G);
         free(acc);
@@ -1887,13 +1937,14 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
         free(Bv);
         tiles_end();
     }
-    free(kt);
-    free(kn);
-    free(vt);
     return !failed;
 }
 #else
 int difftx_bf16_attention(void) { return 0; }
+int difftx_attn_bwd_form(int f) {
+    (void)f;
+    return 0;
+}
 int difftx_transpose_bf16(const uint16_t *src, int64_t lds, int64_t rows, int64_t cols, uint16_t *dst, int64_t ldd,
                           int nthreads) {
     return 0;

@@ -233,6 +233,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_attn_backward_bf16.argtypes = ([p, p, i64, i64, p, i64, i64, i64, p, p, p, p, p, i64, i64, i64, p]
                                               + [i64] * 10 + [i, i64, f, f, p, i])
     lib.difftx_attn_backward_bf16.restype = i
+    lib.difftx_attn_bwd_form.argtypes = [i]
+    lib.difftx_attn_bwd_form.restype = i
     lib.difftx_transpose_bf16.argtypes = [p, i64, i64, i64, p, i64, i]
     lib.difftx_transpose_bf16.restype = i
     lib.difftx_transpose_bf16_f32.argtypes = [p, i64, i64, i64, p, i64, i]
@@ -477,6 +479,17 @@ def bf16_attention() -> bool:
     """Whether the bfloat16 attention kernel runs here: its products on AMX tiles (:func:`amx`) or, without
     them, on AVX512-BF16 dot products (vdpbf16ps: AMD Zen 4, Intel Cooper Lake and later)."""
     return library() is not None and _STATE.get("bf16_attention", False)
+
+
+def attention_backward_form(form: Optional[int] = None) -> int:
+    """The bf16 attention backward's form for dK and dV on AVX512-BF16 without AMX: 1 (the default) multiplies
+    the packed maps as they are (dS^T Q, G^T dO: no operand transposed, causal blocks skipped), 0 the transposed
+    products AMX runs (Q^T dS, dO^T G).  Both give the same bits; ``form`` sets it (for tests and benchmarks),
+    None reads it."""
+    lib = library()
+    if lib is None:
+        return 0
+    return lib.difftx_attn_bwd_form(-1 if form is None else int(form))
 
 
 def dot_linear() -> bool:
