@@ -811,13 +811,15 @@ def test_swiglu_matches_float64_reference(dtype, monkeypatch):
 @pytest.mark.parametrize("style", ["half", "interleaved"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_batch,five_d", [(False, False), (True, False), (True, True)])
-def test_rope_native_matches_float64_rotation(style, dtype, per_batch, five_d, monkeypatch):
-    """The rotation and its gradient (the inverse rotation) against float64, strided input included."""
+@pytest.mark.parametrize("d", [16, 64])
+def test_rope_native_matches_float64_rotation(style, dtype, per_batch, five_d, d, monkeypatch):
+    """The rotation and its gradient (the inverse rotation) against float64, strided input included; d = 64 takes
+    the whole-vector path of the half style (d / 2 a multiple of the vector width), d = 16 the row buffers."""
     from difftx.nn.rope import RotaryEmbedding, apply_rope
 
     monkeypatch.setattr(native, "ENABLED", True)
     gen = torch.Generator().manual_seed(0)
-    b, n, d = 2, 11, 16
+    b, n = 2, 11
     pos = torch.arange(n) + torch.tensor([[0], [5]]) if per_batch else torch.arange(n)
     cos, sin = RotaryEmbedding(d, style=style).cos_sin(pos)  # (B|1, 1, N, d/2)
     shape = (b, 3, 2, n, d) if five_d else (b, 3, n, d)

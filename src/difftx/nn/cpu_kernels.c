@@ -727,6 +727,18 @@ void difftx_swiglu_backward(const void *g, const void *u, const void *dh, void *
 static inline void rope_row(const void *x, int64_t xo, void *out, int64_t oo, int is_bf16, const float *c,
                             const float *s, int64_t d, int interleaved, float sign, float *xr, float *yr) {
     const int64_t half = d / 2;
+    if (!interleaved && half % LANES == 0) { /* whole vectors straight from and to the rows, either dtype */
+        for (int64_t i = 0; i < half; i += LANES) {
+            const vf a = vload(x, xo + i, is_bf16, LANES, 0.0f), e = vload(x, xo + i + half, is_bf16, LANES, 0.0f);
+            vf ci, si;
+            memcpy(&ci, c + i, sizeof ci);
+            memcpy(&si, s + i, sizeof si);
+            si *= sign;
+            vstore(out, oo + i, is_bf16, a * ci - e * si, LANES);
+            vstore(out, oo + i + half, is_bf16, a * si + e * ci, LANES);
+        }
+        return;
+    }
     /* float32 rows are read and written in place; bfloat16 ones go through xr / yr */
     const float *xs = is_bf16 ? xr : (const float *)x + xo;
     float *ys = is_bf16 ? yr : (float *)out + oo;
