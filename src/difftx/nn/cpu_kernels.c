@@ -727,7 +727,7 @@ void difftx_swiglu_backward(const void *g, const void *u, const void *dh, void *
 static inline void rope_row(const void *x, int64_t xo, void *out, int64_t oo, int is_bf16, const float *c,
                             const float *s, int64_t d, int interleaved, float sign, float *xr, float *yr) {
     const int64_t half = d / 2;
-    if (!interleaved && half % LANES == 0) { /* whole vectors straight from and to the rows, either dtype */
+    if (is_bf16 && !interleaved && half % LANES == 0) { /* whole bf16 vectors straight from and to the rows */
         for (int64_t i = 0; i < half; i += LANES) {
             const vf a = vload(x, xo + i, is_bf16, LANES, 0.0f), e = vload(x, xo + i + half, is_bf16, LANES, 0.0f);
             vf ci, si;
