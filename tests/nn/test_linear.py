@@ -531,6 +531,41 @@ def test_dot_kernels_pack_a_and_a_packed_operand(m, k, n, threads):
 
 
 @needs_dot_linear
+@pytest.mark.parametrize("m,ks,n", [(70, (512, 48, 16), 96), (64, (64, 176), 48), (256, (32, 32, 32, 32), 16)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dot_mm_sum_gives_the_bits_of_the_chained_products(m, ks, n, threads):
+    """dot_mm_sum (dx of several projections: their products summed in registers, written once) equals the
+    chain of dot_mm calls that pass float32 sums on with ``add`` bit for bit, into float32 or bfloat16, rows not a
+    multiple of 8 and contractions an odd multiple of 16 included; its pack_a writes pack_rows of each a."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(m + n + len(ks))
+        a_list = [torch.randn(m, k, generator=g).bfloat16() for k in ks]
+        bps = [native.pack_rows(torch.randn(k, n, generator=g), k) for k in ks]
+        sums = torch.empty(m, n)
+        for i, (a, bp) in enumerate(zip(a_list, bps)):
+            assert native.dot_mm(a, bp, n, sums, add=sums if i else None)
+        last = torch.empty(m, n, dtype=torch.bfloat16)  # the chain's bf16 end: the last product rounds once
+        before_last = torch.empty(m, n)
+        for i, (a, bp) in enumerate(zip(a_list[:-1], bps[:-1])):
+            assert native.dot_mm(a, bp, n, before_last, add=before_last if i else None)
+        assert native.dot_mm(a_list[-1], bps[-1], n, last, add=before_last)
+        for dtype, want in ((torch.float32, sums), (torch.bfloat16, last)):
+            got = torch.full((m, n), float("nan"), dtype=dtype)
+            packs = [torch.full((native.packed_rows_numel(m, k),), float("nan"), dtype=torch.bfloat16) if m % 32 == 0
+                     else None for k in ks]
+            assert native.dot_mm_sum(a_list, bps, n, got, pack_a=packs)
+            assert torch.equal(got, want)
+            for a, pa in zip(a_list, packs):
+                assert pa is None or torch.equal(pa, native.pack_rows(a, m))
+        assert not native.dot_mm_sum(a_list, bps[:-1], n, torch.empty(m, n))  # lists of different lengths
+        assert not native.dot_mm_sum([], [], n, torch.empty(m, n))
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_dot_linear
 def test_dot_kernels_decline_what_they_do_not_take():
     assert native.pack_wt(torch.randn(40, 64)) is None  # rows not a multiple of 16
     assert native.pack_wt(torch.randn(64, 40)) is None
@@ -565,16 +600,16 @@ def test_dot_path_is_taken_and_matches_torch(tokens, widths, d_in, monkeypatch):
     """On a CPU with AVX512-BF16 and without AMX, bf16 training calls whose widths are multiples of 16 run
     _DotLinear, and a width that is not falls back to _Linear (torch's GEMMs); both as close to float64 as
     torch's own path."""
-    calls, wcalls = [], []
-    real, real_t = native.dot_mm, native.dot_mm_t
+    calls, wcalls, scalls = [], [], []
+    real, real_t, real_s = native.dot_mm, native.dot_mm_t, native.dot_mm_sum
     monkeypatch.setattr(native, "dot_mm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     monkeypatch.setattr(native, "dot_mm_t", lambda *a, **k: wcalls.append(a[1:3]) or real_t(*a, **k))
+    monkeypatch.setattr(native, "dot_mm_sum", lambda *a, **k: scalls.append(len(a[0])) or real_s(*a, **k))
     layers = _layers(widths, d_in, True)
     x = torch.randn(tokens, d_in)
     ys, g = _ours(x, layers, autocast=True)
     assert ys[0].grad_fn.name().startswith("_DotLinear")
-    n_fwd = 3
-    assert len(calls) >= n_fwd + 3
+    assert len(calls) == 3 and scalls == [3]  # three forward products; dx of the three in one summed call
     # the weight gradients: on dY packed by the dx products (no transpose of dY), or torch's GEMM at 50 tokens
     assert len(wcalls) == (3 if tokens % 32 == 0 else 0)
     ys_ref, g_ref = _reference(x, layers, torch.bfloat16, autocast=True)
@@ -588,9 +623,10 @@ def test_dot_path_is_taken_and_matches_torch(tokens, widths, d_in, monkeypatch):
         assert err <= 1.25 * err_ref + 1e-4, (err, err_ref)
     calls.clear()
     wcalls.clear()
+    scalls.clear()
     odd = _layers([40], d_in, False)  # 40 rows: not a multiple of 16
     ys, _ = _ours(x, odd, autocast=True)
-    assert ys[0].grad_fn.name().startswith("_Linear") and not calls and not wcalls
+    assert ys[0].grad_fn.name().startswith("_Linear") and not calls and not wcalls and not scalls
 
 
 @needs_dot_linear

@@ -1399,6 +1399,40 @@ static inline __attribute__((always_inline)) void dot_block(int mr, int nv, cons
         }
     }
 }
+
+/* dot_block summed over nseg products into one set of accumulators: C rows [0, mr) (16 nv columns) = the sum
+ * over s of A_s rows (as[s] + m ldas[s], row-major: pair stride 2) x the strip pair at bs[s] (ksts[s] tiles a
+ * strip, the first kts[s] whole, then halves[s] as dot_block's half), stored once: into cb (bf16) when given,
+ * else cf (float32).  The sums run in dot_block's order, segment after segment, so they equal a chain of
+ * dot_block calls that store and reload float32 between segments, bit for bit. */
+static inline __attribute__((always_inline)) void dot_block_segs(int mr, int nv, int nseg, const uint16_t *const *as,
+                                                                 const int64_t *ldas, const uint16_t *const *bs,
+                                                                 const int64_t *ksts, const int64_t *kts,
+                                                                 const int *halves, float *cf, int64_t ldc,
+                                                                 uint16_t *cb, int64_t ldb) {
+    __m512 c0[8], c1[8];
+    const int ps = 2;
+    DIFFTX_UNROLL
+    for (int m = 0; m < mr; m++) c0[m] = c1[m] = _mm512_setzero_ps();
+    for (int sg = 0; sg < nseg; sg++) {
+        const uint16_t *a = as[sg], *b0 = bs[sg], *b1 = b0 + ksts[sg] * TILE;
+        const int64_t lda = ldas[sg], kt = kts[sg];
+        for (int64_t kk = 0; kk < kt; kk++)
+            for (int r = 0; r < 16; r++) DOT_STEP(kk, r);
+        if (halves[sg])
+            for (int r = 0; r < 8; r++) DOT_STEP(kt, r);
+    }
+    DIFFTX_UNROLL
+    for (int m = 0; m < mr; m++) {
+        if (cb) {
+            vstore_bf16(cb + m * ldb, (vf)c0[m]);
+            if (nv == 2) vstore_bf16(cb + m * ldb + 16, (vf)c1[m]);
+        } else {
+            _mm512_storeu_ps(cf + m * ldc, c0[m]);
+            if (nv == 2) _mm512_storeu_ps(cf + m * ldc + 16, c1[m]);
+        }
+    }
+}
 #undef DOT_STEP
 
 #define DOT_MR 8 /* rows of C per register block (x 32 columns: 16 accumulators) */
@@ -2052,6 +2086,71 @@ int difftx_dot_linear(const uint16_t *A, int64_t lda, int64_t M, const uint16_t 
     return 1;
 }
 
+/* C (M x N) = sum over s < nseg of A_s (M x K_s bf16 rows, row stride lda[s]) B_s (packed for K_s as in
+ * difftx_dot_linear), into cb (bf16, ldb) or cf (float32, ldc): dx of several projections of one input
+ * (dx = dY_q W_q + dY_k W_k + dY_v W_v) summed in registers and written once, where a chain of products
+ * would store and reload the float32 sums between them (the same bits).  pack_a[s] (or NULL; M a multiple of
+ * 32): A_s packed along its rows there too, as difftx_dot_linear's pack_a.  N and every K_s multiples of 16;
+ * nseg at most DOT_SEGS. */
+#define DOT_SEGS 8
+int difftx_dot_linear_sum(int nseg, const uint16_t *const *A, const int64_t *lda, int64_t M, const uint16_t *const *Bp,
+                          const int64_t *K, int64_t N, float *cf, int64_t ldc, uint16_t *cb, int64_t ldb,
+                          uint16_t *const *pack_a, int nthreads) {
+    if (nseg < 1 || nseg > DOT_SEGS || N % 16 || N < 16 || (!cf && !cb)) return 0;
+    int64_t kst[DOT_SEGS], kts[DOT_SEGS];
+    int halves[DOT_SEGS], packs = 0;
+    for (int sg = 0; sg < nseg; sg++) {
+        if (K[sg] % 16 || K[sg] < 16) return 0;
+        kts[sg] = K[sg] / 32;
+        halves[sg] = K[sg] % 32 != 0;
+        kst[sg] = kts[sg] + halves[sg];
+        packs |= pack_a && pack_a[sg];
+    }
+    if (packs && M % 32) return 0;
+    const int64_t pairs = (N + 31) / 32, rb = (M + LIN_IB - 1) / LIN_IB;
+    const int64_t cbs = rb >= nthreads ? 1 : pairs, per = (pairs + cbs - 1) / cbs;
+#pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
+    for (int64_t ib = 0; ib < rb; ib++)
+        for (int64_t jb = 0; jb < cbs; jb++) {
+            const int64_t i1 = (ib + 1) * LIN_IB < M ? (ib + 1) * LIN_IB : M;
+            const int64_t p1 = (jb + 1) * per < pairs ? (jb + 1) * per : pairs;
+            if (packs && jb == 0)
+                for (int sg = 0; sg < nseg; sg++)
+                    if (pack_a[sg])
+                        for (int64_t kk = ib * LIN_IB / 32; kk < i1 / 32; kk++)
+                            pack_bn_tile(A[sg], 0, lda[sg], M, M / 32, kk, K[sg], pack_a[sg]);
+            for (int64_t j = jb * per * 32; j < p1 * 32; j += 32) {
+                const uint16_t *bs[DOT_SEGS];
+                for (int sg = 0; sg < nseg; sg++) bs[sg] = Bp[sg] + (j / 16) * kst[sg] * TILE;
+                const int two = N - j >= 32;
+                for (int64_t i = ib * LIN_IB; i < i1; i += LIN_MR) {
+                    const uint16_t *as[DOT_SEGS];
+                    for (int sg = 0; sg < nseg; sg++) as[sg] = A[sg] + i * lda[sg];
+                    float *c = cf ? cf + i * ldc + j : NULL;
+                    uint16_t *o = cb ? cb + i * ldb + j : NULL;
+#define SUM_CASE(MR)                                                                                \
+    case MR:                                                                                        \
+        if (two) dot_block_segs(MR, 2, nseg, as, lda, bs, kst, kts, halves, c, ldc, o, ldb);        \
+        else dot_block_segs(MR, 1, nseg, as, lda, bs, kst, kts, halves, c, ldc, o, ldb);            \
+        break;
+                    switch (i1 - i < LIN_MR ? i1 - i : LIN_MR) {
+                        SUM_CASE(8)
+                        SUM_CASE(7)
+                        SUM_CASE(6)
+                        SUM_CASE(5)
+                        SUM_CASE(4)
+                        SUM_CASE(3)
+                        SUM_CASE(2)
+                        default: SUM_CASE(1)
+                    }
+#undef SUM_CASE
+                }
+            }
+        }
+    return 1;
+}
+#undef DOT_SEGS
+
 /* B = W^T packed for a product over W's columns (pack_bt's layout): W (n rows of k, row stride ldw; float32 when
  * w_f32, rounded to bf16 nearest-even, else bf16), n and k multiples of 16 (returns 0 otherwise; an odd multiple
  * of 16 of k leaves the last tile's second half zero).  Threads take strips. */
@@ -2076,6 +2175,11 @@ int difftx_pack_rows(const void *x, int x_f32, int64_t ldx, int64_t n, int64_t n
 #undef LIN_MR
 #undef LIN_IB
 #else
+int difftx_dot_linear_sum(int nseg, const uint16_t *const *A, const int64_t *lda, int64_t M, const uint16_t *const *Bp,
+                          const int64_t *K, int64_t N, float *cf, int64_t ldc, uint16_t *cb, int64_t ldb,
+                          uint16_t *const *pack_a, int nthreads) {
+    return 0;
+}
 int difftx_dot_linear(const uint16_t *A, int64_t lda, int64_t M, const uint16_t *Bp, int64_t kt, int64_t N,
                       float *cf, int64_t ldc, int acc, uint16_t *cb, int64_t ldb, const float *bias, int a_packed,
                       uint16_t *pack_a, int nthreads) {

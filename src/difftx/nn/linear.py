@@ -140,13 +140,18 @@ class _DotLinear(torch.autograd.Function):
         dx = None
         if need[0]:  # float32 sums across the projections, rounded once into x's dtype
             sums = None
-            for i, (dy2, w) in enumerate(zip(dy2s, ws)):
+            bps = [native.pack_rows(w, w.shape[0]) for w in ws]
+            if 1 < n <= native.DOT_SUM_MAX:  # one call: the sums stay in registers from product to product
+                sums = torch.empty(m, k, dtype=_BF16 if x_dtype == _BF16 else torch.float32)
+                if not native.dot_mm_sum(dy2s, bps, k, sums, pack_a=dyps):
+                    raise RuntimeError("difftx Linear: the bf16 dot-product kernel refused a call it was given")
+            for i, (dy2, bp) in enumerate(zip(dy2s, bps) if sums is None else ()):
                 last = i == n - 1
                 if last and x_dtype == _BF16:
                     out = torch.empty(m, k, dtype=_BF16)
                 else:
                     out = sums if sums is not None else torch.empty(m, k, dtype=torch.float32)
-                if not native.dot_mm(dy2, native.pack_rows(w, w.shape[0]), k, out, add=sums, pack_a=dyps[i]):
+                if not native.dot_mm(dy2, bp, k, out, add=sums, pack_a=dyps[i]):
                     raise RuntimeError("difftx Linear: the bf16 dot-product kernel refused a call it was given")
                 sums = out
             dx = sums.view(x_shape).to(x_dtype)

@@ -241,6 +241,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_transpose_bf16_f32.restype = i
     lib.difftx_dot_linear.argtypes = [p, i64, i64, p, i64, i64, p, i64, i, p, i64, p, i, p, i]
     lib.difftx_dot_linear.restype = i
+    lib.difftx_dot_linear_sum.argtypes = [i, p, p, i64, p, p, i64, p, i64, p, i64, p, i]
+    lib.difftx_dot_linear_sum.restype = i
     lib.difftx_pack_wt.argtypes = [p, i, i64, i64, i64, p, i]
     lib.difftx_pack_wt.restype = i
     lib.difftx_pack_rows.argtypes = [p, i, i64, i64, i64, i64, p, i]
@@ -568,6 +570,43 @@ def packed_rows_numel(rows: int, cols: int) -> int:
     """Elements of ``pack_rows(x, rows)`` for an x of ``cols`` columns (the buffer :func:`dot_mm`'s ``pack_a``
     fills)."""
     return _packed_numel(rows, cols)
+
+
+DOT_SUM_MAX = 8  # products one dot_mm_sum call takes (the kernel's DOT_SEGS)
+
+
+def dot_mm_sum(a_list: list, bp_list: list, n: int, out: torch.Tensor, pack_a: Optional[list] = None) -> bool:
+    """out (m, n) = sum over i of a_list[i] (m, k_i) @ B_i, B_i packed by :func:`pack_rows` or :func:`pack_wt` for
+    k_i (``bp_list[i]``), summed in float32 registers and rounded once (the bits of a chain of :func:`dot_mm`
+    calls that pass their float32 sums on with ``add``, without storing and reloading them between the
+    products).  Each a bfloat16 with a unit column stride, every k_i and n multiples of 16; ``out``
+    contiguous, float32 or bfloat16.  ``pack_a`` (None or a list with None entries): a_i packed along its rows
+    there too, as :func:`dot_mm`'s.  At most :data:`DOT_SUM_MAX` products; False where the kernel does not
+    take the call (nothing written)."""
+    count = len(a_list)
+    pack_a = list(pack_a) if pack_a is not None else [None] * count
+    if not 1 <= count <= DOT_SUM_MAX or len(bp_list) != count or len(pack_a) != count or not dot_linear():
+        return False
+    m = a_list[0].shape[0]
+    if (out.shape != (m, n) or not out.is_contiguous() or out.dtype not in (torch.float32, torch.bfloat16)
+            or not n or n % 16):
+        return False
+    for a, bp, pa in zip(a_list, bp_list, pack_a):
+        k = a.shape[1] if a.dim() == 2 else -1
+        if (a.dim() != 2 or a.dtype != torch.bfloat16 or a.shape[0] != m or a.stride(1) != 1 or not k or k % 16
+                or bp.numel() != _packed_numel(k, n) or bp.dtype != torch.bfloat16 or not bp.is_contiguous()
+                or (pa is not None and (m % 32 or pa.dtype != torch.bfloat16 or not pa.is_contiguous()
+                                        or pa.numel() != _packed_numel(m, k)))):
+            return False
+    ptrs = ctypes.c_void_p * count
+    i64s = ctypes.c_int64 * count
+    f32 = out.dtype == torch.float32
+    packs = ptrs(*(None if pa is None else pa.data_ptr() for pa in pack_a))
+    return bool(library().difftx_dot_linear_sum(
+        count, ptrs(*(a.data_ptr() for a in a_list)), i64s(*(a.stride(0) for a in a_list)), m,
+        ptrs(*(bp.data_ptr() for bp in bp_list)), i64s(*(a.shape[1] for a in a_list)), n,
+        out.data_ptr() if f32 else None, n, None if f32 else out.data_ptr(), n,
+        packs if any(pa is not None for pa in pack_a) else None, torch.get_num_threads()))
 
 
 def dot_mm_t(ap: torch.Tensor, rows: int, cols: int, bp: torch.Tensor, n: int, out: torch.Tensor) -> bool:
