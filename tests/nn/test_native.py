@@ -813,8 +813,9 @@ def test_swiglu_matches_float64_reference(dtype, monkeypatch):
 @pytest.mark.parametrize("per_batch,five_d", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("d", [16, 64])
 def test_rope_native_matches_float64_rotation(style, dtype, per_batch, five_d, d, monkeypatch):
-    """The rotation and its gradient (the inverse rotation) against float64, strided input included; d = 64 takes
-    the whole-vector path of the half style (d / 2 a multiple of the vector width), d = 16 the row buffers."""
+    """The rotation and its gradient (the inverse rotation) against float64, strided input included; in bf16,
+    d = 64 takes the whole-vector path of the half style (d / 2 a multiple of the vector width), d = 16 the row
+    buffers."""
     from difftx.nn.rope import RotaryEmbedding, apply_rope
 
     monkeypatch.setattr(native, "ENABLED", True)

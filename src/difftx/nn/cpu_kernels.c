@@ -2015,7 +2015,7 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
  * rows read in place, B packed as the attention kernel packs it) at 210-225 alone.  The packing reads a
  * float32 weight directly (autocast's cast to bf16 rounds the same way, nearest-even), a weight gradient is
  * written in the weight's dtype from the float32 sums, and dx of several projections of one input
- * accumulates in float32 across their products. */
+ * accumulates in float32 across their products (in registers: difftx_dot_linear_sum). */
 #ifdef DIFFTX_DPBF16
 #define LIN_MR 8 /* rows per register block (dot_block's most) */
 #define LIN_IB 64 /* rows per thread task: its A rows stay in L1/L2 while every column strip passes */
