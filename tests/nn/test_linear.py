@@ -561,6 +561,8 @@ def test_dot_mm_sum_gives_the_bits_of_the_chained_products(m, ks, n, threads):
                 assert pa is None or torch.equal(pa, native.pack_rows(a, m))
         assert not native.dot_mm_sum(a_list, bps[:-1], n, torch.empty(m, n))  # lists of different lengths
         assert not native.dot_mm_sum([], [], n, torch.empty(m, n))
+        assert not native.dot_mm_sum(a_list, [None] * len(ks), n, torch.empty(m, n))  # pack_rows declined a width
+        assert not native.dot_mm_sum(a_list, bps, n, torch.empty(m, n + 16))  # out of the wrong shape
     finally:
         torch.set_num_threads(before)
 

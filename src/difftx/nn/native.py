@@ -594,7 +594,8 @@ def dot_mm_sum(a_list: list, bp_list: list, n: int, out: torch.Tensor, pack_a: O
     for a, bp, pa in zip(a_list, bp_list, pack_a):
         k = a.shape[1] if a.dim() == 2 else -1
         if (a.dim() != 2 or a.dtype != torch.bfloat16 or a.shape[0] != m or a.stride(1) != 1 or not k or k % 16
-                or bp.numel() != _packed_numel(k, n) or bp.dtype != torch.bfloat16 or not bp.is_contiguous()
+                or bp is None or bp.numel() != _packed_numel(k, n) or bp.dtype != torch.bfloat16
+                or not bp.is_contiguous()
                 or (pa is not None and (m % 32 or pa.dtype != torch.bfloat16 or not pa.is_contiguous()
                                         or pa.numel() != _packed_numel(m, k)))):
             return False
