@@ -111,6 +111,20 @@ def test_min_lr_with_a_constant_schedule_is_refused_not_ignored(tmp_path, train_
     assert train_cli("--steps", 2, "--schedule", "constant", "--eval-every", 0, "--out", out) == 0
 
 
+def test_a_constant_schedule_takes_an_lr_below_the_default_min_lr(tmp_path, train_cli, capsys):
+    """min_lr is unread under --schedule constant, so its default (1e-4) must not refuse a smaller --lr: --min-lr,
+    the only way around that check, is itself refused there.  Under a decay the check stays, one line."""
+    from difftx.train import TrainConfig
+
+    assert TrainConfig(schedule="constant", lr=1e-5).min_lr == 1e-4
+    out = tmp_path / "run"
+    assert train_cli("--steps", 1, "--schedule", "constant", "--lr", 5e-5, "--eval-every", 0, "--out", out) == 0
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["lr"] == 5e-5
+    capsys.readouterr()
+    assert train_cli("--steps", 1, "--lr", 5e-5, "--out", tmp_path / "cosine") == 2
+    assert "min_lr: (0.0001) must not exceed lr" in _one_line(capsys)
+
+
 def test_recipe_epochs_give_way_to_steps_and_warmup():
     """--steps and --warmup beat a recipe's epochs and warmup_epochs (both dropped, not half-kept); --warmup alone
     beats its warmup_epochs (it was ignored, and the run's own command then could not resume it)."""

@@ -144,7 +144,7 @@ class TrainConfig:
         if self.nesterov and self.momentum == 0 and self.optimizer in ("sgd", "msgdw"):
             raise ConfigError("nesterov", "needs a momentum above 0 (torch's SGD refuses Nesterov without one); "
                                           "drop --nesterov or give --momentum")
-        if self.min_lr > self.lr:
+        if self.min_lr > self.lr and self.schedule != "constant":  # unread there (optim.lr_at)
             raise ConfigError("min_lr", f"({self.min_lr}) must not exceed lr ({self.lr})")
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
             raise ConfigError("betas", f"must be two numbers in [0, 1); got {self.betas!r}")
