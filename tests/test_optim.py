@@ -131,6 +131,22 @@ def test_muon_for_matrices_adamw_for_the_rest():
     assert [g["weight_decay"] for g in rest.param_groups] == [0.01]  # --decay-all reaches AdamW's side too
 
 
+def test_combined_state_of_another_number_of_optimizers_is_refused():
+    """A Muon + AdamW state holding one part only loaded Muon's and left AdamW's moments fresh, silently (a resume
+    then trained on another trajectory); it is refused as a mismatch (checkpoint.py makes it one line)."""
+    model = _model("softmax")
+    opt = build_optimizer(model, "muon", lr=0.02)
+    opt.zero_grad()
+    _loss(model, 0).backward()
+    opt.step()
+    state = opt.state_dict()
+    fresh = build_optimizer(model, "muon", lr=0.02)
+    with pytest.raises(ValueError, match="1 optimizer"):
+        fresh.load_state_dict({"optimizers": state["optimizers"][:1]})
+    fresh.load_state_dict(state)
+    assert len(fresh.optimizers[1].state) == len(opt.optimizers[1].state) > 0
+
+
 @pytest.mark.parametrize("nesterov, rule", [(True, "match_rms_adamw"), (False, "original")])
 def test_muon_in_bf16_is_torchs_muon_exactly(nesterov, rule):
     """Same hyperparameters, state and update as torch.optim.Muon, bit for bit, when it iterates in bf16."""

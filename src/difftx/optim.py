@@ -165,6 +165,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
         return {"optimizers": [o.state_dict() for o in self.optimizers]}
 
     def load_state_dict(self, state):
+        if len(state["optimizers"]) != len(self.optimizers):  # zip would load some and leave the rest fresh
+            raise ValueError(f"holds the states of {len(state['optimizers'])} optimizer(s), this one combines "
+                             f"{len(self.optimizers)}")
         for o, s in zip(self.optimizers, state["optimizers"]):
             o.load_state_dict(s)
 
