@@ -196,6 +196,24 @@ def test_grads_keeps_earlier_results_unless_force(tmp_path, capsys, keep_threads
     assert "Gradient flow" in (out / "report.md").read_text() and (out / "flow.json").is_file()
 
 
+def test_grads_force_removes_the_earlier_runs_figures_it_does_not_redraw(tmp_path, capsys, keep_threads):
+    """--force --no-plots (or fewer --optimizers) wrote this run's JSON beside the earlier run's flow.png and
+    tails_*.png, figures of another result; they are removed now (a study --only skips keeps its figures)."""
+    out = tmp_path / "g"
+    out.mkdir()
+    earlier = ("report.md", "flow.png", "tails_hist_adamw.png", "tails_hist_msgdw.png", "tails_summary.png")
+    for name in earlier:
+        (out / name).write_bytes(b"an earlier run's")
+    rc = main(["grads", "--out", str(out), *tiny(["--only", "tails"]), "--only", "tails", "--settings", "S1",
+               "--optimizers", "adamw", "--no-plots", "--force"])
+    assert rc == 0, capsys.readouterr().err
+    assert "tails_hist_msgdw.png" in capsys.readouterr().out
+    assert sorted(p.name for p in out.glob("*.png")) == ["flow.png"]  # the flow study did not run: left as it was
+    assert (out / "flow.png").read_bytes() == b"an earlier run's"
+    assert main(["grads", "--out", str(out), *tiny(["--only", "flow"]), "--only", "flow", "--no-plots", "--force"]) == 0
+    assert not list(out.glob("*.png")) and "flow.png" in capsys.readouterr().out
+
+
 def test_grads_data_shorter_than_seq_len_writes_nothing(tmp_path, capsys, keep_threads):
     """RoPE models have no max_seq_len to check; the data length is checked before --out is made."""
     short = tmp_path / "short.txt"

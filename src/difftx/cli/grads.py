@@ -348,6 +348,7 @@ def _flow_section(st: _Study) -> None:
     if st.plots is not None:
         st.plots.plot_flow(res, st.out / "flow.png")
         st.written.append("flow.png")
+    _drop_stale_figures(st, ["flow.png"])
 
 
 TAIL_TABLES = [("entries", "q99_9_over_q50", "|g| entries, q99.9 / q50 (Gaussian: 4.9)"),
@@ -405,6 +406,20 @@ def _tails_section(st: _Study) -> None:
                       + ("; the earlier run's figure of that name was removed" if removed else ""))
             else:
                 st.written.append(name)
+    _drop_stale_figures(st, ["tails_summary.png"] + sorted(p.name for p in st.out.glob("tails_hist_*.png")))
+
+
+def _drop_stale_figures(st: _Study, names: list[str]) -> None:
+    """With --force, an earlier run's figures of a study this run redid but did not redraw (--no-plots, no
+    matplotlib, fewer --optimizers) are removed: beside this run's JSON they would misstate it."""
+    if not st.args.force:
+        return
+    stale = [n for n in names if n not in st.written and (st.out / n).is_file()]
+    for n in stale:
+        (st.out / n).unlink()
+    if stale:
+        print(f"difftx grads: removed {', '.join(stale)}: the earlier run's figures (--force), which this run did "
+              "not redraw")
 
 
 def _check_memory(args, configs) -> None:
