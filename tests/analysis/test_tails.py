@@ -168,3 +168,12 @@ def test_constant_float64_data_has_no_spread_not_rounding_noise():
     a, b = tails.noise_stats(zero), tails.noise_stats(flat)
     for key in ("alpha_mohammadi", "hill", "q99_9_over_q50", "excess_kurtosis"):
         assert b[key] == pytest.approx(a[key], rel=1e-9), (key, a, b)
+
+
+def test_all_zero_data_has_no_spread_not_an_infinitely_heavy_tail():
+    """q99.9/q50 and max/RMS of all-zero values (identically zero noise, a zero gradient) are 0/0; they read inf,
+    the heaviest tail, where the other statistics say NaN.  More than half zeros with a spread stays inf."""
+    for x in (np.zeros(1000), np.zeros((4, 8))):
+        assert math.isnan(tails.quantile_ratio(x)) and math.isnan(tails.max_over_rms(x))
+    assert math.isnan(tails.noise_stats(np.tile(np.arange(64.0), (12, 1)))["q99_9_over_q50"])
+    assert tails.quantile_ratio(np.r_[np.zeros(600), np.ones(400)]) == math.inf

@@ -44,8 +44,10 @@ def quantile_ratio(x, hi: float = 0.999, lo: float = 0.5) -> float:
     a = np.abs(_flat(x))
     if a.size == 0:
         return math.nan
-    q_lo = np.quantile(a, lo)
-    return float(np.quantile(a, hi) / q_lo) if q_lo > 0 else math.inf
+    q_lo, q_hi = np.quantile(a, lo), np.quantile(a, hi)
+    if q_lo > 0:
+        return float(q_hi / q_lo)
+    return math.inf if q_hi > 0 else math.nan  # 0 / 0: no spread (zero noise, a zero gradient), not a heavy tail
 
 
 def max_over_rms(x) -> float:
@@ -53,8 +55,10 @@ def max_over_rms(x) -> float:
     a = _flat(x)
     if a.size == 0:
         return math.nan
-    rms = math.sqrt(float(np.mean(a * a)))
-    return float(np.max(np.abs(a)) / rms) if rms > 0 else math.inf
+    rms, top = math.sqrt(float(np.mean(a * a))), float(np.max(np.abs(a)))
+    if rms > 0:
+        return top / rms
+    return math.inf if top > 0 else math.nan  # all zeros: 0 / 0, no spread
 
 
 def excess_kurtosis(x) -> float:
