@@ -125,6 +125,9 @@ def test_grads_on_diff2_and_softmax_checkpoints_gives_flow_ratios(tmp_path, caps
     (["--flow-optimizer", "bogus"], "--flow-optimizer"),
     (["--settings", ""], "--settings"),
     (["--settings", " , "], "--settings"),
+    # the same row run twice read as two seeds agreeing exactly (mean +- 0) in the tables
+    (["--settings", "S1,diff,S1"], "--settings: names S1 more than once"),
+    (["--optimizers", "adamw,adamw"], "--optimizers: names adamw more than once"),
     # an option of a study this run skips was accepted and ignored
     (["--only", "flow", "--tail-steps", "2"], "--tail-steps: is an option of the tail study, and --only flow skips"),
     (["--only", "flow", "--settings", "S1"], "--settings: is an option of the tail study"),

@@ -135,6 +135,11 @@ def _check(args) -> None:
             raise ConfigError(flag, f"give at least one of {', '.join(OPTIMIZERS)}")
     if not _split(args.settings):
         raise ConfigError("--settings", f"give at least one setting, e.g. {DEFAULT_SETTINGS}")
+    for flag, names in (("--settings", _split(args.settings)), ("--optimizers", _split(args.optimizers))):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:  # the same row run again reads as seeds agreeing exactly (mean +- 0): use --seeds for repeats
+            raise ConfigError(flag, f"names {', '.join(twice)} more than once; give each once (--seeds N repeats "
+                                    "the study over seeds)")
     from ..runtime import resolve_device
 
     args.device = str(resolve_device(args.device))
