@@ -131,3 +131,23 @@ def test_too_little_text_names_the_fix(checkpoint, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("difftx eval")
     assert "got 11" in err[0] and "pass more data or a smaller --seq-len" in err[0]
+
+
+def test_token_ids_past_the_vocabulary_are_one_line(tmp_path, capsys):
+    """A tokenizer with more ids than the model's vocabulary (a byte tokenizer beside a vocab-100 model): eval lm
+    said so in one line, exit 2; eval outliers crashed with the embedding's IndexError traceback."""
+    import difftx
+    from difftx.cli import main
+    from difftx.data import ByteTokenizer
+    from evals_helpers import haystack_text
+
+    ckpt = tmp_path / "ckpt"
+    difftx.save_model(tiny_model("diff", vocab_size=100), ckpt)
+    ByteTokenizer().save(ckpt)
+    (tmp_path / "text.txt").write_text(haystack_text(20))
+    capsys.readouterr()
+    rc = main(["eval", "outliers", "--checkpoint", str(ckpt), "--out", str(tmp_path / "o"), "--data",
+               str(tmp_path / "text.txt"), "--seq-len", "32", "--max-tokens", "64", "--no-plot", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "outside the model's vocabulary (100)" in err[0], err
+    assert not (tmp_path / "o").exists()

@@ -107,6 +107,10 @@ def evaluate_outliers(model, tokens, seq_len: Optional[int] = None, max_tokens: 
     if n_windows < 1:
         raise DataError(f"need at least {seq_len} tokens for one window of {seq_len}; got {tokens.numel()} "
                         "(pass more data or a smaller --seq-len)")
+    vocab = int(model.config.vocab_size)
+    if int(tokens.max()) >= vocab:  # as evaluate_lm: an id past the embedding was an IndexError traceback
+        raise DataError(f"token id {int(tokens.max())} is outside the model's vocabulary ({vocab}); "
+                        "the data was tokenized for another model")
     bs = batch_size or map_batch_size(model.config.n_heads, seq_len, cap=16)
     device = model_device(model)
     with OutlierCollector(model) as col:
