@@ -151,3 +151,12 @@ def test_token_ids_past_the_vocabulary_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "outside the model's vocabulary (100)" in err[0], err
     assert not (tmp_path / "o").exists()
+
+
+def test_histogram_counts_inf_as_overflow():
+    """An overflowed (inf) activation, as an fp16 model makes: log10(inf) cast to long wrapped to the underflow bin,
+    so three infs and two finite values had median 0; it is the largest value, the overflow bin."""
+    h = LogHistogram()
+    h.update(torch.tensor([float("inf")] * 3 + [1.0, 2.0]))
+    assert h.counts[0] == 0 and h.counts[-1] == 3
+    assert h.median() == float("inf")

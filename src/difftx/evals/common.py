@@ -330,7 +330,9 @@ class LogHistogram:
             return
         self.n += x.numel()
         self.max = max(self.max, float(x.max()))
-        idx = torch.floor((torch.log10(x.clamp_min(1e-38)) - self.lo) * self.per_decade).long() + 1
+        # the log clamped first: log10(inf) = inf cast to long wrapped to the underflow bin (an inf counted as 0)
+        idx = torch.floor((torch.log10(x.clamp_min(1e-38)).clamp(self.lo - 1, self.hi + 1) - self.lo)
+                          * self.per_decade).long() + 1
         idx = idx.clamp(0, self.n_bins + 1)
         self.counts += torch.bincount(idx, minlength=self.n_bins + 2).cpu().double()
 
