@@ -153,6 +153,24 @@ def test_token_ids_past_the_vocabulary_are_one_line(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("metric", ["niah", "icl"])
+def test_prompts_past_the_vocabulary_are_one_line(metric, tmp_path, capsys):
+    """The same mismatch (a byte tokenizer beside a vocab-100 model) in the evaluations that build their own
+    prompts: niah (and attention, on its samples) and icl crashed with the embedding's IndexError traceback."""
+    import difftx
+    from difftx.cli import main
+    from difftx.data import ByteTokenizer
+
+    ckpt = tmp_path / "ckpt"
+    difftx.save_model(tiny_model("diff", vocab_size=100), ckpt)
+    ByteTokenizer().save(ckpt)
+    capsys.readouterr()
+    rc = main(["eval", metric, "--checkpoint", str(ckpt), "--out", str(tmp_path / "o"), "--no-plot", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "outside the model's vocabulary (100)" in err[0], err
+    assert not (tmp_path / "o").exists()
+
+
 def test_histogram_counts_inf_as_overflow():
     """An overflowed (inf) activation, as an fp16 model makes: log10(inf) cast to long wrapped to the underflow bin,
     so three infs and two finite values had median 0; it is the largest value, the overflow bin."""

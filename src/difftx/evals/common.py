@@ -50,7 +50,31 @@ def load_checkpoint(path, device: Optional[str] = None, dtype: Optional[torch.dt
     if domain != "lm":
         raise CheckpointError(f"{path}: a {domain} model; {what} needs a language model (a checkpoint of "
                               "'difftx train' without --domain vision)")
-    return model, (saved_tokenizer(path, what) if tokenizer else None)
+    tok = saved_tokenizer(path, what) if tokenizer else None
+    vocab = int(model.config.vocab_size)
+    if tok is not None and int(getattr(tok, "vocab_size", 0)) > vocab:  # ids the embedding has no row for
+        tok = _WithinVocab(tok, vocab)
+    return model, tok
+
+
+class _WithinVocab:
+    """A tokenizer with more ids than its model's vocabulary (one not saved with this model): its encode refuses
+    an id past the vocabulary in one DataError, where the embedding raised IndexError mid-evaluation (niah, icl
+    and attention build their prompts with it); everything else is the tokenizer's own."""
+
+    def __init__(self, tok, vocab: int):
+        self._tok, self._vocab = tok, vocab
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def encode(self, text):
+        ids = self._tok.encode(text)
+        top = max((int(i) for i in ids), default=-1)
+        if top >= self._vocab:
+            raise DataError(f"token id {top} is outside the model's vocabulary ({self._vocab}): the checkpoint's "
+                            "tokenizer was not saved with this model")
+        return ids
 
 
 def saved_tokenizer(path, what: str = "this evaluation", optional: bool = False):
