@@ -140,3 +140,20 @@ def test_generate_restores_training_mode():
     model = model_for("diff").train()
     model.generate(torch.zeros(1, 2, dtype=torch.long), 2)
     assert model.training
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_pad_token_outside_the_vocabulary_while_other_rows_continue(use_cache):
+    """pad_token_id -1 (or >= vocab_size) only fills the output of a finished row: the model never reads it (it was
+    the embedding's IndexError as soon as one row stopped before another)."""
+    model = model_for("diff")
+    x = torch.randint(0, 53, (2, 4), generator=torch.Generator().manual_seed(0))
+    free = model.generate(x, max_new_tokens=8, temperature=0)
+    stop = next(t for t in free[0, 4:8].tolist() if t not in free[1, 4:].tolist())
+    first = free[0, 4:].tolist().index(stop)
+    for pad in (-1, 53):
+        out = model.generate(x, max_new_tokens=8, temperature=0, stop_tokens=[stop], pad_token_id=pad,
+                             use_cache=use_cache)
+        assert out.shape == free.shape
+        assert torch.equal(out[1], free[1])
+        assert torch.equal(out[0, :5 + first], free[0, :5 + first]) and (out[0, 5 + first:] == pad).all()

@@ -84,11 +84,13 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, temperatu
             last = n - 1 - (mask != 0).long().flip(-1).argmax(-1)
         logits = model.head(hidden[torch.arange(b, device=hidden.device), last])
         out = [input_ids]
+        fed = [input_ids]  # what the model reads: a finished row's sampled ids, a vocabulary id unlike pad_token_id
         finished = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
         for step in range(max_new_tokens):
-            nxt = sample_next(logits, temperature, top_k, top_p, sample, generator)
-            nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
+            sampled = sample_next(logits, temperature, top_k, top_p, sample, generator)
+            nxt = torch.where(finished, torch.full_like(sampled, pad_token_id), sampled)
             out.append(nxt[:, None])
+            fed.append(sampled[:, None])
             if stops is not None:
                 finished |= torch.isin(nxt, stops)
                 if bool(finished.all()):
@@ -96,9 +98,9 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, temperatu
             if step == max_new_tokens - 1:
                 break
             if cache is not None:
-                logits = model(nxt[:, None], cache=cache).logits[:, -1]
+                logits = model(sampled[:, None], cache=cache).logits[:, -1]
             else:
-                seq = torch.cat(out, dim=1)
+                seq = torch.cat(fed, dim=1)
                 if mask is not None:
                     mask = torch.cat((mask, torch.ones(b, 1, dtype=mask.dtype, device=mask.device)), dim=1)
                 logits = model.head(model.features(seq, mask)[:, -1])
