@@ -157,3 +157,19 @@ def test_pad_token_outside_the_vocabulary_while_other_rows_continue(use_cache):
         assert out.shape == free.shape
         assert torch.equal(out[1], free[1])
         assert torch.equal(out[0, :5 + first], free[0, :5 + first]) and (out[0, 5 + first:] == pad).all()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"temperature": float("nan")}, "temperature must be"),
+    ({"temperature": float("nan"), "do_sample": True}, "temperature must be"),
+    ({"temperature": -0.5}, "temperature must be"),
+    ({"temperature": -0.5, "do_sample": True}, "temperature must be"),
+    ({"top_k": -1}, "top_k must be"),
+    ({"max_new_tokens": -1}, "max_new_tokens must be"),
+])
+def test_invalid_sampling_arguments_are_errors(kwargs, match):
+    """A NaN or negative temperature was silently greedy (or multinomial's NaN traceback), a negative top_k silently
+    no filter, a negative max_new_tokens silently the prompt back."""
+    kwargs = {"max_new_tokens": 2, **kwargs}
+    with pytest.raises(DifftxError, match=match):
+        model_for("softmax").generate(torch.zeros(1, 2, dtype=torch.long), **kwargs)

@@ -59,7 +59,13 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, temperatu
     b, n = input_ids.shape
     if top_p is not None and not 0.0 <= top_p <= 1.0:
         raise DifftxError(f"top_p must be in [0, 1] (0: the most likely token only, 1: no filter); got {top_p}")
-    if max_new_tokens <= 0:
+    if not temperature >= 0:  # NaN too: it was greedy (do_sample unset) or multinomial's traceback
+        raise DifftxError(f"temperature must be >= 0 (0: greedy); got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise DifftxError(f"top_k must be >= 0 (0: no filter); got {top_k}")
+    if max_new_tokens < 0:
+        raise DifftxError(f"max_new_tokens must be >= 0; got {max_new_tokens}")
+    if max_new_tokens == 0:
         return input_ids
     # the model sees the prompt and every new token but the last
     if cfg.positions in ("learned", "sinusoidal") and n + max_new_tokens - 1 > cfg.max_seq_len:
