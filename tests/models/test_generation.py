@@ -173,3 +173,13 @@ def test_invalid_sampling_arguments_are_errors(kwargs, match):
     kwargs = {"max_new_tokens": 2, **kwargs}
     with pytest.raises(DifftxError, match=match):
         model_for("softmax").generate(torch.zeros(1, 2, dtype=torch.long), **kwargs)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_row_of_padding_only_is_an_error(use_cache):
+    """An attention_mask row of zeros is an empty prompt (alone it is refused): it was continued from a padding
+    token, silently."""
+    ids = torch.tensor([[0, 0, 0], [5, 6, 7]])
+    mask = torch.tensor([[0, 0, 0], [1, 1, 1]])
+    with pytest.raises(DifftxError, match=r"row\(s\) \[0\] have no tokens"):
+        model_for("diff").generate(ids, 2, temperature=0, attention_mask=mask, use_cache=use_cache)

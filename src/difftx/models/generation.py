@@ -83,6 +83,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, temperatu
     model.eval()
     try:
         mask = None if attention_mask is None else attention_mask.to(input_ids.device).long()
+        if mask is not None and mask.shape == input_ids.shape and not bool((mask != 0).any(-1).all()):
+            empty = (mask == 0).all(-1).nonzero().flatten().tolist()
+            raise DifftxError(f"attention_mask: row(s) {empty} have no tokens (an empty prompt); give each row at "
+                              f"least one token")
         cache = model.new_cache(b, n + max_new_tokens) if use_cache else None
         hidden = model.features(input_ids, mask, cache=cache)
         last = n - 1  # the prompt's last logits only: each row's last token (before its padding if right-padded)
