@@ -101,7 +101,8 @@ def torch_load_weights_only(path, map_location="cpu"):
         return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def _write_temp(path: Path, data: bytes) -> str:
+    """``data`` written and fsynced to a temporary file beside ``path`` (removed again if that fails); its name."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -111,11 +112,31 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    return tmp
+
+
+def atomic_write_files(files: dict) -> None:
+    """Write ``{path: bytes}`` so that a failed write changes none of them: every file is written in full to a
+    temporary name first, then each is renamed over its path."""
+    tmps = {}
+    try:
+        for path, data in files.items():
+            tmps[Path(path)] = _write_temp(path, data)
+        for path, tmp in list(tmps.items()):
+            os.replace(tmp, path)
+            del tmps[path]
+    finally:
+        for tmp in tmps.values():
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    atomic_write_files({Path(path): data})
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -196,8 +217,12 @@ def save_model(model: torch.nn.Module, path, extra_config: Optional[dict] = None
         cfg_dict[DTYPE_KEY] = str(stored).removeprefix("torch.")
     if extra_config:
         cfg_dict.update(extra_config)
-    save_safetensors(state, path / WEIGHTS_FILE, metadata={"format": "pt"})
-    atomic_write_text(path / CONFIG_FILE, json.dumps(cfg_dict, indent=2))
+    from safetensors.torch import save
+
+    # both files or neither: new weights beside the old config (a write that failed midway) would not load
+    weights = save({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, metadata={"format": "pt"})
+    config = json.dumps(cfg_dict, indent=2).encode("utf-8")
+    atomic_write_files({path / WEIGHTS_FILE: weights, path / CONFIG_FILE: config})
     return path
 
 
