@@ -150,3 +150,15 @@ def test_a_save_over_a_model_that_fails_midway_leaves_the_old_model_loadable(tmp
     x = torch.randint(0, 61, (1, 5))
     with torch.no_grad():
         assert torch.equal(difftx.load_model(d)(x).logits, old(x).logits)
+
+
+def test_float8_weights_are_one_checkpoint_error(tmp_path):
+    """torch.isfinite is not implemented for float8: such a tensor was a NotImplementedError traceback."""
+    from safetensors.torch import load_file, save_file
+
+    d = difftx.save_model(tiny_model(), tmp_path / "m")
+    state = load_file(d / "model.safetensors")
+    state["embed.weight"] = state["embed.weight"].to(torch.float8_e4m3fn)
+    save_file(state, d / "model.safetensors")
+    with pytest.raises(difftx.CheckpointError, match="'embed.weight' is float8_e4m3fn"):
+        difftx.load_model(d)

@@ -273,6 +273,9 @@ def load_state_dict_into(model: torch.nn.Module, state: dict, source: str) -> No
         if own[k].is_floating_point() and not v.is_floating_point():  # load_state_dict would cast it silently
             raise CheckpointError(f"{source}: tensor '{k}' is {str(v.dtype).removeprefix('torch.')}, not floating "
                                   "point; the weights are corrupt")
+        if v.is_floating_point() and v.dtype not in STORED_DTYPES.values():  # float8: isfinite is not implemented
+            raise CheckpointError(f"{source}: tensor '{k}' is {str(v.dtype).removeprefix('torch.')}; difftx reads "
+                                  f"{', '.join(STORED_DTYPES)} weights: convert them to one of those")
         check_finite(k, v, source)
     model.load_state_dict(state, strict=True)
 
