@@ -242,3 +242,13 @@ def test_a_field_set_by_its_flag_and_by_set_is_refused(capsys, argv, field):
     lines = err.strip().splitlines()
     assert rc == 2 and out == "" and len(lines) == 1, (out, err)
     assert f"--{field}" in lines[0] and f"--set {field}=" in lines[0] and "give it once" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("value", ["100000000000000000", "9223372036854775808"])
+def test_info_of_sizes_past_torchs_64_bit_count_is_one_line(capsys, value):
+    """A weight of 2^63 elements or more was torch's RuntimeError / TypeError traceback from the meta build."""
+    from difftx.cli import main
+
+    assert main(["info", "small", "--set", f"vocab_size={value}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "more elements than torch can count" in err and value in err

@@ -37,7 +37,16 @@ from .models import build_model
 
 def _built_counts(cfg) -> tuple[int, int, int]:
     """(parameters, non-embedding parameters, weights of the Linear layers) of ``cfg``'s model, built on meta."""
-    model = build_model(cfg, device="meta")
+    try:
+        model = build_model(cfg, device="meta")
+    except (RuntimeError, TypeError) as e:  # torch's traceback for a tensor of 2^63 elements or more
+        if "overflow" not in str(e).lower():
+            raise
+        from .errors import ConfigError
+
+        raise ConfigError(None, f"a weight of this model has more elements than torch can count (2^63): vocab_size "
+                                f"{cfg.vocab_size}, d_model {cfg.d_model}, ffn_dim {cfg.ffn_dim}, max_seq_len "
+                                f"{cfg.max_seq_len}; use smaller sizes") from None
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     return model.num_parameters(), model.num_parameters(non_embedding=True), linear
 
