@@ -162,3 +162,15 @@ def test_float8_weights_are_one_checkpoint_error(tmp_path):
     save_file(state, d / "model.safetensors")
     with pytest.raises(difftx.CheckpointError, match="'embed.weight' is float8_e4m3fn"):
         difftx.load_model(d)
+
+
+def test_a_config_of_sizes_no_tensor_can_hold_is_one_checkpoint_error(tmp_path):
+    """A corrupt config.json (vocab_size 10^17) was torch's RuntimeError traceback from building the model."""
+    import json
+
+    d = difftx.save_model(tiny_model(), tmp_path / "m")
+    data = json.loads((d / "config.json").read_text())
+    data["model"]["vocab_size"] = 10 ** 17
+    (d / "config.json").write_text(json.dumps(data))
+    with pytest.raises(difftx.CheckpointError, match="cannot build the model it describes"):
+        difftx.load_model(d)

@@ -412,7 +412,15 @@ def load_model(path, device: Optional[str] = None, dtype=None) -> torch.nn.Modul
         )
     try:
         cfg, data = _read_model_config(path)
-        model = build_model(cfg)
+        try:
+            model = build_model(cfg)
+        except (RuntimeError, TypeError, MemoryError) as e:  # a size no memory (or no 64-bit count) holds
+            if not isinstance(e, MemoryError) and not re.search(r"overflow|allocate", str(e), re.I):
+                raise
+            raise CheckpointError(f"{path / CONFIG_FILE}: cannot build the model it describes (vocab_size "
+                                  f"{cfg.vocab_size}, d_model {cfg.d_model}, ffn_dim {cfg.ffn_dim}, max_seq_len "
+                                  f"{cfg.max_seq_len}: {str(e).splitlines()[0][:200]}); the config is corrupt or "
+                                  "the model does not fit in memory") from None
         state = load_safetensors(path / WEIGHTS_FILE)
         load_state_dict_into(model, state, str(path / WEIGHTS_FILE))
     except CheckpointError as e:  # a corrupt file is refused, not passed over: say which checkpoint loads instead
