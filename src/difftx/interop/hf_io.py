@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from ..io import atomic_write_text, load_safetensors, make_out_dir, save_safetensors, torch_load_weights_only
+from ..io import atomic_write_files, load_safetensors, make_out_dir, torch_load_weights_only
 
 CONFIG_FILE = "config.json"
 SAFE_FILE = "model.safetensors"
@@ -122,11 +122,15 @@ def read_hf_weights(path) -> dict:
 
 
 def write_hf_dir(path, config: dict, state: dict) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (atomic files) into directory ``path``, tensors as given (a
-    caller casts them: :func:`difftx.io.cast_state` keeps DIFF's lambdas float32)."""
+    """Write ``config.json`` + ``model.safetensors`` into directory ``path``, both or neither (new weights beside an
+    earlier config, a write that failed midway, would not load), tensors as given (a caller casts them:
+    :func:`difftx.io.cast_state` keeps DIFF's lambdas float32)."""
+    from safetensors.torch import save
+
     path = make_out_dir(path, flag="DST")
-    save_safetensors(state, path / SAFE_FILE, metadata={"format": "pt"})
-    atomic_write_text(path / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True))
+    weights = save({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, metadata={"format": "pt"})
+    atomic_write_files({path / SAFE_FILE: weights,
+                        path / CONFIG_FILE: json.dumps(config, indent=2, sort_keys=True).encode("utf-8")})
     return path
 
 
