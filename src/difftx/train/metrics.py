@@ -41,7 +41,9 @@ class MetricsLogger:
             except ImportError:
                 raise ConfigError("tensorboard", "needs the tensorboard package: pip install 'difftx[tensorboard]'") \
                     from None
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            # the events after the resumed step (a run started afresh: all of them) are hidden, as their rows are
+            # dropped above
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=(resume_step or 0) + 1)
 
     def _truncate_after(self, step: int, source: Path) -> None:
         from ..io import atomic_write_text
