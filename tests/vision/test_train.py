@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -290,4 +291,17 @@ def test_an_int32_image_array_is_one_error_line_and_no_run(tmp_path, capsys):
     np.savez(tmp_path / "i32.npz", x=(x * 255).astype(np.int32), y=y)
     _fails(capsys, 2, "save them as x.astype(np.uint8)", "--data", tmp_path / "i32.npz", *TINY, "--steps", "1",
            "--out", tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_images_without_pixels_are_one_data_error_line(tmp_path, capsys):
+    """(N, 0, 0) images passed every data check: NumPy's empty-mean RuntimeWarnings from the split statistics, then
+    the model config's 'image_size: must be a positive integer; got 0', which never named the data."""
+    y = np.arange(20) % 2
+    for name, shape in (("hw", (20, 0, 0)), ("c", (20, 0, 8, 8))):
+        np.savez(tmp_path / f"{name}.npz", x=np.zeros(shape, np.float32), y=y)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no RuntimeWarning on the way to the error line
+            _fails(capsys, 2, f"{name}.npz: images of shape", "--data", tmp_path / f"{name}.npz", *TINY,
+                   "--out", tmp_path / "run")
     assert not (tmp_path / "run").exists()

@@ -416,6 +416,8 @@ def _check_images(data: ImageSet) -> None:
     n, (_, h, w) = len(data.images), data.shape
     if n == 0:
         raise DataError(f"{data.source}: no images")
+    if data.images.size == 0:  # (N, 0, 0) or (N, 0, H, W): the split statistics would be NaN
+        raise DataError(f"{data.source}: images of shape {data.shape} (channels, height, width) hold no pixels")
     if h != w:
         raise DataError(f"{data.source}: images are {h}x{w}; the vision models take square images "
                         "(pass --domain-opt resize=N)")
