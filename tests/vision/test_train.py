@@ -305,3 +305,14 @@ def test_images_without_pixels_are_one_data_error_line(tmp_path, capsys):
             _fails(capsys, 2, f"{name}.npz: images of shape", "--data", tmp_path / f"{name}.npz", *TINY,
                    "--out", tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_crop_padding_of_the_image_size_or_more_is_refused(tmp_path, npz_data, capsys):
+    """--domain-opt crop=N pads each side by N: from N = the image size on a crop can be all padding (a blank image
+    keeping its label), and a large N was a NumPy allocation traceback at the first step, after the run directory
+    was written."""
+    for crop in (8, 10**6):
+        _fails(capsys, 2, f"crop {crop} pads each side", "--data", npz_data, *TINY, "--steps", 1,
+               "--domain-opt", f"crop={crop}", "--out", tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    assert train(npz_data, tmp_path / "run", "--steps", 1, "--domain-opt", "crop=7") == 0

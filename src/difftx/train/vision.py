@@ -110,6 +110,11 @@ class VisionDomain(Domain):
     def prepare(self, run_dir: Optional[Path] = None, progress: bool = True) -> None:
         cfg, opts = self.cfg, self.options
         self.data = data = load_image_set(cfg.data, opts["resize"])
+        size = data.shape[1]
+        if self.augment.crop >= size:  # a crop could then miss the image (and a huge padding exhausts memory)
+            raise ConfigError("domain_options", f"crop {self.augment.crop} pads each side by the images' size "
+                                                f"({size}) or more, so a crop can miss the image; give crop below "
+                                                f"{size}")
         idx = split_indices(data.labels, cfg.val_fraction, opts["test_fraction"], opts["split_seed"], data.splits)
         if len(idx["train"]) == 0:
             raise DataError(f"{data.source}: no training images left after the split; lower --val-fraction or "
