@@ -283,8 +283,8 @@ def train_vision_arm(model_cfg, optimizer: str = "adamw", lr: Optional[float] = 
     temporary one, deleted afterwards).
 
     Returns ``test_acc``, ``val_acc``, ``test_loss``, ``val_loss``, ``params``, ``steps``,
-    ``images`` (seen in training), ``train_s`` (the training loop's wall time, evaluation
-    included), ``wall_s`` (all of it: data, model, checkpoints), ``cpu_s`` (this process's CPU
+    ``images`` (seen in training), ``train_s`` (the training steps' wall time: evaluation,
+    logging and checkpoints left out), ``wall_s`` (all of it: data, model, checkpoints), ``cpu_s`` (this process's CPU
     time over all threads), ``images_per_s`` (images / train_s), the arm's settings and
     ``run_dir`` (None when temporary).
     """
