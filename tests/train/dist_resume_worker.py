@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch.distributed as dist  # noqa: E402
-from _helpers import phase, tiny  # noqa: E402
+from _helpers import finish, phase, tiny  # noqa: E402
 
 from difftx.train import train  # noqa: E402
 
@@ -30,4 +30,4 @@ summary = train(*tiny(data, cache, steps=2), run, resume="auto", explicit_train=
 (out / f"summary_{RANK}.json").write_text(json.dumps(summary))
 phase("destroy_process_group")
 dist.destroy_process_group()
-phase("done")
+finish()

@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch.distributed as dist  # noqa: E402
-from _helpers import GradRecorder, phase, tiny  # noqa: E402
+from _helpers import GradRecorder, finish, phase, tiny  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from difftx.train import train  # noqa: E402
@@ -108,4 +108,4 @@ if dist.get_rank() == 0:
     (out / "fsdp_shard_errors.json").write_text(json.dumps(gathered))
 phase("destroy_process_group")
 dist.destroy_process_group()
-phase("done")
+finish()
