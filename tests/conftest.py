@@ -53,3 +53,26 @@ def one_thread():
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """``full_disk()`` makes os.fsync fail as a full disk (ENOSPC) from its second call on, in this write (the second
+    file of a two-file write); it returns a function that restores os.fsync."""
+    import os
+
+    fsync = os.fsync
+
+    def arm():
+        calls = []
+
+        def failing_fsync(fd):
+            calls.append(fd)
+            if len(calls) >= 2:
+                raise OSError(28, "No space left on device")
+            return fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", failing_fsync)
+        return lambda: monkeypatch.setattr(os, "fsync", fsync)
+
+    return arm

@@ -125,27 +125,17 @@ def test_load_model_of_a_safetensors_file_loads_that_file_or_names_it(tmp_path):
         difftx.load_model(tmp_path / "junk.safetensors")
 
 
-def test_a_save_over_a_model_that_fails_midway_leaves_the_old_model_loadable(tmp_path, monkeypatch):
+def test_a_save_over_a_model_that_fails_midway_leaves_the_old_model_loadable(tmp_path, full_disk):
     """The weights were renamed into place before the config was written: a config write that failed (disk full)
     left the new weights beside the old config, and the directory no longer loaded."""
-    import os
-
     old = tiny_model()
     d = difftx.save_model(old, tmp_path / "m")
     new = build_model(ModelConfig(attention="softmax", d_model=64, n_layers=1, n_heads=2, vocab_size=61,
                                   max_seq_len=16))
-    fsync, calls = os.fsync, []
-
-    def failing_fsync(fd):  # the second file written (the config) hits a full disk
-        calls.append(fd)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device")
-        return fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", failing_fsync)
+    restore = full_disk()  # the second file written (the config) hits a full disk
     with pytest.raises(OSError, match="No space"):
         difftx.save_model(new, d)
-    monkeypatch.setattr(os, "fsync", fsync)
+    restore()
     assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors"]  # no temporary files left
     x = torch.randint(0, 61, (1, 5))
     with torch.no_grad():

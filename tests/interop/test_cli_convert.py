@@ -889,25 +889,15 @@ def test_force_refuses_a_dst_that_holds_the_source(capsys, llama_dir, tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-def test_a_hugging_face_write_that_fails_midway_leaves_the_earlier_directory_as_it_was(tmp_path, monkeypatch):
+def test_a_hugging_face_write_that_fails_midway_leaves_the_earlier_directory_as_it_was(tmp_path, full_disk):
     """write_hf_dir renamed the new model.safetensors into place before writing config.json: a config write that
     failed (disk full) left the new weights beside the earlier config.  Now both files or neither."""
-    import os
-
     from difftx.interop.hf_io import write_hf_dir
 
     d = write_hf_dir(tmp_path / "hf", {"model_type": "llama", "vocab_size": 8}, {"w": torch.zeros(2, 3)})
     before = {p.name: p.read_bytes() for p in d.iterdir()}
-    fsync, calls = os.fsync, []
-
-    def failing_fsync(fd):  # the second file written (the config) hits a full disk
-        calls.append(fd)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device")
-        return fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", failing_fsync)
+    restore = full_disk()  # the second file written (the config) hits a full disk
     with pytest.raises(OSError, match="No space"):
         write_hf_dir(d, {"model_type": "llama", "vocab_size": 16}, {"w": torch.ones(4, 3)})
-    monkeypatch.setattr(os, "fsync", fsync)
+    restore()
     assert {p.name: p.read_bytes() for p in d.iterdir()} == before  # no temporary files, nothing replaced
