@@ -143,12 +143,16 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def save_safetensors(tensors: dict, path: Path, metadata: Optional[dict] = None) -> None:
-    """Atomically write ``tensors`` (contiguous CPU copies) as safetensors."""
+def safetensors_bytes(tensors: dict, metadata: Optional[dict] = None) -> bytes:
+    """``tensors`` (as contiguous CPU copies) serialised as a safetensors file."""
     from safetensors.torch import save
 
-    data = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    atomic_write_bytes(Path(path), save(data, metadata=metadata))
+    return save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, metadata=metadata)
+
+
+def save_safetensors(tensors: dict, path: Path, metadata: Optional[dict] = None) -> None:
+    """Atomically write ``tensors`` (contiguous CPU copies) as safetensors."""
+    atomic_write_bytes(Path(path), safetensors_bytes(tensors, metadata))
 
 
 def load_safetensors(path: Path) -> dict:
@@ -217,10 +221,8 @@ def save_model(model: torch.nn.Module, path, extra_config: Optional[dict] = None
         cfg_dict[DTYPE_KEY] = str(stored).removeprefix("torch.")
     if extra_config:
         cfg_dict.update(extra_config)
-    from safetensors.torch import save
-
     # both files or neither: new weights beside the old config (a write that failed midway) would not load
-    weights = save({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, metadata={"format": "pt"})
+    weights = safetensors_bytes(state, {"format": "pt"})
     config = json.dumps(cfg_dict, indent=2).encode("utf-8")
     atomic_write_files({path / WEIGHTS_FILE: weights, path / CONFIG_FILE: config})
     return path

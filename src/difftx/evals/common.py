@@ -57,6 +57,13 @@ def load_checkpoint(path, device: Optional[str] = None, dtype: Optional[torch.dt
     return model, tok
 
 
+def check_token_ids(top: int, vocab: int, why: str = "the data was tokenized for another model") -> None:
+    """One DataError where the largest token id ``top`` has no row in a model's embedding of ``vocab`` (the
+    embedding would raise IndexError mid-evaluation), saying ``why``."""
+    if top >= vocab:
+        raise DataError(f"token id {top} is outside the model's vocabulary ({vocab}); {why}")
+
+
 class _WithinVocab:
     """A tokenizer with more ids than its model's vocabulary (one not saved with this model): its encode refuses
     an id past the vocabulary in one DataError, where the embedding raised IndexError mid-evaluation (niah, icl
@@ -70,10 +77,8 @@ class _WithinVocab:
 
     def encode(self, text):
         ids = self._tok.encode(text)
-        top = max((int(i) for i in ids), default=-1)
-        if top >= self._vocab:
-            raise DataError(f"token id {top} is outside the model's vocabulary ({self._vocab}): the checkpoint's "
-                            "tokenizer was not saved with this model")
+        check_token_ids(max((int(i) for i in ids), default=-1), self._vocab,
+                        "the checkpoint's tokenizer was not saved with this model")
         return ids
 
 

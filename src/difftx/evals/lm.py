@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DataError
-from .common import check_count, logit_chunks, model_device, text_tokens, window_length
+from .common import check_count, check_token_ids, logit_chunks, model_device, text_tokens, window_length
 
 
 def ar_hit_mask(windows: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -81,9 +81,7 @@ def evaluate_lm(model, tokens, seq_len: Optional[int] = None, max_tokens: int = 
         raise DataError(f"need at least {seq_len + 1} tokens for one window of {seq_len}; got {tokens.numel()} "
                         "(pass more data or a smaller --seq-len)")
     vocab = int(model.config.vocab_size)
-    if int(tokens.max()) >= vocab:
-        raise DataError(f"token id {int(tokens.max())} is outside the model's vocabulary ({vocab}); "
-                        "the data was tokenized for another model")
+    check_token_ids(int(tokens.max()), vocab)
     device = model_device(model)
     used = tokens[: n_windows * seq_len + 1]
     freq = bigram_counts(used, vocab) if ar_max_freq is not None else None

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import DataError
 from ..nn.probe import AttentionProbe
-from .common import LogHistogram, TopK, attach, check_count, map_batch_size, model_device, \
+from .common import LogHistogram, TopK, attach, check_count, check_token_ids, map_batch_size, model_device, \
     text_tokens, valid_values, window_length
 
 TOPS = (1, 2, 3, 10, 100)
@@ -107,10 +107,7 @@ def evaluate_outliers(model, tokens, seq_len: Optional[int] = None, max_tokens: 
     if n_windows < 1:
         raise DataError(f"need at least {seq_len} tokens for one window of {seq_len}; got {tokens.numel()} "
                         "(pass more data or a smaller --seq-len)")
-    vocab = int(model.config.vocab_size)
-    if int(tokens.max()) >= vocab:  # as evaluate_lm: an id past the embedding was an IndexError traceback
-        raise DataError(f"token id {int(tokens.max())} is outside the model's vocabulary ({vocab}); "
-                        "the data was tokenized for another model")
+    check_token_ids(int(tokens.max()), int(model.config.vocab_size))  # an IndexError traceback mid-run
     bs = batch_size or map_batch_size(model.config.n_heads, seq_len, cap=16)
     device = model_device(model)
     with OutlierCollector(model) as col:

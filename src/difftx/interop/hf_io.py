@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from ..io import atomic_write_files, load_safetensors, make_out_dir, torch_load_weights_only
+from ..io import atomic_write_files, load_safetensors, make_out_dir, safetensors_bytes, torch_load_weights_only
 
 CONFIG_FILE = "config.json"
 SAFE_FILE = "model.safetensors"
@@ -125,11 +125,8 @@ def write_hf_dir(path, config: dict, state: dict) -> Path:
     """Write ``config.json`` + ``model.safetensors`` into directory ``path``, both or neither (new weights beside an
     earlier config, a write that failed midway, would not load), tensors as given (a caller casts them:
     :func:`difftx.io.cast_state` keeps DIFF's lambdas float32)."""
-    from safetensors.torch import save
-
     path = make_out_dir(path, flag="DST")
-    weights = save({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, metadata={"format": "pt"})
-    atomic_write_files({path / SAFE_FILE: weights,
+    atomic_write_files({path / SAFE_FILE: safetensors_bytes(state, {"format": "pt"}),
                         path / CONFIG_FILE: json.dumps(config, indent=2, sort_keys=True).encode("utf-8")})
     return path
 

@@ -148,15 +148,16 @@ class _DotLinear(torch.autograd.Function):
                 sums = torch.empty(m, k, dtype=_BF16 if x_dtype == _BF16 else torch.float32)
                 if not native.dot_mm_sum(dy2s, bps, k, sums, pack_a=dyps):
                     raise RuntimeError("difftx Linear: the bf16 dot-product kernel refused a call it was given")
-            for i, (dy2, bp) in enumerate(zip(dy2s, bps) if sums is None else ()):
-                last = i == n - 1
-                if last and x_dtype == _BF16:
-                    out = torch.empty(m, k, dtype=_BF16)
-                else:
-                    out = sums if sums is not None else torch.empty(m, k, dtype=torch.float32)
-                if not native.dot_mm(dy2, bp, k, out, add=sums, pack_a=dyps[i]):
-                    raise RuntimeError("difftx Linear: the bf16 dot-product kernel refused a call it was given")
-                sums = out
+            else:  # one projection (or more than one call takes): a chain of products passing float32 sums on
+                for i, (dy2, bp) in enumerate(zip(dy2s, bps)):
+                    last = i == n - 1
+                    if last and x_dtype == _BF16:
+                        out = torch.empty(m, k, dtype=_BF16)
+                    else:
+                        out = sums if sums is not None else torch.empty(m, k, dtype=torch.float32)
+                    if not native.dot_mm(dy2, bp, k, out, add=sums, pack_a=dyps[i]):
+                        raise RuntimeError("difftx Linear: the bf16 dot-product kernel refused a call it was given")
+                    sums = out
             dx = sums.view(x_shape).to(x_dtype)
         for i in wanted:
             if packed:
