@@ -123,6 +123,18 @@ def test_batches_are_a_function_of_seed_and_step():
     assert not torch.equal(b.batch(8)[0], x1)
 
 
+def test_batches_draw_every_window_the_last_one_too():
+    # 10 tokens, seq_len 8: windows of 9 tokens start at 0 or 1, and both must be drawn
+    toks = np.arange(10)
+    b = common.Batches(toks, 8, 4, seed=0)
+    starts = {int(b.batch(s)[0][i, 0]) for s in range(20) for i in range(4)}
+    assert starts == {0, 1}
+    one = common.Batches(np.arange(9), 8, 2, seed=0).batch(0)  # exactly one window
+    assert one[1][0].tolist() == list(range(1, 9))
+    with pytest.raises(DataError, match="fewer than seq_len"):
+        common.Batches(np.arange(8), 8, 2)
+
+
 def test_tokenize_checks_the_vocabulary():
     from difftx.data.tokenizers import CharTokenizer
 

@@ -96,14 +96,15 @@ class Batches:
     """Random windows of a token array; ``batch(step)`` depends only on (seed, step)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int = 0, device="cpu"):
-        if tokens.size < seq_len + 2:
-            raise DataError(f"the data has {tokens.size} tokens, fewer than seq_len + 2 = {seq_len + 2}")
+        if tokens.size < seq_len + 1:
+            raise DataError(f"the data has {tokens.size} tokens, fewer than seq_len + 1 = {seq_len + 1}")
         self.tokens = torch.from_numpy(np.ascontiguousarray(tokens))
         self.seq_len, self.batch_size, self.seed, self.device = seq_len, batch_size, seed, device
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, self.tokens.numel() - self.seq_len - 1, size=self.batch_size)
+        # every window of seq_len + 1 tokens may be drawn, the last one (start N - seq_len - 1) too
+        starts = rng.integers(0, self.tokens.numel() - self.seq_len, size=self.batch_size)
         idx = torch.from_numpy(starts)[:, None] + torch.arange(self.seq_len + 1)[None]
         w = self.tokens[idx]
         return w[:, :-1].to(self.device), w[:, 1:].to(self.device)

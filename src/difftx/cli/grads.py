@@ -293,8 +293,8 @@ class _Study:
             self.tail_steps = _tail_steps(args)
             _set_threads(args, count_parameters(self.base))
         self.tokens = common.tokenize(text, vocab, tokenizer)
-        if self.tokens.size < args.seq_len + 2:  # what Batches needs; checked here, before --out is made
-            raise ConfigError("--seq-len", f"{args.seq_len} needs at least {args.seq_len + 2} tokens of data, and "
+        if self.tokens.size < args.seq_len + 1:  # what Batches needs; checked here, before --out is made
+            raise ConfigError("--seq-len", f"{args.seq_len} needs at least {args.seq_len + 1} tokens of data, and "
                                            f"the data has {self.tokens.size}; give a shorter --seq-len or more --data")
         configs = [m.config for _, _, m, _ in self.loaded] or \
             [self.base, self.base.twin("softmax" if self.base.attention != "softmax" else "diff")] + \
