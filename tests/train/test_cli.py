@@ -277,3 +277,24 @@ def test_a_malformed_betas_says_what_it_expects(tmp_path, train_cli, capsys, bet
     assert e.value.code == 2 and err == (f"difftx train: error: argument --betas: expects two numbers like 0.9,0.95; "
                                          f"got {betas!r} (see --help)\n"), err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"WORLD_SIZE": "abc"}, "the environment variable WORLD_SIZE='abc' is not a whole number"),
+    ({"RANK": "x1"}, "the environment variable RANK='x1' is not a whole number"),
+    ({"LOCAL_RANK": "0.5"}, "the environment variable LOCAL_RANK='0.5' is not a whole number"),
+    ({"RANK": "1"}, "WORLD_SIZE=1, RANK=1, LOCAL_RANK=0; torchrun sets 0 <= RANK < WORLD_SIZE"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0, RANK=0, LOCAL_RANK=0; torchrun sets 0 <= RANK < WORLD_SIZE"),
+])
+def test_a_malformed_torchrun_environment_is_one_line(tmp_path, existing_run, train_cli, capsys, monkeypatch, env,
+                                                      message):
+    """WORLD_SIZE=abc gave int()'s traceback; RANK=1 of one process (no rank 0 to prepare the data) an
+    AttributeError deep in the token shards."""
+    before = _snapshot(existing_run)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    for out in (["--out", tmp_path / "new"], ["--out", existing_run, "--resume", "auto"]):
+        assert train_cli("--steps", 2, "--eval-every", 0, *out) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("difftx train: error: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "new").exists() and _snapshot(existing_run) == before

@@ -73,11 +73,25 @@ def pick_device(pref: str = "auto", local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def _env_int(name: str, default: int) -> int:
+    """An integer of the torchrun environment; a value that is not one is the user's, named in one line."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(None, f"the environment variable {name}={value!r} is not a whole number; unset it for one "
+                                "process, or launch with torchrun (which sets it)") from None
+
+
 def init_world(device: str = "auto") -> World:
     """The process group from the torchrun environment (or a single process)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size, rank, local_rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    if not dist.is_initialized() and (world_size < 1 or not 0 <= rank < world_size or local_rank < 0):
+        raise ConfigError(None, f"the environment has WORLD_SIZE={world_size}, RANK={rank}, LOCAL_RANK={local_rank}; "
+                                "torchrun sets 0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0: unset them for one "
+                                "process, or launch with torchrun")
     dev = pick_device(device, local_rank)
     owns = False
     if world_size > 1 and not dist.is_initialized():
