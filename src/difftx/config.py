@@ -446,10 +446,11 @@ class ModelConfig:
             hint = f"; did you mean {', '.join(close)}?" if close else "; see `difftx info --list`"
             raise ConfigError("preset", f"unknown preset {name!r}{hint}")
         cfg = cls.from_dict(dict(PRESETS[name].fields, preset=name))
+        given = "attention" in overrides  # attention=None is given (and refused), not "the preset's"
         attention = overrides.pop("attention", None)
-        if attention is not None and attention != cfg.attention and "n_heads" not in overrides:
+        if given and attention != cfg.attention and isinstance(attention, str) and "n_heads" not in overrides:
             cfg, overrides = cfg.twin_with(attention, overrides)
-        elif attention is not None:
+        elif given:
             overrides["attention"] = attention
         return cfg.replace(**overrides) if overrides else cfg
 

@@ -47,6 +47,8 @@ def _bad_inputs(tmp_path, corpus):
         "unhashable field": (["--set", 'norms=["S1"]'], "norms: unknown placement preset ['S1']"),
         "flag as a string": (["--set", "tie_embeddings=no"], "tie_embeddings: must be true or false"),
         "nan lambda": (["--set", "lambda_init=nan"], "lambda_init: must be 'schedule' or a finite number"),
+        "null attention": (["--set", "attention=null"],  # was taken as "not given": trained the preset's kind
+                           "attention: must be one of softmax, diff, diff2; got None"),
         "preset by --set": (["--set", "preset=5"], "preset: is the name of the preset"),
         "momentum with muon": (["--optimizer", "muon", "--momentum", "0.9"],  # 0.9 is the default: was ignored
                                "--momentum is read by msgdw and sgd, and this run trains with muon"),
