@@ -127,6 +127,15 @@ def test_patch_size_that_does_not_divide(tmp_path, npz_data, capsys):
     assert (saved["image_size"], saved["patch_size"]) == (9, 3)
 
 
+@pytest.mark.parametrize("patch", ["null", "0", "abc", "2.5"])
+def test_a_patch_size_that_is_not_a_positive_integer_is_named(tmp_path, npz_data, capsys, patch):
+    """--set patch_size=null (or 0, or a string) was divided into the preset's image size first: a TypeError or
+    ZeroDivisionError traceback; 2.5 was refused as image_size 10.0."""
+    _fails(capsys, 2, "patch_size: must be a positive integer; got", "--data", npz_data, *TINY,
+           "--set", f"patch_size={patch}", "--out", tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+
+
 def test_bad_data_and_options(tmp_path, npz_data, capsys):
     out = tmp_path / "run"
     _fails(capsys, 2, "no such file or directory", "--data", tmp_path / "missing", *TINY, "--out", out)

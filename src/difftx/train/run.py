@@ -82,11 +82,13 @@ def resolve_configs(recipe: Optional[str] = None, train: Optional[dict] = None, 
     overrides = {**(r.model if r else {}), **model}
     if tcfg.seq_len is not None and "max_seq_len" not in model:
         overrides["max_seq_len"] = tcfg.seq_len
-    if tcfg.domain == "vision" and "patch_size" in model and "image_size" not in model:
+    patch = model.get("patch_size")
+    if tcfg.domain == "vision" and isinstance(patch, int) and not isinstance(patch, bool) and patch > 0 \
+            and "image_size" not in model:  # (another patch size is refused by ModelConfig, naming it)
         # the data decides the image size (VisionDomain.model_overrides checks the patch against it); until then
         # a placeholder the patch divides, so the preset's own image size does not reject the patch
         base = ModelConfig.from_preset(preset).image_size
-        overrides["image_size"] = -(-base // model["patch_size"]) * model["patch_size"]
+        overrides["image_size"] = -(-base // patch) * patch
     mcfg = ModelConfig.from_preset(preset, **overrides)
     if tcfg.seq_len is None:
         tcfg = tcfg.replace(seq_len=mcfg.max_seq_len)
