@@ -300,3 +300,14 @@ def test_a_malformed_torchrun_environment_is_one_line(tmp_path, existing_run, tr
         err = capsys.readouterr().err
         assert err.startswith("difftx train: error: ") and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "new").exists() and _snapshot(existing_run) == before
+
+
+def test_a_stale_validation_loss_in_the_summary_says_its_step(tmp_path, train_cli, capsys):
+    """--stop-at between evaluations printed "step 3/4 ..., val_loss X" with step 2's val_loss, unlabelled."""
+    run = tmp_path / "run"
+    assert train_cli("--steps", 4, "--eval-every", 2, "--stop-at", 3, "--out", run) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("difftx train: step ")]
+    assert line.startswith("difftx train: step 3/4 ") and line.endswith(" (evaluated at step 2)"), line
+    assert train_cli("--steps", 4, "--eval-every", 2, "--out", run, "--resume", "auto") == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("difftx train: step ")]
+    assert line.startswith("difftx train: step 4/4 ") and "val_loss" in line and "evaluated at" not in line, line

@@ -175,6 +175,8 @@ def run(args) -> int:
         return 0
     out = Path(summary["run_dir"])
     val = "".join(f", {k} {summary[k]:.4f}" for k in ("val_loss", "val_acc", "test_acc") if summary.get(k) is not None)
+    if val and summary.get("eval_step") not in (None, summary["step"]):  # --stop-at between evaluations
+        val += f" (evaluated at step {summary['eval_step']})"
     print(f"difftx train: step {summary['step']}/{summary['steps']} in {summary['elapsed_s']:.1f}s{val}")
     files = [f for f in ("config.json", "tokenizer.json", "vision.json", "metrics.jsonl") if (out / f).is_file()]
     print(f"  run:        {out}  ({', '.join(files)})")

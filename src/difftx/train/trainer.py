@@ -306,7 +306,8 @@ class Trainer:
             self._restore_signals(handlers)
         return {"run_dir": str(self.run_dir), "step": self.step, "steps": cfg.steps, "checkpoint": str(saved_at)
                 if saved_at else None, "elapsed_s": round(self.elapsed, 2), "tokens_seen": self.tokens_seen,
-                "stopped_by": stopped_by, **{k: v for k, v in self.last_eval.items() if k != "step"}}
+                "stopped_by": stopped_by, "eval_step": self.last_eval.get("step"),
+                **{k: v for k, v in self.last_eval.items() if k != "step"}}
 
     def _install_signals(self) -> dict:
         import threading
