@@ -311,3 +311,13 @@ def test_a_stale_validation_loss_in_the_summary_says_its_step(tmp_path, train_cl
     assert train_cli("--steps", 4, "--eval-every", 2, "--out", run, "--resume", "auto") == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("difftx train: step ")]
     assert line.startswith("difftx train: step 4/4 ") and "val_loss" in line and "evaluated at" not in line, line
+
+
+def test_a_warmup_as_long_as_the_run_is_a_warning(tmp_path, train_cli, capsys):
+    """--steps 2 with the default --warmup 100 trained at 2% of --lr, never decaying, and said nothing."""
+    assert train_cli("--steps", 2, "--warmup", 4, "--lr", "1e-3", "--eval-every", 0, "--out", tmp_path / "a") == 0
+    err = capsys.readouterr().err
+    assert ("difftx train: warning: the warmup (4 steps) is not shorter than the run (2 steps): the learning rate "
+            "only reaches 0.0005 of --lr 0.001 and its cosine schedule never starts; give --warmup below 2\n") in err
+    assert train_cli("--steps", 2, "--eval-every", 0, "--out", tmp_path / "b") == 0  # --warmup 1: no warning
+    assert "warmup" not in capsys.readouterr().err

@@ -253,6 +253,11 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
             _hint_busy_cpu()  # after every input check, so a bad input still gets exactly one line
         if world.is_main and announce and memory_warning:
             print(f"difftx train: warning: {memory_warning}", file=sys.stderr)
+        if world.is_main and announce and tcfg.warmup >= tcfg.steps > 0:  # allowed (a short test run), but says so
+            print(f"difftx train: warning: the warmup ({tcfg.warmup} steps) is not shorter than the run "
+                  f"({tcfg.steps} steps): the learning rate only reaches {tcfg.lr * tcfg.steps / tcfg.warmup:.3g} "
+                  f"of --lr {tcfg.lr:g} and its {tcfg.schedule} schedule never starts; give --warmup below "
+                  f"{tcfg.steps}", file=sys.stderr)
         if world.is_main and announce:
             native.warn_problem("difftx train", world.device)
         if world.is_main and announce and trainer.dtype is not None and not native_bf16_matmul(world.device):
