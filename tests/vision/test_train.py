@@ -12,7 +12,7 @@ import torch
 import difftx
 from difftx.cli import main
 from difftx.models.vision import VisionEncoder
-from .conftest import blob_images
+from .conftest import blob_images, write_folder
 
 TINY = ["--domain", "vision", "--preset", "vdnt-tiny", "--d-model", "32", "--n-layers", "2", "--n-heads", "2",
         "--batch-size", "8", "--no-progress", "--threads", "1", "--seed", "5"]
@@ -133,6 +133,19 @@ def test_a_patch_size_that_is_not_a_positive_integer_is_named(tmp_path, npz_data
     ZeroDivisionError traceback; 2.5 was refused as image_size 10.0."""
     _fails(capsys, 2, "patch_size: must be a positive integer; got", "--data", npz_data, *TINY,
            "--set", f"patch_size={patch}", "--out", tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("size", [10 ** 9, 10 ** 5])
+def test_a_resize_past_memory_is_one_line(tmp_path, npz_data, capsys, monkeypatch, size):
+    """--domain-opt resize=10**9 was a torch "Storage size calculation overflowed" traceback (10**5: an
+    allocation error); an image folder went to Pillow with it.  Both are refused before any pixel is made."""
+    monkeypatch.delenv("DIFFTX_MEMORY_CHECK", raising=False)
+    monkeypatch.setattr("difftx.train.memory_check.free_memory", lambda device: 8 * 2 ** 30)
+    write_folder(tmp_path / "folder")
+    for data in (npz_data, tmp_path / "folder"):
+        _fails(capsys, 2, f"images resized to {size}x{size} (float32) need at least", "--data", data, *TINY,
+               "--domain-opt", f"resize={size}", "--out", tmp_path / "a")
     assert not (tmp_path / "a").exists()
 
 

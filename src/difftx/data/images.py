@@ -115,6 +115,7 @@ def load_image_set(spec: Optional[str] = None, resize: Optional[int] = None) -> 
             data = load_image_folder(path, resize)
             resize = None  # done while reading
     if resize is not None:
+        _require_resized_fit(len(data.images), data.images.shape[1] if data.images.ndim == 4 else 1, resize)
         data.images = resize_images(data.images, resize)
     _check_images(data)
     return data
@@ -300,6 +301,8 @@ def load_image_folder(root: Path, resize: Optional[int] = None) -> ImageSet:
                                 "8- or 16-bit (divided by 255 or 65535): save it as 16-bit (values 0..65535) or "
                                 "as a float image (mode F) in [0, 1]")
     grey = all(im.mode in _GREY_MODES for im in pics)
+    if resize is not None:
+        _require_resized_fit(len(pics), 1 if grey else 3, resize)
     arrays, first = [], None
     for f, im in zip(files, pics):
         if resize is not None:
@@ -399,6 +402,14 @@ def _pixels(im, grey: bool) -> np.ndarray:
             a = np.asarray(im.convert("L"), dtype=np.float32) / 255.0
         return a[None] if grey else np.repeat(a[None], 3, axis=0)
     return np.asarray(im.convert("RGB"), dtype=np.float32).transpose(2, 0, 1) / 255.0
+
+
+def _require_resized_fit(n: int, channels: int, size: int) -> None:
+    """--domain-opt resize=10**9 asked torch (or Pillow) for exabytes: a traceback; refused in one line instead."""
+    from ..train.memory_check import require_bytes
+
+    require_bytes(4 * n * channels * size * size, "cpu", f"{n:,} images resized to {size}x{size} (float32)",
+                  "give a smaller --domain-opt resize=N")
 
 
 def resize_images(images: np.ndarray, size: int) -> np.ndarray:
