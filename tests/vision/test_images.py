@@ -21,6 +21,18 @@ def test_builtin_digits():
     assert load_image_set("digits").fingerprint() == d.fingerprint()
 
 
+def test_digits_beside_a_digits_folder_is_the_builtin_with_a_note(tmp_path, monkeypatch):
+    """--data digits took the built-in digits with nothing said when a ./digits image folder was there too."""
+    monkeypatch.chdir(tmp_path)
+    assert load_image_set("digits").notes == []
+    write_folder(tmp_path / "digits")
+    d = load_image_set("digits")
+    assert d.classes == [str(i) for i in range(10)]  # the name, as documented
+    assert d.notes == ["--data digits is the built-in digits; ./digits in the current directory is not read (give "
+                       "--data ./digits for it)"]
+    assert load_image_set("./digits").classes == ["cat", "dog"] and load_image_set(None).notes == []
+
+
 def test_missing_sklearn_is_one_clear_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
     with pytest.raises(DataError, match=r"scikit-learn: pip install 'difftx\[vision\]'"):

@@ -96,6 +96,9 @@ def load_image_set(spec: Optional[str] = None, resize: Optional[int] = None) -> 
     """The data named by ``--data`` (see the module docstring); ``resize``: make every image N x N."""
     if spec is None or spec == BUILTIN:
         data = load_digits()
+        if spec == BUILTIN and Path(spec).exists():  # the name wins, as documented; the path must not pass unseen
+            data.notes.append(f"--data {BUILTIN} is the built-in digits; ./{BUILTIN} in the current directory is "
+                              f"not read (give --data ./{BUILTIN} for it)")
     elif "," in spec and not Path(spec).exists():
         x, y = (s.strip() for s in spec.split(",", 1))
         data = _from_arrays(_read_npy(Path(x)), _read_npy(Path(y)), f"{x},{y}")
