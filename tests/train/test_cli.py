@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 
@@ -321,3 +322,27 @@ def test_a_warmup_as_long_as_the_run_is_a_warning(tmp_path, train_cli, capsys):
             "only reaches 0.0005 of --lr 0.001 and its cosine schedule never starts; give --warmup below 2\n") in err
     assert train_cli("--steps", 2, "--eval-every", 0, "--out", tmp_path / "b") == 0  # --warmup 1: no warning
     assert "warmup" not in capsys.readouterr().err
+
+
+def test_the_command_skips_the_interpreter_teardown_only_after_ending_a_process_group(tmp_path, monkeypatch):
+    """``difftx`` (cli.entry) ends with os._exit(main's code) in a process that started and ended a process group
+    (torchrun: the teardown of gloo's threads killed finished workers), and returns normally otherwise."""
+    import torch.distributed as dist
+
+    from difftx import cli
+    from difftx.train import distributed
+
+    monkeypatch.setattr(distributed, "_ENDED_A_GROUP", False)
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    assert cli.entry() == 3 and exits == []
+    distributed.shutdown_world(distributed.World(owns_group=True))  # no group to end: still the normal exit
+    assert cli.entry() == 3 and exits == []
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    distributed.shutdown_world(distributed.World(owns_group=False))  # a caller's own group is left alone
+    assert dist.is_initialized()
+    distributed.shutdown_world(distributed.World(owns_group=True))
+    assert not dist.is_initialized()
+    cli.entry()
+    assert exits == [3]

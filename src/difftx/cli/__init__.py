@@ -105,5 +105,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> int:
+    """The ``difftx`` command (and ``python -m difftx``): :func:`main`, then, in a process that ran a torchrun
+    process group and ended it, ``os._exit`` with main's exit code.  There the interpreter's own teardown can kill
+    the finished process (gloo's C++ threads: SIGABRT "terminate called without an active exception", or
+    SIGSEGV, seen twice in a row in this project's torchrun test workers on 2026-11-27), and torchrun then reports
+    a run that completed, its checkpoints and results written, as failed.  Every file of ours is closed by then."""
+    code = main()
+    distributed = sys.modules.get("difftx.train.distributed")  # not imported: no process group either
+    if distributed is not None and distributed.ended_a_group():
+        import logging
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    sys.exit(entry())

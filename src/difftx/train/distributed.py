@@ -103,10 +103,20 @@ def init_world(device: str = "auto") -> World:
     return World(rank, world_size, local_rank, dev, owns)
 
 
+_ENDED_A_GROUP = False
+
+
 def shutdown_world(world: World) -> None:
     """End the process group if :func:`init_world` started it (a caller's own group is left alone)."""
+    global _ENDED_A_GROUP
     if world.owns_group and dist.is_initialized():
         dist.destroy_process_group()
+        _ENDED_A_GROUP = True
+
+
+def ended_a_group() -> bool:
+    """Whether this process started and destroyed a process group (see ``difftx.cli.entry``)."""
+    return _ENDED_A_GROUP
 
 
 def resolve_parallel(mode: str, world: World) -> str:
