@@ -126,8 +126,8 @@ def add_parser(sub) -> None:
     _niah_like(q)
     q.add_argument("--grid", default="N1R1,N2R2,N4R2,N6R2", help="N x R cells (default: Table 2's)")
     q.add_argument("--lengths", type=_list(int, lo=1), default=None,
-                   help="context lengths in tokens (default: L/2 and L, L = max_seq_len within 256..1024; "
-                        "RoPE models may go past max_seq_len)")
+                   help="context lengths in tokens (default: L/2 and L, L = max_seq_len within 256..1024, at most "
+                        "max_seq_len for learned or sinusoidal positions; RoPE models may go past max_seq_len)")
     q.add_argument("--depths", type=_list(float), default=[0, 25, 50, 75, 100],
                    help="answer depths in percent (default: 0,25,50,75,100)")
     q.add_argument("--samples", type=_positive, default=4, help="samples per cell (default: 4; the paper: 50)")
@@ -148,7 +148,8 @@ def add_parser(sub) -> None:
     _common(q)
     _niah_like(q)
     q.add_argument("--length", type=_positive, default=None,
-                   help="context length (default: max_seq_len within 256..1024)")
+                   help="context length (default: max_seq_len within 256..1024; at most max_seq_len for learned or "
+                        "sinusoidal positions)")
     q.add_argument("--needles", type=_positive, default=1, help="needles per sample (default: 1)")
     q.add_argument("--depths", type=_list(float), default=[0, 25, 50, 75, 100], help="answer depths in percent")
     q.add_argument("--samples", type=_positive, default=8, help="samples per depth (default: 8)")
@@ -184,7 +185,8 @@ def add_parser(sub) -> None:
                    help="random and/or alternating (by class)")
     q.add_argument("--test-examples", type=_positive, default=16, help="test inputs per task (default: 16)")
     q.add_argument("--max-len", type=_positive, default=None, 
-                   help="prompt length limit (default: max_seq_len within 256..1024)")
+                   help="prompt length limit (default: max_seq_len within 256..1024; at most max_seq_len for learned "
+                        "or sinusoidal positions)")
     q.add_argument("--text-key", default=None, help="JSONL text field (default: text)")
     q.add_argument("--label-key", default=None, help="JSONL label field (default: label)")
 
