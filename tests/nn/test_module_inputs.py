@@ -185,3 +185,34 @@ def test_a_model_built_on_meta_runs_its_forward_for_shapes(kind):
     x = torch.randint(0, 97, (2, 9), device="meta")
     out = model(x, targets=x)
     assert out.logits.shape == (2, 9, 97) and out.logits.device.type == "meta" and out.loss.shape == ()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_module_that_has_decoded_pickles_and_copies(kind):
+    """DIFF's decoding lambda memo (a weak reference to the cache) is not part of the module's state:
+    ``torch.save(model)`` / pickle / deepcopy after generation work, and the copy decodes as the original."""
+    import copy
+    import io
+    import pickle
+
+    from difftx.nn.cache import KVCache
+
+    attn, cfg = _attn(kind)
+    attn.eval()
+    x = torch.randn(2, 4, 32)
+    cache = KVCache(2, 2, 8)
+    with torch.no_grad():
+        attn(x[:, :3], _rope(cfg, 3), AttnMask(causal=True, n_q=3, n_k=3), cache)
+        cache.advance(3)
+        step = (x[:, 3:], RotaryEmbedding(cfg.head_dim).cos_sin(torch.arange(3, 4)),
+                AttnMask(causal=True, n_q=1, n_k=4, q_start=3))
+        want = attn(*step, cache)
+    buf = io.BytesIO()
+    torch.save(attn, buf)
+    for clone in (pickle.loads(pickle.dumps(attn)), copy.deepcopy(attn),
+                  torch.load(io.BytesIO(buf.getvalue()), weights_only=False)):
+        c2 = copy.deepcopy(cache)
+        c2.length = 3
+        with torch.no_grad():
+            torch.testing.assert_close(clone(*step, c2), want, rtol=0, atol=0)
+

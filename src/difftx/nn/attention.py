@@ -232,6 +232,13 @@ class DifferentialAttention(AttentionBase):
         l2 = torch.exp(torch.sum(self.lambda_q2.to(f) * self.lambda_k2.to(f)))
         return l1 - l2 + self.lambda_init
 
+    def __getstate__(self):
+        # the decoding memo holds a weak reference to a cache: not picklable (torch.save(model), deepcopy of a
+        # model that has decoded), and meaningless away from that cache
+        state = self.__dict__.copy()
+        state.pop("_lambda_memo", None)
+        return state
+
     def _lambda(self, cache=None, decoding: bool = False) -> torch.Tensor:
         """:meth:`lambda_full`, computed once per generation while decoding.
 
