@@ -216,3 +216,20 @@ def test_a_module_that_has_decoded_pickles_and_copies(kind):
         with torch.no_grad():
             torch.testing.assert_close(clone(*step, c2), want, rtol=0, atol=0)
 
+
+@pytest.mark.parametrize("shape", [(2, 3, 31), (2, 3, 33), (300, 300)])
+@pytest.mark.parametrize("grad", [False, True])
+def test_rms_norm_refuses_an_input_of_another_width(shape, grad):
+    """The native norm kernels read x's last dim of weights per row: a wrong-width input is refused (it read
+    past the weight, silently, where torch's F.rms_norm raises), also by the residual-adding norm a Block runs."""
+    from difftx.nn.fused import add_rms_norm
+    from difftx.nn.norms import RMSNorm
+
+    norm = RMSNorm(32)
+    with pytest.raises(ValueError, match="last dim"):
+        norm(torch.randn(shape, requires_grad=grad))
+    big = (3000,) + shape[-1:]  # above the decoding size: the fused pass
+    for x in (torch.randn(shape), torch.randn(big)):
+        with pytest.raises(ValueError, match="last dim"):
+            add_rms_norm(x, torch.randn_like(x, requires_grad=grad), norm.weight, 1e-5, torch.float32)
+

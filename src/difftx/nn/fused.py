@@ -727,6 +727,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gain: 
     Returns ``out_dtype`` (default: the compute dtype, fp32 or fp64, as :class:`~difftx.nn.norms.RMSNorm`
     computes).  Folding a constant ``gain`` in saves a pass (DIFF's (1 - lambda_init)).
     """
+    _check_weight(x, weight)
     cd = _compute_dtype(x.dtype)
     out_dtype = out_dtype or cd
     if _inference_norm(x, weight, out_dtype):  # decoding-sized, no autograd: the kernel alone
@@ -748,6 +749,14 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gain: 
 
 
 SMALL_NORM = 1 << 16
+
+
+def _check_weight(x: torch.Tensor, weight: Optional[torch.Tensor]) -> None:
+    """A norm's weight must be (x's last dim,): the native kernels read that many weights per row, whatever the
+    weight holds (a wrong-sized one read out of bounds, silently)."""
+    if weight is not None and weight.numel() != x.shape[-1]:  # numel: what the kernels read (~0.2 us)
+        raise ValueError(f"RMSNorm: an input of shape {tuple(x.shape)} with a weight of shape {tuple(weight.shape)}: "
+                         "the input's last dim must be the norm's dim (the weight's length)")
 
 
 def _inference_norm(x: torch.Tensor, weight: Optional[torch.Tensor], out_dtype: torch.dtype) -> bool:
@@ -797,6 +806,7 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: Optional[torch.Tensor
     """``(x + a, rms_norm(x + a, weight, eps, out_dtype=out_dtype))`` in one native pass each way where the
     kernels take it (CPU, ``x`` float32, ``a`` float32/bfloat16 of x's shape, above the decoding size), else
     those two calls."""
+    _check_weight(x, weight)
     if (x.dtype == torch.float32 and a.dtype in (torch.float32, torch.bfloat16) and a.shape == x.shape
             and out_dtype in (torch.float32, torch.bfloat16) and x.numel() > SMALL_NORM
             and (weight is None or weight.dtype in (torch.float32, torch.bfloat16))
