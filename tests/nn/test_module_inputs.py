@@ -233,3 +233,26 @@ def test_rms_norm_refuses_an_input_of_another_width(shape, grad):
         with pytest.raises(ValueError, match="last dim"):
             add_rms_norm(x, torch.randn_like(x, requires_grad=grad), norm.weight, 1e-5, torch.float32)
 
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_training_after_an_inference_mode_forward(kind, dtype, monkeypatch):
+    """The fused attention's per-thread scratch buffers outlive a call: made under torch.inference_mode (an
+    evaluation), they must still be writable by the next training forward."""
+    from difftx.nn import fused
+    from difftx.nn.block import Block
+
+    fused.release_scratch()
+    monkeypatch.setattr(fused, "_ZEROS", {})
+    _, cfg = _attn(kind)
+    block = Block(cfg, 1).to(dtype)
+    rope = RotaryEmbedding(cfg.head_dim).cos_sin(torch.arange(7), dtype)
+    x = torch.randn(2, 7, 32, dtype=dtype)
+    with torch.inference_mode():
+        want = block(x, rope, AttnMask(causal=True, n_q=7, n_k=7))
+    xg = x.clone().requires_grad_()
+    y = block(xg, rope, AttnMask(causal=True, n_q=7, n_k=7))
+    y.sum().backward()
+    torch.testing.assert_close(y.detach(), want)
+    with torch.inference_mode():  # and back
+        torch.testing.assert_close(block(x, rope, AttnMask(causal=True, n_q=7, n_k=7)), want)

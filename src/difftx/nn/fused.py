@@ -167,7 +167,8 @@ def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) ->
     key = (name, dtype)
     buf = cache.get(key)
     if buf is None or buf.numel() < numel:
-        buf = cache[key] = torch.empty(numel, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # kept past this call: an inference tensor could not be written outside
+            buf = cache[key] = torch.empty(numel, dtype=dtype, device=device)  # inference_mode afterwards
     return buf[:numel]
 
 
@@ -188,7 +189,8 @@ def _zero(t: torch.Tensor) -> torch.Tensor:
     key = (t.dtype, t.device)
     z = _ZEROS.get(key)
     if z is None:
-        z = _ZEROS[key] = torch.zeros(1, 1, 1, dtype=t.dtype, device=t.device)
+        with torch.inference_mode(False):  # as _scratch: usable outside inference_mode whenever it was made
+            z = _ZEROS[key] = torch.zeros(1, 1, 1, dtype=t.dtype, device=t.device)
     return z
 
 
