@@ -111,6 +111,23 @@ def test_resume_keeps_finished_jobs_and_refuses_changes(compare, mini_study):
     assert strip(again) == strip(res)
 
 
+def test_a_resume_with_nothing_left_to_run_keeps_the_studys_timing(compare, mini_study, tmp_path):
+    """--resume on a finished study rewrote results.json and report.md with the resume's own cost: "Wall time: 0 s"
+    and no CPU time of the whole study, for a study that had taken a minute."""
+    import shutil
+
+    src, res, _ = mini_study
+    out = tmp_path / "out"
+    shutil.copytree(src, out)
+    before = json.loads((out / "results.json").read_text())
+    report = (out / "report.md").read_text()
+    p = compare("--out", out, "--resume", "--no-progress")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads((out / "results.json").read_text())["timing"] == before["timing"]
+    assert (out / "report.md").read_text() == report
+    assert f"({before['timing']['wall_s']:.0f} s)" in p.stdout
+
+
 def test_flag_parsing():
     assert parse_lr(["adamw=3e-3", "dnt-msgdw=0.5,msgdw=1"]) == {"adamw": 3e-3, "dnt-msgdw": 0.5, "msgdw": 1.0}
     assert parse_sweep("adamw=1e-3:2e-3,msgdw=0.3") == {"adamw": [1e-3, 2e-3], "msgdw": [0.3]}

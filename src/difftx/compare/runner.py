@@ -269,6 +269,7 @@ class Executor:
     def __init__(self, study: StudyConfig, out: Path, workers: int, threads: Optional[int], is_main: bool):
         self.study, self.out, self.workers, self.threads, self.is_main = study, Path(out), workers, threads, is_main
         self.pool = self.queue = None
+        self.ran = 0  # jobs this process trained or measured (not read back from an earlier job.json)
         if workers > 1:
             import multiprocessing as mp
             from concurrent.futures import ProcessPoolExecutor
@@ -295,6 +296,7 @@ class Executor:
                 progress.finish(job.key)
             else:
                 todo.append(job)
+        self.ran += len(todo)
         todo.sort(key=lambda j: -j.steps * progress.cost[j.key])  # longest first balances the pool
         if self.pool is None:
             from .worker import run_job
@@ -381,6 +383,18 @@ def _cpu_s() -> float:
     return sum(x.ru_utime + x.ru_stime for x in r)
 
 
+def _earlier_timing(out: Path) -> Optional[dict]:
+    """The timing an earlier run of the study wrote into ``results.json`` (None without a readable one), less the
+    fields ``build_results`` recomputes from the jobs."""
+    try:
+        timing = json.loads((out / "results.json").read_text(encoding="utf-8")).get("timing")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(timing, dict) or not isinstance(timing.get("wall_s"), (int, float)):
+        return None
+    return {k: v for k, v in timing.items() if k not in ("jobs_cpu_s", "jobs_continued")}
+
+
 def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False, command: str = "",
               progress: Optional[bool] = None, stream=None) -> Optional[dict]:
     """Run ``study`` into ``out``; returns the results dict on rank 0 (None on other ranks).
@@ -437,6 +451,8 @@ def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False
         timing = {"wall_s": round(time.perf_counter() - t0, 1), "workers": workers, "threads_per_worker": threads,
                   "main_cpu_s": round(time.process_time() - cpu0, 1),
                   "process_cpu_s": round(_cpu_s() - tree0, 1)}
+        if resume and executor.ran == 0:  # a finished study resumed: its cost is the earlier run's, not this 0 s
+            timing = _earlier_timing(out) or timing
         res = build_results(study, jobs, results, sweep, sweep_results, lrs, timing, command)
         written = write_outputs(res, out)
         prog.line(f"difftx compare: wrote {', '.join(written)} to {out} in {timing['wall_s']:.0f} s")
