@@ -164,3 +164,28 @@ def test_a_config_of_sizes_no_tensor_can_hold_is_one_checkpoint_error(tmp_path):
     (d / "config.json").write_text(json.dumps(data))
     with pytest.raises(difftx.CheckpointError, match="cannot build the model it describes"):
         difftx.load_model(d)
+
+
+def test_save_model_refuses_a_training_run_and_its_checkpoints(tmp_path):
+    """save_model into a run directory (or one of its checkpoints) rewrote its config.json without the run's `train`
+    and `data` objects: `difftx train --resume auto` then refused the run as corrupt."""
+    import json
+
+    model = tiny_model()
+    run_config = {"difftx_format": 1, "model": model.config.to_dict(), "train": {"steps": 2}, "data": {}}
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
+    difftx.save_model(model, ckpt)  # a new directory: fine
+    (ckpt / "config.json").write_text(json.dumps(run_config))
+    (ckpt / "trainer_state.json").write_text("{}")
+    (tmp_path / "run" / "config.json").write_text(json.dumps(run_config))
+    before = {p: p.read_bytes() for p in sorted((tmp_path / "run").rglob("*")) if p.is_file()}
+    for target, why in ((tmp_path / "run", "checkpoints/"), (ckpt, "trainer_state.json")):
+        with pytest.raises(ConfigError, match=why):
+            difftx.save_model(model, target)
+    (ckpt / "trainer_state.json").unlink()
+    with pytest.raises(ConfigError, match="training run"):  # its config alone says so
+        difftx.save_model(model, ckpt)
+    del before[ckpt / "trainer_state.json"]
+    assert {p: p.read_bytes() for p in sorted((tmp_path / "run").rglob("*")) if p.is_file()} == before
+    d = difftx.save_model(model, tmp_path / "m")
+    assert difftx.save_model(model, d) == d  # a model directory is still overwritten, as before

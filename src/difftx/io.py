@@ -206,6 +206,26 @@ def model_config_dict(cfg: ModelConfig) -> dict:
     return {FORMAT_KEY: FORMAT_VERSION, "model": cfg.to_dict()}
 
 
+def _refuse_a_run(path: Path) -> None:
+    """save_model replaces a model directory's two files; in a training run or one of its checkpoints that dropped
+    the run's ``train`` / ``data`` config (the run no longer resumed) or put a model beside the checkpoints."""
+    why = None
+    if (path / CHECKPOINTS_DIR).is_dir():
+        why = f"it has {CHECKPOINTS_DIR}/: a training run"
+    elif (path / "trainer_state.json").is_file():
+        why = "it holds trainer_state.json: a training run's checkpoint"
+    elif (path / CONFIG_FILE).is_file():
+        try:
+            data = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            data = None
+        if isinstance(data, dict) and FORMAT_KEY in data and "train" in data:
+            why = f"its {CONFIG_FILE} is a training run's"
+    if why is not None:
+        raise ConfigError(None, f"save_model: {path} is not a model directory to overwrite ({why}, which would no "
+                          "longer resume); save into a new directory (nothing was changed)")
+
+
 def save_model(model: torch.nn.Module, path, extra_config: Optional[dict] = None) -> Path:
     """Write ``model`` to directory ``path`` (config.json + model.safetensors)."""
     cfg = getattr(model, "config", None)
@@ -213,6 +233,7 @@ def save_model(model: torch.nn.Module, path, extra_config: Optional[dict] = None
         raise ConfigError(None, f"save_model: a {type(model).__name__} is not a difftx model (its config is "
                           f"{type(cfg).__name__}, not difftx.ModelConfig); save the difftx model it holds "
                           "(DifftxForCausalLM: .model; DDP: .module), or use save_pretrained")
+    _refuse_a_run(Path(path))
     path = make_out_dir(path, flag="save_model")  # a path that is (or is under) a file: one DifftxError
     cfg_dict = model_config_dict(model.config)
     state = clean_state_dict(model.state_dict())
