@@ -217,6 +217,35 @@ def test_resuming_on_a_changed_corpus_is_refused(tmp_path, corpus, train_cli, ca
     assert _steps(out)[-1] == "step_00000004"
 
 
+def test_a_run_started_on_a_relative_data_path_resumes_from_another_directory(tmp_path, corpus, cache, monkeypatch,
+                                                                           capsys):
+    """A run keeps --data as given: started with a relative path, it could be resumed only from the directory it started
+    in (elsewhere "no such file"), and passing the same corpus by another path was refused as a changed --data.  Another
+    path to the same corpus is accepted (its contents are checked); another corpus is still refused."""
+    from difftx.cli import main
+
+    base = ["train", "--cache-dir", str(cache), "--tokenizer", "char", "--d-model", "32", "--n-layers", "1",
+            "--n-heads", "2", "--seq-len", "16", "--batch-size", "4", "--warmup", "1", "--dtype", "fp32",
+            "--eval-every", "0", "--no-progress", "--steps", "4", "--out", str(tmp_path / "run")]
+    monkeypatch.chdir(corpus.parent)
+    assert main([*base, "--data", corpus.name, "--stop-at", "2"]) == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert main([*base, "--resume", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "no such file" in err and "pass --data" in err and err.count("\n") == 1
+    other = elsewhere / "other.txt"
+    other.write_text(corpus.read_text() + "The cat sat.\n")
+    assert main([*base, "--resume", "auto", "--data", str(other)]) == 2
+    assert "not the corpus of the run being resumed" in capsys.readouterr().err
+    assert _steps(tmp_path / "run") == ["step_00000002"]
+    assert main([*base, "--resume", "auto", "--data", str(corpus)]) == 0
+    assert _steps(tmp_path / "run")[-1] == "step_00000004"
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["data"] == str(corpus)
+
+
 def test_resume_with_a_stop_at_already_passed_is_refused(tmp_path, train_cli, capsys):
     """--stop-at at or below the step the resumed run stands at trained nothing and exited 0; now one line, exit 2."""
     out = tmp_path / "run"

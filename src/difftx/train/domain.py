@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DataError
 from .config import TrainConfig
 from .distributed import World
 
@@ -146,7 +146,16 @@ class LMDomain(Domain):
         from ..data.corpus import resolve_corpus
         from ..data.shards import WindowSampler, default_cache_dir, prepare_tokens
 
-        self.corpus = resolve_corpus(cfg.data, cfg.text_field)
+        try:
+            self.corpus = resolve_corpus(cfg.data, cfg.text_field)
+        except DataError as e:
+            import glob
+
+            if run_dir is None or cfg.data is None or Path(cfg.data).exists() or glob.glob(cfg.data):
+                raise
+            raise DataError(f"{e} (the --data of the run being resumed; a relative path is read from the current "
+                            "directory: run from the directory it started in, or pass --data with the corpus's "
+                            "path)") from None
         if run_dir is not None:
             self._check_resumed_corpus(Path(run_dir))
         cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()

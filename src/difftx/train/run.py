@@ -105,6 +105,14 @@ def run_exists(path: Path) -> bool:
     return any((path / name).exists() for name in (CONFIG_FILE, METRICS_FILE, CHECKPOINTS_DIR))
 
 
+def _corpus_is_checked(saved: dict, old_t: TrainConfig) -> bool:
+    """Whether resuming ``saved`` compares the corpus's contents with the ones it started on (the lm domain's
+    ``_check_resumed_corpus``), so that a ``--data`` path other than the saved one is safe to accept."""
+    data = saved.get("data")
+    return old_t.domain == "lm" and old_t.task is None and isinstance(data, dict) \
+        and isinstance(data.get("corpus_fingerprint"), str)
+
+
 def _merge_resumed(saved: dict, source: Path, tcfg: TrainConfig, mcfg: ModelConfig, explicit_train: Iterable[str],
                    explicit_model: Iterable[str]) -> tuple[TrainConfig, ModelConfig]:
     """The saved configs, with the explicitly given fields that a resumed run may change."""
@@ -125,6 +133,9 @@ def _merge_resumed(saved: dict, source: Path, tcfg: TrainConfig, mcfg: ModelConf
         new, old = getattr(tcfg, f), getattr(old_t, f)
         if f in RESUMABLE_CHANGES or f in PER_RUN_FIELDS:
             changes[f] = new
+        elif f == "data" and new is not None and _corpus_is_checked(saved, old_t):
+            changes[f] = new  # the same corpus at another path (a relative --data from another directory, data
+            # moved): the domain refuses other contents against the saved fingerprint on resume
         elif new != old:
             raise ConfigError(f, f"is {old!r} in the run being resumed ({source}), {new!r} here; a resumed run "
                                  "keeps its config (start a new --out to change it)")
