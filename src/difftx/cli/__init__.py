@@ -38,6 +38,12 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):  # noqa: D401
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras and " " in self.prog:  # a subcommand's: named by it ("difftx train: error: ..."), not by "difftx"
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     from .. import __version__
