@@ -128,6 +128,35 @@ def test_a_resume_with_nothing_left_to_run_keeps_the_studys_timing(compare, mini
     assert f"({before['timing']['wall_s']:.0f} s)" in p.stdout
 
 
+def test_a_study_resumes_with_its_corpus_at_another_path(compare, mini_study, corpus, tmp_path, monkeypatch):
+    """A study started with a relative --data could not be resumed from another directory: its path was missing
+    there, and --data with the corpus's path was refused as a changed setting.  The same contents (the fingerprint
+    its corpus runs recorded) at another path are accepted; other contents are still refused."""
+    import shutil
+
+    src, res, _ = mini_study
+    out = tmp_path / "out"
+    shutil.copytree(src, out)
+    saved = json.loads((out / "study.json").read_text())
+    saved["study"]["data"] = "corpus.txt"  # as started from corpus's directory with a relative path
+    (out / "study.json").write_text(json.dumps(saved))
+    monkeypatch.chdir(tmp_path)  # another directory: no corpus.txt here
+    report = (out / "report.md").read_text()
+    err = _one_line_error(compare("--out", out, "--resume", "--no-progress"))
+    assert "a relative path is read from the current directory" in err and "pass --data" in err
+    other = tmp_path / "other.txt"
+    other.write_text(corpus.read_text() + "more")
+    err = _one_line_error(compare("--out", out, "--resume", "--no-progress", "--data", other))
+    assert "data: is 'corpus.txt' in the study being resumed" in err and "other contents" in err
+    assert (out / "report.md").read_text() == report
+    moved = tmp_path / "moved.txt"
+    shutil.copyfile(corpus, moved)
+    p = compare("--out", out, "--resume", "--no-progress", "--data", moved)
+    assert p.returncode == 0, p.stderr[-2000:]
+    again = json.loads((out / "results.json").read_text())
+    assert again["arms"] == res["arms"] and again["questions"] == res["questions"]  # nothing retrained or remeasured
+
+
 def test_flag_parsing():
     assert parse_lr(["adamw=3e-3", "dnt-msgdw=0.5,msgdw=1"]) == {"adamw": 3e-3, "dnt-msgdw": 0.5, "msgdw": 1.0}
     assert parse_sweep("adamw=1e-3:2e-3,msgdw=0.3") == {"adamw": [1e-3, 2e-3], "msgdw": [0.3]}

@@ -73,12 +73,46 @@ def resume_config(out: Path, explicit: dict) -> StudyConfig:
 
         domain = explicit.get("domain", stored.domain)
         explicit = {**explicit, "model": {**DEFAULTS.get(domain, {}).get("model", {}), **explicit["model"]}}
+    if stored.domain == "lm" and explicit.get("data") is None and stored.data not in (None, "builtin") \
+            and not Path(stored.data).expanduser().is_absolute():
+        from ..data.corpus import resolve_corpus
+
+        try:
+            resolve_corpus(stored.data)
+        except DataError as e:
+            raise DataError(f"{e} (the --data of the study being resumed; a relative path is read from the current "
+                            "directory: resume from the directory the study started in, or pass --data with the "
+                            "corpus's path)") from None
+    if stored.domain == "lm" and explicit.get("data") not in (None, stored.data):
+        _check_same_corpus(Path(out), explicit["data"], stored.data)  # the same corpus at another path: accepted
+        stored = StudyConfig.from_dict({**stored.to_dict(), "data": explicit["data"]})
     given = StudyConfig.from_dict({**stored.to_dict(), **explicit})
     for name, value in given.to_dict().items():
         if name not in StudyConfig.RESUMABLE and value != getattr(stored, name):
             raise ConfigError(name, f"is {getattr(stored, name)!r} in the study being resumed, {value!r} here; a "
                                     "resumed study keeps its settings (start a new --out to change them)")
     return given
+
+
+def _check_same_corpus(out: Path, data: str, stored: Optional[str]) -> None:
+    """``--data`` on resume may name the study's corpus by another path (one started with a relative path, resumed
+    from another directory), checked against the contents fingerprint its corpus runs recorded; another corpus, or
+    one that no run recorded yet, is refused as any other changed setting."""
+    from ..data.corpus import resolve_corpus
+
+    recorded = set()
+    for path in sorted((out / "runs" / "corpus").glob("*/*/config.json")):
+        try:
+            fp = (json.loads(path.read_text(encoding="utf-8")).get("data") or {}).get("corpus_fingerprint")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(fp, str):
+            recorded.add(fp)
+    if recorded and len(recorded) == 1 and resolve_corpus(data).fingerprint() in recorded:
+        return
+    why = "other contents" if recorded else "its runs recorded no corpus contents to compare with"
+    raise ConfigError("data", f"is {stored!r} in the study being resumed, {data!r} here ({why}); a resumed study "
+                              "keeps its corpus (give the same data, or start a new --out)")
 
 
 def stored_world_size(out: Path) -> Optional[int]:
