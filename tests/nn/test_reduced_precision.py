@@ -75,3 +75,28 @@ def test_float16_blocks_take_their_zero_without_a_copy_of_q(monkeypatch):
     out = fused.fused_attention(q, k, v, AttnMask(causal=True, n_q=64, n_k=64), 0.25, torch.tensor(0.5), chunk=16)
     out.float().sum().backward()
     assert seen and max(seen) < q.numel()
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_bf16_torch_backward_keeps_the_softmax_row_sums_float32(monkeypatch, per_token):
+    """The pure-torch fused backward (DIFFTX_NATIVE=0, or no native kernels) in bf16: the softmax backward's row
+    sums rowsum(P2 * dP) make lambda's gradient.  They were rounded to bf16 before being summed into it (the native
+    kernel keeps them float32).  Here every map entry and product is exact in bf16 (uniform maps of 1/256, small
+    integer dP), so a float32 row sum gives lambda's gradient exactly."""
+    from difftx.nn import native
+
+    monkeypatch.setattr(native, "ENABLED", False)
+    torch.manual_seed(0)
+    b, h, n, d = 1, 2, 256, 8
+    q = torch.zeros(b, 2, h, n, d, dtype=torch.bfloat16, requires_grad=True)  # all logits 0: P = 1/256 exactly
+    k = torch.randn(b, 2, h, n, d).bfloat16()
+    v = torch.randint(-3, 4, (b, h, n, 2 * d)).bfloat16()
+    dout = torch.randint(-3, 4, (b, n, h, 2 * d)).bfloat16()  # dP = dout . v: integers up to 126, exact in bf16
+    lam = (torch.full((b, h, n, 1), 0.75) if per_token else torch.tensor(0.75)).requires_grad_()
+    mask = AttnMask(causal=False, n_q=n, n_k=n)
+    fused.fused_attention(q, k, v, mask, d ** -0.5, lam, chunk=n).backward(dout)
+    dp = torch.einsum("bnhe,bhme->bhnm", dout.double(), v.double())  # (B, H, Nq, Nk)
+    rows = -(dp / n).sum(-1)  # -rowsum(P2 * dP) per query row: float64, exact
+    want = rows[..., None] if per_token else rows.sum()
+    assert lam.grad.dtype == torch.float32
+    torch.testing.assert_close(lam.grad.double(), want.reshape(lam.grad.shape), rtol=1e-6, atol=1e-6)

@@ -482,11 +482,14 @@ def _backward(ctx, dout):
         else:
             t = g._take(g._s, b, m, hk, r, ke)
             torch.mul(p, dp.view(b, 1, hk, r, ke), out=t)  # p_m * dP
-            rs = t.sum(-1, keepdim=True)  # rowsum(p_m * dP), accumulated in fp32 by the reduction
+            # rowsum(p_m * dP) accumulated and kept in the compute dtype (lambda's gradient sums it, as the native
+            # kernel's float32 row sums); the maps' elementwise math reads a copy in their dtype
+            rs = t.sum(-1, keepdim=True, dtype=cd)
+            rsm = rs.to(t.dtype)
             if g._low is not None:  # softmax backward p_m (dP - r_m), rounded once for the matmuls
-                ds = torch.addcmul(t, p, rs, value=-1.0, out=g._take(g._low, b, m, hk, r, ke))
+                ds = torch.addcmul(t, p, rsm, value=-1.0, out=g._take(g._low, b, m, hk, r, ke))
             else:
-                ds = t.addcmul_(p, rs, value=-1.0)
+                ds = t.addcmul_(p, rsm, value=-1.0)
         rs = rs.to(cd)
         ds = ds.view(b * m * hk, r, ke)
         dqc = torch.bmm(ds, kk).view(b, m, hk, r, d)
