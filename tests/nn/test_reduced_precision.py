@@ -100,3 +100,23 @@ def test_bf16_torch_backward_keeps_the_softmax_row_sums_float32(monkeypatch, per
     want = rows[..., None] if per_token else rows.sum()
     assert lam.grad.dtype == torch.float32
     torch.testing.assert_close(lam.grad.double(), want.reshape(lam.grad.shape), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_bf16_decoding_combines_the_maps_with_a_float32_lambda(per_token):
+    """A few-query (decoding) step of the fused kernel in bf16: A1 - lambda A2 with lambda as computed (float32).
+    torch.add's alpha on bf16 tensors is rounded to bf16 itself: lambda half-way between two bf16 values was off by
+    2^-9 (~1% of (1 - lambda) here, a bias on every key), where the native decoding kernel keeps it float32.
+    Uniform maps (all logits 0) of 1/64 and integer values make everything else exact."""
+    torch.manual_seed(0)
+    b, h, t, d = 2, 2, 64, 16
+    q = torch.zeros(b, 2, h, 1, d, dtype=torch.bfloat16)
+    k = torch.randn(b, 2, h, t, d).bfloat16()
+    v = torch.randint(-8, 9, (b, h, t, 2 * d)).bfloat16()
+    lam_value = 0.80078125 + 2 ** -9  # half-way between the bf16 values 0.80078125 and 0.8046875
+    lam = torch.full((b, h, 1, 1), lam_value) if per_token else torch.tensor(lam_value)
+    mask = AttnMask(causal=True, n_q=1, n_k=t, q_start=t - 1)
+    with torch.no_grad():
+        out = fused.fused_attention(q, k, v, mask, d ** -0.5, lam)  # (B, 1, H, 2d)
+    want = (1 - lam_value) * v.double().mean(2)[:, None]  # (B, 1, H, 2d)
+    torch.testing.assert_close(out.double(), want, rtol=2 ** -8, atol=1e-6)

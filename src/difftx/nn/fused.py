@@ -633,13 +633,15 @@ def _few_queries(q, k, v, lam, mask: AttnMask, scale: float) -> torch.Tensor:
         s[..., ke:].fill_(float("-inf"))
     if allowed is not None:
         s[..., :ke] = s[..., :ke].masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(s, dim=-1).reshape(b, m, hk, r, width)
+    # two maps: their softmax and combine in the compute dtype (float32 under bf16), as the native decoding kernel
+    # does; in bf16, torch.add rounds its alpha (lambda) to bf16 too: a bias of up to 2^-9 lambda on every key
+    p = torch.softmax(s, dim=-1, dtype=_compute_dtype(s.dtype) if m == 2 else None).reshape(b, m, hk, r, width)
     if m == 1:
         p = p[:, 0]
     elif lam.dim() == 0:
         p = torch.add(p[:, 0], p[:, 1], alpha=-float(lam))
     else:
-        p = torch.addcmul(p[:, 0], p[:, 1], lam.to(md).reshape(b, hk, r, 1), value=-1.0)
+        p = torch.addcmul(p[:, 0], p[:, 1], lam.to(p.dtype).reshape(b, hk, r, 1), value=-1.0)
     o = torch.bmm(p.reshape(b * hk, r, width).to(v.dtype), v3)  # (B*Hk, r, dv)
     return o.view(b, h, n, -1).transpose(1, 2).contiguous()
 
