@@ -353,3 +353,33 @@ def test_grads_checkpoints_with_different_tokenizers_are_refused(tmp_path, capsy
         assert rc == 2 and err.startswith("difftx grads: error: --checkpoint:") and "\n" not in err, err
         assert "tokenizer" in err and str(char) in err and str(byte) in err, err
         assert not (tmp_path / "o").exists()
+
+
+def _pair(tmp_path, diff=None, transformer=None):
+    """A DIFF and a softmax checkpoint (nano at 1 x 32 unless given): their directories."""
+    cfg = difftx.ModelConfig.from_preset("nano", d_model=32, n_layers=1)
+    paths = []
+    for name, c in (("diff", diff or cfg.twin("diff")), ("transformer", transformer or cfg)):
+        difftx.save_model(difftx.build_model(c), tmp_path / name)
+        paths.append(tmp_path / name)
+    return paths
+
+
+def _flow_on(tmp_path, capsys, paths, *argv):
+    out = tmp_path / "out"
+    ckpts = [a for p in paths for a in ("--checkpoint", str(p))]
+    rc = main(["grads", "--out", str(out), *ckpts, "--only", "flow", "--seq-len", "16", "--batch-size", "2",
+               "--steps", "1", "--no-plots", *argv])
+    cap = capsys.readouterr()
+    return rc, cap, out
+
+
+def test_grads_flow_on_checkpoints_is_labelled_as_saved_not_at_init(tmp_path, capsys, keep_threads):
+    """Step 0 of a checkpoint is its saved (trained) weights: the table said "Transformer at init"."""
+    rc, cap, out = _flow_on(tmp_path, capsys, _pair(tmp_path))
+    assert rc == 0, cap.err
+    report = (out / "report.md").read_text()
+    for text in (cap.out, report):
+        assert "at init" not in text and "Transformer as saved" in text and "ratio as saved" in text, text
+    assert "checkpoints as saved" in report
+    assert json.loads((out / "flow.json").read_text())["start"] == "saved"

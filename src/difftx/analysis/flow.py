@@ -79,16 +79,23 @@ def _median_ratios(per_step: list[dict]) -> dict:
     }
 
 
+START_LABELS = {"init": "at init", "saved": "as saved"}  # what step 0 is: fresh weights, or a checkpoint's
+
+
 def run_flow(models: dict[str, torch.nn.Module], batches: Batches, steps: int = 20, optimizer: str = "adamw",
-             lr: float = 1e-3, weight_decay: float = 0.0, clip: float = 1.0) -> dict:
+             lr: float = 1e-3, weight_decay: float = 0.0, clip: float = 1.0, start: str = "init") -> dict:
     """Record gradient norms of each model over ``steps`` + 1 gradient evaluations (step 0 = the given weights).
 
     All models see the same batches.  With a "diff" and a "transformer" model the
     result carries ``ratio``: per step, at ``init`` (step 0) and the median over
-    steps 1..K (``early``).
+    steps 1..K (``early``).  ``start`` says what step 0 is, for the tables and
+    figures: ``"init"`` (freshly initialised models) or ``"saved"`` (trained
+    checkpoints, measured as saved; ``ratio["init"]`` is then their step 0).
     """
+    if start not in START_LABELS:
+        raise ValueError(f"start must be one of {', '.join(START_LABELS)}; got {start!r}")
     out: dict = {"optimizer": optimizer, "lr": lr, "weight_decay": weight_decay, "clip": clip, "steps": steps,
-                 "groups": list(FLOW_GROUPS), "models": {}}
+                 "start": start, "groups": list(FLOW_GROUPS), "models": {}}
     for name, model in models.items():
         n_layers = model.config.n_layers
         norms: list[dict] = []
@@ -109,11 +116,18 @@ def run_flow(models: dict[str, torch.nn.Module], batches: Batches, steps: int = 
     return out
 
 
+def start_label(result: dict) -> str:
+    """What step 0 of a flow result is, as the tables say it: "at init" or "as saved" (a checkpoint)."""
+    return START_LABELS[result.get("start", "init")]
+
+
 def flow_table(result: dict) -> str:
-    """A markdown table: per group, norms at init, the DIFF/Transformer ratio at init and early, per layer at init."""
+    """A markdown table: per group, norms at step 0 (init, or as saved), the DIFF/Transformer ratio there and early,
+    per layer at step 0."""
     models = result["models"]
+    at0 = start_label(result)
     if "ratio" not in result:
-        lines = ["| model | group | " + " | ".join(f"step {s}" for s in (0, result["steps"])) + " |",
+        lines = [f"| model | group | step 0 ({at0.removeprefix('at ')}) | step {result['steps']} |",
                  "|---|---|---|---|"]
         for name, m in models.items():
             reached = len(m["grad_norms"]) - 1  # a diverged run stopped before step K: say which step it shows
@@ -126,8 +140,8 @@ def flow_table(result: dict) -> str:
     n_layers = len(r["init"]["layers"])
     k = len(r["per_step"]) - 1  # the steps both models reached: fewer than asked when one diverged
     early = f"ratio steps 1-{k}" + (f" (of {result['steps']}: a model diverged)" if k < result["steps"] else "")
-    head = ["group", "Transformer at init", "DIFF at init", "ratio at init", early]
-    head += [f"L{i + 1} at init" for i in range(n_layers)]
+    head = ["group", f"Transformer {at0}", f"DIFF {at0}", f"ratio {at0}", early]
+    head += [f"L{i + 1} {at0}" for i in range(n_layers)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
     for g in FLOW_GROUPS:

@@ -41,7 +41,8 @@ def _save(fig, path: Path) -> Path:
 
 
 def plot_flow(result: dict, path: Path) -> Path:
-    """Norms per group over steps (DIFF solid, Transformer dashed), their ratio, and the ratio per layer at init."""
+    """Norms per group over steps (DIFF solid, Transformer dashed), their ratio, and the ratio per layer at step 0
+    (init, or as saved for checkpoints)."""
     models = result["models"]
     has_ratio = "ratio" in result
     fig = _figure(15 if has_ratio else 6, 4.2)
@@ -83,8 +84,11 @@ def plot_flow(result: dict, path: Path) -> Path:
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_yscale("log")
         ax.set_xticks(np.arange(len(layers)) + 0.4 - width / 2, [f"L{i + 1}" for i in range(len(layers))])
-        ax.set_ylabel("DIFF / Transformer at init")
-        ax.set_title("ratio per layer at initialisation")
+        from .flow import start_label
+
+        at0 = start_label(result)
+        ax.set_ylabel(f"DIFF / Transformer {at0}")
+        ax.set_title(f"ratio per layer {at0}")
         ax.legend(fontsize=7)
     return _save(fig, path)
 

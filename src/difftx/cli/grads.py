@@ -342,14 +342,15 @@ def _flow_section(st: _Study) -> None:
     else:
         models = flow.twin_models(st.base, seed=args.seed, paired=not args.unpaired, device=args.device)
     res = flow.run_flow(models, st.batches(args.seed), steps=args.steps, optimizer=args.flow_optimizer,
-                        lr=st.lrs[args.flow_optimizer], clip=args.clip)
+                        lr=st.lrs[args.flow_optimizer], clip=args.clip, start="saved" if st.loaded else "init")
     res.update(meta=st.meta, paired=not args.unpaired and not st.loaded, seconds=round(time.perf_counter() - t0, 2))
     st.write_json("flow.json", res)
     table = flow.flow_table(res)
     print(f"gradient flow ({args.flow_optimizer}, {args.steps} steps, {res['seconds']} s):\n{table}\n")
     st.report += ["## Gradient flow (DIFF paper, Appendix E)", "",
-                  f"Gradient Frobenius norms per group, {args.flow_optimizer} lr {res['lr']}, {args.steps} steps; "
-                  "ratio = DIFF / Transformer; the early ratio is the median over steps 1..K.", "", table, ""]
+                  f"Gradient Frobenius norms per group, {args.flow_optimizer} lr {res['lr']}, {args.steps} steps "
+                  + ("from the checkpoints as saved (step 0)" if st.loaded else "from initialisation (step 0)")
+                  + "; ratio = DIFF / Transformer; the early ratio is the median over steps 1..K.", "", table, ""]
     if st.plots is not None:
         st.plots.plot_flow(res, st.out / "flow.png")
         st.written.append("flow.png")
