@@ -383,3 +383,30 @@ def test_grads_flow_on_checkpoints_is_labelled_as_saved_not_at_init(tmp_path, ca
         assert "at init" not in text and "Transformer as saved" in text and "ratio as saved" in text, text
     assert "checkpoints as saved" in report
     assert json.loads((out / "flow.json").read_text())["start"] == "saved"
+
+
+def test_grads_flow_pair_of_different_depths_is_refused(tmp_path, capsys, keep_threads):
+    """Per-layer ratios zipped layer i of a 2-layer DIFF with layer i of a 1-layer Transformer, silently."""
+    deep = difftx.ModelConfig.from_preset("nano", d_model=32, n_layers=2).twin("diff")
+    rc, cap, out = _flow_on(tmp_path, capsys, _pair(tmp_path, diff=deep))
+    err = cap.err.strip()
+    assert rc == 2 and err.startswith("difftx grads: error: --checkpoint:") and "\n" not in err, err
+    assert "2 layers" in err and "--only tails" in err and not out.exists()
+
+
+def test_grads_flow_pair_not_matched_parameter_warns(tmp_path, capsys, keep_threads):
+    """A wider DIFF against a Transformer: ratios printed with no word that the sizes differ."""
+    wide = difftx.ModelConfig.from_preset("nano", d_model=64, n_layers=1).twin("diff")
+    rc, cap, out = _flow_on(tmp_path, capsys, _pair(tmp_path, diff=wide))
+    assert rc == 0, cap.err
+    warning = [line for line in cap.err.splitlines() if line.startswith("difftx grads: warning:")]
+    assert len(warning) == 1 and "not a matched-parameter pair" in warning[0] and "d_model 64 and 32" in warning[0]
+    assert "Not matched" in (out / "report.md").read_text()
+    flow = json.loads((out / "flow.json").read_text())
+    assert flow["matched"] is False and "d_model" in flow["mismatch"]
+
+
+def test_grads_matched_checkpoint_pair_has_no_warning(tmp_path, capsys, keep_threads):
+    rc, cap, out = _flow_on(tmp_path, capsys, _pair(tmp_path))
+    assert rc == 0 and "warning" not in cap.err, cap.err
+    assert json.loads((out / "flow.json").read_text())["matched"] is True

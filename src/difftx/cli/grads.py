@@ -234,6 +234,46 @@ def _check_same_tokenizer(loaded) -> None:
                                               "them in separate runs")
 
 
+MATCHED_PARAMS = 0.01  # a twin pair differs by DIFF's lambda vectors and per-head gain only (well under 1%)
+
+
+def _flow_pair(loaded):
+    """(DIFF, softmax) entries of ``loaded`` when they are a gradient-flow pair (one DIFF V1 or V2 and one softmax
+    checkpoint, as for a fresh base), else None."""
+    kinds = sorted(m.config.attention for _, _, m, _ in loaded)
+    if kinds not in (["diff", "softmax"], ["diff2", "softmax"]):
+        return None
+    (d,), (t,) = ([e for e in loaded if (e[2].config.attention == "softmax") == soft] for soft in (False, True))
+    return d, t
+
+
+def _check_flow_pair(loaded):
+    """A DIFF / Transformer checkpoint pair of different depths is refused (its per-layer ratios would pair layer i
+    of one with layer i of the other and drop the deeper model's extra layers; its all-layer ratios sum over
+    different numbers of layers).  A pair of one depth that is not matched-parameter (different d_model, or
+    parameter counts more than 1% apart) is measured, and the returned note says so; None for a matched pair."""
+    pair = _flow_pair(loaded)
+    if pair is None:
+        return None
+    (dname, dpath, dm, _), (tname, tpath, tm, _) = pair
+    dc, tc = dm.config, tm.config
+    if dc.n_layers != tc.n_layers:
+        raise ConfigError("--checkpoint", f"{dpath} (DIFF) has {dc.n_layers} layers and {tpath} (Transformer) "
+                                          f"{tc.n_layers}: the gradient-flow ratios are per layer and summed over "
+                                          "layers, so they do not align across depths; compare checkpoints of one "
+                                          "depth, or give --only tails")
+    why = []
+    if dc.d_model != tc.d_model:
+        why.append(f"d_model {dc.d_model} and {tc.d_model}")
+    pd, pt = dm.num_parameters(), tm.num_parameters()
+    if abs(pd - pt) > MATCHED_PARAMS * max(pd, pt):
+        why.append(f"{pd:,} and {pt:,} parameters")
+    if not why:
+        return None
+    return (f"{dname} (DIFF) and {tname} (Transformer) are not a matched-parameter pair ({'; '.join(why)}): their "
+            "gradient-flow ratios compare models of different size, not only attention kinds")
+
+
 def _seeded(seed: int, model):
     """``model`` (a loaded checkpoint), with torch's RNG (dropout masks) seeded as
     :func:`difftx.analysis.common.build` seeds it for a fresh model of that seed."""
@@ -269,6 +309,7 @@ class _Study:
         self.meta = {"batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
                      "data": args.data or "python stdlib source (byte tokens)", "device": args.device}
         self.loaded, self.base, self.settings = [], None, []
+        self.flow_mismatch = None  # why a checkpoint flow pair is not matched-parameter (None: matched, or no pair)
         if args.checkpoint:
             self.loaded = _load_checkpoints(args.checkpoint, args.device)
             if args.set:
@@ -280,6 +321,8 @@ class _Study:
             for _, _, m, _ in self.loaded:
                 _check_seq_len(m.config, args.seq_len)
             self.meta["checkpoints"] = {name: str(path) for name, path, _, _ in self.loaded}
+            if args.only != "tails":
+                self.flow_mismatch = _check_flow_pair(self.loaded)
             self.tail_steps = _tail_steps(args)
             _set_threads(args, max(m.num_parameters() for _, _, m, _ in self.loaded))
         else:
@@ -334,9 +377,9 @@ def _flow_section(st: _Study) -> None:
     args, t0 = st.args, time.perf_counter()
     if st.loaded:
         torch.manual_seed(args.seed)  # fresh twins are built seeded; checkpoints' dropout masks follow --seed too
-        kinds = sorted(m.config.attention for _, _, m, _ in st.loaded)
-        if kinds in (["diff", "softmax"], ["diff2", "softmax"]):  # DIFF (V1 or V2, as for a fresh base) and softmax
-            models = {("transformer" if m.config.attention == "softmax" else "diff"): m for _, _, m, _ in st.loaded}
+        pair = _flow_pair(st.loaded)
+        if pair is not None:  # DIFF (V1 or V2, as for a fresh base) and softmax
+            models = {"diff": pair[0][2], "transformer": pair[1][2]}
         else:
             models = {name: m for name, _, m, _ in st.loaded}
     else:
@@ -344,13 +387,20 @@ def _flow_section(st: _Study) -> None:
     res = flow.run_flow(models, st.batches(args.seed), steps=args.steps, optimizer=args.flow_optimizer,
                         lr=st.lrs[args.flow_optimizer], clip=args.clip, start="saved" if st.loaded else "init")
     res.update(meta=st.meta, paired=not args.unpaired and not st.loaded, seconds=round(time.perf_counter() - t0, 2))
+    if "ratio" in res:
+        res.update(matched=st.flow_mismatch is None, mismatch=st.flow_mismatch)
+    if st.flow_mismatch:
+        print(f"difftx grads: warning: {st.flow_mismatch}", file=sys.stderr)
     st.write_json("flow.json", res)
     table = flow.flow_table(res)
     print(f"gradient flow ({args.flow_optimizer}, {args.steps} steps, {res['seconds']} s):\n{table}\n")
     st.report += ["## Gradient flow (DIFF paper, Appendix E)", "",
                   f"Gradient Frobenius norms per group, {args.flow_optimizer} lr {res['lr']}, {args.steps} steps "
                   + ("from the checkpoints as saved (step 0)" if st.loaded else "from initialisation (step 0)")
-                  + "; ratio = DIFF / Transformer; the early ratio is the median over steps 1..K.", "", table, ""]
+                  + "; ratio = DIFF / Transformer; the early ratio is the median over steps 1..K.", ""]
+    if st.flow_mismatch:
+        st.report += [f"**Not matched:** {st.flow_mismatch}.", ""]
+    st.report += [table, ""]
     if st.plots is not None:
         st.plots.plot_flow(res, st.out / "flow.png")
         st.written.append("flow.png")
