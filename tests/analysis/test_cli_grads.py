@@ -410,3 +410,18 @@ def test_grads_matched_checkpoint_pair_has_no_warning(tmp_path, capsys, keep_thr
     rc, cap, out = _flow_on(tmp_path, capsys, _pair(tmp_path))
     assert rc == 0 and "warning" not in cap.err, cap.err
     assert json.loads((out / "flow.json").read_text())["matched"] is True
+
+
+def test_grads_help_and_meta_say_checkpoints_read_data_with_their_tokenizer(tmp_path, capsys, keep_threads):
+    """--help said --data was byte-tokenised, and flow.json's meta said "byte tokens", for a checkpoint read with
+    its own (here char) tokenizer."""
+    with pytest.raises(SystemExit):
+        main(["grads", "--help"])
+    helptext = " ".join(capsys.readouterr().out.split())
+    assert "byte-tokenise (" not in helptext and "saved tokenizer" in helptext, helptext
+    model = _char_model(tmp_path / "m")
+    assert main(["grads", "--out", str(tmp_path / "o"), "--checkpoint", str(model), "--only", "flow", "--seq-len",
+                 "16", "--batch-size", "2", "--steps", "1", "--no-plots"]) == 0
+    meta = json.loads((tmp_path / "o" / "flow.json").read_text())["meta"]
+    assert meta["tokenizer"] == "char" and "byte" not in meta["data"], meta
+    assert "char tokens (the checkpoints' tokenizer)" in (tmp_path / "o" / "report.md").read_text()

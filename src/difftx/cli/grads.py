@@ -58,7 +58,9 @@ def add_parser(sub) -> None:
                    help="coordinates sampled per matrix kind for the noise estimate (8192)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per batch (8)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (64)")
-    p.add_argument("--data", help="a text file to byte-tokenise (default: the Python standard library source)")
+    p.add_argument("--data", help="a UTF-8 text file (default: the Python standard library source); fresh models read "
+                                  "it as bytes, --checkpoint models with their saved tokenizer (tokenizer.json "
+                                  "beside the model; bytes when there is none)")
     p.add_argument("--seed", type=int, default=0, help="initialisation and data seed (0)")
     p.add_argument("--seeds", type=int, default=None,
                    help="repeat the tail study over this many seeds (seed, seed+1, ...); tables show mean +- sd (1)")
@@ -307,7 +309,7 @@ class _Study:
         refuse_old_results(self.out, RESULT_FILES, args.force)
         text = common.load_text(args.data)
         self.meta = {"batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
-                     "data": args.data or "python stdlib source (byte tokens)", "device": args.device}
+                     "data": args.data or "python stdlib source", "device": args.device}
         self.loaded, self.base, self.settings = [], None, []
         self.flow_mismatch = None  # why a checkpoint flow pair is not matched-parameter (None: matched, or no pair)
         if args.checkpoint:
@@ -336,6 +338,8 @@ class _Study:
             self.tail_steps = _tail_steps(args)
             _set_threads(args, count_parameters(self.base))
         self.tokens = common.tokenize(text, vocab, tokenizer)
+        # what the ids are: bytes, or the checkpoints' own tokenizer (the meta said "byte tokens" either way)
+        self.meta["tokenizer"] = tokenizer.kind if tokenizer is not None else "byte"
         if self.tokens.size < args.seq_len + 1:  # what Batches needs; checked here, before --out is made
             raise ConfigError("--seq-len", f"{args.seq_len} needs at least {args.seq_len + 1} tokens of data, and "
                                            f"the data has {self.tokens.size}; give a shorter --seq-len or more --data")
@@ -344,7 +348,11 @@ class _Study:
             [c for _, c in self.settings]
         _check_memory(args, configs)
         self.lrs = lrs(args)
-        self.report = ["# difftx grads", ""]
+        what = ", ".join(f"`{p}`" for _, p, _, _ in self.loaded) if self.loaded else "freshly initialised"
+        self.report = ["# difftx grads", "",
+                       f"Models: {what}.  Data: {self.meta['data']}, {self.meta['tokenizer']} tokens"
+                       + (" (the checkpoints' tokenizer)" if tokenizer is not None else "")
+                       + f"; batches of {args.batch_size} x {args.seq_len}, seed {args.seed}.", ""]
         self.written: list[str] = []
         self.plots = None
         if not args.no_plots:
