@@ -56,6 +56,28 @@ def test_setting_configs_follow_the_dnt_table():
         common.setting_config(BASE, "S9")
 
 
+def test_every_setting_the_docs_and_help_name_is_accepted_and_a_bare_dash_is_not():
+    """--help and gradients.md named only diff-S5; diff-S1..diff-S4, diff2, post and KIND-PLACEMENT are accepted too.
+    "diff-" was taken as "diff" (its rows named "diff-")."""
+    from pathlib import Path
+
+    from difftx.cli.grads import SETTINGS_ACCEPTED
+
+    assert SETTINGS_ACCEPTED == common.SETTINGS_ACCEPTED  # the CLI's copy (it parses without torch)
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "gradients.md").read_text()
+    assert "diff-S1..diff-S5" in SETTINGS_ACCEPTED and "`diff-S1`..`diff-S5`" in docs
+    for name, attention, norms in (("diff-S1", "diff", "S1"), ("diff-S4", "diff", "S4"), ("diff2-S5", "diff2", "S5"),
+                                   ("softmax-post", "softmax", "post"), ("dnt", "softmax", "dnt"),
+                                   ("pre", "softmax", "pre"), ("diff2", "diff2", "S1")):
+        cfg = common.setting_config(BASE, name)
+        assert (cfg.attention, cfg.norms) == (attention, norms), name
+        if name != "diff-S4":  # in diff-S1..diff-S5
+            assert name in SETTINGS_ACCEPTED and f"`{name}`" in docs, name
+    for bad in ("diff-", "softmax-", "diff2-"):
+        with pytest.raises(ConfigError, match=f"'{bad}'.*diff-S1..diff-S5"):
+            common.setting_config(BASE, bad)
+
+
 def test_twins_are_matched_and_paired():
     models = flow.twin_models(BASE, seed=0, paired=True)
     t, d = models["transformer"], models["diff"]

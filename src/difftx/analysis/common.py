@@ -4,7 +4,7 @@
   Python standard library (found through ``sysconfig``), or any text file.
   Batches are a pure function of (seed, step), so every model sees the same ones.
 * ``setting_config(base, "S3")``, ``setting_config(base, "diff")``,
-  ``setting_config(base, "diff-S5")``: the matched model of a norm setting and
+  ``setting_config(base, "diff-S5")`` (see ``SETTINGS_ACCEPTED``): the matched model of a norm setting and
   attention kind, built from one base config (``ModelConfig.twin`` keeps DIFF
   and the Transformer at the same parameter count).
 * The loop here is deliberately tiny (forward, backward, clip, step, constant
@@ -113,15 +113,25 @@ class Batches:
 # ----------------------------------------------------------------------------- settings and models
 
 
+SETTING_KINDS = ("diff2", "diff", "softmax")
+SETTINGS_ACCEPTED = ("a norm placement (S1..S5, dnt = S5, pre = S1, post: softmax attention), an attention kind "
+                     "(diff, diff2, softmax: the base's norms), or KIND-PLACEMENT such as diff-S1..diff-S5, diff2-S5, "
+                     "softmax-post")
+
+
 def setting_config(base: ModelConfig, setting: str) -> ModelConfig:
-    """``S1``..``S5``/``dnt``/``post`` (softmax attention), ``diff`` (DIFF with the base's norms) or ``diff-S5``."""
+    """The matched model of one setting: a norm placement (``S1``..``S5``, ``dnt``, ``pre``, ``post``; softmax
+    attention), an attention kind (``diff``, ``diff2``, ``softmax``; the base's norms), or both as
+    ``KIND-PLACEMENT`` (``diff-S5``, ``diff2-S3``, ``softmax-post``)."""
     attention, norms = "softmax", setting
-    for kind in ("diff2", "diff", "softmax"):
+    for kind in SETTING_KINDS:
         if setting == kind or setting.startswith(kind + "-"):
             attention, norms = kind, setting[len(kind) + 1:]
+            if setting != kind and not norms:  # "diff-" was taken as "diff", and its rows named "diff-"
+                norms = "-"
             break
     if norms and norms not in NORM_PRESETS:
-        raise ConfigError("settings", f"unknown setting {setting!r}: use S1..S5, dnt, diff, or diff-S1..diff-S5")
+        raise ConfigError("settings", f"unknown setting {setting!r}: use {SETTINGS_ACCEPTED}")
     cfg = base.twin(attention) if attention != base.attention else base
     return cfg.replace(norms=norms) if norms else cfg
 

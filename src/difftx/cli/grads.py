@@ -18,6 +18,10 @@ from ..errors import ConfigError, DifftxError
 DEFAULT_SETTINGS = "S1,S2,S3,S4,S5,diff"
 RESULT_FILES = ("flow.json", "tails.json", "report.md")  # an earlier run's, kept unless --force
 DEFAULT_LRS = {"adamw": 3e-3, "msgdw": 0.3}  # sgd takes msgdw's, muon adamw's (unless --lr-sgd / --lr-muon)
+# what --settings accepts (difftx.analysis.common.SETTINGS_ACCEPTED, which imports torch: the CLI parses without it)
+SETTINGS_ACCEPTED = ("a norm placement (S1..S5, dnt = S5, pre = S1, post: softmax attention), an attention kind "
+                     "(diff, diff2, softmax: the base's norms), or KIND-PLACEMENT such as diff-S1..diff-S5, diff2-S5, "
+                     "softmax-post")
 TINY = dict(d_model=64, n_layers=2)  # the default model: preset "nano" shrunk to 2 x 64 (4 heads of 16)
 
 
@@ -44,7 +48,8 @@ def add_parser(sub) -> None:
     p.add_argument("--tail-steps", type=int, default=None,
                    help="training steps before the tail measurement (20; 0 for checkpoints: measure as saved)")
     p.add_argument("--settings", default=None,
-                   help=f"norm settings / attention kinds for the tail study ({DEFAULT_SETTINGS}; also dnt, diff-S5)")
+                   help=f"norm settings / attention kinds for the tail study, comma-separated ({DEFAULT_SETTINGS}); "
+                        "each is " + SETTINGS_ACCEPTED)
     p.add_argument("--optimizers", default=None,
                    help="optimisers for the tail study (adamw,msgdw; none are used with --tail-steps 0)")
     p.add_argument("--lr-adamw", type=float, help=f"AdamW learning rate ({DEFAULT_LRS['adamw']:g})")
