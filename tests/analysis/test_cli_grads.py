@@ -425,3 +425,23 @@ def test_grads_help_and_meta_say_checkpoints_read_data_with_their_tokenizer(tmp_
     meta = json.loads((tmp_path / "o" / "flow.json").read_text())["meta"]
     assert meta["tokenizer"] == "char" and "byte" not in meta["data"], meta
     assert "char tokens (the checkpoints' tokenizer)" in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_grads_tails_on_checkpoints_as_saved_says_so(tmp_path, capsys, keep_threads):
+    """A checkpoint's tail study measures the saved weights: the report said "After 0 training steps per
+    optimiser" (there is no optimiser), and the run printed "heavy tails (0 steps, ...)"."""
+    out = tmp_path / "out"
+    ckpts = [a for p in _pair(tmp_path) for a in ("--checkpoint", str(p))]
+    rc = main(["grads", "--out", str(out), *ckpts, "--only", "tails", "--seq-len", "16", "--batch-size", "2",
+               "--noise-batches", "2", "--max-noise-entries", "64", "--no-plots"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    report = (out / "report.md").read_text()
+    assert "After 0 training steps" not in report and "Measured as saved" in report, report
+    assert "heavy tails (as saved," in cap.out
+
+    fresh = tmp_path / "fresh"  # --tail-steps 0 on fresh models measures them at initialisation, not "as saved"
+    assert main(["grads", "--out", str(fresh), *tiny(["--only", "tails"]), "--only", "tails", "--tail-steps", "0",
+                 "--settings", "S1", "--no-plots"]) == 0
+    assert "Measured at initialisation" in (fresh / "report.md").read_text()
+    assert "heavy tails (at initialisation," in capsys.readouterr().out

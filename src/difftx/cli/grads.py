@@ -451,11 +451,16 @@ def _tails_section(st: _Study) -> None:
             res["rows"] += r["rows"]
     res.update(meta=st.meta, seeds=list(seeds), seconds=round(time.perf_counter() - t0, 2))
     st.write_json("tails.json", res)
-    print(f"heavy tails ({st.tail_steps} steps, {args.noise_batches} noise batches, {len(seeds)} seed(s), "
-          f"{res['seconds']} s):")
+    at0 = "as saved" if st.loaded else "at initialisation"  # what --tail-steps 0 measures
+    steps = at0 if st.tail_steps == 0 else f"{st.tail_steps} steps"
+    print(f"heavy tails ({steps}, {args.noise_batches} noise batches, {len(seeds)} seed(s), {res['seconds']} s):")
+    # "After 0 training steps per optimiser" was said of checkpoints measured as saved, with no optimiser
+    when = (f"Measured {at0}, with no training steps (optimizer: none)" if st.tail_steps == 0 else
+            f"After {st.tail_steps} training steps per optimiser"
+            + (" from the checkpoints' saved weights" if st.loaded else " from initialisation"))
     st.report += ["## Heavy tails (DNT Fig. 1; Simsekli et al. 2019)", "",
-                  f"After {st.tail_steps} training steps per optimiser; entries are the mean of "
-                  f"{args.noise_batches} mini-batch gradients, noise their deviations.", ""]
+                  f"{when}; entries are the mean of {args.noise_batches} mini-batch gradients, noise their "
+                  "deviations.", ""]
     for section, stat, title in TAIL_TABLES:
         table = tail_study.tails_table(res, stat, section)
         st.report += [f"### {title}", "", table, ""]
