@@ -445,3 +445,18 @@ def test_grads_tails_on_checkpoints_as_saved_says_so(tmp_path, capsys, keep_thre
                  "--settings", "S1", "--no-plots"]) == 0
     assert "Measured at initialisation" in (fresh / "report.md").read_text()
     assert "heavy tails (at initialisation," in capsys.readouterr().out
+
+
+def test_grads_tail_histogram_title_says_as_saved_not_after_0_none_steps(tmp_path, monkeypatch):
+    """The DNT Fig. 1 figure of checkpoints measured as saved was titled "after 0 none steps"."""
+    pytest.importorskip("matplotlib")
+    from difftx.analysis import plots
+
+    titles = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: titles.append(fig._suptitle.get_text()) or path)
+    hist = {"log10_edges": [-3.0, -2.0, -1.0], "fraction": [0.5, 0.5]}
+    row = {"setting": "m", "optimizer": "none", "entries": {"W_q": {"histogram": hist}}}
+    for start, steps, expect in (("saved", 0, "as saved"), ("init", 0, "at initialisation"),
+                                 ("saved", 3, "after 3 none steps from the saved weights")):
+        plots.plot_tail_histograms({"rows": [row], "steps": steps, "start": start}, "none", tmp_path / "h.png")
+        assert expect in titles[-1] and "after 0" not in titles[-1], titles[-1]

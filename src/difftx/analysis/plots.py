@@ -124,7 +124,12 @@ def plot_tail_histograms(result: dict, optimizer: str, path: Path) -> Optional[P
         ax.set_visible(False)
     if kinds:
         axes[0].legend(fontsize=7)
-    fig.suptitle(f"|gradient| entries after {result['steps']} {optimizer} steps (layers pooled)")
+    saved = result.get("start") == "saved"  # checkpoints (difftx grads records it), else fresh models
+    if result["steps"] == 0:  # optimizer "none": was "after 0 none steps"
+        when = "as saved" if saved else "at initialisation"
+    else:
+        when = f"after {result['steps']} {optimizer} steps" + (" from the saved weights" if saved else "")
+    fig.suptitle(f"|gradient| entries {when} (layers pooled)")
     return _save(fig, path)
 
 

@@ -449,7 +449,8 @@ def _tails_section(st: _Study) -> None:
             res = r
         else:
             res["rows"] += r["rows"]
-    res.update(meta=st.meta, seeds=list(seeds), seconds=round(time.perf_counter() - t0, 2))
+    res.update(meta=st.meta, seeds=list(seeds), seconds=round(time.perf_counter() - t0, 2),
+               start="saved" if st.loaded else "init")
     st.write_json("tails.json", res)
     at0 = "as saved" if st.loaded else "at initialisation"  # what --tail-steps 0 measures
     steps = at0 if st.tail_steps == 0 else f"{st.tail_steps} steps"
