@@ -460,3 +460,11 @@ def test_grads_tail_histogram_title_says_as_saved_not_after_0_none_steps(tmp_pat
                                  ("saved", 3, "after 3 none steps from the saved weights")):
         plots.plot_tail_histograms({"rows": [row], "steps": steps, "start": start}, "none", tmp_path / "h.png")
         assert expect in titles[-1] and "after 0" not in titles[-1], titles[-1]
+
+
+def test_grads_checkpoint_help_names_the_flow_pair_conditions(capsys):
+    """--help said any DIFF and softmax checkpoints give flow ratios; different depths are refused, sizes flagged."""
+    with pytest.raises(SystemExit):
+        main(["grads", "--help"])
+    helptext = " ".join(capsys.readouterr().out.split())
+    assert "checkpoint of one depth together give flow ratios" in helptext and "matched-parameter" in helptext

@@ -37,7 +37,8 @@ def add_parser(sub) -> None:
     src.add_argument("--preset", help="base preset (see `difftx info --list`); default: nano at 2 layers x 64")
     src.add_argument("--checkpoint", action="append", default=[], metavar="PATH",
                      help="analyse a saved model or run directory instead (repeatable; a DIFF and a softmax "
-                          "checkpoint together give flow ratios)")
+                          "checkpoint of one depth together give flow ratios, with a warning when they are not "
+                          "matched-parameter)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a ModelConfig field of the base config (repeatable), e.g. --set n_layers=4")
     p.add_argument("--only", choices=["flow", "tails"], help="run only one of the two studies")
