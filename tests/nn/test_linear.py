@@ -568,6 +568,16 @@ def test_dot_mm_sum_gives_the_bits_of_the_chained_products(m, ks, n, threads):
 
 
 @needs_dot_linear
+@pytest.mark.parametrize("rows,cols", [(64, 48), (96, 32), (2048, 512)])
+def test_the_dot_paths_transpose_is_exact(rows, cols):
+    """transpose_rows_bf16 runs the transpose kernel on a CPU with AVX512-BF16 and no AMX, where
+    test_transpose_kernels_are_exact (AMX's transpose_bf16) skips: x^T exactly, contiguous, from strided rows."""
+    x = torch.randn(rows, cols + 16).bfloat16()[:, :cols]  # rows strided: the kernel reads x.stride(0)
+    t = native.transpose_rows_bf16(x)
+    assert t is not None and t.shape == (cols, rows) and t.is_contiguous() and torch.equal(t, x.t())
+
+
+@needs_dot_linear
 def test_dot_kernels_decline_what_they_do_not_take():
     assert native.pack_wt(torch.randn(40, 64)) is None  # rows not a multiple of 16
     assert native.pack_wt(torch.randn(64, 40)) is None
