@@ -136,14 +136,28 @@ def test_a_hooked_or_swapped_head_norm_runs(dtype):
     torch.testing.assert_close(zeroed, attn.out_proj.bias.expand_as(zeroed) if attn.out_proj.bias is not None
                                else torch.zeros_like(zeroed))
     torch.testing.assert_close(attn(x, rope, mask), base)  # hook gone: the fused norm again
+    # a hook that changes nothing takes the called-as-it-is path: the same output, (1 - lambda_init) included
+    handle = attn.head_norm.register_forward_hook(lambda m, i, o: None)
+    with torch.no_grad():
+        tol = 0.0 if dtype == torch.float32 else 0.02  # bf16: the norm's output rounded before the gain
+        torch.testing.assert_close(attn(x, rope, mask), base.detach(), rtol=tol or 1.3e-6,
+                                   atol=tol * float(base.abs().max()) or 1e-5)
+    handle.remove()
     attn.head_norm = _Halve()
     with torch.no_grad():
         o = attn(x, rope, mask)
         attn.out_proj, captured = nn.Identity(), None
         captured = attn(x, rope, mask)
     assert o.shape == base.shape
-    # the swapped norm's output times (1 - lambda_init) reached out_proj
-    assert captured.abs().max() > 0 and not torch.allclose(captured.float(), torch.zeros_like(captured.float()))
+    # the swapped norm's output times (1 - lambda_init) reached out_proj: against the same module with an identity
+    # norm, whose output is the heads' unnormalised attention (times 1 - lambda_init as well), it is half as large
+    attn.head_norm = nn.Identity()
+    with torch.no_grad():
+        raw = attn(x, rope, mask)
+        attn.head_norm = _Halve()
+    assert captured.abs().max() > 0
+    torch.testing.assert_close(captured, 0.5 * raw)
+    assert attn.lambda_init != 0
 
 
 def test_hf_missing_keys_get_difftx_init(tmp_path):
