@@ -41,6 +41,15 @@ def test_loss_matches_model_loss_and_cumulative_ends_at_loss():
     assert abs(r["perplexity"] - math.exp(ref)) < 1e-3 * math.exp(ref)
     assert r["by_position"]["position"][-1] == 32
     assert abs(r["by_position"]["cumulative_nll"][-1] - ref) < 1e-5
+    # the whole curve: the mean NLL at position t, and of all predictions at positions <= t (Fig. 4)
+    with torch.no_grad():
+        nll = torch.nn.functional.cross_entropy(model(x).logits.double().transpose(1, 2), y, reduction="none")
+    at, cum = nll.mean(0), nll.cumsum(1).sum(0) / (4 * torch.arange(1, 33))
+    pos = r["by_position"]["position"]
+    assert pos == list(range(1, 33))
+    torch.testing.assert_close(torch.tensor(r["by_position"]["nll"], dtype=torch.float64), at, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(r["by_position"]["cumulative_nll"], dtype=torch.float64), cum,
+                               rtol=1e-5, atol=1e-5)
     # AR-Hit and Others partition the tokens and the loss
     n_h, n_o = r["ar_hit"]["tokens"], r["others"]["tokens"]
     assert n_h + n_o == 128
