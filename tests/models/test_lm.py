@@ -225,6 +225,32 @@ def test_norm_behaviour_mid_input_and_qk():
     assert seen["q"][1].shape[-1] == model.config.head_dim  # per component head
 
 
+@pytest.mark.parametrize("weight", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_equation_and_eps(weight, dtype):
+    """LayerNorm (norm="layer"): (x - mean) / sqrt(biased var + eps) * weight + bias over the last dim, in fp32
+    and returned in the input's dtype; the model's norm_eps reaches every one of its norms.  eps 0.1 against a
+    variance of 0.09, so a wrong eps shows."""
+    torch.manual_seed(0)
+    norm = LayerNorm(16, eps=0.1, weight=weight)
+    if weight:
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.normal_()
+    x = (torch.randn(3, 5, 16) * 0.3 + 0.7).to(dtype)
+    xd = x.double()
+    ref = (xd - xd.mean(-1, keepdim=True)) / torch.sqrt(xd.var(-1, unbiased=False, keepdim=True) + 0.1)
+    if weight:
+        ref = ref * norm.weight.double() + norm.bias.double()
+    out = norm(x)
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    model = build_model(tiny("diff", norm="layer", norm_eps=0.1))
+    eps = {m.eps for m in model.modules() if isinstance(m, LayerNorm)}
+    assert eps == {0.1}
+
+
 def test_layer_norm_and_bias_variants_build_and_train_step():
     cfg = tiny("softmax", norm="layer", ffn="relu", bias=True, positions="sinusoidal", init="xavier", norms="post")
     model = build_model(cfg)
