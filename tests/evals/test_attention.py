@@ -75,6 +75,19 @@ def test_evaluate_attention_reports_every_depth_and_layer():
     assert r["depths"] == [0.0, 1.0] and len(r["table"]["answer"]) == 2
     assert [x["layer"] for x in r["by_layer"]] == [1, 2]
     assert set(r["mean"]) == set(REGION_NAMES)
+    # the summaries are the means they are said to be: a depth's over its layers, the table's row per depth, a
+    # layer's over the depths, the overall over the depths
+    approx = lambda v: pytest.approx(v, rel=1e-9, abs=1e-12)  # noqa: E731
+    for name in (*REGION_NAMES, "row_mass"):
+        per = [[row["by_layer"][i][name] for i in range(2)] for row in r["by_depth"]]  # [depth][layer]
+        if name != "row_mass":
+            assert [row["mean"][name] for row in r["by_depth"]] == approx([sum(p) / 2 for p in per])
+            assert r["table"][name] == [row["mean"][name] for row in r["by_depth"]]
+            assert r["mean"][name] == approx(sum(r["table"][name]) / 2)
+        assert [x[name] for x in r["by_layer"]] == approx([(per[0][i] + per[1][i]) / 2 for i in range(2)])
+    # with teeth: the layers and the depths differ
+    per = [[row["by_layer"][i]["answer"] for i in range(2)] for row in r["by_depth"]]
+    assert per[0][0] != per[0][1] and per[0][0] != per[1][0] and r["table"]["answer"][0] != r["table"]["answer"][1]
 
 
 def test_a_depths_samples_do_not_depend_on_the_other_depths_asked_for():
