@@ -151,6 +151,29 @@ def test_evaluate_niah_tiny_model_runs_and_skips_cells_that_do_not_fit():
     assert 0.0 <= r["overall"]["teacher_forced"] <= 1.0
 
 
+def test_summaries_average_the_cells_of_each_grid_entry_depth_and_length():
+    """The N x R table, the heat maps (rows: depths, columns: lengths) and the overall means of hand-set cells, each
+    with its own accuracy (a tiny model scores 0 everywhere, so the run above cannot tell them apart)."""
+    from difftx.evals.niah import summarize
+
+    def cell(n, length, depth, tf, gen=None):
+        return {"needles": n, "queries": 1, "length": length, "depth": depth, "teacher_forced": tf,
+                "token_accuracy": tf / 2, "generation": gen}
+
+    cells = [cell(1, 128, 0.0, 0.1), cell(1, 128, 1.0, 0.2), cell(1, 256, 0.0, 0.4), cell(1, 256, 1.0, 0.8),
+             cell(2, 256, 0.0, 0.5, 1.0), cell(2, 256, 1.0, 0.7, 0.0)]
+    r = summarize(cells, [], [128, 256], [0.0, 1.0])
+    approx = lambda v: pytest.approx(v, abs=1e-12)  # noqa: E731
+    assert list(r["table"]) == ["N1R1", "N2R1"]
+    assert r["table"]["N1R1"] == approx({"teacher_forced": 0.375, "token_accuracy": 0.1875, "generation": None})
+    assert r["table"]["N2R1"] == approx({"teacher_forced": 0.6, "token_accuracy": 0.3, "generation": 0.5})
+    assert r["heatmaps"]["N1R1"]["lengths"] == [128, 256] and r["heatmaps"]["N2R1"]["lengths"] == [256]
+    assert [row == approx(want) for row, want in zip(r["heatmaps"]["N1R1"]["teacher_forced"], [[0.1, 0.4], [0.2, 0.8]])] \
+        == [True, True]
+    assert r["heatmaps"]["N2R1"]["generation"] == [[1.0], [0.0]]
+    assert r["overall"] == approx({"teacher_forced": 2.7 / 6, "token_accuracy": 1.35 / 6, "generation": 0.5})
+
+
 def test_training_task_is_pure_and_targets_only_answers():
     task = get_task("niah")(TOK, 300, seed=3, needles="1-3", queries="1-2", text=haystack_text())
     x, y = task.batch(4, step=11, rank=1)
