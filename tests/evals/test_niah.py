@@ -174,6 +174,23 @@ def test_summaries_average_the_cells_of_each_grid_entry_depth_and_length():
     assert r["overall"] == approx({"teacher_forced": 2.7 / 6, "token_accuracy": 1.35 / 6, "generation": 0.5})
 
 
+def test_a_cells_scores_are_means_over_its_samples_and_their_queries(monkeypatch):
+    """A cell's teacher-forced exact match and token accuracy: the mean over samples of each sample's mean over its
+    R queries (scores set by hand: a tiny model's are all 0)."""
+    from difftx.evals import niah
+
+    def scores(model, samples, batch_size):
+        assert len(samples) == 2 and all(len(s.answers) == 2 for s in samples)
+        return [([True, False], [1.0, 0.5]), ([True, True], [1.0, 0.0])]
+
+    monkeypatch.setattr(niah, "score_teacher_forced", scores)
+    r = evaluate_niah(tiny_model("diff"), TOK, grid="N2R2", lengths=[256], depths=[0.5], samples=2,
+                      text=haystack_text(), generation=False)
+    (c,) = r["cells"]
+    assert c["teacher_forced"] == pytest.approx(0.75) and c["token_accuracy"] == pytest.approx(0.625)
+    assert c["generation"] is None and c["samples"] == 2
+
+
 def test_training_task_is_pure_and_targets_only_answers():
     task = get_task("niah")(TOK, 300, seed=3, needles="1-3", queries="1-2", text=haystack_text())
     x, y = task.batch(4, step=11, rank=1)
