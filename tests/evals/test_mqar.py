@@ -78,6 +78,19 @@ def test_oracle_scores_one_and_tiny_model_sweep():
     assert 0.0 <= r["overall_accuracy"] <= 1.0
 
 
+def test_a_cells_accuracy_and_the_overall_one_weigh_each_query_once(monkeypatch):
+    """A cell's accuracy is correct / queries; the overall accuracy is over all queries (cells of more queries weigh
+    more), not the mean of the cells' accuracies (counts set by hand: a tiny model's are near 0)."""
+    from difftx.evals import mqar
+    from evals_helpers import tiny_model
+
+    counts = iter([(8, 8), (8, 32)])
+    monkeypatch.setattr(mqar, "mqar_accuracy", lambda *a, **k: next(counts))
+    r = evaluate_mqar(tiny_model("softmax"), lengths=[64], pairs=[4, 16], samples=2)
+    assert [(c["pairs"], c["accuracy"], c["queries"]) for c in r["cells"]] == [(4, 1.0, 8), (16, 0.25, 32)]
+    assert r["overall_accuracy"] == pytest.approx(16 / 40)
+
+
 def test_training_task_is_pure():
     task = get_task("mqar")(ByteTokenizer(), 65, seed=2, pairs="4-8")
     x, y = task.batch(3, step=5, rank=0)
