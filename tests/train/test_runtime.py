@@ -163,3 +163,8 @@ def test_diagnostic_gradient_norms_are_of_the_gradients_grad_norm_measures(tmp_p
         by_kind = math.sqrt(sum(v * v for v in r["grad_norms"].values()))
         assert by_kind == pytest.approx(r["grad_norm"], rel=1e-4), r
         assert all(0 < v < by_kind for v in r["layer_grad_norms"]), r
+        # the layers' norms and those of the parameters outside the layers (embedding, final norm) make up the whole
+        top = {n for n, _ in difftx.load_model(tmp_path / "run").named_parameters() if not n.startswith("layers.")}
+        assert top and top <= set(r["grad_norms"]) and len(r["layer_grad_norms"]) == 2, (top, r)
+        whole = sum(v * v for v in r["layer_grad_norms"]) + sum(r["grad_norms"][n] ** 2 for n in top)
+        assert math.sqrt(whole) == pytest.approx(r["grad_norm"], rel=1e-4), r
