@@ -722,7 +722,9 @@ def test_a_kv_caches_bf16_decoding_packs_each_weight_once(monkeypatch, attention
     plain = model.new_cache(4, 16)
     plain.packed = None  # no store: autocast's F.linear throughout
     ref = decode(plain)
-    torch.testing.assert_close(got, ref, rtol=0.05, atol=0.05)
+    # the same operands and float32 sums as autocast's GEMMs, rounded once (bitwise the same here): to 1% of the
+    # logits' scale (0.05 absolute, about 40% of their typical size, passed with every packed weight 10% off)
+    torch.testing.assert_close(got, ref, rtol=0.01, atol=0.01 * float(ref.abs().max()))
     cache.reset()
     assert not cache.packed
     assert torch.equal(decode(cache), decode(model.new_cache(4, 16)))
