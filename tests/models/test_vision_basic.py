@@ -17,8 +17,17 @@ def test_vision_forward_backward(attention, pooling, positions):
                       num_classes=5, pooling=pooling, positions=positions, norms="dnt")
     model = build_model(cfg)
     images = torch.randn(3, 1, 8, 8)
-    out = model(images, targets=torch.tensor([0, 1, 4]))
+    targets = torch.tensor([0, 1, 4])
+    out = model(images, targets=targets)
     assert out.logits.shape == (3, 5)
+    # the classifier reads the class token's features ("cls") or the mean of the patches' ("mean")
+    with torch.no_grad():
+        feats = model.features(images)
+        assert feats.shape[1] == 16 + (pooling == "cls")
+        pooled = feats[:, 0] if pooling == "cls" else feats.mean(1)
+        ref = torch.nn.functional.linear(pooled, model.head.weight, model.head.bias)
+    torch.testing.assert_close(out.logits.detach(), ref)
+    torch.testing.assert_close(out.loss.detach(), torch.nn.functional.cross_entropy(ref, targets))
     out.loss.backward()
     assert model.patch_embed.weight.grad is not None
 
