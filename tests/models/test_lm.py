@@ -251,6 +251,32 @@ def test_layer_norm_equation_and_eps(weight, dtype):
     assert eps == {0.1}
 
 
+@pytest.mark.parametrize("ffn", ["gelu", "relu", "swiglu"])
+def test_ffn_equations(ffn):
+    """The FFNs in float64 against their formulas: GELU (exact, erf: GPT-2, ViT) or ReLU between w_up and w_down
+    (biases included), SwiGLU's silu(x W_gate) * x W_up before w_down."""
+    import math
+
+    from difftx.nn.ffn import make_ffn
+
+    torch.manual_seed(0)
+    cfg = tiny("softmax", ffn=ffn, bias=ffn != "swiglu")
+    f = make_ffn(cfg).double()
+    x = torch.randn(2, 5, cfg.d_model, dtype=torch.float64) * 2
+
+    def lin(m, t):
+        return t @ m.weight.T + (0 if m.bias is None else m.bias)
+
+    with torch.no_grad():
+        if ffn == "swiglu":
+            g = lin(f.w_gate, x)
+            h = g / (1 + torch.exp(-g)) * lin(f.w_up, x)
+        else:
+            u = lin(f.w_up, x)
+            h = 0.5 * u * (1 + torch.special.erf(u / math.sqrt(2))) if ffn == "gelu" else u.clamp_min(0)
+        torch.testing.assert_close(f(x), lin(f.w_down, h), rtol=1e-12, atol=1e-12)
+
+
 def test_layer_norm_and_bias_variants_build_and_train_step():
     cfg = tiny("softmax", norm="layer", ffn="relu", bias=True, positions="sinusoidal", init="xavier", norms="post")
     model = build_model(cfg)
