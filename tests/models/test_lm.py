@@ -277,6 +277,27 @@ def test_ffn_equations(ffn):
         torch.testing.assert_close(f(x), lin(f.w_down, h), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dim", [8, 7])
+def test_sinusoidal_positions_are_vaswanis(dim):
+    """positions="sinusoidal": PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(p / 10000^(2i/d)), written out
+    entry by entry, and the model adds exactly that table to its token embeddings."""
+    import math
+
+    from difftx.nn.rope import sinusoidal_table
+
+    table = sinusoidal_table(50, dim)
+    want = torch.tensor([[(math.sin if c % 2 == 0 else math.cos)(p / 10000 ** ((c - c % 2) / dim)) for c in range(dim)]
+                         for p in range(50)])
+    torch.testing.assert_close(table, want, rtol=0, atol=1e-6)
+    model = build_model(tiny("softmax", positions="sinusoidal", norms="S1")).eval()
+    seen = {}
+    model.layers[0].register_forward_pre_hook(lambda m, args: seen.update(x=args[0]))
+    ids = torch.randint(0, 61, (2, 9))
+    with torch.no_grad():
+        model(ids)
+    torch.testing.assert_close(seen["x"], model.embed.weight[ids] + sinusoidal_table(9, 32))
+
+
 def test_layer_norm_and_bias_variants_build_and_train_step():
     cfg = tiny("softmax", norm="layer", ffn="relu", bias=True, positions="sinusoidal", init="xavier", norms="post")
     model = build_model(cfg)
