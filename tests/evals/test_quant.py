@@ -255,3 +255,21 @@ def test_a_value_given_twice_in_a_metric_option_is_one_line(metric, opts, messag
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("difftx eval: error:") and message in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("metric, opts, named, unnamed", [
+    ("icl", ["seeds=10001"], "pass fewer --metric-opt seeds=N", "--seeds"),
+    ("icl", ["test_examples=100000000"], "--metric-opt test_examples=N", "--test-examples"),
+    ("mqar", ["lengths=[8]", "pairs=[4]"], "--metric-opt lengths=[...]", "--pairs"),
+])
+def test_a_metric_error_names_its_fix_as_a_metric_opt(metric, opts, named, unnamed, checkpoint, tmp_path, capsys):
+    """'eval quant --metric icl --metric-opt seeds=10001' said "pass fewer --seeds", a flag 'eval quant' does not
+    have: the flags of the metric's own evaluation are spelt as the --metric-opt that sets them."""
+    from difftx.cli import main
+
+    rc = main(["eval", "quant", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "o"), "--bits", "8",
+               "--metric", metric, *[a for o in opts for a in ("--metric-opt", o)], "--no-plot", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and named in err[0], err
+    assert f"{unnamed} " not in err[0] + " " and f"{unnamed}," not in err[0], err
+    assert not (tmp_path / "o" / "quant.json").exists()

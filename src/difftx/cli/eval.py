@@ -254,7 +254,11 @@ def _run_eval(args, model, tok) -> tuple[dict, dict]:
         opts.update(bs)
         opts.update(parse_overrides(args.metric_opt, "--metric-opt"))
         s = dict(bits=args.bits, granularity=args.quant_granularity or "head", metric=args.metric, metric_options=opts)
-        return evaluate_quant(model, tok, progress=prog, **s), s
+        try:
+            return evaluate_quant(model, tok, progress=prog, **s), s
+        except DifftxError as e:
+            e.args = (_metric_opt_message(str(e), args, opts),)
+            raise
     if name == "icl":
         from ..evals.icl import evaluate_icl
         s = dict(tasks=args.tasks, shots=args.shots, seeds=args.seeds, arrangements=args.arrangements,
@@ -401,6 +405,27 @@ def _check_metric_options(args) -> None:
         if key in opts and getattr(args, dest) is not None:
             raise ConfigError("--metric-opt", f"{key}= and {flag} both set what the {args.metric} metric reads, and "
                                               f"{key}= would silently win; give one of them")
+
+
+def _metric_opt_message(message: str, args, opts: dict) -> str:
+    """``message`` of the metric's error under 'eval quant' with every flag it names that 'eval quant' sets through
+    --metric-opt spelt as one: "pass fewer --seeds" was the fix of 'eval icl', and under 'eval quant --metric icl'
+    there is no --seeds, only --metric-opt seeds=N."""
+    import re
+
+    from .info import parse_overrides
+
+    given = parse_overrides(args.metric_opt, "--metric-opt")
+
+    def spell(m):
+        key = m.group(1).replace("-", "_")
+        if key not in given and key in vars(args):  # an option of 'eval quant' itself (--seed, --data, ...)
+            return m.group(0)
+        value = opts.get(key)
+        return f"--metric-opt {key}=" + ("[...]" if isinstance(value, (list, tuple)) else
+                                         "TEXT" if isinstance(value, str) else "N")
+
+    return re.sub(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?![\w=-])", spell, message)
 
 
 def run(args) -> int:
