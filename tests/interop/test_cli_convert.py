@@ -575,6 +575,23 @@ def test_an_option_the_conversion_does_not_use_is_refused(capsys, tmp_path, unil
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--to", "hf-llama", "--pairing", "halves"], "--pairing: --to hf-llama has a fixed layout"),
+    (["--to", "hf-diffllama", "--rope-style", "half"], "--rope-style: --to hf-diffllama"),
+    (["--to", "hf-diffllama", "--diff-init", "exact"], "--diff-init exact turns the per-head norm off"),
+])
+def test_a_contradictory_option_is_named_before_a_full_dst(capsys, tmp_path, argv, needle):
+    """A non-empty DST was reported ("directory is not empty") before --pairing with --to hf-llama, so fixing the
+    path only led to the next refusal: options that contradict one another come first; DST is left as it was."""
+    difftx.save_model(difftx_model(attention="diff", n_heads=2, head_norm_weight=False), tmp_path / "src")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    rc, _, err = run_main(capsys, tmp_path / "src", tmp_path / "out", *argv)
+    _one_error_line(rc, err, needle)
+    assert "not empty" not in err
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
 def test_a_unilm_source_is_stored_in_its_dtype_or_in_dtype(capsys, tmp_path, unilm_file):
     """--dtype was ignored for unilm modules, and they were always stored in float32 (not as the source)."""
     from safetensors.torch import load_file

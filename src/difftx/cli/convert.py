@@ -166,11 +166,13 @@ def _check_overwritable(dst: Path) -> None:
 def run(args) -> int:
     import torch
 
-    from ..interop.convert import convert, detect_format
+    from ..interop.convert import check_options, convert, detect_format
 
     src, dst = Path(args.src), Path(args.dst)
     if args.depth is not None and args.depth < 0:
         raise DifftxError(f"--depth must be >= 0 (0-based layer index); got {args.depth}")
+    # options that contradict one another are named before DST is looked at (a full DST hid them)
+    check_options(args.dst_format, pairing=args.pairing, rope_style=args.rope_style, diff_init=args.diff_init)
     if dst.exists() and not dst.is_dir():
         raise DifftxError(f"{dst}: exists and is not a directory")
     _check_dst_path(dst)

@@ -435,6 +435,20 @@ def _is_hf_tokenizer(path: Path) -> bool:
         return False
 
 
+def check_options(dst_format: Optional[str], *, pairing: Optional[str] = None, rope_style: Optional[str] = None,
+                  diff_init: Optional[str] = None) -> None:
+    """Refuse the options that contradict one another whatever the source is (``difftx convert`` calls this
+    before it looks at DST, so a wrong option is named before a full destination directory)."""
+    if dst_format in ("hf-llama", "hf-diffllama") and (pairing or rope_style):
+        raise DifftxError(f"--{'pairing' if pairing else 'rope-style'}: --to {dst_format} has a fixed layout (DIFF "
+                          "heads paired by halves, RoPE half); drop it (or keep a layout with --to difftx or "
+                          "hf-difftx)")
+    if dst_format == "hf-diffllama" and diff_init in ("exact", "twin-zero"):
+        raise DifftxError(f"--diff-init {diff_init} turns the per-head norm off, and DiffLlama always applies it; "
+                          "use --diff-init twin for --to hf-diffllama, or keep this mode with --to difftx or "
+                          "hf-difftx")
+
+
 def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None, *,
             pairing: Optional[str] = None, rope_style: Optional[str] = None, diff_init: Optional[str] = None,
             dtype: Optional[torch.dtype] = None, depth: Optional[int] = None, variant: Optional[str] = None) -> Path:
@@ -478,14 +492,7 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
         dst_format = "difftx"
     if dst_format not in FORMATS:
         raise DifftxError(f"unknown --to {dst_format!r}; one of {', '.join(FORMATS)}")
-    if dst_format in ("hf-llama", "hf-diffllama") and (pairing or rope_style):
-        raise DifftxError(f"--{'pairing' if pairing else 'rope-style'}: --to {dst_format} has a fixed layout (DIFF "
-                          "heads paired by halves, RoPE half); drop it (or keep a layout with --to difftx or "
-                          "hf-difftx)")
-    if dst_format == "hf-diffllama" and diff_init in ("exact", "twin-zero"):
-        raise DifftxError(f"--diff-init {diff_init} turns the per-head norm off, and DiffLlama always applies it; "
-                          "use --diff-init twin for --to hf-diffllama, or keep this mode with --to difftx or "
-                          "hf-difftx")
+    check_options(dst_format, pairing=pairing, rope_style=rope_style, diff_init=diff_init)
     if dst.resolve() == src.resolve():
         raise DifftxError(f"{dst}: the destination is the source; pick another directory")
     _check_tokenizer_files(src, detected, dst_format)
