@@ -128,6 +128,10 @@ def test_grads_on_diff2_and_softmax_checkpoints_gives_flow_ratios(tmp_path, caps
     # the same row run twice read as two seeds agreeing exactly (mean +- 0) in the tables
     (["--settings", "S1,diff,S1"], "--settings: names S1 more than once"),
     (["--optimizers", "adamw,adamw"], "--optimizers: names adamw more than once"),
+    # two names of one model (a preset and its alias, a kind with and without the base's placement) ran it twice
+    (["--settings", "dnt,S5"], "--settings: dnt and S5 are the same model"),
+    (["--settings", "pre,diff,S1"], "--settings: pre and S1 are the same model"),
+    (["--settings", "diff,diff-S1"], "--settings: diff and diff-S1 are the same model"),
     # an option of a study this run skips was accepted and ignored
     (["--only", "flow", "--tail-steps", "2"], "--tail-steps: is an option of the tail study, and --only flow skips"),
     (["--only", "flow", "--settings", "S1"], "--settings: is an option of the tail study"),

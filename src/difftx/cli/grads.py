@@ -201,6 +201,21 @@ def _base_config(args):
     return cfg
 
 
+def _check_distinct_settings(settings) -> None:
+    """Two --settings names for one model (dnt and S5, pre and S1, diff and diff-S1 on an S1 base) ran it twice
+    under two names, which reads as seeds agreeing exactly; refused, naming both."""
+    seen = {}
+    for name, cfg in settings:
+        d = cfg.to_dict()
+        d.pop("norms", None)  # a preset's name: its flags (resolved into d) are the model
+        key = repr(sorted(d.items()))
+        if key in seen:
+            raise ConfigError("--settings", f"{seen[key]} and {name} are the same model here (same attention and "
+                                            "norm placement), so it would run twice under two names; give one of "
+                                            "them (--seeds N repeats the study over seeds)")
+        seen[key] = name
+
+
 def _check_seq_len(cfg, seq_len: int) -> None:
     if cfg.positions in ("learned", "sinusoidal") and seq_len > cfg.max_seq_len:
         raise ConfigError("--seq-len", f"{seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
@@ -339,6 +354,7 @@ class _Study:
             self.base = _base_config(args)
             _check_seq_len(self.base, args.seq_len)
             self.settings = [(s, common.setting_config(self.base, s)) for s in _split(args.settings)]
+            _check_distinct_settings(self.settings)
             tokenizer, vocab = None, self.base.vocab_size
             self.meta["base_config"] = self.base.to_dict()
             self.tail_steps = _tail_steps(args)
