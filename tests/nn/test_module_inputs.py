@@ -103,6 +103,19 @@ def test_mask_fields_are_checked():
         attn(torch.randn(2, 4, 32), _rope(cfg, 4), mask)
 
 
+@pytest.mark.parametrize("fields, needle", [
+    (dict(causal="yes", n_q=4, n_k=4), "causal must be True or False"),  # was accepted as truthy
+    (dict(causal=1, n_q=4, n_k=4), "causal must be True or False"),
+    (dict(causal=True, n_q=4.0, n_k=4), "n_q must be an integer"),  # was a TypeError from torch.arange
+    (dict(causal=True, n_q=4, n_k=4.5), "n_k must be an integer"),
+    (dict(causal=True, n_q=1, n_k=4, q_start=3.0), "q_start must be an integer"),
+    (dict(causal=False, n_q=True, n_k=1), "n_q must be an integer"),
+])
+def test_mask_field_types_are_checked_when_built(fields, needle):
+    with pytest.raises(ValueError, match=needle):
+        AttnMask(**fields)
+
+
 def test_lm_inputs_are_checked():
     model = build_model(ModelConfig(attention="diff", d_model=32, n_layers=1, n_heads=2, vocab_size=50))
     ids = torch.randint(0, 50, (2, 5))

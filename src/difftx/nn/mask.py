@@ -26,6 +26,13 @@ class AttnMask:
     _dense: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        # plain isinstance checks (the forward builds one per call): causal="yes" was accepted as truthy, and a
+        # float n_q was a TypeError from deep inside torch.arange; SymInt: sizes under torch.compile
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"AttnMask: causal must be True or False; got {self.causal!r}")
+        for name, v in (("n_q", self.n_q), ("n_k", self.n_k), ("q_start", self.q_start)):
+            if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)):
+                raise ValueError(f"AttnMask: {name} must be an integer; got {v!r} ({type(v).__name__})")
         if not (self.n_q >= 1 and self.n_k >= self.n_q and 0 <= self.q_start <= self.n_k - self.n_q):
             raise ValueError(f"AttnMask: needs 1 <= n_q <= n_k and 0 <= q_start <= n_k - n_q; got n_q={self.n_q}, "
                              f"n_k={self.n_k}, q_start={self.q_start}")
