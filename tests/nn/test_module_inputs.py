@@ -244,6 +244,16 @@ def test_a_module_that_has_decoded_pickles_and_copies(kind):
             torch.testing.assert_close(clone(*step, c2), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("weight", [True, False])
+@pytest.mark.parametrize("grad", [False, True])
+def test_rms_norm_refuses_a_0_dim_input(weight, grad):
+    """A scalar input was an IndexError (tuple index out of range) from inside the norm."""
+    from difftx.nn.norms import RMSNorm
+
+    with pytest.raises(ValueError, match="0-dim"):
+        RMSNorm(1, weight=weight)(torch.tensor(2.0, requires_grad=grad))
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 31), (2, 3, 33), (300, 300)])
 @pytest.mark.parametrize("grad", [False, True])
 def test_rms_norm_refuses_an_input_of_another_width(shape, grad):

@@ -760,7 +760,10 @@ SMALL_NORM = 1 << 16
 
 def _check_weight(x: torch.Tensor, weight: Optional[torch.Tensor]) -> None:
     """A norm's weight must be (x's last dim,): the native kernels read that many weights per row, whatever the
-    weight holds (a wrong-sized one read out of bounds, silently)."""
+    weight holds (a wrong-sized one read out of bounds, silently).  A 0-dim x has no last dim (was IndexError)."""
+    if x.dim() == 0:
+        raise ValueError("RMSNorm: the input is a 0-dim tensor (a scalar) and the norm runs over the last dim; give "
+                         "it at least one dim of the norm's size, e.g. x.reshape(1)")
     if weight is not None and weight.numel() != x.shape[-1]:  # numel: what the kernels read (~0.2 us)
         raise ValueError(f"RMSNorm: an input of shape {tuple(x.shape)} with a weight of shape {tuple(weight.shape)}: "
                          "the input's last dim must be the norm's dim (the weight's length)")
