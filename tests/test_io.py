@@ -189,3 +189,17 @@ def test_save_model_refuses_a_training_run_and_its_checkpoints(tmp_path):
     assert {p: p.read_bytes() for p in sorted((tmp_path / "run").rglob("*")) if p.is_file()} == before
     d = difftx.save_model(model, tmp_path / "m")
     assert difftx.save_model(model, d) == d  # a model directory is still overwritten, as before
+
+
+@pytest.mark.parametrize("tokenizer, needle", [
+    ("byte", "must be a difftx tokenizer"),  # a spec string, not a tokenizer
+    (None, "ids and the model's vocab_size is 64"),  # a char tokenizer wider than the model
+])
+def test_save_model_refuses_a_tokenizer_that_does_not_fit_and_writes_nothing(tokenizer, needle, tmp_path):
+    from difftx.data import CharTokenizer
+
+    model = build_model(ModelConfig(d_model=32, n_layers=1, n_heads=2, vocab_size=64))
+    tok = tokenizer if tokenizer is not None else CharTokenizer.from_text("".join(map(chr, range(33, 133))))
+    with pytest.raises(ConfigError, match="tokenizer: save_model: .*" + needle):
+        difftx.save_model(model, tmp_path / "m", tokenizer=tok)
+    assert not (tmp_path / "m").exists() or not any((tmp_path / "m").iterdir())

@@ -226,13 +226,26 @@ def _refuse_a_run(path: Path) -> None:
                           "longer resume); save into a new directory (nothing was changed)")
 
 
-def save_model(model: torch.nn.Module, path, extra_config: Optional[dict] = None) -> Path:
-    """Write ``model`` to directory ``path`` (config.json + model.safetensors)."""
+def save_model(model: torch.nn.Module, path, extra_config: Optional[dict] = None, tokenizer=None) -> Path:
+    """Write ``model`` to directory ``path`` (config.json + model.safetensors, and tokenizer.json when
+    ``tokenizer`` -- a :class:`difftx.data.tokenizers.Tokenizer` -- is given, as a training run's checkpoints
+    have it: ``difftx eval`` of a text evaluation needs it)."""
+    from .data.tokenizers import TOKENIZER_FILE, Tokenizer
+
     cfg = getattr(model, "config", None)
     if not isinstance(cfg, ModelConfig):  # e.g. DifftxForCausalLM (a transformers config): load_model would refuse it
         raise ConfigError(None, f"save_model: a {type(model).__name__} is not a difftx model (its config is "
                           f"{type(cfg).__name__}, not difftx.ModelConfig); save the difftx model it holds "
                           "(DifftxForCausalLM: .model; DDP: .module), or use save_pretrained")
+    if tokenizer is not None:  # before anything is written
+        if not isinstance(tokenizer, Tokenizer):
+            raise ConfigError("tokenizer", f"save_model: must be a difftx tokenizer (difftx.data.ByteTokenizer(), "
+                                           f"difftx.data.load_tokenizer(...)); got {type(tokenizer).__name__}")
+        if cfg.domain != "lm":
+            raise ConfigError("tokenizer", f"save_model: a {cfg.domain} model reads no text; drop tokenizer=")
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ConfigError("tokenizer", f"save_model: the tokenizer has {tokenizer.vocab_size} ids and the "
+                                           f"model's vocab_size is {cfg.vocab_size}; give the model's own tokenizer")
     _refuse_a_run(Path(path))
     path = make_out_dir(path, flag="save_model")  # a path that is (or is under) a file: one DifftxError
     cfg_dict = model_config_dict(model.config)
@@ -245,7 +258,10 @@ def save_model(model: torch.nn.Module, path, extra_config: Optional[dict] = None
     # both files or neither: new weights beside the old config (a write that failed midway) would not load
     weights = safetensors_bytes(state, {"format": "pt"})
     config = json.dumps(cfg_dict, indent=2).encode("utf-8")
-    atomic_write_files({path / WEIGHTS_FILE: weights, path / CONFIG_FILE: config})
+    files = {path / WEIGHTS_FILE: weights, path / CONFIG_FILE: config}
+    if tokenizer is not None:
+        files[path / TOKENIZER_FILE] = tokenizer.to_json().encode("utf-8")
+    atomic_write_files(files)
     return path
 
 

@@ -311,6 +311,21 @@ def test_mqar_needs_no_tokenizer_and_text_evals_name_the_missing_one(tmp_path, c
     assert not (tmp_path / "o3" / "lm.json").exists()
 
 
+def test_a_model_saved_with_its_tokenizer_runs_the_text_evals(tmp_path, capsys):
+    """save_model wrote no tokenizer.json, so a model saved from Python could not run 'difftx eval lm' until one
+    was copied in; save_model(..., tokenizer=) writes it, as a training run's checkpoints have it."""
+    import difftx
+    from difftx.data import ByteTokenizer
+    from evals_helpers import haystack_text, tiny_model
+
+    model = difftx.save_model(tiny_model("diff"), tmp_path / "m", tokenizer=ByteTokenizer())
+    assert (model / "tokenizer.json").is_file()
+    (tmp_path / "text.txt").write_text(haystack_text(), encoding="utf-8")
+    rc, err = _eval(["lm", "--checkpoint", model, "--out", tmp_path / "o", "--quiet", "--no-plot",
+                     "--data", tmp_path / "text.txt", "--max-tokens", "128", "--seq-len", "64"], capsys)
+    assert rc == 0, err
+
+
 def test_an_hf_export_of_a_byte_tokenizer_model_keeps_its_tokenizer_for_the_evals(checkpoint, tmp_path, capsys):
     """difftx convert exports a byte or char tokenizer as difftx_tokenizer.json (lm-eval reads it); difftx eval
     looked for tokenizer.json only and refused the export."""

@@ -53,13 +53,17 @@ class Tokenizer:
     def to_dict(self) -> dict:
         raise NotImplementedError
 
+    def to_json(self) -> str:
+        """The text of its tokenizer.json (what :meth:`save` writes)."""
+        return json.dumps(self.to_dict(), ensure_ascii=False)
+
     def save(self, path) -> Path:
         from ..io import atomic_write_text
 
         path = Path(path)
         if path.is_dir() or not path.suffix:
             path = path / TOKENIZER_FILE
-        atomic_write_text(path, json.dumps(self.to_dict(), ensure_ascii=False))
+        atomic_write_text(path, self.to_json())
         return path
 
     def fingerprint(self) -> str:
@@ -274,13 +278,16 @@ class HFTokenizer(Tokenizer):
     def to_dict(self) -> dict:
         return json.loads(self._json)
 
+    def to_json(self) -> str:
+        return self._json
+
     def save(self, path) -> Path:
         from ..io import atomic_write_text
 
         path = Path(path)
         if path.is_dir() or not path.suffix:
             path = path / TOKENIZER_FILE
-        atomic_write_text(path, self._json)
+        atomic_write_text(path, self.to_json())
         return path
 
     def fingerprint(self) -> str:
