@@ -206,21 +206,25 @@ def model_config_dict(cfg: ModelConfig) -> dict:
     return {FORMAT_KEY: FORMAT_VERSION, "model": cfg.to_dict()}
 
 
+def training_run_reason(path: Path) -> Optional[str]:
+    """Why directory ``path`` is a training run or one of its checkpoints (None when it is neither): what
+    ``save_model`` and ``difftx convert --force`` refuse to overwrite (a model written there dropped the run's
+    ``train`` / ``data`` config, so the run no longer resumed, or sat beside its checkpoints)."""
+    if (path / CHECKPOINTS_DIR).exists():
+        return f"it has {CHECKPOINTS_DIR}/: a training run"
+    if (path / "trainer_state.json").is_file():
+        return "it holds trainer_state.json: a training run's checkpoint"
+    try:
+        data = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if isinstance(data, dict) and FORMAT_KEY in data and "train" in data:
+        return f"its {CONFIG_FILE} is a training run's"
+    return None
+
+
 def _refuse_a_run(path: Path) -> None:
-    """save_model replaces a model directory's two files; in a training run or one of its checkpoints that dropped
-    the run's ``train`` / ``data`` config (the run no longer resumed) or put a model beside the checkpoints."""
-    why = None
-    if (path / CHECKPOINTS_DIR).is_dir():
-        why = f"it has {CHECKPOINTS_DIR}/: a training run"
-    elif (path / "trainer_state.json").is_file():
-        why = "it holds trainer_state.json: a training run's checkpoint"
-    elif (path / CONFIG_FILE).is_file():
-        try:
-            data = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            data = None
-        if isinstance(data, dict) and FORMAT_KEY in data and "train" in data:
-            why = f"its {CONFIG_FILE} is a training run's"
+    why = training_run_reason(path)
     if why is not None:
         raise ConfigError(None, f"save_model: {path} is not a model directory to overwrite ({why}, which would no "
                           "longer resume); save into a new directory (nothing was changed)")

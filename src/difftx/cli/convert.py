@@ -138,12 +138,13 @@ def _check_overwritable(dst: Path) -> None:
     import json
 
     from ..interop.unilm import MODULES_FILE
-    from ..io import CHECKPOINTS_DIR, CONFIG_FILE, FORMAT_KEY
+    from ..io import CONFIG_FILE, FORMAT_KEY, training_run_reason
 
     refuse = (f"{dst}: not a model directory that difftx convert writes ({{why}}); --force overwrites only "
               "such a directory, so pick another DST (nothing was changed)")
-    if (dst / CHECKPOINTS_DIR).exists():
-        raise DifftxError(refuse.format(why=f"it has {CHECKPOINTS_DIR}/: a training run"))
+    why = training_run_reason(dst)
+    if why is not None:
+        raise DifftxError(refuse.format(why=why))
     if (dst / CONFIG_FILE).is_file():
         try:
             data = json.loads((dst / CONFIG_FILE).read_text(encoding="utf-8"))
@@ -152,7 +153,7 @@ def _check_overwritable(dst: Path) -> None:
         if not isinstance(data, dict):
             raise DifftxError(refuse.format(why=f"its {CONFIG_FILE} is not a JSON object"))
         if FORMAT_KEY in data:
-            if "train" in data or not isinstance(data.get("model"), dict):
+            if not isinstance(data.get("model"), dict):  # (a training run's: training_run_reason above)
                 raise DifftxError(refuse.format(why=f"its {CONFIG_FILE} is a training run's or checkpoint's"))
             return
         if "model_type" in data:
