@@ -23,6 +23,9 @@ def test_values_from_the_papers():
     assert resolve_configs("diff-scaling-xl")[0].lr == 7.5e-5
     t, m = resolve_configs("diff-long")
     assert m.rope_theta == 640_000 and t.lr == 8e-5 and t.seq_len == m.max_seq_len == 65_536
+    # DIFF sec. 3.3: "additional 1.5B tokens" at the 3B recipe's 4M-token batches
+    assert t.global_batch * t.seq_len == 1024 * 4096
+    assert abs(t.steps * t.global_batch * t.seq_len - 1.5e9) <= t.global_batch * t.seq_len
     t, m = resolve_configs("dnt-msgdw")
     assert (t.optimizer, t.lr, t.weight_decay, t.warmup, t.min_lr, t.grad_clip) == ("msgdw", 1.0, 1e-4, 0, 6e-5, 1.0)
     assert m.norms == "dnt" and m.init == "xavier"

@@ -48,9 +48,11 @@ _add("diff-scaling", "DIFF scaling runs 830M-2.8B: AdamW (0.9, 0.98), 1.5e-4, 37
      "0.25M-token batches, 40k steps", "DIFF App. C", "diff-1.4b", **_DIFF_SCALING)
 _add("diff-scaling-xl", "DIFF scaling runs 6.8B-13.1B: as diff-scaling with lr 7.5e-5", "DIFF App. C",
      "diff-6.8b", **dict(_DIFF_SCALING, lr=7.5e-5))
-_add("diff-long", "DIFF long-context continuation: 64K tokens, RoPE theta 640,000, lr 8e-5 (resume from a "
-     "diff-3b checkpoint)", "DIFF sec. 3.3", "diff-3b", model=dict(rope_theta=640_000.0, max_seq_len=65_536),
-     **dict(_DIFF_3B, lr=8e-5, min_lr=0.0, seq_len=65_536, global_batch=64, steps=1500, warmup=0))
+# sec. 3.3: "additional 1.5B tokens", other values as sec. 3.1 (4M-token batches: 64 x 65,536), so
+# 1.5e9 / 4,194,304 = 358 steps; warmup and the end of the decay are not given (0 and 0 here).
+_add("diff-long", "DIFF long-context continuation: 64K tokens, RoPE theta 640,000, lr 8e-5, 1.5B tokens (resume "
+     "from a diff-3b checkpoint)", "DIFF sec. 3.3", "diff-3b", model=dict(rope_theta=640_000.0, max_seq_len=65_536),
+     **dict(_DIFF_3B, lr=8e-5, min_lr=0.0, seq_len=65_536, global_batch=64, steps=358, warmup=0))
 
 # ---------------------------------------------------------------- DNT, language (Table 5)
 _LM = dict(betas=(0.9, 0.95), min_lr=6e-5, schedule="cosine", grad_clip=1.0, seq_len=1024, steps=200_000,
