@@ -381,3 +381,21 @@ def test_a_refused_resume_from_an_earlier_step_leaves_the_later_checkpoints_and_
     assert train_cli(*common, "--out", out, "--resume", out / "checkpoints" / "step_00000004", "--stop-at", 3) == 2
     assert _steps(out) == ["step_00000004", "step_00000008", "step_00000012"]
     assert (out / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_resumed_run_keeps_its_device_unless_given(tmp_path, train_cli, monkeypatch):
+    """A run started with --device cpu and resumed without --device ran on the default, auto (a GPU where there is
+    one: another device and, with --dtype auto, bf16 instead of fp32), while its config.json still said cpu: the
+    process's device came from the command's flags, not from the run's saved config."""
+    import difftx.train.run as run
+
+    asked, real = [], run.init_world
+    monkeypatch.setattr(run, "init_world", lambda device="auto": asked.append(device) or real(device))
+    out = tmp_path / "run"
+    assert train_cli("--steps", 6, "--stop-at", 2, "--eval-every", 0, "--device", "cpu", "--out", out) == 0
+    assert train_cli("--steps", 6, "--stop-at", 4, "--eval-every", 0, "--out", out, "--resume", "auto") == 0
+    assert train_cli("--steps", 6, "--eval-every", 0, "--out", tmp_path / "fork",
+                     "--resume", out / "checkpoints" / "step_00000002") == 0
+    assert train_cli("--steps", 6, "--eval-every", 0, "--out", out, "--resume", "auto", "--device", "auto") == 0
+    assert asked == ["cpu", "cpu", "cpu", "auto"]
+    assert json.loads((out / "config.json").read_text())["train"]["device"] == "auto"

@@ -174,7 +174,9 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
     out = Path(out)
     explicit_train = set(explicit_train)
     keep_freed_memory()  # a training process keeps its freed activations for the next step (runtime.py)
-    world = init_world(tcfg.device)
+    # a resumed run keeps its device unless given one (as every other saved field): not the command's default, auto
+    device = tcfg.device if "device" in explicit_train else (_saved_device(resume, out) or tcfg.device)
+    world = init_world(device)
     try:
         if resume is not None and world.world_size > 1:  # rank 0 puts back an interrupted re-save, then all resolve
             if world.is_main:
@@ -281,6 +283,20 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
         return trainer.fit(resume_ckpt)
     finally:
         shutdown_world(world)
+
+
+def _saved_device(resume: Optional[str], out: Path) -> Optional[str]:
+    """The ``device`` of the run being resumed, read from its ``config.json`` (the run's for ``--resume auto`` and
+    ``--resume RUN``, the checkpoint's for ``--resume CHECKPOINT``) before the process group starts, as the group's
+    backend depends on it; None when there is none to read (the saved config is checked properly later)."""
+    if resume is None:
+        return None
+    try:
+        saved = json.loads((Path(out if resume == "auto" else resume) / CONFIG_FILE).read_text(encoding="utf-8"))
+        device = saved["train"]["device"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return device if isinstance(device, str) else None
 
 
 def _check_unread(tcfg: TrainConfig, explicit: set, explicit_model: set = frozenset()) -> None:
