@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 
 from difftx.compare import StudyConfig
 from difftx.compare.jobs import plan, train_config
@@ -43,3 +44,36 @@ def test_a_v2_arm_records_its_lambdas(tmp_path, corpus):
                         cache_dir=str(tmp_path / "cache"))
     res = run_job(study, plan(study)[0], tmp_path / "out")
     assert len(res["lambdas"]) == 2 and all(isinstance(v, float) and 0.0 < v < 1.0 for v in res["lambdas"])
+
+
+def test_an_interrupted_job_resumes_with_the_studys_new_runtime_settings(tmp_path, corpus):
+    """``difftx compare --resume`` may change --threads, --device and --cache-dir; an interrupted job (continued by
+    ``train(..., resume="auto")``) kept the ones its run had saved: it trained on the old thread count, read the old
+    cache directory and (since a resumed run keeps its device) would have gone back to the old device; and with the
+    corpus moved (a resume may name it by another path: its contents are checked) it read the old, missing path."""
+    import dataclasses
+    import shutil
+
+    import torch
+
+    data = tmp_path / "a.txt"
+    shutil.copy(corpus, data)
+    study = StudyConfig(arms=["transformer:adamw"], seeds=1, steps=4, retrieval="none", data=str(data),
+                        model={"n_layers": 1, "d_model": 32}, batch_size=2, seq_len=16, eval_points=1,
+                        eval_batches=1, tail_batches=2, tail_entries=64, outlier_tokens=64, device="cpu", threads=1,
+                        cache_dir=str(tmp_path / "cache"))
+    job = plan(study)[0]
+    run_dir = job.run_dir(tmp_path / "out")
+    train(train_config(study, job).replace(stop_at=2), study.model_config(job.arm), run_dir, announce=None,
+          memory_check=False)
+    moved = data.rename(tmp_path / "b.txt")
+    resumed = dataclasses.replace(study, threads=2, device="auto", cache_dir=str(tmp_path / "cache2"), data=str(moved))
+    before = torch.get_num_threads()
+    try:
+        res = run_job(resumed, job, tmp_path / "out")
+    finally:
+        torch.set_num_threads(before)
+    assert res["train"]["threads"] == 2 and res["train"]["steps"] == 2
+    assert (tmp_path / "cache2" / "shards").is_dir()
+    saved = json.loads((run_dir / "config.json").read_text())["train"]
+    assert saved["device"] == "auto" and saved["data"] == str(moved)

@@ -89,6 +89,9 @@ def _is_result(r) -> bool:
     return not retrieval or isinstance(retrieval.get("overall"), (int, float))
 
 
+RESUMED_JOB_FIELDS = ("threads", "device", "cache_dir", "data")
+
+
 def run_job(study: StudyConfig, job: Job, out: Path, report: Report = lambda e: None) -> dict:
     """Train (or continue) the job's run, measure it, write and return ``job.json``'s contents."""
     from ..train import TrainingDiverged, train
@@ -108,7 +111,10 @@ def run_job(study: StudyConfig, job: Job, out: Path, report: Report = lambda e: 
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # the trainer's own lines; the study's display replaces them
             summary = train(tcfg, mcfg, run_dir, resume="auto", callbacks=[_Progress(job, report)], announce=None,
-                            memory_check=False)  # the runner checked the study's jobs at once (fit_in_memory)
+                            memory_check=False,  # the runner checked the study's jobs at once (fit_in_memory)
+                            # an interrupted job takes the resumed study's runtime settings and corpus path (checked
+                            # against its contents), not the ones its run saved
+                            explicit_train=RESUMED_JOB_FIELDS)
     except TrainingDiverged as e:
         summary = None
         result.update(diverged=True, message=str(e))
