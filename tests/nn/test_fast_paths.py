@@ -128,6 +128,24 @@ def test_few_queries_path_matches_blocks(m, lam_kind, h, hk, padded, n):
     torch.testing.assert_close(out, _ref_maps(q, k, v, lam, mask, 0.3), atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,mk", [(1, 1), (2, 2), (2, 1)])
+@pytest.mark.parametrize("n,grad", [(3, False), (70, False), (70, True)])
+def test_fused_attention_of_an_empty_batch_is_empty(dtype, m, mk, n, grad):
+    """A batch of 0 sequences (as SDPA takes it) gives an empty output and empty gradients: it was a
+    ZeroDivisionError from the kernels' per-head geometry (K rows // (batch x K/V heads))."""
+    q = torch.randn(0, m, 4, n, 32, dtype=dtype, requires_grad=grad)
+    k = torch.randn(0, mk, 2, n + 5, 32, dtype=dtype, requires_grad=grad)  # a cache's longer buffers too
+    v = torch.randn(0, 2, n + 5, 64, dtype=dtype, requires_grad=grad)
+    lam = torch.tensor(0.3, requires_grad=grad) if m == 2 else None
+    out = fused.fused_attention(q, k, v, AttnMask(True, n, n), 0.3, lam)
+    assert out.shape == (0, n, 4, 64) and out.dtype == dtype
+    if grad:
+        out.sum().backward()
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+        assert lam is None or float(lam.grad) == 0.0
+
+
 def test_whole_cache_buffer_is_masked_past_the_written_length():
     """K/V longer than mask.n_k (a static cache's buffers): whatever finite values lie past n_k
     (a KVCache starts zeroed; a reused one holds old keys) have no effect, in any dtype."""

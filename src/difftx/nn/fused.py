@@ -579,6 +579,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
         # bf16 on AMX keeps the chunk itself (a multiple of MIN_CHUNK: whole 32-row tile pairs).
         native_chunk = native_rows(chunk, n, nk, m) if q.dtype == torch.float32 else chunk
     with no_autocast(q.device.type):
+        if b == 0:  # an empty batch (the kernels' per-head geometry divides by it): empty maps in torch ops
+            return _attention_torch(q, k[:, :, :, : mask.n_k], v[:, :, : mask.n_k], lam, mask, scale)
         if not needs_grad and n <= SMALL_QUERY:
             return _few_queries(q, k, v, lam, mask, scale)
         if k.shape[3] > mask.n_k:  # a cache's whole buffers: keep the written part
