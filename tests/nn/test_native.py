@@ -295,6 +295,8 @@ needs_bf16_attention = pytest.mark.skipif(not (HAVE_CC and native.bf16_attention
     (2, 2, 2, 45, 9, "rows", True, 32),  # DIFF V2's per-token lambda, queries after a cached prefix
     (1, 4, 2, 33, 0, None, False, 64),  # no causal mask (vision), one block
     (2, 2, 1, 129, 0, "scalar", True, 64),  # several blocks, every key visible to the last
+    (2, 4, 2, 70, 0, "scalar", True, None),  # the default chunk: all 70 queries, one block (kept bf16 off the kernel)
+    (2, 2, 2, 100, 4, "rows", True, None),
 ])
 def test_bf16_attention_matches_float64_as_closely_as_the_torch_path(m, h, hk, n, q_start, lam_kind, causal, chunk,
                                                                      monkeypatch):

@@ -576,8 +576,10 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
         # The float32 kernel's blocks: 3/4 as many rows, a multiple of 48 = 8 tiles of its 6-row
         # micro-kernel (64 rows end in a 4-row tile) whose maps stay further inside L2: 1 ms (2%)
         # less per DIFF layer at the small preset (docs/performance.md); taller at long keys.
-        # bf16 on AMX keeps the chunk itself (a multiple of MIN_CHUNK: whole 32-row tile pairs).
-        native_chunk = native_rows(chunk, n, nk, m) if q.dtype == torch.float32 else chunk
+        # bf16 keeps the chunk itself (a multiple of MIN_CHUNK: whole 32-row tile pairs), rounded up to 32 rows
+        # where it is all the queries (one block either way: 100 queries are one block of 128 padded rows, which
+        # the kernel pads to anyway), so that no query count keeps bf16 off the native kernel.
+        native_chunk = native_rows(chunk, n, nk, m) if q.dtype == torch.float32 else -(-chunk // 32) * 32
     with no_autocast(q.device.type):
         if b == 0:  # an empty batch (the kernels' per-head geometry divides by it): empty maps in torch ops
             return _attention_torch(q, k[:, :, :, : mask.n_k], v[:, :, : mask.n_k], lam, mask, scale)
