@@ -174,3 +174,29 @@ def test_torch_func_over_a_whole_model(attention, norms):
         one = dict(zip(params, _grads(model, short[i:i + 1])))
         for k in params:
             torch.testing.assert_close(per_sample[k][i], one[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_torch_func_leaves_no_wrapped_tensor_on_a_diff2_module(transform):
+    """DIFF V2 records the mean lambda of its last forward (model.lambdas()); a forward inside torch.func must not
+    leave the transform's wrapper tensor there, which broke deepcopy / torch.save(model) after torch.func.grad and
+    model.lambdas() after vmap. The recorded value stays the last one from outside the transform."""
+    import copy
+    import pickle
+
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(attention="diff2", d_model=64, n_layers=2, n_heads=2, vocab_size=50))
+    x = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        model(x)
+    before = model.lambdas()
+    if transform == "grad":
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        grad(lambda p: functional_call(model, p, (x,), {"targets": x}).loss)(params)
+    else:
+        vmap(lambda ids: model(ids[None]).logits[0])(x)
+    assert model.lambdas() == before
+    copy.deepcopy(model)
+    pickle.dumps(model)

@@ -29,7 +29,7 @@ class ModelMixin:
         """Per-layer lambda (1-based layer order).
 
         DIFF: the layer's lambda from its parameters.  DIFF V2: the mean of
-        sigmoid(W x) over the last forward pass (None before any).  Softmax: [].
+        sigmoid(W x) over the last forward pass outside torch.func transforms (None before any).  Softmax: [].
         """
         out = []
         for m in self.attention_modules():

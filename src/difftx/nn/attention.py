@@ -29,7 +29,7 @@ from torch import nn
 from . import backends
 from .cache import KVCache
 from .fused import rms_norm
-from .linear import Linear, autocast_on, no_autocast, no_hooks, project
+from .linear import Linear, autocast_on, functorch_active, no_autocast, no_hooks, project
 from .mask import AttnMask
 from .norms import RMSNorm, make_norm, upcast
 from .rope import apply_rope
@@ -388,7 +388,8 @@ class DiffV2Attention(AttentionBase):
         xf = upcast(x)
         with no_autocast(x.device.type):  # F.linear is on autocast's bf16 list
             lam = torch.sigmoid(F.linear(xf, self.lambda_proj.weight.to(xf.dtype)))  # (B, N, h), >= fp32
-        self.last_lambda = lam.detach().mean()
+        if not functorch_active():  # inside torch.func (grad, vmap) lam is the transform's wrapper: kept on the
+            self.last_lambda = lam.detach().mean()  # module past it, it breaks deepcopy, pickling and lambdas()
         lam = lam.transpose(1, 2)[..., None]  # (B, h, N, 1)
         backend, p = self._backend(q.device), self._dropout_p()
         b, _, n, d = q.shape
