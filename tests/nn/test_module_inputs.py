@@ -293,3 +293,38 @@ def test_training_after_an_inference_mode_forward(kind, dtype, monkeypatch):
     torch.testing.assert_close(y.detach(), want)
     with torch.inference_mode():  # and back
         torch.testing.assert_close(block(x, rope, AttnMask(causal=True, n_q=7, n_k=7)), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_hooked_or_swapped_diff2_lambda_proj_runs(dtype):
+    """DIFF V2's lambda projection is called as a module when hooked or swapped (a LoRA-style wrapper), as the
+    per-head norm and the LM head are: its forward hook fires, a hook's replacement output is used, and a wrapper's
+    output reaches lambda (it used to be bypassed: F.linear on lambda_proj.weight, hooks and wrappers ignored)."""
+    attn, cfg = _attn("diff2")
+    attn = attn.to(dtype)
+    x, rope, mask = torch.randn(2, 6, 32, dtype=dtype), _rope(cfg, 6), AttnMask(causal=True, n_q=6, n_k=6)
+    with torch.no_grad():
+        base = attn(x, rope, mask)
+        seen = []
+        handle = attn.lambda_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+        tol = 0.02 if dtype == torch.bfloat16 else 0.0  # bf16: the hooked layer computes in its own dtype
+        torch.testing.assert_close(attn(x, rope, mask), base, rtol=tol or 1.3e-6,
+                                   atol=tol * float(base.abs().max()) or 1e-5)
+        handle.remove()
+        assert seen == [(2, 6, cfg.n_heads)]
+        handle = attn.lambda_proj.register_forward_hook(lambda m, i, o: torch.full_like(o, -1e4))  # lambda = 0
+        zeroed = attn(x, rope, mask)
+        handle.remove()
+        assert float(attn.last_lambda) == 0.0
+
+        class Wrapped(nn.Module):  # a LoRA-style wrapper whose extra term pushes lambda to 0
+            def __init__(self, base):
+                super().__init__()
+                self.base = base
+
+            def forward(self, z):
+                return self.base(z) - 1e4
+
+        attn.lambda_proj = Wrapped(attn.lambda_proj)
+        torch.testing.assert_close(attn(x, rope, mask), zeroed)
+    assert not torch.allclose(zeroed, base)

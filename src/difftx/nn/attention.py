@@ -385,9 +385,13 @@ class DiffV2Attention(AttentionBase):
         v = _heads(vp, self.n_kv_heads, d)
         if cache is not None:
             k, v = cache.update(self.layer - 1, k, v)
-        xf = upcast(x)
+        xf, lp = upcast(x), self.lambda_proj
         with no_autocast(x.device.type):  # F.linear is on autocast's bf16 list
-            lam = torch.sigmoid(F.linear(xf, self.lambda_proj.weight.to(xf.dtype)))  # (B, N, h), >= fp32
+            if type(lp) is nn.Linear and no_hooks(lp):
+                lam = torch.sigmoid(F.linear(xf, lp.weight.to(xf.dtype)))  # (B, N, h), >= fp32
+            else:  # a hooked or swapped-in layer (a LoRA wrapper): called as it is, in its parameters' dtype
+                w = next(lp.parameters(), None)
+                lam = torch.sigmoid(upcast(lp(xf if w is None or w.dtype == xf.dtype else xf.to(w.dtype))))
         if not functorch_active():  # inside torch.func (grad, vmap) lam is the transform's wrapper: kept on the
             self.last_lambda = lam.detach().mean()  # module past it, it breaks deepcopy, pickling and lambdas()
         lam = lam.transpose(1, 2)[..., None]  # (B, h, N, 1)
