@@ -200,3 +200,30 @@ def test_torch_func_leaves_no_wrapped_tensor_on_a_diff2_module(transform):
     assert model.lambdas() == before
     copy.deepcopy(model)
     pickle.dumps(model)
+
+
+@needs_native
+@pytest.mark.parametrize("attention", ["softmax", "diff", "diff2"])
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_forward_mode_ad_through_a_whole_model(attention, grad_mode):
+    """torch.autograd.forward_ad (dual tensors, not torch.func) through a model: the tangent of the logits equals
+    torch.func.jvp's. The fast paths step aside inside a dual level: under no_grad the native kernels (raw
+    pointers) used to drop the tangents silently (a wrong jvp), with grad on the autograd Functions raised
+    NotImplementedError (no jvp)."""
+    import torch.autograd.forward_ad as fwad
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(attention=attention, norms="dnt", d_model=128, n_layers=2, n_heads=2, vocab_size=50)
+    model = build_model(cfg)
+    x = torch.randint(0, 50, (2, 300))  # over fused.SMALL_NORM values: the norms' native passes too
+    emb = model.embed.weight.detach()
+    tangent = torch.randn_like(emb)
+
+    def logits(w):
+        return torch.func.functional_call(model, {"embed.weight": w}, (x,)).logits
+
+    _, want = torch.func.jvp(logits, (emb,), (tangent,))
+    with torch.set_grad_enabled(grad_mode), fwad.dual_level():
+        got = fwad.unpack_dual(logits(fwad.make_dual(emb, tangent))).tangent
+    assert got is not None
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.detach().abs().max()))

@@ -45,6 +45,7 @@ import weakref
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 from torch import nn
 
@@ -276,7 +277,11 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def functorch_active() -> bool:
-    """Inside a torch.func transform (grad, vmap, jvp): autograd Functions without setup_context cannot run."""
+    """Inside a torch.func transform (grad, vmap, jvp), where autograd Functions without setup_context cannot run,
+    or within ``torch.autograd.forward_ad.dual_level()``, where they have no jvp and the native kernels (raw
+    pointers) would drop the dual tensors' tangents: the fast paths step aside for torch ops."""
+    if _forward_ad._current_level >= 0:
+        return True
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
     return bool(active and active())
 
