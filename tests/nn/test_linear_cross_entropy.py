@@ -77,3 +77,40 @@ def test_under_bf16_autocast_it_stays_close_to_the_full_logits():
     chunked.backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all()
                for p in model.parameters() if p.requires_grad)
+
+
+def test_a_hooked_or_swapped_lm_head_is_called_under_loss_chunk():
+    """loss_chunk reads the LM head's weight itself; a hooked head or a swapped-in one (a LoRA-style wrapper) is
+    called as a module instead, as model.head does: the same loss as loss_chunk=0 (it used to be the plain weight's
+    loss, the hook and the wrapper's extra term silently ignored)."""
+    from torch import nn
+
+    cfg = ModelConfig(attention="diff", d_model=32, n_layers=2, n_heads=2, vocab_size=97, max_seq_len=32,
+                      tie_embeddings=False)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    x, y = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
+    plain = float(model(x, targets=y, loss_chunk=8).loss)
+    handle = model.lm_head.register_forward_hook(lambda m, i, o: o * 20.0)
+    hooked = model(x, targets=y, loss_chunk=8)
+    handle.remove()
+    assert hooked.logits is None
+    scaled = model.lm_head.weight.detach() * 20.0
+    with torch.no_grad():
+        want = float(nn.functional.cross_entropy((model.features(x) @ scaled.T).reshape(-1, 97), y.reshape(-1),
+                                                 reduction="mean"))
+    assert abs(float(hooked.loss) - want) < 1e-4 and abs(plain - want) > 1e-3
+
+    class Wrapped(nn.Module):  # a LoRA-style wrapper: the base layer plus a term of its own
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.extra = base, nn.Linear(32, 97, bias=False)
+
+        def forward(self, h):
+            return self.base(h) + self.extra(h)
+
+    model.lm_head = Wrapped(model.lm_head)
+    chunked = model(x, targets=y, loss_chunk=8)
+    chunked.loss.backward()
+    assert abs(float(chunked.loss) - float(model(x, targets=y).loss)) < 1e-5
+    assert model.lm_head.extra.weight.grad is not None

@@ -87,7 +87,9 @@ class DecoderLM(ModelMixin, nn.Module):
         hidden = self.features(input_ids, attention_mask, position_ids, cache)
         logits = loss = n_targets = None
         flat = targets.reshape(-1) if targets is not None else None
-        if flat is not None and loss_chunk > 0:
+        # the chunked loss reads the head's weight itself: a hooked or swapped-in head (a LoRA wrapper) is called
+        plain_head = self.lm_head is None or (type(self.lm_head) is nn.Linear and no_hooks(self.lm_head))
+        if flat is not None and loss_chunk > 0 and plain_head:
             weight = self.lm_head.weight if self.lm_head is not None else self.embed.weight
             loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, flat, loss_chunk)
         else:
@@ -96,6 +98,8 @@ class DecoderLM(ModelMixin, nn.Module):
                 # at least float32; a float64 model keeps float64 (gradient checks against a float64 reference)
                 loss = F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), flat, ignore_index=-100,
                                        reduction="sum")
+                if loss_chunk > 0:
+                    logits = None  # as documented for loss_chunk
         if flat is not None:
             n_targets = (flat != -100).sum()
             if loss_reduction == "mean":
