@@ -907,3 +907,43 @@ def test_a_compiled_model_is_one_graph_where_attention_is_torchs(attention, vari
     torch._dynamo.reset()
     explained = torch._dynamo.explain(m)(torch.randint(0, 64, (2, 16)))
     assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_block_forward_patched_on_the_instance_or_overridden_is_called(grad):
+    """The LM's chained loop calls Block.forward_parts itself; a forward patched on a block instance (accelerate's
+    hooks, activation checkpointing wrapped around it) or a subclass's own forward takes the block-by-block path,
+    so that it runs (it used to be skipped silently for training-sized inputs and all inference)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from difftx.nn.block import Block
+
+    cfg = ModelConfig(attention="diff", d_model=128, n_heads=2, n_layers=2, vocab_size=40, max_seq_len=300)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    ids = torch.randint(0, 40, (2, 300))  # over fused.SMALL_NORM: the chained path when nothing is patched
+    with torch.set_grad_enabled(grad):
+        want = model(ids).logits
+    calls = []
+    orig = model.layers[0].forward
+
+    def patched(*args, **kwargs):
+        calls.append(1)
+        return checkpoint(orig, *args, use_reentrant=False, **kwargs) if grad else orig(*args, **kwargs)
+
+    model.layers[0].forward = patched
+    with torch.set_grad_enabled(grad):
+        got = model(ids).logits
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    del model.layers[0].forward
+
+    class Counted(Block):
+        def forward(self, x, rope, mask, cache=None):
+            calls.append(2)
+            return super().forward(x, rope, mask, cache)
+
+    model.layers[1].__class__ = Counted
+    with torch.set_grad_enabled(grad):
+        model(ids)
+    assert calls == [1, 2]

@@ -70,10 +70,13 @@ class Block(nn.Module):
                 and self._fusable_norm(self.ffn_norm, x))
 
     def chains(self, x: torch.Tensor, first: bool) -> bool:
-        """Whether :meth:`forward_parts` can stand in for this block in a chain (``LM``'s loop): unhooked, no
-        dropout, the output x1 + MidNorm(f) (no FFN PostNorm; :meth:`pending` is the addend), and unless
-        ``first`` an attention PreNorm that can take the previous block's pending addition."""
+        """Whether :meth:`forward_parts` can stand in for this block in a chain (``LM``'s loop): unhooked, Block's own
+        forward (not a subclass's or one patched on the instance), no dropout, the output x1 + MidNorm(f) (no FFN
+        PostNorm; :meth:`pending` is the addend), and unless ``first`` an attention PreNorm that can take the previous
+        block's pending addition."""
         return (no_hooks(self) and getattr(self, "_compiled_call_impl", None) is None  # Module.compile()'d: call it
+                and type(self).forward is Block.forward and "forward" not in self.__dict__  # (accelerate's hooks,
+                # activation checkpointing patched on the instance: called as they are)
                 and not torch.compiler.is_compiling() and (self.dropout == 0.0 or not self.training)
                 and self.ffn_post_norm is None and (first or self._fusable_norm(self.attn_norm, x)))
 
