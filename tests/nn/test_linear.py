@@ -728,3 +728,22 @@ def test_a_kv_caches_bf16_decoding_packs_each_weight_once(monkeypatch, attention
     cache.reset()
     assert not cache.packed
     assert torch.equal(decode(cache), decode(model.new_cache(4, 16)))
+
+
+def test_a_forward_patched_on_the_instance_is_called():
+    """A difftx module's forward patched on the instance (accelerate's hooks, ad hoc wrappers) is called by the
+    fast paths that would otherwise compute its forward themselves (project's shared node, the LM head, the
+    attention's head norm): it used to be skipped silently."""
+    from difftx import ModelConfig, build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(attention="diff", d_model=64, n_layers=1, n_heads=2, vocab_size=40,
+                                    tie_embeddings=False))
+    ids = torch.randint(0, 40, (2, 24))
+    calls = []
+    attn = model.layers[0].attn
+    for m in (attn.q_proj, attn.head_norm, model.lm_head):
+        orig = m.forward
+        m.forward = lambda *a, _orig=orig, _m=m, **k: calls.append(type(_m).__name__) or _orig(*a, **k)
+    model(ids, targets=ids).loss.backward()
+    assert sorted(calls) == ["Linear", "Linear", "RMSNorm"]

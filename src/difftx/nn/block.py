@@ -75,8 +75,7 @@ class Block(nn.Module):
         PostNorm; :meth:`pending` is the addend), and unless ``first`` an attention PreNorm that can take the previous
         block's pending addition."""
         return (no_hooks(self) and getattr(self, "_compiled_call_impl", None) is None  # Module.compile()'d: call it
-                and type(self).forward is Block.forward and "forward" not in self.__dict__  # (accelerate's hooks,
-                # activation checkpointing patched on the instance: called as they are)
+                and type(self).forward is Block.forward  # (a forward patched on the instance: no_hooks)
                 and not torch.compiler.is_compiling() and (self.dropout == 0.0 or not self.training)
                 and self.ffn_post_norm is None and (first or self._fusable_norm(self.attn_norm, x)))
 

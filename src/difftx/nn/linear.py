@@ -432,9 +432,11 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
 
 
 def no_hooks(m: nn.Module) -> bool:
-    """Whether calling ``m`` would run no hooks (its own or global ones): a caller may then compute what its
-    forward computes without calling it."""
+    """Whether calling ``m`` would run no hooks (its own or global ones) and its class's forward (none patched on
+    the instance, as accelerate's hooks and ad hoc checkpointing do): a caller may then compute what its forward
+    computes without calling it."""
     return (not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+            and "forward" not in m.__dict__
             and not any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS))
 
 
