@@ -280,7 +280,7 @@ def functorch_active() -> bool:
     """Inside a torch.func transform (grad, vmap, jvp), where autograd Functions without setup_context cannot run,
     or within ``torch.autograd.forward_ad.dual_level()``, where they have no jvp and the native kernels (raw
     pointers) would drop the dual tensors' tangents: the fast paths step aside for torch ops."""
-    if _forward_ad._current_level >= 0:
+    if getattr(_forward_ad, "_current_level", -1) >= 0:  # a private attribute: read with a default
         return True
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
     return bool(active and active())
