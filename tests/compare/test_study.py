@@ -499,3 +499,22 @@ def test_cores_of_jobs_that_do_not_run_go_to_the_jobs_that_do(fit, jobs_cap, tmp
     with pytest.raises(Stop):
         runner.run_study(study, tmp_path / "out", progress=False)
     assert seen == [(1, 4)]
+
+
+@pytest.mark.parametrize("domain, tps, label", [("vision", 32, "images"), ("lm", 512, "tokens"), ("lm", None, "step")])
+def test_loss_curve_x_axis_names_what_it_counts(domain, tps, label, tmp_path, monkeypatch):
+    """A vision study's validation curve is drawn against images seen (steps x images per step, its curve's
+    "tokens"), and its axis said "step"."""
+    pytest.importorskip("matplotlib")
+    from difftx.compare import plots
+
+    saved = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: saved.append(fig))
+    steps = [10, 20]
+    curve = {"steps": steps, "tokens": [s * tps if tps else None for s in steps], "mean": [2.0, 1.5],
+             "min": [1.9, 1.4], "max": [2.1, 1.6], "train": [[[10, 2.0], [20, 1.5]]]}
+    res = {"domain": domain, "arms": {"a": {"label": "A"}}, "corpus": {"a": {"curve": curve}}}
+    assert plots.loss_curves(res, tmp_path / "l.png")
+    ax = saved[0].axes[0]
+    assert ax.get_xlabel() == label
+    assert list(ax.lines[0].get_xdata()) == ([s * tps for s in steps] if tps else steps)

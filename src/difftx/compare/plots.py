@@ -45,12 +45,13 @@ def loss_curves(res: dict, path: Path) -> bool:
     fig = _figure(12, 4.2)
     a1, a2 = fig.subplots(1, 2)
     colors = _colors(res)
-    unit = "tokens" if res["domain"] == "lm" else "step"
+    by_size = False  # x in tokens (images for a vision study: the trainer counts its images as "tokens")
     for arm, c in res["corpus"].items():
         cv = c["curve"]
         if not cv["steps"]:
             continue
         x = [t if t is not None else s for t, s in zip(cv["tokens"], cv["steps"])]
+        by_size = by_size or any(t is not None for t in cv["tokens"])
         a1.plot(x, cv["mean"], marker="o", ms=3, color=colors[arm], label=res["arms"][arm]["label"])
         a1.fill_between(x, cv["min"], cv["max"], color=colors[arm], alpha=0.2)
         runs = [np.asarray(t, dtype=float) for t in cv["train"] if t]
@@ -58,7 +59,7 @@ def loss_curves(res: dict, path: Path) -> bool:
             n = min(len(r) for r in runs)
             mean = np.mean([r[:n, 1] for r in runs], axis=0)
             a2.plot(runs[0][:n, 0], _smooth(mean), color=colors[arm], label=res["arms"][arm]["label"])
-    a1.set_xlabel(unit if unit == "tokens" else "step")
+    a1.set_xlabel(("images" if res["domain"] == "vision" else "tokens") if by_size else "step")
     a1.set_ylabel("validation loss")
     a1.set_title("validation loss (seed mean, min-max band)")
     a1.legend(fontsize=7)
