@@ -467,3 +467,30 @@ def test_force_without_a_figure_removes_the_earlier_runs_figure(checkpoint, tmp_
     assert main(["eval", *map(str, args), "--no-plot", "--force"]) == 0
     assert not (out / "mqar.png").exists() and (out / "mqar.json").exists()
     assert f"removed {out / 'mqar.png'}" in capsys.readouterr().out
+
+
+def test_depths_are_labelled_as_the_percentages_given(monkeypatch, tmp_path):
+    """``--depths 29,12.5`` (0.29, 0.125) read "28%" and "12%": ``int(d * 100)`` truncates 28.999999999999996 and
+    drops the half, in the attention summary and the attention and needle-in-a-haystack plots' depth axes."""
+    from difftx.cli.eval import _summary
+
+    depths = [0.0, 0.125, 0.29, 0.57, 1.0]
+    table = {k: [0.1] * len(depths) for k in ("answer", "noise", "other_needles")}
+    line = _summary("attention", {"depths": depths, "table": table})[0]
+    assert line.split()[1:] == ["0%", "12.5%", "29%", "57%", "100%"]
+
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from difftx.evals.attention import plot_attention
+    from difftx.evals.niah import plot_niah
+
+    figs = []
+    real = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (figs.append(self), real(self, *a, **k))[1])
+    plot_attention({"depths": depths, "table": table, "normalize": "l1",
+                    "by_layer": [{"layer": 0, "answer": 0.1, "noise": 0.1}]}, tmp_path / "a.png")
+    assert [t.get_text() for t in figs[-1].axes[0].get_xticklabels()] == ["0%", "12.5%", "29%", "57%", "100%"]
+    hm = {"depths": depths, "lengths": [64], "teacher_forced": [[0.5]] * len(depths)}
+    plot_niah({"table": {"N1R1": {"teacher_forced": 0.5}}, "heatmaps": {"N1R1": hm}}, tmp_path / "n.png")
+    assert [t.get_text() for t in figs[-1].axes[1].get_yticklabels()] == ["0%", "12.5%", "29%", "57%", "100%"]

@@ -286,8 +286,9 @@ def _summary(name: str, r: dict) -> list[str]:
         return [f"len {c['seq_len']:>5} pairs {c['pairs']:>4}: {c['accuracy']:.3f}" for c in r["cells"]] + \
             [f"overall {r['overall_accuracy']:.3f}"]
     if name == "attention":
+        from ..evals.common import depth_percent
         t = r["table"]
-        return ["depth   " + " ".join(f"{int(d * 100):>6}%" for d in r["depths"]),
+        return ["depth   " + " ".join(f"{depth_percent(d):>7}" for d in r["depths"]),
                 "answer  " + " ".join(f"{v:7.3f}" for v in t["answer"]),
                 "noise   " + " ".join(f"{v:7.3f}" for v in t["noise"])]
     if name == "outliers":

@@ -179,13 +179,13 @@ def evaluate_attention(model, tokenizer, depths: Sequence[float] = DEPTHS, lengt
 
 
 def plot_attention(result: dict, path) -> Optional[str]:
-    from .common import pyplot
+    from .common import depth_percent, pyplot
 
     plt = pyplot()
     if plt is None:
         return None
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.3))
-    xs = [f"{int(d * 100)}%" for d in result["depths"]]
+    xs = [depth_percent(d) for d in result["depths"]]
     for name in ("answer", "noise", "other_needles"):
         a1.plot(xs, result["table"][name], marker="o", label=name)
     a1.set_xlabel("answer depth")

@@ -100,6 +100,12 @@ def saved_tokenizer(path, what: str = "this evaluation", optional: bool = False)
                     "model was trained with (a training run saves it): copy it there or pass the run directory")
 
 
+def depth_percent(depth: float) -> str:
+    """A depth (a fraction, 0..1) as the percentage it was given as: ``int(depth * 100)`` read 0.29 as "28%"
+    (0.29 * 100 = 28.999999999999996) and 0.125 as "12%"."""
+    return f"{depth * 100:g}%"
+
+
 def model_device(model) -> torch.device:
     return next(model.parameters()).device
 

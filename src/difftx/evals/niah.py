@@ -419,7 +419,7 @@ def summarize(cells: list[dict], skipped: list[dict], lengths: list[int], depths
 
 def plot_niah(result: dict, path, metric: str = "teacher_forced") -> Optional[str]:
     """Left: the N x R table as bars; right: the depth x length heat map of the hardest N x R cell."""
-    from .common import pyplot
+    from .common import depth_percent, pyplot
 
     plt = pyplot()
     if plt is None:
@@ -435,7 +435,7 @@ def plot_niah(result: dict, path, metric: str = "teacher_forced") -> Optional[st
     a1.set_title("multi-needle retrieval (Table 2)")
     im = a2.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
     a2.set_xticks(range(len(hm["lengths"])), [str(x) for x in hm["lengths"]])
-    a2.set_yticks(range(len(hm["depths"])), [f"{int(d * 100)}%" for d in hm["depths"]])
+    a2.set_yticks(range(len(hm["depths"])), [depth_percent(d) for d in hm["depths"]])
     a2.set_xlabel("context length (tokens)")
     a2.set_ylabel("answer depth")
     a2.set_title(f"{hm_key} by depth and length (Fig. 5)")
