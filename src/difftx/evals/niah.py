@@ -418,7 +418,8 @@ def summarize(cells: list[dict], skipped: list[dict], lengths: list[int], depths
 
 
 def plot_niah(result: dict, path, metric: str = "teacher_forced") -> Optional[str]:
-    """Left: the N x R table as bars; right: the depth x length heat map of the hardest N x R cell."""
+    """Left: the N x R table as bars; right: the depth x length heat map of the grid's last N x R cell (the
+    hardest of the default grid)."""
     from .common import depth_percent, pyplot
 
     plt = pyplot()
