@@ -49,3 +49,14 @@ def test_an_arm_whose_every_seed_diverged_reads_diverged_in_the_retrieval_tables
         cells = [c.strip() for c in b_row.strip("|").split("|")][1:]
         assert cells and all(c == "diverged" for c in cells), section
         assert "| A | 0.5" in section or "| A | 0.2" in section
+
+
+def test_both_arms_losing_runs_is_not_comparable_not_not_measured():
+    """A diverged run in each arm makes the comparison "not comparable": the DNT question's answer said so, the
+    DIFF question's "Not measured." (both measured, every finished run has its value)."""
+    study = StudyConfig(arms=["transformer:adamw", "diff:adamw"], seeds=2, steps=4, retrieval="none")
+    lost_one = {**_arm(0.0), "val_loss": stat([2.0, None], [False, True])}
+    q = questions(study, {"transformer-adamw": lost_one, "diff-adamw": lost_one}, None)
+    d = q["diff_vs_transformer"]
+    assert d["rows"][0]["verdict"].startswith("not comparable")
+    assert d["answer"] == d["rows"][0]["verdict"], d["answer"]

@@ -221,8 +221,8 @@ def _verdict(text: Optional[str]) -> Optional[str]:
 
 def _summary(verdicts: list[Optional[str]]) -> str:
     v = [w for w in map(_verdict, verdicts) if w]
-    if not v:  # measured with one seed: no spread, so no verdict (not "not measured")
-        return next((t for t in verdicts if t and t.startswith("no verdict")), "not measured")
+    if not v:  # measured with one seed (no spread, so no verdict), or runs of both arms lost: not "not measured"
+        return next((t for t in verdicts if t and t.startswith(("no verdict", "not comparable"))), "not measured")
     if "better" in v and "worse" in v:
         return "mixed"
     if "better" in v:
