@@ -518,3 +518,17 @@ def test_loss_curve_x_axis_names_what_it_counts(domain, tps, label, tmp_path, mo
     ax = saved[0].axes[0]
     assert ax.get_xlabel() == label
     assert list(ax.lines[0].get_xdata()) == ([s * tps for s in steps] if tps else steps)
+
+
+def test_grad_hist_draws_every_tabulated_matrix_kind(tmp_path, monkeypatch):
+    """The report's tail tables have a W_g (SwiGLU gate) column; grad_hist.png left its panel out."""
+    pytest.importorskip("matplotlib")
+    from difftx.compare import plots
+
+    saved = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: saved.append(fig))
+    h = {"log10_edges": [-3.0, -2.0, -1.0], "fraction": [0.5, 0.5]}
+    kinds = ("W_q", "W_k", "W_v", "W_o", "W_g", "W_1", "W_2", "all")
+    res = {"arms": {"a": {"label": "A"}}, "corpus": {"a": {"tails": {"histograms": {k: h for k in kinds}}}}}
+    assert plots.grad_hist(res, tmp_path / "g.png")
+    assert [ax.get_title() for ax in saved[0].axes if ax.get_visible()] == list(kinds)

@@ -128,7 +128,7 @@ def grad_hist(res: dict, path: Path) -> bool:
         for k in (c.get("tails") or {}).get("histograms", {}):
             if k not in kinds:
                 kinds.append(k)
-    kinds = [k for k in ("W_q", "W_k", "W_v", "W_o", "W_1", "W_2", "all") if k in kinds]
+    kinds = [k for k in ("W_q", "W_k", "W_v", "W_o", "W_g", "W_1", "W_2", "all") if k in kinds]  # as tabulated
     if not kinds:
         return False
     cols = min(4, len(kinds))
