@@ -1,8 +1,9 @@
 """Language-model evaluation: loss, perplexity, NLL by position (Fig. 4) and the AR-Hit / Others split (Table 6).
 
-The token stream is cut into non-overlapping windows of ``seq_len + 1`` tokens
-(``seq_len`` predictions each); nothing crosses a window, so "the context" of a
-prediction is its window.
+The token stream is cut into windows of ``seq_len + 1`` tokens that start ``seq_len``
+apart (a window's last token, a target, is the next one's first input), so the
+``seq_len`` predictions of each never overlap; nothing crosses a window, so "the
+context" of a prediction is its window.
 
 * Cumulative average NLL by position (Fig. 4, after Reid et al. 2024): at
   position t (1-based), the mean NLL of all predictions at positions <= t,
