@@ -5,6 +5,7 @@ buffers, the fused RMSNorm, and the lambda cache used while decoding."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -475,6 +476,39 @@ def test_decoding_after_a_prefill_with_gradients_into_a_reset_cache_sees_the_new
     with torch.no_grad():
         step = model(ids[:, 7:], cache=cache).logits[:, -1]
     assert (step - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("change", ["in_place", "new_parameter", "lambda_init"])
+def test_a_lambda_changed_between_decoding_steps_is_read_again(change):
+    """Regression: the decoding memo was keyed on the cache alone, so a lambda changed between two decoding steps
+    of one cache (an ablation mid-generation, in place or as a new Parameter, or a new lambda_init) was ignored
+    by the later steps, which kept the lambda of the first step, while every weight matrix's change was seen."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(attention="diff", d_model=32, n_heads=2, n_layers=2, vocab_size=20)
+    model = build_model(cfg).eval()
+    ids = torch.randint(0, 20, (1, 8))
+
+    def change_lambda(attn):
+        if change == "in_place":
+            attn.lambda_q1.mul_(-3.0)
+        elif change == "new_parameter":
+            attn.lambda_q1 = torch.nn.Parameter(attn.lambda_q1.detach() * -3.0)
+        else:
+            attn.lambda_init = 0.5 * attn.lambda_init
+
+    steps = []
+    for memo in (True, False):
+        cache = model.new_cache(1, 8)
+        m = copy.deepcopy(model)
+        with torch.no_grad():
+            m(ids[:, :6], cache=cache)
+            m(ids[:, 6:7], cache=cache)  # decoding: lambda memoised for this cache
+            for layer in m.layers:
+                change_lambda(layer.attn)
+                if not memo:
+                    layer.attn._lambda_memo = None  # the reference: lambda computed afresh
+            steps.append(m(ids[:, 7:], cache=cache).logits[:, -1])
+    assert torch.equal(steps[0], steps[1])
 
 
 def test_evaluation_after_a_fused_adamw_step_sees_the_new_lambda():

@@ -245,19 +245,25 @@ class DifferentialAttention(AttentionBase):
         A generation's KV cache holds keys and values made by the current weights, so the
         lambda computed when that cache was filled holds for its later decoding steps
         (``decoding``: the cache already held tokens); every other call computes it afresh.
-        Not keyed on parameter version counters: torch's fused optimisers update parameters
-        in place without bumping them.
+        The memo is also keyed on the lambda parameters (the same tensors, their version
+        counters) and ``lambda_init``: a lambda changed between decoding steps (an ablation
+        mid-generation, ``lambda_q1.mul_(0)``, ``load_state_dict``, a new Parameter) is read
+        again.  Changes that bypass the version counters (``.data``, torch's fused
+        optimisers) are not seen: reset the cache after them.
         """
         if torch.is_grad_enabled() or cache is None:
             if cache is not None and not decoding:  # a new generation: a memo of the cache's last one is stale
                 self._lambda_memo = None
             return self.lambda_full()
+        params = (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)
+        key = (self.lambda_init, *(p._version for p in params))
         memo = getattr(self, "_lambda_memo", None)
-        if decoding and memo is not None and memo[0]() is cache:
+        if (decoding and memo is not None and memo[0]() is cache and memo[2] == key
+                and all(a is b for a, b in zip(memo[3], params))):
             return memo[1]
         lam = self.lambda_full()
         try:
-            self._lambda_memo = (weakref.ref(cache), lam)
+            self._lambda_memo = (weakref.ref(cache), lam, key, params)
         except TypeError:  # a cache type without weak references: no memo
             self._lambda_memo = None
         return lam
