@@ -689,6 +689,33 @@ def test_bf16_inference_in_a_packed_scope_runs_the_dot_kernels(rows, d_in, d_out
 
 
 @needs_dot_linear
+def test_a_weight_given_new_storage_at_the_packed_ones_address_is_packed_again():
+    """Regression: the packed store keyed a weight on its id, version and data_ptr, so a weight given new storage
+    (``.data =``, which bumps no version) at the address of the storage it was packed from -- two replacements
+    between calls, the allocator handing the freed block back -- was served its old packed values."""
+    n, k = 32, 64
+    g = torch.Generator().manual_seed(0)
+    layer = nn.Linear(k, n, bias=False).bfloat16()
+    x = torch.randn(3, k, generator=g).bfloat16()
+    buf = bytearray(n * k * 2)  # one block of memory, two storages over it (deterministic address reuse)
+    first = torch.frombuffer(buf, dtype=torch.bfloat16).view(n, k)
+    with torch.no_grad():
+        first.copy_(torch.randn(n, k, generator=g))
+    store: dict = {}
+    with torch.no_grad(), L.packed_weights(store):
+        layer.weight.data = first
+        L.linear(x, layer.weight)  # packed from `first`
+        second = torch.frombuffer(buf, dtype=torch.bfloat16).view(n, k)
+        fresh = torch.randn(n, k, generator=g).bfloat16()
+        del first
+        second.copy_(fresh)
+        layer.weight.data = second  # new storage, the same address, the weight's version unchanged
+        y = L.linear(x, layer.weight)
+    exact = x.double() @ fresh.double().t()
+    assert (y.double() - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+@needs_dot_linear
 @pytest.mark.parametrize("attention", ["softmax", "diff", "diff2"])
 def test_a_kv_caches_bf16_decoding_packs_each_weight_once(monkeypatch, attention):
     """bf16 cached decoding (autocast) runs every projection and the LM head on weights the cache packed at the

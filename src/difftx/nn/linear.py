@@ -385,12 +385,16 @@ def _dot_inference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
             or x.numel() == 0 or (bias is not None and (bias.dtype not in _TAKEN or bias.shape != weight.shape[:1]))):
         return None
     key = (weight.data_ptr(), weight.shape, weight.dtype)
-    entry = store.get(id(weight))  # (a weak reference to the weight: the store does not keep weights alive)
-    if entry is None or entry[0]() is not weight or entry[1] != weight._version or entry[2] != key:
+    storage = weight.untyped_storage()
+    # (weak references to the weight and its storage: the store keeps neither alive; the storage's tells new storage
+    # at a freed one's address, as two `.data =` replacements between calls can give, from the packed one)
+    entry = store.get(id(weight))
+    if (entry is None or entry[0]() is not weight or entry[1] != weight._version or entry[2] != key
+            or entry[4]() is not storage):
         packed = native.pack_wt(weight.detach())
         if packed is None:
             return None
-        entry = store[id(weight)] = (weakref.ref(weight), weight._version, key, packed)
+        entry = store[id(weight)] = (weakref.ref(weight), weight._version, key, packed, weakref.ref(storage))
     n = weight.shape[0]
     y = _dot_product(_rows_bf16(x), entry[3], n, bias)
     return None if y is None else y.view(*x.shape[:-1], n)
