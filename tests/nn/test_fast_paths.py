@@ -981,3 +981,25 @@ def test_a_block_forward_patched_on_the_instance_or_overridden_is_called(grad):
     with torch.set_grad_enabled(grad):
         model(ids)
     assert calls == [1, 2]
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+def test_fused_attention_gradients_of_float32_keys_under_a_low_precision_query_are_not_scratch(q_dtype):
+    """Regression: under a bf16/fp16 query the blockwise backward sums dK and dV in float32 per-thread scratch
+    buffers and returned their casts; with float32 K and V the cast was the scratch buffer itself, so the next
+    backward overwrote the k.grad and v.grad that the first one had returned."""
+    b, m, h, n, d = 1, 2, 2, 40, 16
+
+    def grads(seed):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(b, m, h, n, d, generator=g).to(q_dtype).requires_grad_()
+        k = torch.randn(b, m, h, n, d, generator=g).requires_grad_()
+        v = torch.randn(b, h, n, 2 * d, generator=g).requires_grad_()
+        lam = torch.tensor(0.3, requires_grad=True)
+        fused.fused_attention(q, k, v, AttnMask(True, n, n), d ** -0.5, lam).float().pow(2).sum().backward()
+        return q.grad, k.grad, v.grad
+
+    first = grads(1)
+    kept = [t.clone() for t in first]
+    grads(2)
+    assert all(torch.equal(a, b) for a, b in zip(first, kept))

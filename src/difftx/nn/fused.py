@@ -510,12 +510,16 @@ def _backward(ctx, dout):
         dv[:, seen:].zero_()
     if m == 2 and g.lam_s is not None:
         dk.view(b, m, hk, nk, d)[:, 1].mul_(-g.lam_s)
+    # Scratch sums are copied out even where K/V already have the compute dtype (float32 K/V under bf16 Q): a
+    # returned gradient must not be a buffer that the next call overwrites.
+    scratch = cd != q.dtype
     dq = dq.mul_(g.scale).view(b, m, h, n, d).to(q.dtype)
     dk = dk.mul_(g.scale).view(b, m, *k_shape[2:])
-    dk = (dk if k_shape[1] == m else dk.sum(1, keepdim=True)).to(k3.dtype)  # a shared K: both maps' sum
+    shared = k_shape[1] != m  # a shared K: both maps' sum (a new tensor)
+    dk = (dk.sum(1, keepdim=True) if shared else dk).to(k3.dtype, copy=scratch and not shared)
     if dlam is not None:
         dlam = dlam.to(lam.dtype)
-    return dq, dk, dv.view(v_shape).to(v3.dtype), dlam, None, None, None, None
+    return dq, dk, dv.view(v_shape).to(v3.dtype, copy=scratch), dlam, None, None, None, None
 
 
 def _per_map(k: torch.Tensor, m: int) -> torch.Tensor:
