@@ -357,7 +357,8 @@ def packed_weights(store: dict):
     updated in place, which bumps its version, or given new storage is packed again).  A :class:`KVCache` holds such a
     store for its decoding (``model(ids, cache=cache)``): a decoding step then reads each weight once as packed
     bf16, where autocast's F.linear runs oneDNN's small-row product on its cast copy, 2.3-2.6x slower at 4 rows
-    (Zen 4).  In-place changes through ``.data`` bypass the version counter: reset the cache after them."""
+    (Zen 4).  In-place changes through ``.data``, and torch's fused optimisers
+    (``fused=True``), bypass the version counter: reset the cache after them."""
     token = _PACKED.set(store)
     try:
         yield
