@@ -87,7 +87,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, temperatu
             empty = (mask == 0).all(-1).nonzero().flatten().tolist()
             raise DifftxError(f"attention_mask: row(s) {empty} have no tokens (an empty prompt); give each row at "
                               f"least one token")
-        cache = model.new_cache(b, n + max_new_tokens) if use_cache else None
+        # on the inputs' device: an offloaded model's weights sit on the meta device between calls
+        cache = model.new_cache(b, n + max_new_tokens, device=input_ids.device) if use_cache else None
         hidden = model.features(input_ids, mask, cache=cache)
         last = n - 1  # the prompt's last logits only: each row's last token (before its padding if right-padded)
         if mask is not None:

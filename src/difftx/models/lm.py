@@ -90,7 +90,7 @@ class DecoderLM(ModelMixin, nn.Module):
         # the chunked loss reads the head's weight itself: a hooked or swapped-in head (a LoRA wrapper) is called
         plain_head = self.lm_head is None or (type(self.lm_head) is nn.Linear and no_hooks(self.lm_head))
         if flat is not None and loss_chunk > 0 and plain_head:
-            weight = self.lm_head.weight if self.lm_head is not None else self.embed.weight
+            weight = self.lm_head.weight if self.lm_head is not None else self._tied_weight(hidden)
             loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, flat, loss_chunk)
         else:
             logits = _with_packed(cache, self.head, hidden)
@@ -179,18 +179,35 @@ class DecoderLM(ModelMixin, nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of final hidden states (any leading shape): the LM head, tied to the embedding or not."""
         if self.lm_head is None:
-            return linear(hidden, self.embed.weight)
+            return linear(hidden, self._tied_weight(hidden))
         if type(self.lm_head) is nn.Linear and no_hooks(self.lm_head):
             # not a wrapper or a hooked layer: linear.linear (decoding's few rows on the native product)
             return linear(hidden, self.lm_head.weight, self.lm_head.bias)
         return self.lm_head(hidden)
 
+    def _tied_weight(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The embedding's weight for the tied head, which reads it outside the embedding's call.  An offloaded
+        embedding (accelerate's ``cpu_offload``/``disk_offload`` hooks load it for the lookup only and leave it on
+        the meta device between calls) is refused: F.linear of real inputs and a meta weight hands back an
+        uninitialised tensor (NaN or garbage logits) and the native kernels would read a null pointer."""
+        w = self.embed.weight
+        if w.is_meta and not hidden.is_meta:
+            raise DifftxError(
+                "tie_embeddings: the LM head reads embed.weight, which is on the meta device (offloaded: "
+                "accelerate's cpu_offload/disk_offload load it for the embedding lookup only); keep the "
+                "embedding on the execution device (dispatch_model with embed in the device map), or untie it")
+        return w
+
     # ------------------------------------------------------------------ decoding
-    def new_cache(self, batch_size: int, max_len: int, dtype: Optional[torch.dtype] = None) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int, dtype: Optional[torch.dtype] = None,
+                  device: Optional[torch.device] = None) -> KVCache:
         """An empty KV cache for ``batch_size`` rows of up to ``max_len`` positions.  Its buffers take the dtype
         the model computes K/V in (under autocast: the autocast dtype); ``dtype``, when given, must be that one
-        (a cache in another dtype is refused at its first write)."""
-        device = self.embed.weight.device
+        (a cache in another dtype is refused at its first write).  ``device`` (default: the embedding's) is where
+        the inputs are: give it for a model whose weights are offloaded (accelerate's ``cpu_offload`` keeps them
+        on the meta device between calls)."""
+        if device is None:
+            device = self.embed.weight.device
         return KVCache(self.config.n_layers, batch_size, max_len, device=device, dtype=dtype)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32, **kwargs) -> torch.Tensor:
