@@ -46,3 +46,23 @@ def test_vision_rejects_wrong_image_shape():
                       in_channels=1, num_classes=3)
     with pytest.raises(DifftxError, match="images must be"):
         build_model(cfg)(torch.randn(2, 1, 10, 10))
+
+
+@pytest.mark.parametrize("swap", ["wrapper", "quantize_dynamic"])
+def test_a_patch_embedding_without_a_weight_tensor_runs(swap):
+    # features() read patch_embed.weight.dtype: a swapped-in layer without a weight tensor (a wrapping module;
+    # quantize_dynamic's Linear, whose weight() is a method) raised AttributeError
+    torch.manual_seed(0)
+    cfg = ModelConfig(domain="vision", attention="diff", d_model=32, n_layers=1, n_heads=2, image_size=8,
+                      patch_size=4, num_classes=5)
+    model = build_model(cfg).eval()
+    images = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        ref = model(images).logits
+        if swap == "wrapper":
+            model.patch_embed = torch.nn.Sequential(model.patch_embed)
+            torch.testing.assert_close(model(images).logits, ref)
+        else:
+            q = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+            assert type(q.patch_embed) is not torch.nn.Linear
+            torch.testing.assert_close(q(images).logits, ref, atol=0.05, rtol=0.05)  # int8 weights

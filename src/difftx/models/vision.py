@@ -73,7 +73,10 @@ class VisionEncoder(ModelMixin, nn.Module):
             )
         # the residual stream in the weights' dtype, as the language model's embedding gives it: under autocast the
         # patch embedding's product comes out in bf16, and every residual addition would round to bf16 after it
-        dtype = self.patch_embed.weight.dtype
+        w = getattr(self.patch_embed, "weight", None)  # a swapped-in layer may hold none (quantize_dynamic's
+        # Linear: weight() is a method, the int8 weight packed): then the dtype of the model's floating parameters
+        dtype = w.dtype if isinstance(w, torch.Tensor) else next(
+            (p.dtype for p in self.parameters() if p.is_floating_point()), torch.float32)
         x = self.patch_embed(patchify(images, cfg.patch_size).to(dtype)).to(dtype)
         if self.cls_token is not None:
             x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x), dim=1)
