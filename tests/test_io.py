@@ -203,3 +203,34 @@ def test_save_model_refuses_a_tokenizer_that_does_not_fit_and_writes_nothing(tok
     with pytest.raises(ConfigError, match="tokenizer: save_model: .*" + needle):
         difftx.save_model(model, tmp_path / "m", tokenizer=tok)
     assert not (tmp_path / "m").exists() or not any((tmp_path / "m").iterdir())
+
+
+@pytest.mark.parametrize("change", ["prune", "weight_norm", "quantize_dynamic"])
+@pytest.mark.parametrize("save", ["save_model", "hf-difftx", "hf-diffllama"])
+def test_saving_a_model_whose_tensors_a_parametrization_or_pruning_renamed_is_one_clear_error(tmp_path, change, save):
+    """prune / parametrize / peft's LoRA / quantize_dynamic rename a module's tensors (weight_orig + weight_mask,
+    parametrizations.weight.original0, base_layer.weight, _packed_params): save_model wrote a checkpoint that
+    load_model refused later, save_hf to a llama-like format raised a bare KeyError."""
+    from torch.nn.utils import prune
+
+    from difftx.errors import DifftxError
+    from difftx.interop.convert import save_hf
+
+    model = tiny_model()
+    q = model.layers[0].attn.q_proj
+    if change == "prune":
+        prune.l1_unstructured(q, "weight", amount=0.5)
+    elif change == "weight_norm":
+        torch.nn.utils.parametrizations.weight_norm(q)
+    else:
+        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)  # lm_head
+    with pytest.raises(DifftxError, match="make them plain first"):
+        if save == "save_model":
+            difftx.save_model(model, tmp_path / "m")
+        else:
+            save_hf(model, tmp_path / "m", save)
+    assert not (tmp_path / "m").exists() or not any((tmp_path / "m").iterdir())
+    if change == "prune":  # made plain, it saves and loads back with the pruned weights
+        prune.remove(q, "weight")
+        loaded = difftx.load_model(difftx.save_model(model, tmp_path / "plain"))
+        assert torch.equal(loaded.layers[0].attn.q_proj.weight, q.weight)

@@ -230,6 +230,24 @@ def _refuse_a_run(path: Path) -> None:
                           "longer resume); save into a new directory (nothing was changed)")
 
 
+def refuse_unplain_state(state: dict, cfg: ModelConfig, who: str) -> None:
+    """DifftxError unless ``state`` (wrapper prefixes stripped) holds the tensor names of the model ``cfg`` describes,
+    before anything is written: a parametrization (torch.nn.utils.parametrize, weight_norm), pruning
+    (torch.nn.utils.prune), an adapter (peft's LoRA) or a quantized layer renames a module's tensors, and a checkpoint
+    of those names is refused only when it is loaded."""
+    from .errors import DifftxError
+    from .models import build_model
+
+    own = build_model(cfg, device="meta").state_dict()
+    odd = [k for k in state if k not in own] or [k for k in own if k not in state]
+    if odd:
+        raise DifftxError(
+            f"{who}: tensor '{odd[0]}' is {'not one of' if odd[0] in state else 'missing from'} the tensors of "
+            "this model config: a parametrization, pruning, an adapter or quantization changed the model's tensors; "
+            "make them plain first (torch.nn.utils.parametrize.remove_parametrizations(module, 'weight'), "
+            "torch.nn.utils.prune.remove(module, 'weight'), peft's merge_and_unload())")
+
+
 def save_model(model: torch.nn.Module, path, extra_config: Optional[dict] = None, tokenizer=None) -> Path:
     """Write ``model`` to directory ``path`` (config.json + model.safetensors, and tokenizer.json when
     ``tokenizer`` -- a :class:`difftx.data.tokenizers.Tokenizer` -- is given, as a training run's checkpoints
@@ -254,6 +272,7 @@ def save_model(model: torch.nn.Module, path, extra_config: Optional[dict] = None
     path = make_out_dir(path, flag="save_model")  # a path that is (or is under) a file: one DifftxError
     cfg_dict = model_config_dict(model.config)
     state = clean_state_dict(model.state_dict())
+    refuse_unplain_state(state, cfg, "save_model")
     stored = model_dtype(state)
     if stored is not None:  # the dtype load_model gives the model back in (DIFF's lambdas float32 below float32)
         cfg_dict[DTYPE_KEY] = str(stored).removeprefix("torch.")

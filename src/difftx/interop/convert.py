@@ -31,7 +31,8 @@ import torch
 from ..config import NORM_FLAGS, NORM_PRESETS, ModelConfig
 from ..errors import CheckpointError, ConfigError, DifftxError
 from ..io import (CONFIG_FILE, WEIGHTS_FILE, cast_model, cast_state, check_finite, clean_state_dict, is_model_dir,
-                  list_checkpoints, load_safetensors, make_out_dir, model_dtype, read_model_config, save_model)
+                  list_checkpoints, load_safetensors, make_out_dir, model_dtype, read_model_config,
+                  refuse_unplain_state, save_model)
 from . import hf_io
 from .layouts import relayout
 
@@ -358,6 +359,7 @@ def save_hf(model_or_state, path, fmt: str, cfg: Optional[ModelConfig] = None,
         cfg, state = model_or_state.config, model_or_state.state_dict()
     else:
         state = model_or_state
+    refuse_unplain_state(clean_state_dict(state), cfg, "save_hf")
     hf_config, tensors = difftx_to_hf(cfg, state, fmt)
     stored = dtype or model_dtype(tensors)
     if stored is not None:
