@@ -716,6 +716,39 @@ def test_a_weight_given_new_storage_at_the_packed_ones_address_is_packed_again()
 
 
 @needs_dot_linear
+@pytest.mark.parametrize("remake", ["parametrize", "prune"])
+def test_a_weight_made_anew_at_each_call_does_not_grow_the_packed_store(remake):
+    """A parametrized weight (torch.nn.utils.parametrize), pruning's weight (a forward pre-hook) and accelerate's
+    offloaded one are new tensors at every call: each call packs it again, and the store (a KV cache's, for the
+    whole generation) kept every packed copy: one per layer and decoding step.  Entries of weights that are gone
+    are dropped; the results are still the dot kernels' on the current weight."""
+    from torch.nn.utils import parametrize, prune
+
+    layer = _layers([32], 64, True)[0]
+    if remake == "parametrize":
+        parametrize.register_parametrization(layer, "weight", _Double())
+    else:
+        prune.l1_unstructured(layer, "weight", amount=0.5)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0))
+    store: dict = {}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.linear(x, layer.weight, layer.bias)
+        with L.packed_weights(store):
+            ys, held = [], []
+            for _ in range(20):  # other objects made between the calls, as a model's forward makes them: the
+                ys.append(layer(x))  # next weight is not given the id of the one just gone
+                held += [torch.empty(0) for _ in range(3)]
+    assert len(store) <= 1, len(store)
+    for y in ys:
+        torch.testing.assert_close(y.float(), ref.float(), rtol=0.02, atol=0.02)
+
+
+class _Double(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+@needs_dot_linear
 @pytest.mark.parametrize("attention", ["softmax", "diff", "diff2"])
 def test_a_kv_caches_bf16_decoding_packs_each_weight_once(monkeypatch, attention):
     """bf16 cached decoding (autocast) runs every projection and the LM head on weights the cache packed at the

@@ -395,6 +395,12 @@ def _dot_inference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         packed = native.pack_wt(weight.detach())
         if packed is None:
             return None
+        if entry is None:  # a new weight: first drop the packed copies of weights that are gone.  A weight made
+            # anew at each call (a parametrization, pruning's pre-hook, accelerate's offload hooks) left one entry per
+            # layer and decoding step, each a packed copy: the store grew with every token.  (Only on a miss: a plain
+            # model's steps after the first never get here.)
+            for gone in [k for k, e in store.items() if e[0]() is None]:
+                del store[gone]
         entry = store[id(weight)] = (weakref.ref(weight), weight._version, key, packed, weakref.ref(storage))
     n = weight.shape[0]
     y = _dot_product(_rows_bf16(x), entry[3], n, bias)
