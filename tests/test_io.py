@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -234,3 +236,33 @@ def test_saving_a_model_whose_tensors_a_parametrization_or_pruning_renamed_is_on
         prune.remove(q, "weight")
         loaded = difftx.load_model(difftx.save_model(model, tmp_path / "plain"))
         assert torch.equal(loaded.layers[0].attn.q_proj.weight, q.weight)
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, OSError])
+def test_a_study_figure_that_fails_midway_keeps_the_earlier_figure(failure, tmp_path, monkeypatch):
+    """``difftx compare``'s and ``grads``' PNGs (analysis.plots._save) were drawn straight onto their final names:
+    Ctrl-C while the encoder wrote left a truncated figure, and a full disk (Pillow removes its file then) deleted
+    the earlier one.  Now the earlier figure stays whole and no temporary file is left."""
+    import errno
+
+    PIL = pytest.importorskip("PIL.Image")
+    pytest.importorskip("matplotlib")
+    from difftx.analysis.plots import _figure, _save
+
+    PIL.init()
+
+    def encoder_that_stops(im, fp, filename, *args, **kwargs):
+        fp.write(b"\x89PNG\r\n\x1a\n half a figure")
+        raise failure() if failure is KeyboardInterrupt else OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    (tmp_path / "cost.png").write_bytes(b"an earlier figure")
+    fig = _figure(2, 2)
+    fig.subplots().plot([0, 1], [1, 0])
+    monkeypatch.setitem(PIL.SAVE, "PNG", encoder_that_stops)
+    with pytest.raises(failure):
+        _save(fig, tmp_path / "cost.png")
+    assert (tmp_path / "cost.png").read_bytes() == b"an earlier figure"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cost.png"]
+    monkeypatch.undo()
+    _save(fig, tmp_path / "cost.png")
+    assert (tmp_path / "cost.png").read_bytes().startswith(b"\x89PNG") and len(list(tmp_path.iterdir())) == 1

@@ -143,6 +143,16 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def atomic_savefig(fig, path, **kwargs) -> None:
+    """``fig.savefig(path, **kwargs)``, atomically: the image is drawn in memory and written like any other file
+    here, so an interrupt or a full disk leaves the earlier file (or none), never a truncated one under ``path``."""
+    from io import BytesIO
+
+    buf = BytesIO()
+    fig.savefig(buf, format=kwargs.pop("format", None) or Path(path).suffix.lstrip(".") or "png", **kwargs)
+    atomic_write_bytes(Path(path), buf.getvalue())
+
+
 def safetensors_bytes(tensors: dict, metadata: Optional[dict] = None) -> bytes:
     """``tensors`` (as contiguous CPU copies) serialised as a safetensors file."""
     from safetensors.torch import save

@@ -494,3 +494,40 @@ def test_depths_are_labelled_as_the_percentages_given(monkeypatch, tmp_path):
     hm = {"depths": depths, "lengths": [64], "teacher_forced": [[0.5]] * len(depths)}
     plot_niah({"table": {"N1R1": {"teacher_forced": 0.5}}, "heatmaps": {"N1R1": hm}}, tmp_path / "n.png")
     assert [t.get_text() for t in figs[-1].axes[1].get_yticklabels()] == ["0%", "12.5%", "29%", "57%", "100%"]
+
+
+@pytest.mark.parametrize("failure", ["interrupt", "full-disk"])
+def test_a_figure_write_that_fails_midway_leaves_no_half_written_png(failure, checkpoint, tmp_path, capsys,
+                                                                     monkeypatch):
+    """NAME.png was drawn straight onto its final name: Ctrl-C (or a full disk) while the PNG encoder wrote it left a
+    truncated NAME.png beside NAME.json, which a rerun then took for an earlier result.  Figures are written like the
+    JSON now (a temporary file renamed), so the figure is there whole or not at all, and an earlier one stays."""
+    import errno
+
+    PIL = pytest.importorskip("PIL.Image")
+    pytest.importorskip("matplotlib")
+    PIL.init()
+
+    def encoder_that_stops(im, fp, filename, *args, **kwargs):
+        fp.write(b"\x89PNG\r\n\x1a\n half a figure")
+        if failure == "interrupt":
+            raise KeyboardInterrupt
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mqar.png").write_bytes(b"an earlier figure")
+    monkeypatch.setitem(PIL.SAVE, "PNG", encoder_that_stops)
+    args = ["mqar", "--checkpoint", checkpoint, "--out", out, *SMALL["mqar"], "--quiet"]
+    rc, err = _eval([*args, "--out", tmp_path / "new"], capsys)
+    assert rc == (130 if failure == "interrupt" else 2) and len(err) == 1, err
+    assert (tmp_path / "new" / "mqar.json").exists() and not (tmp_path / "new" / "mqar.png").exists()
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["mqar.json"]  # no temporary file either
+    # the earlier run's figure is never left half-overwritten
+    from difftx.evals.mqar import plot_mqar
+
+    doc = json.loads((tmp_path / "new" / "mqar.json").read_text())
+    with pytest.raises(KeyboardInterrupt if failure == "interrupt" else OSError):
+        plot_mqar(doc["results"], out / "mqar.png")
+    assert (out / "mqar.png").read_bytes() == b"an earlier figure"
+    assert sorted(p.name for p in out.iterdir()) == ["mqar.png"]

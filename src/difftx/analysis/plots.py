@@ -35,8 +35,10 @@ def _figure(w: float, h: float):
 
 
 def _save(fig, path: Path) -> Path:
+    from ..io import atomic_savefig
+
     fig.tight_layout()
-    fig.savefig(path)
+    atomic_savefig(fig, path)
     return path
 
 

@@ -180,6 +180,7 @@ def evaluate_attention(model, tokenizer, depths: Sequence[float] = DEPTHS, lengt
 
 def plot_attention(result: dict, path) -> Optional[str]:
     from .common import depth_percent, pyplot
+    from ..io import atomic_savefig
 
     plt = pyplot()
     if plt is None:
@@ -200,6 +201,6 @@ def plot_attention(result: dict, path) -> Optional[str]:
     a2.set_title("by layer (mean over depths)")
     a2.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
     return str(path)

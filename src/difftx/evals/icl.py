@@ -363,6 +363,7 @@ def evaluate_icl(model, tokenizer, tasks: Sequence[str] = ("synthetic-6",),
 
 def plot_icl(result: dict, path) -> Optional[str]:
     from .common import pyplot
+    from ..io import atomic_savefig
 
     plt = pyplot()
     if plt is None:
@@ -382,6 +383,6 @@ def plot_icl(result: dict, path) -> Optional[str]:
         ax.set_title(f"{t['task']}: mean, best-worst band")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
     return str(path)

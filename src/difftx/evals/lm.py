@@ -139,6 +139,7 @@ def evaluate_lm_text(model, tokenizer, text: Optional[str] = None, data=None, ma
 
 def plot_lm(result: dict, path) -> Optional[str]:
     from .common import pyplot
+    from ..io import atomic_savefig
 
     plt = pyplot()
     if plt is None:
@@ -152,6 +153,6 @@ def plot_lm(result: dict, path) -> Optional[str]:
     ax.set_title(f"loss {result['loss']:.3f}, AR-Hit {result['ar_hit']['loss'] or float('nan'):.3f}, "
                  f"Others {result['others']['loss'] or float('nan'):.3f}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
     return str(path)

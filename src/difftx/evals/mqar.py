@@ -145,6 +145,7 @@ def evaluate_mqar(model, lengths: Sequence[int] = DEFAULT_LENGTHS, pairs: Sequen
 
 def plot_mqar(result: dict, path) -> Optional[str]:
     from .common import pyplot
+    from ..io import atomic_savefig
 
     plt = pyplot()
     if plt is None:
@@ -160,7 +161,7 @@ def plot_mqar(result: dict, path) -> Optional[str]:
     ax.set_title("MQAR")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
     return str(path)
 

@@ -421,6 +421,7 @@ def plot_niah(result: dict, path, metric: str = "teacher_forced") -> Optional[st
     """Left: the N x R table as bars; right: the depth x length heat map of the grid's last N x R cell (the
     hardest of the default grid)."""
     from .common import depth_percent, pyplot
+    from ..io import atomic_savefig
 
     plt = pyplot()
     if plt is None:
@@ -446,7 +447,7 @@ def plot_niah(result: dict, path, metric: str = "teacher_forced") -> Optional[st
                 a2.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
     fig.colorbar(im, ax=a2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
     return str(path)
 

@@ -129,6 +129,7 @@ def evaluate_outliers_text(model, tokenizer, text: Optional[str] = None, data=No
 
 def plot_outliers(result: dict, path) -> Optional[str]:
     from .common import pyplot
+    from ..io import atomic_savefig
 
     plt = pyplot()
     if plt is None:
@@ -142,6 +143,6 @@ def plot_outliers(result: dict, path) -> Optional[str]:
         ax.set_yscale("log")
         ax.set_title(f"|{key.replace('_', ' ')}| (Table 5)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
     return str(path)

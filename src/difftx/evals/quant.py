@@ -187,6 +187,7 @@ def evaluate_quant(model, tokenizer, bits: Sequence[int] = DEFAULT_BITS, granula
 
 def plot_quant(result: dict, path) -> Optional[str]:
     from .common import pyplot
+    from ..io import atomic_savefig
 
     plt = pyplot()
     if plt is None:
@@ -199,6 +200,6 @@ def plot_quant(result: dict, path) -> Optional[str]:
     ax.set_ylabel(result["metric"])
     ax.set_title(f"absmax logit quantization ({result['granularity']})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
     return str(path)
