@@ -143,6 +143,23 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def atomic_copyfile(src, dst) -> None:
+    """``shutil.copyfile(src, dst)`` through a temporary file beside ``dst`` renamed over it: an interrupt or a full
+    disk midway leaves the earlier ``dst`` (or none), never a truncated copy under its name."""
+    import shutil
+
+    dst = Path(dst)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual permissions
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def atomic_savefig(fig, path, **kwargs) -> None:
     """``fig.savefig(path, **kwargs)``, atomically: the image is drawn in memory and written like any other file
     here, so an interrupt or a full disk leaves the earlier file (or none), never a truncated one under ``path``."""

@@ -918,3 +918,73 @@ def test_a_hugging_face_write_that_fails_midway_leaves_the_earlier_directory_as_
         write_hf_dir(d, {"model_type": "llama", "vocab_size": 16}, {"w": torch.ones(4, 3)})
     restore()
     assert {p.name: p.read_bytes() for p in d.iterdir()} == before  # no temporary files, nothing replaced
+
+
+@pytest.mark.parametrize("failure", ["interrupt", "full-disk"])
+@pytest.mark.parametrize("dst_exists", [False, True])
+def test_a_convert_that_stops_while_copying_the_tokenizer_leaves_no_half_model(failure, dst_exists, tmp_path,
+                                                                              capsys, monkeypatch):
+    """The model files were written atomically straight into DST, then the tokenizer copied with shutil.copyfile:
+    Ctrl-C (or a full disk) during that copy left a complete-looking model with a truncated tokenizer.json (or
+    none), and a rerun was refused as 'directory is not empty'.  Now a convert that fails leaves DST as it found
+    it (no DST, or the empty directory), so the same command simply runs again."""
+    import errno
+    import shutil
+
+    from difftx.data import ByteTokenizer
+
+    src = tmp_path / "src"
+    difftx.save_model(difftx_model(), src)
+    ByteTokenizer().save(src)
+    dst = tmp_path / "dst"
+    if dst_exists:
+        dst.mkdir()
+    copyfile = shutil.copyfile
+
+    def copy_that_stops(a, b, *args, **kwargs):
+        with open(b, "wb") as f:
+            f.write(open(a, "rb").read()[:10])
+        if failure == "interrupt":
+            raise KeyboardInterrupt
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", copy_that_stops)
+    rc, _, err = run_main(capsys, src, dst, "--to", "hf-difftx")
+    assert rc == (130 if failure == "interrupt" else 2) and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+    assert (sorted(dst.iterdir()) == [] if dst_exists else not dst.exists())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["src"] + ["dst"] * dst_exists)
+    monkeypatch.setattr(shutil, "copyfile", copyfile)
+    rc, _, err = run_main(capsys, src, dst, "--to", "hf-difftx")  # the same command again: no --force needed
+    assert rc == 0, err
+    assert json.loads((dst / "difftx_tokenizer.json").read_text()) == json.loads((src / "tokenizer.json").read_text())
+
+
+def test_a_tokenizer_copy_that_stops_midway_leaves_no_truncated_file_under_its_name(tmp_path, monkeypatch):
+    """convert() copied the tokenizer files with shutil.copyfile straight onto their names: a process stopped
+    midway (Ctrl-C in the library, SIGTERM / SIGKILL past the CLI's clean-up) left a truncated tokenizer.json that
+    loads as a broken tokenizer.  Each is copied to a temporary name and renamed now."""
+    import shutil
+
+    from difftx.data import ByteTokenizer
+
+    src = tmp_path / "src"
+    difftx.save_model(difftx_model(), src)
+    ByteTokenizer().save(src)
+    copyfile = shutil.copyfile
+
+    def copy_that_stops(a, b, *args, **kwargs):
+        with open(b, "wb") as f:
+            f.write(open(a, "rb").read()[:10])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "copyfile", copy_that_stops)
+    for to, name in (("difftx", "tokenizer.json"), ("hf-difftx", "difftx_tokenizer.json")):
+        with pytest.raises(KeyboardInterrupt):
+            convert(src, tmp_path / to, dst_format=to)
+        assert not (tmp_path / to / name).exists()
+        assert not [p.name for p in (tmp_path / to).iterdir() if p.name.startswith(".")]  # no temporary file
+    monkeypatch.setattr(shutil, "copyfile", copyfile)
+    convert(src, tmp_path / "back", dst_format="difftx")
+    assert oct((tmp_path / "back" / "tokenizer.json").stat().st_mode & 0o777) == \
+        oct((src / "tokenizer.json").stat().st_mode & 0o777)

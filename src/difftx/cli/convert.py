@@ -192,13 +192,30 @@ def run(args) -> int:
     if args.force and dst.is_dir() and any(dst.iterdir()):
         _check_overwritable(dst)
         target = Path(tempfile.mkdtemp(prefix=f".{dst.name}.converting-", dir=dst.parent))
+    new = []  # the directories that writing DST creates (it and its missing parents), deepest first
+    path = dst
+    while not path.exists() and not path.is_symlink() and path != path.parent:
+        new.append(path)
+        path = path.parent
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         convert(src, target, args.src_format, args.dst_format, pairing=args.pairing, rope_style=args.rope_style,
                 diff_init=args.diff_init, dtype=dtype, depth=args.depth, variant=args.unilm_variant)
     except BaseException:
+        # a convert that failed or was interrupted midway (Ctrl-C, a full disk while the tokenizer was copied) left
+        # a model without its tokenizer, or with a truncated one: DST goes back to what it was (none, or empty)
         if target != dst:
             shutil.rmtree(target, ignore_errors=True)
+        elif new:
+            shutil.rmtree(dst, ignore_errors=True)
+            for d in new[1:]:
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+        elif dst.is_dir():  # empty before (a DST holding anything was refused, or converted into ``target``)
+            for p in list(dst.iterdir()):
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         raise
     if target != dst:
         old = dst.with_name(f".{dst.name}.replaced-{os.getpid()}")

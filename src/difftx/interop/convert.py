@@ -22,7 +22,6 @@ is unpickled and no code from the directory runs (see :mod:`.hf_io`).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -30,8 +29,8 @@ import torch
 
 from ..config import NORM_FLAGS, NORM_PRESETS, ModelConfig
 from ..errors import CheckpointError, ConfigError, DifftxError
-from ..io import (CONFIG_FILE, WEIGHTS_FILE, cast_model, cast_state, check_finite, clean_state_dict, is_model_dir,
-                  list_checkpoints, load_safetensors, make_out_dir, model_dtype, read_model_config,
+from ..io import (CONFIG_FILE, WEIGHTS_FILE, atomic_copyfile, cast_model, cast_state, check_finite, clean_state_dict,
+                  is_model_dir, list_checkpoints, load_safetensors, make_out_dir, model_dtype, read_model_config,
                   refuse_unplain_state, save_model)
 from . import hf_io
 from .layouts import relayout
@@ -402,11 +401,11 @@ def _copy_tokenizer(src: Path, dst: Path, src_fmt: str, dst_fmt: str) -> None:
     if dst_hf and not src_hf and _holds_difftx_tokenizer(src):
         # the Hugging Face files beside it (generation_config.json, ... from an earlier Hugging Face source) go
         # along as they are
-        shutil.copyfile(src / tok, dst / dx_tok)
+        atomic_copyfile(src / tok, dst / dx_tok)
         hf_io.copy_files(src, dst, hf_io.HF_FILES_BESIDE_TOKENIZER)
     elif src_hf and not dst_hf and not (src / tok).is_file() and (src / dx_tok).is_file():
         hf_io.copy_files(src, dst, hf_io.HF_FILES_BESIDE_TOKENIZER)
-        shutil.copyfile(src / dx_tok, dst / tok)
+        atomic_copyfile(src / dx_tok, dst / tok)
     else:  # same kind (difftx -> difftx too), a Hugging Face tokenizer.json, or a bpe trained here
         hf_io.copy_files(src, dst, hf_io.HF_TOKENIZER_FILES + (dx_tok,))
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from ..io import atomic_write_files, load_safetensors, make_out_dir, safetensors_bytes, torch_load_weights_only
+from ..io import (atomic_copyfile, atomic_write_files, load_safetensors, make_out_dir, safetensors_bytes,
+                  torch_load_weights_only)
 
 CONFIG_FILE = "config.json"
 SAFE_FILE = "model.safetensors"
@@ -136,7 +137,7 @@ def copy_files(src, dst, names) -> list[str]:
     copied = []
     for name in names:
         if (Path(src) / name).is_file():
-            shutil.copyfile(Path(src) / name, Path(dst) / name)
+            atomic_copyfile(Path(src) / name, Path(dst) / name)
             copied.append(name)
         elif (Path(src) / name).is_dir():
             shutil.copytree(Path(src) / name, Path(dst) / name, dirs_exist_ok=True)
