@@ -266,3 +266,38 @@ def test_a_study_figure_that_fails_midway_keeps_the_earlier_figure(failure, tmp_
     monkeypatch.undo()
     _save(fig, tmp_path / "cost.png")
     assert (tmp_path / "cost.png").read_bytes().startswith(b"\x89PNG") and len(list(tmp_path.iterdir())) == 1
+
+
+@pytest.mark.parametrize("where", ["fsync", "mkstemp"])
+def test_a_failed_atomic_write_names_the_file_it_was_for(where, tmp_path, monkeypatch, capsys):
+    """A full disk during an evaluation's write said only "difftx eval: error: No space left on device; check the
+    path, ..." (a failed write() or fsync() names no file), and a folder refusing the temporary file named
+    ``.mqar.json.x1y2.tmp``, a file that never existed.  The one line names the result file now."""
+    import errno
+    import tempfile
+
+    from difftx.cli import main
+
+    ckpt = difftx.save_model(tiny_model(), tmp_path / "m")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.json").write_text("an earlier result")
+
+    def failing_fsync(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def failing_mkstemp(prefix="", suffix="", dir=None, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.path.join(dir, f"{prefix}x1y2{suffix}"))
+
+    if where == "fsync":
+        monkeypatch.setattr(os, "fsync", failing_fsync)
+    else:
+        monkeypatch.setattr(tempfile, "mkstemp", failing_mkstemp)
+    rc = main(["eval", "mqar", "--checkpoint", str(ckpt), "--out", str(out), "--lengths", "16", "--pairs", "2",
+               "--samples", "1", "--quiet", "--no-plot"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"difftx eval: error: {out / 'mqar.json'}: "), err
+    assert os.strerror(errno.ENOSPC if where == "fsync" else errno.EACCES) in err[0]
+    assert sorted(p.name for p in out.iterdir()) == ["keep.json"] and (out / "keep.json").read_text() == \
+        "an earlier result"

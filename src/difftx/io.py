@@ -123,12 +123,22 @@ def atomic_write_files(files: dict) -> None:
     """Write ``{path: bytes}`` so that a failed write changes none of them: every file is written in full to a
     temporary name first, then each is renamed over its path."""
     tmps = {}
+    if not files:
+        return
     try:
         for path, data in files.items():
             tmps[Path(path)] = _write_temp(path, data)
         for path, tmp in list(tmps.items()):
             os.replace(tmp, path)
             del tmps[path]
+    except OSError as e:
+        # a failed write() or fsync() names no file, and a failed mkstemp() or rename the temporary one (never made,
+        # or deleted below): the error names the file it was for ("difftx eval: error: OUT/lm.json: No space ...")
+        name = os.path.basename(os.fsdecode(e.filename)) if isinstance(e.filename, (str, bytes)) else None
+        temporary = name is not None and name.startswith(f".{Path(path).name}.") and name.endswith(".tmp")
+        if e.errno is not None and (name is None or temporary):
+            raise type(e)(e.errno, e.strerror, str(path)) from None
+        raise
     finally:
         for tmp in tmps.values():
             if os.path.exists(tmp):
