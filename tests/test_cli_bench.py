@@ -619,3 +619,32 @@ def test_arms_are_their_kinds_whatever_the_presets_kind():
             assert cfg.norms == ("dnt" if "dnt" in name else "S1"), (preset, name)
     twin = ModelConfig.from_preset("diff-830m", **ARMS["transformer"])
     assert twin == ModelConfig.from_preset("transformer-830m").replace(preset="diff-830m")
+
+
+def test_a_bench_write_that_fails_midway_keeps_the_earlier_pair(tmp_path, monkeypatch, full_disk, capsys):
+    """bench.json and bench.md (long_context.json and .md) were written one after the other: a full disk (or Ctrl-C)
+    between them, under --force, left this run's JSON beside the earlier run's table.  Both or neither now."""
+    from difftx.benchmarking import long_context, report
+    from difftx.cli import main
+
+    monkeypatch.setattr(report, "markdown", lambda results: f"table of run {results['run']}\n")
+    report.write_results({"run": 1}, tmp_path)
+    restore = full_disk()  # the second file (the table) hits a full disk
+    with pytest.raises(OSError, match="No space"):
+        report.write_results({"run": 2}, tmp_path)
+    restore()
+    assert json.loads((tmp_path / "bench.json").read_text()) == {"run": 1}
+    assert (tmp_path / "bench.md").read_text() == "table of run 1\n"
+
+    runs = iter(range(1, 3))
+    monkeypatch.setattr(long_context, "attention_scaling", lambda lengths, **kw: {"run": next(runs)})
+    monkeypatch.setattr(long_context, "markdown", lambda result, command=None: f"table of run {result['run']}\n")
+    argv = ["bench", "--long-context", "--quick", "--lengths", "64", "--dtypes", "fp32", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    restore = full_disk()
+    assert main([*argv, "--force"]) == 2
+    restore()
+    assert json.loads((tmp_path / "long_context.json").read_text())["run"] == 1
+    assert (tmp_path / "long_context.md").read_text() == "table of run 1\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "bench.md", "long_context.json",
+                                                          "long_context.md"]

@@ -6,7 +6,7 @@ import json
 import statistics
 from pathlib import Path
 
-from ..io import atomic_write_text, make_out_dir
+from ..io import atomic_write_files, make_out_dir
 from .speed import PHASES, speed_ratio
 
 
@@ -109,6 +109,7 @@ def _memory_method(results: dict) -> str:
 def write_results(results: dict, out: Path) -> tuple[Path, Path]:
     out = make_out_dir(out)
     js, md = out / "bench.json", out / "bench.md"
-    atomic_write_text(js, json.dumps(results, indent=2, default=str) + "\n")
-    atomic_write_text(md, markdown(results))
+    # both or neither: a failed second write left this run's JSON beside the earlier run's table (--force)
+    atomic_write_files({js: (json.dumps(results, indent=2, default=str) + "\n").encode("utf-8"),
+                        md: markdown(results).encode("utf-8")})
     return js, md

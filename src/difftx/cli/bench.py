@@ -161,7 +161,7 @@ def _long_context(args, bc, lengths: list, out: Path, command: str) -> int:
     import torch
 
     from ..benchmarking.long_context import attention_scaling, markdown
-    from ..io import atomic_write_text
+    from ..io import atomic_write_files
 
     torch.set_num_threads(bc.threads or torch.get_num_threads())
     dtype = _long_context_dtype(bc)
@@ -173,8 +173,8 @@ def _long_context(args, bc, lengths: list, out: Path, command: str) -> int:
     result = attention_scaling(lengths, preset=bc.preset, dtype=dtype, device=bc.device,
                                log=lambda s: print(s, file=sys.stderr), **batch)
     result["command"] = command
-    atomic_write_text(out / "long_context.json", json.dumps(result, indent=2) + "\n")
     text = markdown(result, command)
-    atomic_write_text(out / "long_context.md", text)
+    atomic_write_files({out / "long_context.json": (json.dumps(result, indent=2) + "\n").encode("utf-8"),
+                        out / "long_context.md": text.encode("utf-8")})  # both or neither
     print(text)
     return 0
