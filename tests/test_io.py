@@ -301,3 +301,41 @@ def test_a_failed_atomic_write_names_the_file_it_was_for(where, tmp_path, monkey
     assert os.strerror(errno.ENOSPC if where == "fsync" else errno.EACCES) in err[0]
     assert sorted(p.name for p in out.iterdir()) == ["keep.json"] and (out / "keep.json").read_text() == \
         "an earlier result"
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_signal_between_the_renames_of_a_model_save_does_not_split_the_pair(signame, tmp_path, monkeypatch):
+    """atomic_write_files renames each file into place in turn: Ctrl-C (or SIGTERM, handled as the trainer and
+    compare handle it) arriving between the renames left the new model.safetensors beside the old config.json,
+    "both or neither" broken.  The signal now waits until every file is in place, then acts as it would have."""
+    import signal
+
+    old = difftx.save_model(tiny_model(), tmp_path / "m")
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    replace, calls = os.replace, []
+
+    def replace_then_signal(a, b):
+        replace(a, b)
+        calls.append(b)
+        if len(calls) == 1:
+            signal.raise_signal(getattr(signal, signame))  # the signal lands right after the first rename
+
+    if signame == "SIGTERM":
+        old_handler = signal.signal(signal.SIGTERM, lambda s, f: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(os, "replace", replace_then_signal)
+    model = tiny_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            difftx.save_model(model, old, extra_config={"marker": 1})
+    finally:
+        if signame == "SIGTERM":
+            signal.signal(signal.SIGTERM, old_handler)
+    monkeypatch.undo()
+    assert len(calls) == 2  # both renames ran before the interrupt
+    after = {p.name: p.read_bytes() for p in old.iterdir()}
+    assert set(after) == set(before)
+    assert all(after[n] != before[n] for n in before), "a new file beside an old one"
+    assert difftx.load_model(old) is not None

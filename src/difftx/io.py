@@ -12,6 +12,7 @@ registered resolvers (e.g. :mod:`difftx.interop`), other layouts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -119,6 +120,34 @@ def _write_temp(path: Path, data: bytes) -> str:
     return tmp
 
 
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM that arrive inside the block act only once it ends (each raised again then, for the
+    handler it would have met: KeyboardInterrupt, the trainer's stop, or the default's exit).  Outside the main
+    thread, where handlers cannot be set, nothing is held."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending, old = [], {}
+
+    def hold(signum, frame):
+        pending.append(signum)
+
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) is not None:  # None: a handler not set from Python, which cannot be restored
+                old[sig] = signal.signal(sig, hold)
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(pending):
+            signal.raise_signal(sig)
+
+
 def atomic_write_files(files: dict) -> None:
     """Write ``{path: bytes}`` so that a failed write changes none of them: every file is written in full to a
     temporary name first, then each is renamed over its path."""
@@ -128,9 +157,10 @@ def atomic_write_files(files: dict) -> None:
     try:
         for path, data in files.items():
             tmps[Path(path)] = _write_temp(path, data)
-        for path, tmp in list(tmps.items()):
-            os.replace(tmp, path)
-            del tmps[path]
+        with _signals_held():  # Ctrl-C between two renames would leave a new file beside an old one
+            for path, tmp in list(tmps.items()):
+                os.replace(tmp, path)
+                del tmps[path]
     except OSError as e:
         # a failed write() or fsync() names no file, and a failed mkstemp() or rename the temporary one (never made,
         # or deleted below): the error names the file it was for ("difftx eval: error: OUT/lm.json: No space ...")
