@@ -988,3 +988,29 @@ def test_a_tokenizer_copy_that_stops_midway_leaves_no_truncated_file_under_its_n
     convert(src, tmp_path / "back", dst_format="difftx")
     assert oct((tmp_path / "back" / "tokenizer.json").stat().st_mode & 0o777) == \
         oct((src / "tokenizer.json").stat().st_mode & 0o777)
+
+
+def test_ctrl_c_while_force_swaps_the_new_model_in_never_leaves_dst_missing(tmp_path, capsys, monkeypatch):
+    """--force converts beside DST, then renames DST away and the result into place: Ctrl-C between the two renames
+    left no DST at all (the earlier model hidden as .DST.replaced-PID).  The swap now finishes first."""
+    import os
+    import signal
+
+    src = tmp_path / "src"
+    difftx.save_model(difftx_model(), src)
+    dst = tmp_path / "dst"
+    assert run_main(capsys, src, dst, "--to", "hf-difftx")[0] == 0
+    rename, calls = os.rename, []
+
+    def rename_then_ctrl_c(a, b):
+        rename(a, b)
+        calls.append(b)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(os, "rename", rename_then_ctrl_c)
+    rc, _, err = run_main(capsys, src, dst, "--to", "hf-difftx", "--force")
+    monkeypatch.undo()
+    assert rc == 130 and err.strip() == "difftx convert: interrupted", err
+    assert difftx.load_model(dst) is not None and (dst / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]  # nothing hidden left behind either

@@ -218,10 +218,13 @@ def run(args) -> int:
                 shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         raise
     if target != dst:
+        from ..io import _signals_held
+
         old = dst.with_name(f".{dst.name}.replaced-{os.getpid()}")
-        os.rename(dst, old)
-        os.rename(target, dst)
-        shutil.rmtree(old, ignore_errors=True)
+        with _signals_held():  # Ctrl-C between the two renames left no DST (the earlier model hidden as OLD)
+            os.rename(dst, old)
+            os.rename(target, dst)
+            shutil.rmtree(old, ignore_errors=True)
     to = args.dst_format or "difftx"
     print(f"converted {src} ({detected}) -> {dst} ({to if detected != 'unilm' else 'difftx attention modules'})")
     if args.verify:
