@@ -1014,3 +1014,33 @@ def test_ctrl_c_while_force_swaps_the_new_model_in_never_leaves_dst_missing(tmp_
     assert rc == 130 and err.strip() == "difftx convert: interrupted", err
     assert difftx.load_model(dst) is not None and (dst / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]  # nothing hidden left behind either
+
+
+def test_sigterm_midway_through_a_convert_cleans_up_as_ctrl_c_does(tmp_path):
+    """SIGTERM (a job scheduler's stop, `timeout`, `kill`) killed 'difftx convert' where it stood: a new DST was left
+    holding a model without its tokenizer, which the same command then refused as 'not empty'.  It is handled as
+    Ctrl-C is now: the convert's clean-up runs, one line says so, exit code 143 (128 + SIGTERM)."""
+    import subprocess
+    import sys
+
+    from difftx.data import ByteTokenizer
+
+    from ..conftest import SRC, cli_env
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    difftx.save_model(difftx_model(), src)
+    ByteTokenizer().save(src)
+    script = (
+        "import os, shutil, signal, sys\n"
+        "def copy_then_sigterm(a, b, *args, **kwargs):\n"
+        "    open(b, 'wb').write(open(a, 'rb').read()[:10])\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    open(b, 'ab').write(open(a, 'rb').read()[10:])\n"
+        "shutil.copyfile = copy_then_sigterm\n"
+        "from difftx.cli import entry\n"
+        f"sys.argv = ['difftx', 'convert', {str(src)!r}, {str(dst)!r}, '--to', 'hf-difftx']\n"
+        "sys.exit(entry())\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=cli_env(),
+                       cwd=str(SRC.parent))
+    assert r.returncode == 143 and r.stderr.strip() == "difftx convert: terminated", (r.returncode, r.stderr)
+    assert not dst.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -3,7 +3,8 @@
 Each subcommand lives in its own module under ``difftx.cli`` with
 ``add_parser(subparsers)`` and ``run(args) -> int``; modules are imported only
 when their subcommand runs, so ``difftx info`` stays fast.  User errors
-(:class:`~difftx.errors.DifftxError`, bad arguments) print one line and exit 2.
+(:class:`~difftx.errors.DifftxError`, bad arguments) print one line and exit 2.  Ctrl-C prints one line and
+exits 130; SIGTERM does the same with exit code 143 (train and compare checkpoint and stop on either).
 """
 
 from __future__ import annotations
@@ -25,6 +26,19 @@ SUBCOMMANDS = {
     "grads": ("difftx.cli.grads", "gradient flow and heavy-tail analysis"),
     "convert": ("difftx.cli.convert", "convert checkpoints between difftx and Hugging Face / official layouts"),
 }
+
+
+# the commands whose SIGTERM is handled as Ctrl-C (train and compare handle it themselves: they checkpoint and stop)
+TERM_AS_INTERRUPT = ("info", "eval", "bench", "grads", "convert")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the signal lands as Ctrl-C's KeyboardInterrupt is, so that the same clean-up runs (a
+    convert's half-made DST goes, an evaluation's new --out too) instead of the process dying mid-write."""
+
+
+def _terminated(signum, frame):
+    raise Terminated()
 
 
 # the path arguments of the subcommands, and the name options whose "" would read as "not given" (the default)
@@ -92,11 +106,21 @@ def main(argv: list[str] | None = None) -> int:
         from ..runtime import keep_freed_memory
 
         keep_freed_memory()
+    import signal
+    import threading
+
+    term = None
+    if (args.command in TERM_AS_INTERRUPT and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):  # not where a caller set its own handler
+        term = signal.signal(signal.SIGTERM, _terminated)
     try:
         return int(args.func(args) or 0)
     except DifftxError as e:
         print(f"difftx {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"difftx {args.command}: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print(f"difftx {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -109,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"difftx {args.command}: error: {where}{e.strerror or e}; check the path, its permissions and free "
               "space", file=sys.stderr)
         return 2
+    finally:
+        if term is not None:
+            signal.signal(signal.SIGTERM, term)
 
 
 def entry() -> int:
