@@ -472,3 +472,26 @@ def test_grads_checkpoint_help_names_the_flow_pair_conditions(capsys):
         main(["grads", "--help"])
     helptext = " ".join(capsys.readouterr().out.split())
     assert "checkpoint of one depth together give flow ratios" in helptext and "matched-parameter" in helptext
+
+
+def test_grads_force_interrupted_midway_leaves_no_earlier_report_beside_new_results(tmp_path, capsys, keep_threads,
+                                                                                   monkeypatch):
+    """--force over an earlier study, Ctrl-C during the tail study: this run's flow.json sat beside the earlier run's
+    report.md, whose flow tables then contradicted it.  The earlier report goes once this run writes its first
+    result (the earlier tails.json, a whole result of its own, stays until this run replaces it)."""
+    from difftx.cli import grads
+
+    out = tmp_path / "g"
+    out.mkdir()
+    for name in ("report.md", "flow.json", "tails.json"):
+        (out / name).write_text("an earlier run's")
+
+    def interrupted(st):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(grads, "_tails_section", interrupted)
+    rc = main(["grads", "--out", str(out), *TINY, "--no-plots", "--force"])
+    assert rc == 130 and capsys.readouterr().err.strip().endswith("difftx grads: interrupted")
+    assert json.loads((out / "flow.json").read_text())  # this run's
+    assert (out / "tails.json").read_text() == "an earlier run's"
+    assert not (out / "report.md").exists()

@@ -396,6 +396,8 @@ class _Study:
         from ..io import atomic_write_text
 
         atomic_write_text(self.out / name, json.dumps(json_safe(obj), indent=1))
+        if self.args.force and not self.written:  # this run's first result: the earlier run's report.md, whose tables
+            (self.out / "report.md").unlink(missing_ok=True)  # it contradicts, goes (an interrupted run kept it)
         self.written.append(name)
 
 
