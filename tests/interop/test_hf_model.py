@@ -106,6 +106,18 @@ def test_generate_matches_difftx_generate(saved, cache_implementation):
     assert len(set(ours[:, 7:].flatten().tolist())) > 2  # not a degenerate repeat of one token
 
 
+def test_chunked_prefill_into_a_static_cache(saved):
+    """generate(prefill_chunk_size=...) with a static cache allocates the cache up front from the model's
+    _get_static_cache_init_shape (transformers >= 5.24), which must be the shape the attention writes: a DIFF
+    layer's 2 h_kv component heads of d, not the config's num_key_value_heads."""
+    model, path, hf = saved
+    x = tokens(97, n=7)
+    ours = model.generate(x, max_new_tokens=6, temperature=0)
+    for impl in ("static", None):
+        theirs = hf.generate(x, max_new_tokens=6, do_sample=False, cache_implementation=impl, prefill_chunk_size=3)
+        assert torch.equal(ours, theirs), impl
+
+
 def test_generate_with_left_padding(saved):
     model, path, hf = saved
     x = tokens(97, n=9)

@@ -145,6 +145,16 @@ class DifftxForCausalLM(DifftxPreTrainedModel, GenerationMixin):
         self.config.difftx, self.config.vocab_size = cfg.to_dict(), cfg.vocab_size
         return emb
 
+    def _get_static_cache_init_shape(self):
+        """The (heads, head_dim) a ``StaticCache`` is allocated with before the first call (transformers >= 5.24
+        does so for ``generate(prefill_chunk_size=...)``): what the attention writes, 2 h_kv heads of d for a DIFF
+        layer (K = [K1; K2], V split in two), not the config's ``num_key_value_heads`` (h_kv)."""
+        shape = super()._get_static_cache_init_shape() if hasattr(super(), "_get_static_cache_init_shape") else ()
+        if shape is None:  # transformers cannot initialise it early here (layers on several devices)
+            return None
+        cfg = self.model.config
+        return cfg.n_kv_components, cfg.head_dim
+
     def create_masks_for_generate(self, attention_mask=None, **kwargs):
         """Keep the 2-D padding mask for every cache class; the difftx model builds its own masks."""
         return attention_mask
