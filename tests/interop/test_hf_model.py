@@ -140,6 +140,18 @@ def test_config_round_trip_and_standard_fields():
     assert again.model_config == cfg
 
 
+def test_token_ids_are_config_fields(tmp_path):
+    """bos/eos/pad_token_id read None when unset, as on transformers' own configs (LlamaConfig, DiffLlamaConfig):
+    `if model.config.pad_token_id is None: model.config.pad_token_id = tok.eos_token_id` raised AttributeError
+    (transformers 5's PreTrainedConfig no longer declares them)."""
+    hf = DifftxForCausalLM.from_difftx(difftx_model(attention="diff", n_heads=2))
+    assert (hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id) == (None, None, None)
+    hf.config.pad_token_id = hf.config.eos_token_id = 5
+    hf.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert (again.config.bos_token_id, again.config.eos_token_id, again.config.pad_token_id) == (None, 5, 5)
+
+
 def test_wrapper_shares_weights_with_the_difftx_model():
     model = difftx_model(attention="diff", n_heads=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}

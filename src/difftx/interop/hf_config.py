@@ -33,6 +33,11 @@ class DifftxConfig(PreTrainedConfig):
     max_position_embeddings: int | None = None
     tie_word_embeddings: bool = False
     use_cache: bool = True
+    # declared as on transformers' own configs (PreTrainedConfig has no token ids since transformers 5): unset,
+    # they read None instead of raising AttributeError
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
 
     def __post_init__(self, **kwargs):
         cfg = model_config_from_hf({"difftx": self.difftx}, "DifftxConfig") if self.difftx else ModelConfig()
