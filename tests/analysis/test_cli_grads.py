@@ -144,6 +144,11 @@ def test_grads_on_diff2_and_softmax_checkpoints_gives_flow_ratios(tmp_path, caps
     (["--tail-steps", "0", "--only", "tails", "--optimizers", "msgdw"], "--optimizers: trains the tail study's"),
     (["--tail-steps", "0", "--only", "tails", "--clip", "0.5"], "--clip: clips the training steps"),
     (["--tail-steps", "0", "--only", "tails", "--lr-msgdw", "0.5"], "tails: none (--tail-steps 0)"),
+    # --steps 0 measures the flow at step 0 only: its optimiser, rate and clip never act
+    (["--steps", "0", "--only", "flow", "--flow-optimizer", "msgdw"], "--flow-optimizer: steps the gradient-flow"),
+    (["--steps", "0", "--only", "flow", "--clip", "0.5"], "--clip: clips the training steps, and --steps 0"),
+    (["--steps", "0", "--tail-steps", "0", "--clip", "0.5"], "nor does the tail study: --tail-steps 0"),
+    (["--steps", "0", "--only", "flow", "--lr-adamw", "1e-2"], "gradient flow: none (--steps 0)"),
     # numpy's 745 GiB allocation error as a traceback, after --out was made
     (["--batch-size", str(10 ** 11)], "not enough memory: the largest model's training step"),
     (["--seed", "-1"], "--seed: must be >= 0"),  # numpy's ValueError traceback, after --out was made

@@ -103,6 +103,14 @@ def _check_unread(args) -> None:
         if args.checkpoint and _given(args, dest):
             raise ConfigError(FLOW_ONLY.get(dest) or TAILS_ONLY[dest], f"{what}; a --checkpoint is analysed as "
                                                                        "saved, so drop it")
+    if args.steps == 0 and args.only != "tails":  # one gradient evaluation at step 0: the optimiser never acts
+        if args.flow_optimizer is not None:
+            raise ConfigError("--flow-optimizer", "steps the gradient-flow models, and --steps 0 measures them at "
+                                                  "step 0 only; drop it (or give --steps N)")
+        if args.clip is not None and (args.only == "flow" or _tail_steps(args) == 0):
+            raise ConfigError("--clip", "clips the training steps, and --steps 0 takes none"
+                                        + (" (nor does the tail study: --tail-steps 0)" if args.only is None else "")
+                                        + "; drop it")
     if _tail_steps(args) == 0 and args.only != "flow":
         why = "a --checkpoint is measured as saved unless --tail-steps N" if args.tail_steps is None else \
             "--tail-steps 0 measures as saved"
@@ -153,7 +161,8 @@ def _check(args) -> None:
     args.device = str(resolve_device(args.device))
     if args.threads is not None and args.threads < 1:
         raise ConfigError("--threads", f"must be >= 1; got {args.threads}")
-    used = ({args.flow_optimizer} if args.only != "tails" else set()) | \
+    flow_steps = args.only != "tails" and args.steps > 0  # --steps 0 measures step 0 only: no optimiser step
+    used = ({args.flow_optimizer} if flow_steps else set()) | \
         (set(_split(args.optimizers)) if tails_train else set())
     used |= {base for name, base in (("sgd", "msgdw"), ("muon", "adamw"))  # their defaults are these rates
              if name in used and getattr(args, f"lr_{name}") is None}
@@ -165,7 +174,8 @@ def _check(args) -> None:
             raise ConfigError(flag, f"must be a positive finite learning rate; got {value}")
         if name not in used:
             tails = args.optimizers if tails_train or args.only == "flow" else "none (--tail-steps 0)"
-            raise ConfigError(flag, f"no study here uses {name} (gradient flow: {args.flow_optimizer}, tails: "
+            flow_opt = args.flow_optimizer if flow_steps or args.only == "tails" else "none (--steps 0)"
+            raise ConfigError(flag, f"no study here uses {name} (gradient flow: {flow_opt}, tails: "
                                     f"{tails}{'; --only ' + args.only if args.only else ''}); drop it")
     if not (math.isfinite(args.clip) and args.clip >= 0):
         raise ConfigError("--clip", f"must be a finite norm >= 0 (0 for no clipping); got {args.clip}")
