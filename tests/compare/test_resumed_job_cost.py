@@ -77,3 +77,16 @@ def test_an_interrupted_job_resumes_with_the_studys_new_runtime_settings(tmp_pat
     assert (tmp_path / "cache2" / "shards").is_dir()
     saved = json.loads((run_dir / "config.json").read_text())["train"]
     assert saved["device"] == "auto" and saved["data"] == str(moved)
+
+
+def test_a_retrieval_job_of_a_study_with_a_cache_dir_trains(tmp_path):
+    """The trainer refuses an explicit --cache-dir where its run reads none (a --task); a study's retrieval jobs,
+    which generate their data, must not pass the study's --cache-dir on as one (the study's corpus jobs read it)."""
+    study = StudyConfig(arms=["transformer:adamw"], seeds=1, steps=2, retrieval="mqar", retrieval_steps=2,
+                        retrieval_seq_len=32, retrieval_batch_size=2, retrieval_samples=2,
+                        model={"n_layers": 1, "d_model": 32}, batch_size=2, seq_len=16, eval_points=1,
+                        eval_batches=1, tail_batches=2, tail_entries=64, outlier_tokens=64, device="cpu", threads=1,
+                        cache_dir=str(tmp_path / "cache"))
+    job = next(j for j in plan(study) if j.task == "retrieval")
+    res = run_job(study, job, tmp_path / "out")
+    assert res["train"]["steps"] == 2 and not res["diverged"]

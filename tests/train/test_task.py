@@ -95,6 +95,7 @@ def test_validation_batches_are_not_training_batches(name):
     (["--task", "mqar", "--text-field", "body"], "--text-field"),
     (["--task-opt", "pairs=4"], "--task-opt"),  # no --task: the built-in corpus, which takes no task options
     (["--task", "mqar", "--bpe-vocab-size", "300"], "--bpe-vocab-size"),  # the task's tokenizer is byte
+    (["--task", "mqar", "--cache-dir", "unread-cache"], "--cache-dir"),  # a task caches no token shards
 ])
 def test_options_the_data_source_does_not_read_are_refused(tmp_path, capsys, args, flag):
     """A synthetic --task generates its data (no corpus to split or read fields of); --task-opt needs a --task.

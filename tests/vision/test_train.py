@@ -221,6 +221,7 @@ def test_mixing_with_more_model_classes_than_the_data(tmp_path, npz_data):
     (["--task-opt", "pairs=4"], "--task-opt"),
     (["--seq-len", "100"], "--seq-len"),  # set the unused max_seq_len of the vision model to 100
     (["--vocab-size", "1000"], "--vocab-size"),
+    (["--cache-dir", "unread-cache"], "--cache-dir"),  # token shards and bpe vocabularies: images have neither
 ])
 def test_options_a_vision_run_does_not_read_are_refused(tmp_path, npz_data, capsys, args, flag):
     """These were accepted and ignored (a vision run evaluates its whole splits and reads images)."""

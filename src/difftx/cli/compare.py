@@ -25,7 +25,7 @@ STUDY_FLAGS = ("domain", "preset", "seeds", "seed", "data", "tokenizer", "cache_
 # fields only a retrieval task reads, and fields only a language study reads (a vision run evaluates whole splits)
 RETRIEVAL_FIELDS = ("retrieval_tokens", "retrieval_steps", "retrieval_seq_len", "retrieval_batch_size",
                     "retrieval_options", "retrieval_samples")
-LM_FIELDS = ("tokenizer", "seq_len", "eval_batches", "outlier_tokens")
+LM_FIELDS = ("tokenizer", "cache_dir", "seq_len", "eval_batches", "outlier_tokens")
 
 
 def add_parser(sub) -> None:

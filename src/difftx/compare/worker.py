@@ -92,6 +92,14 @@ def _is_result(r) -> bool:
 RESUMED_JOB_FIELDS = ("threads", "device", "cache_dir", "data")
 
 
+def _resumed_job_fields(study: StudyConfig, job: Job) -> tuple:
+    """RESUMED_JOB_FIELDS less the cache directory where the job reads none (a retrieval task, a vision run): the
+    trainer refuses an explicit --cache-dir that its run would not read."""
+    if job.task == "corpus" and study.domain == "lm":
+        return RESUMED_JOB_FIELDS
+    return tuple(f for f in RESUMED_JOB_FIELDS if f != "cache_dir")
+
+
 def run_job(study: StudyConfig, job: Job, out: Path, report: Report = lambda e: None) -> dict:
     """Train (or continue) the job's run, measure it, write and return ``job.json``'s contents."""
     from ..train import TrainingDiverged, train
@@ -114,7 +122,7 @@ def run_job(study: StudyConfig, job: Job, out: Path, report: Report = lambda e: 
                             memory_check=False,  # the runner checked the study's jobs at once (fit_in_memory)
                             # an interrupted job takes the resumed study's runtime settings and corpus path (checked
                             # against its contents), not the ones its run saved
-                            explicit_train=RESUMED_JOB_FIELDS)
+                            explicit_train=_resumed_job_fields(study, job))
     except TrainingDiverged as e:
         summary = None
         result.update(diverged=True, message=str(e))

@@ -309,7 +309,8 @@ def _check_unread(tcfg: TrainConfig, explicit: set, explicit_model: set = frozen
             raise ConfigError("min_lr", "is the rate a cosine or linear schedule decays to, and this run's schedule "
                                         "is constant; drop --min-lr (or give --schedule cosine or linear)")
     if tcfg.domain == "vision":
-        for name in ("tokenizer", "bpe_vocab_size", "text_field", "task", "task_options", "seq_len", "vocab_size"):
+        for name in ("tokenizer", "bpe_vocab_size", "text_field", "task", "task_options", "seq_len", "vocab_size",
+                     "cache_dir"):
             if name in explicit or name in explicit_model:
                 raise ConfigError(name, f"is a language-model option and a vision run reads images; drop "
                                         f"{option_flag(name)}")
@@ -333,6 +334,9 @@ def _check_unread(tcfg: TrainConfig, explicit: set, explicit_model: set = frozen
             if name in explicit:
                 raise ConfigError(name, f"reads a corpus, and --task {tcfg.task} generates its data (validation "
                                         f"batches included); drop {option_flag(name)}")
+        if "cache_dir" in explicit:  # only a corpus's token shards and bpe vocabularies go there (domain.prepare)
+            raise ConfigError("cache_dir", f"holds a corpus's token shards and bpe vocabularies, and --task "
+                                           f"{tcfg.task} generates its data, so nothing is cached; drop --cache-dir")
 
 
 def _epochs_to_steps(tcfg: TrainConfig, domain, world_size: int) -> TrainConfig:
