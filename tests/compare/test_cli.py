@@ -73,6 +73,7 @@ def _one_line_error(p) -> str:
     (["--domain", "vision", "--outlier-tokens", "512"], "--outlier-tokens: a language-study option"),
     (["--domain", "vision", "--eval-batches", "2"], "--eval-batches: a vision study evaluates its whole"),
     (["--domain", "vision", "--cache-dir", "unread-cache"], "--cache-dir: a language-study option"),
+    (["--schedule", "constant", "--min-lr-ratio", "0.05"], "--min-lr-ratio: sets the rate a cosine or linear"),
 ])
 def test_bad_input_is_one_line_exit_2(compare, tmp_path, args, needle):
     p = compare( "--out", tmp_path / "out", *args, "--no-progress")

@@ -166,6 +166,9 @@ def check_unread(fields: dict, study) -> None:
         if tokens in fields and steps in fields:
             raise ConfigError(f"{option_flag(tokens)}/{option_flag(steps)}",
                               "are two budgets for the same runs, and the steps would win; give one")
+    if "min_lr_ratio" in fields and study.schedule == "constant":  # only a decay reads it (optim.lr_at)
+        raise ConfigError("--min-lr-ratio", "sets the rate a cosine or linear schedule decays to, and this study's "
+                                            "schedule is constant; drop it (or give --schedule cosine or linear)")
     if study.domain == "vision":
         for name in (n for n in LM_FIELDS if n in fields):
             why = ("a vision study evaluates its whole validation and test splits" if name == "eval_batches" else
