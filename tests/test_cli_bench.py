@@ -121,6 +121,8 @@ def test_bench_long_context_quick_keeps_explicit_lengths(tmp_path, capsys):
     (["--quick", "--phases", "prefill,decode", "--no-memory"], "--no-memory: is read by the train phase"),
     (["--quick", "--phases", "prefill", "--foreach-adamw"], "--foreach-adamw: is read by the train phase"),
     (["--quick", "--phases", "decode", "--fused-adamw"], "--fused-adamw: is read by the train phase"),
+    # a preset that is not LLaMA-shaped gets no transformers peers: --no-peers left out nothing
+    (["--quick", "--preset", "nanogpt", "--no-peers"], "--no-peers: leaves out transformers' Llama and DiffLlama"),
     # torch's allocator error as a traceback, after --out was made
     (["--quick", "--long-context", "--lengths", str(10 ** 11)], "not enough memory: 1 sequence(s) of 100,000,000,000"),
     (["--quick", "--long-context", "--lengths", "64", "--batch-size", str(10 ** 11)], "a smaller --batch-size"),

@@ -117,6 +117,7 @@ def run(args) -> int:
     lengths = _lengths(default_lengths if args.lengths is None else args.lengths) if args.long_context else []
     bc.validate()  # every bad value is one line before anything runs or is written
     if not args.long_context:
+        _check_no_peers(args, bc)
         bc.check_seq_len()
         bc.check_memory()
     else:
@@ -135,6 +136,18 @@ def run(args) -> int:
     print(markdown(results))
     print(f"wrote {js} and {md}", file=sys.stderr)
     return 0
+
+
+def _check_no_peers(args, bc) -> None:
+    """--no-peers with a preset that gets no peers (not LLaMA-shaped: GELU MLP, learned positions) leaves out nothing:
+    refused, not ignored."""
+    from ..benchmarking.speed import peers_match
+    from ..config import ModelConfig
+
+    if args.no_peers and not peers_match(ModelConfig.from_preset(bc.preset)):
+        raise ConfigError("--no-peers", f"leaves out transformers' Llama and DiffLlama, and preset {bc.preset} gets "
+                                        "none (they are LLaMA-shaped: SwiGLU, RoPE, pre-norm RMSNorm, no biases); "
+                                        "drop it")
 
 
 def _lengths(text: str) -> list[int]:
