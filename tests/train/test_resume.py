@@ -399,3 +399,20 @@ def test_a_resumed_run_keeps_its_device_unless_given(tmp_path, train_cli, monkey
     assert train_cli("--steps", 6, "--eval-every", 0, "--out", out, "--resume", "auto", "--device", "auto") == 0
     assert asked == ["cpu", "cpu", "cpu", "auto"]
     assert json.loads((out / "config.json").read_text())["train"]["device"] == "auto"
+
+
+def test_a_run_saved_on_a_gpu_resumed_without_one_names_the_saved_device(tmp_path, train_cli, monkeypatch, capsys):
+    """A run saved with --device cuda, resumed without --device where torch sees no GPU: one line saying the run was
+    saved so (not "cuda was asked for", which the user did not), and how to resume; the run is left as it was."""
+    out = tmp_path / "run"
+    assert train_cli("--steps", 4, "--stop-at", 2, "--eval-every", 0, "--device", "cpu", "--out", out) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["train"]["device"] = "cuda"
+    (out / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    capsys.readouterr()
+    assert train_cli("--steps", 4, "--eval-every", 0, "--out", out, "--resume", "auto") == 2
+    err = capsys.readouterr().err
+    assert "saved with --device cuda" in err and "--device cpu" in err and err.count("\n") == 1, err
+    assert json.loads((out / "config.json").read_text())["train"]["device"] == "cuda"
+    assert train_cli("--steps", 4, "--eval-every", 0, "--out", out, "--resume", "auto", "--device", "cpu") == 0

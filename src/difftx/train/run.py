@@ -175,7 +175,12 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
     explicit_train = set(explicit_train)
     keep_freed_memory()  # a training process keeps its freed activations for the next step (runtime.py)
     # a resumed run keeps its device unless given one (as every other saved field): not the command's default, auto
-    device = tcfg.device if "device" in explicit_train else (_saved_device(resume, out) or tcfg.device)
+    device = tcfg.device
+    if "device" not in explicit_train and (saved := _saved_device(resume, out)):
+        if saved.startswith("cuda") and not torch.cuda.is_available():  # not "cuda was asked for": the run was
+            raise ConfigError("device", f"this run was saved with --device {saved}, and torch sees no GPU here; "
+                                        "resume with --device cpu")
+        device = saved
     world = init_world(device)
     try:
         if resume is not None and world.world_size > 1:  # rank 0 puts back an interrupted re-save, then all resolve
