@@ -339,3 +339,16 @@ def test_a_signal_between_the_renames_of_a_model_save_does_not_split_the_pair(si
     assert set(after) == set(before)
     assert all(after[n] != before[n] for n in before), "a new file beside an old one"
     assert difftx.load_model(old) is not None
+
+
+def test_save_hf_of_a_state_dict_without_its_config_is_one_clear_error(tmp_path):
+    """save_hf(state, path, fmt) without cfg= raised a bare AttributeError ('NoneType' object has no attribute ...)."""
+    from difftx.errors import DifftxError
+    from difftx.interop.convert import save_hf
+
+    model = tiny_model()
+    with pytest.raises(DifftxError, match="needs cfg="):
+        save_hf(model.state_dict(), tmp_path / "m", "hf-difftx")
+    assert not (tmp_path / "m").exists()
+    save_hf(model.state_dict(), tmp_path / "m", "hf-difftx", cfg=model.config)
+    assert (tmp_path / "m" / "config.json").exists()

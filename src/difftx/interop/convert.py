@@ -358,6 +358,9 @@ def save_hf(model_or_state, path, fmt: str, cfg: Optional[ModelConfig] = None,
         cfg, state = model_or_state.config, model_or_state.state_dict()
     else:
         state = model_or_state
+        if not isinstance(cfg, ModelConfig):
+            raise DifftxError("save_hf: a state dict needs cfg=, the ModelConfig of the model it came from (or pass "
+                              "the model itself)")
     refuse_unplain_state(clean_state_dict(state), cfg, "save_hf")
     hf_config, tensors = difftx_to_hf(cfg, state, fmt)
     stored = dtype or model_dtype(tensors)
