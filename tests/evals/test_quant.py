@@ -273,3 +273,16 @@ def test_a_metric_error_names_its_fix_as_a_metric_opt(metric, opts, named, unnam
     assert rc == 2 and len(err) == 1 and named in err[0], err
     assert f"{unnamed} " not in err[0] + " " and f"{unnamed}," not in err[0], err
     assert not (tmp_path / "o" / "quant.json").exists()
+
+
+def test_a_depths_metric_opt_error_does_not_say_it_takes_percents(checkpoint, tmp_path, capsys):
+    """'eval quant --metric niah --metric-opt depths=[50]' said "--metric-opt depths=[...] on the command line takes
+    percents" (eval niah's --depths hint, respelt as a --metric-opt): it takes fractions, as the library does."""
+    from difftx.cli import main
+
+    rc = main(["eval", "quant", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "o"), "--bits", "8",
+               "--metric", "niah", "--metric-opt", "depths=[50]", "--data", str(checkpoint / "haystack.txt"),
+               "--no-plot", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "fractions of the context, 0..1" in err[0], err
+    assert "percent" not in err[0], err

@@ -414,9 +414,12 @@ def _metric_opt_message(message: str, args, opts: dict) -> str:
     there is no --seeds, only --metric-opt seeds=N."""
     import re
 
+    from ..evals.common import DEPTHS_PERCENT_HINT
     from .info import parse_overrides
 
     given = parse_overrides(args.metric_opt, "--metric-opt")
+    # --metric-opt passes the library's values: its depths are fractions, not the percents of eval niah's --depths
+    message = message.replace(DEPTHS_PERCENT_HINT, "--metric-opt passes them as they are")
 
     def spell(m):
         key = m.group(1).replace("-", "_")

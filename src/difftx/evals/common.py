@@ -475,13 +475,15 @@ def first_repeat(values: Sequence):
     return next((v for i, v in enumerate(values) if v in values[:i]), None)
 
 
+DEPTHS_PERCENT_HINT = "--depths on the command line takes percents"
+
+
 def check_depths(depths) -> list[float]:
     """Answer depths as fractions in [0, 1] (the library's unit; the command line takes percents)."""
     try:
         return check_list("depths", depths, 0.0, 1.0, float)
     except ConfigError as e:
-        raise ConfigError(None, f"{e} (depths are fractions of the context, 0..1; --depths on the command line "
-                                "takes percents)") from None
+        raise ConfigError(None, f"{e} (depths are fractions of the context, 0..1; {DEPTHS_PERCENT_HINT})") from None
 
 
 def text_tokens(model, tokenizer, text: Optional[str], data, max_tokens: int, seq_len: Optional[int]):
