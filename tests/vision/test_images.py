@@ -193,6 +193,8 @@ def test_bad_arrays(tmp_path):
     x, y = blob_images()
     np.savez(tmp_path / "keys.npz", images=x, labels=y)
     _bad(tmp_path / "keys.npz", "needs arrays named x .* and y .* it holds images, labels")
+    np.savez(tmp_path / "many.npz", **{f"w{i:05d}": np.zeros(1) for i in range(10_000)})  # a saved state dict
+    _bad(tmp_path / "many.npz", r"it holds w00000, w00001, .*, w00007 and 9992 more$")  # not 10,000 names
     np.savez(tmp_path / "len.npz", x=x, y=y[:-1])
     _bad(tmp_path / "len.npz", "60 images but labels of shape")
     np.savez(tmp_path / "neg.npz", x=x, y=y - 1)

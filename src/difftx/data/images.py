@@ -141,8 +141,9 @@ def load_npz(path: Path) -> ImageSet:
         with np.load(path, allow_pickle=False) as f:
             keys = set(f.files)
             if not {"x", "y"} <= keys:
-                raise DataError(f"{path}: needs arrays named x (images) and y (labels); it holds "
-                                f"{', '.join(sorted(keys)) or 'nothing'}")
+                names = sorted(keys)  # a saved state dict holds thousands: the line names a few
+                held = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+                raise DataError(f"{path}: needs arrays named x (images) and y (labels); it holds {held or 'nothing'}")
             x, y = f["x"], f["y"]
     except DataError:
         raise
