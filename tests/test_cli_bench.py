@@ -94,7 +94,7 @@ def test_bench_long_context_quick_keeps_explicit_lengths(tmp_path, capsys):
     (["--phases", ","], "phases"),
     (["--quick", "--preset", "nope"], "preset"),  # --quick no longer hides explicit values
     (["--quick", "--repeats", "-1"], "repeats"),
-    (["--quick", "--seq-len", "0"], "seq_len"),
+    (["--quick", "--seq-len", "0"], "--seq-len: must be at least 1"),
     # torch's allocator error as a traceback before (a batch of 10^11 x 32 tokens, or of 2 x 10^11)
     (["--quick", "--seq-len", str(10 ** 11)], "not enough memory: the 5 arms' fp32 weights"),
     (["--quick", "--batch-size", str(10 ** 11)], "lower --batch-size or --seq-len"),

@@ -109,7 +109,8 @@ def test_grad_accum_is_never_silently_overridden_by_a_global_batch(tmp_path, tra
     bad = tmp_path / "bad"
     assert train_cli("--steps", 2, "--grad-accum", 3, "--global-batch", 8, "--out", bad) == 2
     err = capsys.readouterr().err
-    assert "grad_accum" in err and "--global-batch 8" in err and err.count("\n") == 1 and not bad.exists()
+    assert "--grad-accum: 3 disagrees" in err and "--global-batch 8" in err and err.count("\n") == 1
+    assert not bad.exists()
     tcfg, _ = resolve_configs("gpt2-adamw", train={"grad_accum": 2, "batch_size": 4})
     assert tcfg.global_batch is None and tcfg.accumulation(1) == 2
     out = tmp_path / "run"

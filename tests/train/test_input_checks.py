@@ -52,7 +52,7 @@ def test_unusable_out_names_the_flag(tmp_path, train_cli, corpus, cache, capsys,
 
 def test_log_every_zero_refused_and_zero_intervals_mean_off(tmp_path, train_cli, capsys):
     assert train_cli("--steps", 3, "--log-every", 0, "--out", tmp_path / "a") == 2
-    assert "log_every: must be a positive integer" in _one_line(capsys)
+    assert "--log-every: must be a positive integer" in _one_line(capsys)
     assert not (tmp_path / "a").exists()
     run = tmp_path / "b"  # the intervals documented as "0: off / only at the end" train fine
     assert train_cli("--steps", 3, "--eval-every", 0, "--diag-every", 0, "--checkpoint-every", 0, "--out", run) == 0
@@ -65,14 +65,14 @@ def test_log_every_zero_refused_and_zero_intervals_mean_off(tmp_path, train_cli,
     (["--epochs", "nan"], "epochs: must be a finite number > 0; got nan"),
     (["--epochs", "inf"], "epochs: must be a finite number > 0; got inf"),
     (["--epochs", "0"], "epochs: must be a finite number > 0; got 0"),
-    (["--epochs", "1", "--warmup-epochs", "nan"], "warmup_epochs: must be a finite number >= 0; got nan"),
-    (["--steps", "3", "--warmup-epochs", "1"], "warmup_epochs: needs --epochs"),
+    (["--epochs", "1", "--warmup-epochs", "nan"], "--warmup-epochs: must be a finite number >= 0; got nan"),
+    (["--steps", "3", "--warmup-epochs", "1"], "--warmup-epochs: needs --epochs"),
     (["--epochs", "1", "--warmup-epochs", "0.5"], "warmup: give the warmup in steps"),  # beside train_cli's --warmup 1
     (["--epochs", "1e308"], "epochs: 1e+308 epochs of"),  # finite, but not as a count of steps (a traceback before)
     (["--steps", "3", "--domain-opt", "bogus=1"], "the lm domain takes no options (got bogus)"),
     # accepted and ignored before: the tokenizer here is char, the corpus a .txt file
-    (["--steps", "3", "--bpe-vocab-size", "300"], "bpe_vocab_size: sizes the vocabulary of --tokenizer bpe"),
-    (["--steps", "3", "--text-field", "body"], "text_field: names the field of JSONL records or a dataset column"),
+    (["--steps", "3", "--bpe-vocab-size", "300"], "--bpe-vocab-size: sizes the vocabulary of --tokenizer bpe"),
+    (["--steps", "3", "--text-field", "body"], "--text-field: names the field of JSONL records or a dataset column"),
     (["--steps", "3", "--optimizer", "muon", "--momentum", "0.5"], "momentum: Muon keeps its own momentum"),
     (["--steps", "3", "--optimizer", "muon", "--nesterov"], "nesterov: Muon keeps its own momentum"),
 ])
@@ -103,7 +103,7 @@ def test_min_lr_with_a_constant_schedule_is_refused_not_ignored(tmp_path, train_
     out = tmp_path / "run"
     assert train_cli("--steps", 2, "--schedule", "constant", "--min-lr", 1e-5, "--out", out) == 2
     err = capsys.readouterr().err
-    assert err.startswith("difftx train: error: min_lr: ") and "drop --min-lr" in err and err.count("\n") == 1, err
+    assert err.startswith("difftx train: error: --min-lr: ") and "drop --min-lr" in err and err.count("\n") == 1, err
     assert not out.exists()
     tcfg, _ = resolve_configs("nanogpt-char", dict(schedule="constant"))
     _check_unread(tcfg, {"schedule", "min_lr"})  # the recipe's fields count as explicit
@@ -146,7 +146,7 @@ def test_steps_beside_epochs_is_refused_not_ignored(tmp_path, train_cli, capsys)
     out = tmp_path / "run"
     assert train_cli("--steps", 2, "--epochs", 1, "--out", out) == 2
     err = capsys.readouterr().err
-    assert err.startswith("difftx train: error: steps: ") and "not both" in err and err.count("\n") == 1, err
+    assert err.startswith("difftx train: error: --steps: ") and "not both" in err and err.count("\n") == 1, err
     assert not out.exists()
     with pytest.raises(DifftxError, match="steps"):
         resolve_configs(None, train=dict(steps=10, epochs=2))
@@ -159,7 +159,7 @@ def test_a_stop_step_past_the_last_step_is_refused(tmp_path, train_cli, capsys):
     out = tmp_path / "run"
     assert train_cli("--steps", 2, "--stop-at", 5, "--out", out) == 2
     err = capsys.readouterr().err
-    assert err.startswith("difftx train: error: stop_at: 5 is past the run's last step, 2") and err.count("\n") == 1
+    assert err.startswith("difftx train: error: --stop-at: 5 is past the run's last step, 2") and err.count("\n") == 1
     assert not out.exists()
     assert train_cli("--steps", 2, "--stop-at", 2, "--eval-every", 0, "--out", out) == 0
 

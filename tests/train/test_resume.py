@@ -255,7 +255,7 @@ def test_resume_with_a_stop_at_already_passed_is_refused(tmp_path, train_cli, ca
     for stop in (2, 4):
         assert train_cli("--steps", 6, "--stop-at", stop, "--eval-every", 0, "--out", out, "--resume", "auto") == 2
         lines = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.strip()]
-        assert len(lines) == 1 and "stop_at" in lines[0] and "step 4" in lines[0] and "nothing" in lines[0], lines
+        assert len(lines) == 1 and "--stop-at" in lines[0] and "step 4" in lines[0] and "nothing" in lines[0], lines
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing touched
     assert train_cli("--steps", 6, "--stop-at", 5, "--eval-every", 0, "--out", out, "--resume", "auto") == 0
     assert (out / "checkpoints" / "step_00000005").is_dir()

@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 
-from ..errors import DifftxError, option_flag
+from ..errors import ConfigError, DifftxError, option_flag
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
@@ -57,6 +57,38 @@ class ArgumentParser(argparse.ArgumentParser):
         if extras and " " in self.prog:  # a subcommand's: named by it ("difftx train: error: ..."), not by "difftx"
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return ns, extras
+
+
+def _as_typed(e: DifftxError, parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> str:
+    """``e``'s message, a :class:`~difftx.errors.ConfigError` naming the option the user typed rather than its
+    config field: ``seq_len: ...`` after ``--seq-len 0`` reads ``--seq-len: ...``, and ``n_layers: ...`` after
+    ``--set n_layers=0`` reads ``--set n_layers: ...``.  A field the user did not give (a recipe's, a preset's, a
+    resumed run's) keeps its field name: no flag of theirs is at fault."""
+    text = str(e)
+    field = getattr(e, "field", None)
+    if not isinstance(e, ConfigError) or not field or not field.isidentifier() or not text.startswith(f"{field}: "):
+        return text
+    sub = next((a.choices.get(args.command) for a in parser._actions if isinstance(a, argparse._SubParsersAction)),
+               None)
+    while sub is not None:  # eval's own subcommands: `difftx eval niah`'s options are niah's parser's
+        nested = next((a for a in sub._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if nested is None or not isinstance(getattr(args, nested.dest, None), str):
+            break
+        sub = nested.choices.get(getattr(args, nested.dest))
+    if sub is None:
+        return text
+    every = {o for a in sub._actions for o in a.option_strings}
+    typed = {w.split("=", 1)[0] for w in (argv[:argv.index("--")] if "--" in argv else argv)}
+    typed = {w for w in typed if w.startswith("--") and w != "--"}
+    for action in sub._actions:  # the option of that dest, or of its flag (task_options is --task-opt's)
+        if action.dest != field and option_flag(field) not in action.option_strings:
+            continue
+        for opt in action.option_strings:  # as typed: exactly, or an abbreviation argparse took for it
+            if opt in typed or any(opt.startswith(w) and w not in every for w in typed):
+                return f"{opt}: {text[len(field) + 2:]}"
+    if any(str(item).partition("=")[0].strip() == field for item in getattr(args, "set", None) or []):
+        return f"--set {field}: {text[len(field) + 2:]}"
+    return text
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -116,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except DifftxError as e:
-        print(f"difftx {args.command}: error: {e}", file=sys.stderr)
+        print(f"difftx {args.command}: error: {_as_typed(e, parser, args, argv)}", file=sys.stderr)
         return 2
     except Terminated:
         print(f"difftx {args.command}: terminated", file=sys.stderr)
