@@ -148,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except DifftxError as e:
-        print(f"difftx {args.command}: error: {_as_typed(e, parser, args, argv)}", file=sys.stderr)
+        try:
+            text = _as_typed(e, parser, args, argv)
+        except Exception:  # the option's spelling is a nicety: never a traceback instead of the line
+            text = str(e)
+        print(f"difftx {args.command}: error: {text}", file=sys.stderr)
         return 2
     except Terminated:
         print(f"difftx {args.command}: terminated", file=sys.stderr)
