@@ -55,6 +55,16 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    """Torch's thread count as it was before the test: in-process CLI runs (``bench``, ``compare --workers 1``,
+    ``train --threads``) set it and leave it, and later tests then ran on another count (slower, or other bits)."""
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture
 def full_disk(monkeypatch):
     """``full_disk()`` makes os.fsync fail as a full disk (ENOSPC) from its second call on, in this write (the second
