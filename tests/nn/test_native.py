@@ -21,7 +21,8 @@ from difftx.nn.mask import AttnMask
 from .test_fast_paths import _kernel_case
 
 HAVE_CC = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
-needs_native = pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the native kernels cannot be built here")
+needs_native = pytest.mark.skipif(not (HAVE_CC and native._enabled_by_env()),
+                                  reason="no C compiler, or DIFFTX_NATIVE off: no native kernels here")
 
 
 @needs_native
@@ -402,6 +403,7 @@ def test_bf16_attention_is_causal_thread_count_invariant_and_reads_values_in_pla
     assert torch.equal(o1[:, :-1], o2[:, :-1]) and not torch.equal(o1[:, -1], o2[:, -1])
 
 
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("h,hk,n,q_start,lam_kind,chunk", [
     (4, 2, 70, 0, "rows", 32),  # DIFF V2: per-token lambda, two query heads per K/V group
@@ -534,6 +536,7 @@ def test_disabled_by_env_gives_the_torch_path(monkeypatch):
 
 def test_a_failing_build_falls_back_to_torch(monkeypatch, tmp_path):
     """A compiler that fails (here `false`) leaves the torch path, with the reason in the status."""
+    monkeypatch.delenv("DIFFTX_NATIVE", raising=False)  # a build is attempted whatever the caller's setting
     if not shutil.which("false"):
         pytest.skip("no `false` binary")
     monkeypatch.setenv("DIFFTX_CACHE_DIR", str(tmp_path))
@@ -597,6 +600,7 @@ def test_either_cache_variable_moves_the_whole_cache(monkeypatch, tmp_path):
 def test_an_unwritable_cache_dir_falls_back_to_torch_and_says_what_to_set(monkeypatch, tmp_path):
     """A cache path that cannot be a directory (here a file; a read-only home is the same) leaves the torch
     path with a status that names the directory and DIFFTX_CACHE_DIR."""
+    monkeypatch.delenv("DIFFTX_NATIVE", raising=False)  # a build is attempted whatever the caller's setting
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("DIFFTX_CACHE_DIR", str(blocker))
@@ -1069,6 +1073,7 @@ def _clang_with_openmp(tmp_path) -> bool:
     return r.returncode == 0
 
 
+@needs_native
 def test_the_kernels_build_and_compute_the_same_with_clang(tmp_path):
     """The kernels are GCC/Clang vector-extension C: with CC=clang (where it and libomp are installed) they build at
     this CPU's width and pass the kernel-level tests (float32 and bf16 attention, a shared K, SwiGLU, RoPE,
@@ -1166,6 +1171,7 @@ def test_a_failed_scratch_allocation_raises_memory_error():
 def test_cc_with_arguments_and_a_missing_cc(monkeypatch):
     """$CC is a command (``ccache gcc``, ``gcc -m64``), split like a shell; a $CC that is not on PATH is named in
     the status (and `difftx train`'s warning) rather than swapped for another compiler unannounced."""
+    monkeypatch.delenv("DIFFTX_NATIVE", raising=False)  # a build is attempted whatever the caller's setting
     cc = next(c for c in ("cc", "gcc", "clang") if shutil.which(c)) if HAVE_CC else "cc"
     monkeypatch.setenv("CC", f"{cc} -O2")
     assert native._compiler() == [cc, "-O2"]
