@@ -252,7 +252,7 @@ def test_split_fractions_beside_the_folders_splits_are_refused(tmp_path, capsys)
     for part, n in (("train", 6), ("val", 2), ("test", 2)):
         write_folder(root / part, n_per_class=n)
     out = tmp_path / "run"
-    err = _fails(capsys, 2, "val_fraction", "--data", root, *TINY, "--steps", 1, "--val-fraction", 0.3,
+    err = _fails(capsys, 2, "--val-fraction:", "--data", root, *TINY, "--steps", 1, "--val-fraction", 0.3,
                  "--out", out)
     assert f"{root / 'val'}" in err and "drop --val-fraction" in err
     err = _fails(capsys, 2, "test_fraction", "--data", root, *TINY, "--steps", 1, "--domain-opt",
