@@ -17,7 +17,7 @@ from torch import nn
 from ..errors import DifftxError
 from ..nn.block import Block, run_blocks
 from ..nn.cache import KVCache
-from ..nn.linear import linear, no_hooks, packed_weights, traced
+from ..nn.linear import linear, packed_weights, plain_layer, traced
 from ..nn.loss import linear_cross_entropy
 from ..nn.mask import AttnMask
 from ..nn.norms import make_norm, upcast
@@ -88,8 +88,7 @@ class DecoderLM(ModelMixin, nn.Module):
         logits = loss = n_targets = None
         flat = targets.reshape(-1) if targets is not None else None
         # the chunked loss reads the head's weight itself: a hooked or swapped-in head (a LoRA wrapper) is called
-        plain_head = self.lm_head is None or (type(self.lm_head) is nn.Linear and no_hooks(self.lm_head))
-        if flat is not None and loss_chunk > 0 and plain_head:
+        if flat is not None and loss_chunk > 0 and (self.lm_head is None or plain_layer(self.lm_head)):
             weight = self.lm_head.weight if self.lm_head is not None else self._tied_weight(hidden)
             loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, flat, loss_chunk)
         else:
@@ -180,7 +179,7 @@ class DecoderLM(ModelMixin, nn.Module):
         """Logits of final hidden states (any leading shape): the LM head, tied to the embedding or not."""
         if self.lm_head is None:
             return linear(hidden, self._tied_weight(hidden))
-        if type(self.lm_head) is nn.Linear and no_hooks(self.lm_head):
+        if plain_layer(self.lm_head):
             # not a wrapper or a hooked layer: linear.linear (decoding's few rows on the native product)
             return linear(hidden, self.lm_head.weight, self.lm_head.bias)
         return self.lm_head(hidden)

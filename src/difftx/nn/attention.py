@@ -29,7 +29,7 @@ from torch import nn
 from . import backends
 from .cache import KVCache
 from .fused import rms_norm
-from .linear import Linear, autocast_on, functorch_active, no_autocast, no_hooks, project
+from .linear import Linear, autocast_on, functorch_active, no_autocast, no_hooks, plain_layer, project
 from .mask import AttnMask
 from .norms import RMSNorm, make_norm, upcast
 from .rope import apply_rope
@@ -398,7 +398,7 @@ class DiffV2Attention(AttentionBase):
             k, v = cache.update(self.layer - 1, k, v)
         xf, lp = upcast(x), self.lambda_proj
         with no_autocast(x.device.type):  # F.linear is on autocast's bf16 list
-            if type(lp) is nn.Linear and no_hooks(lp):
+            if plain_layer(lp):
                 lam = torch.sigmoid(F.linear(xf, lp.weight.to(xf.dtype)))  # (B, N, h), >= fp32
             else:  # a hooked or swapped-in layer (a LoRA wrapper): called as it is, in its parameters' dtype
                 w = next(lp.parameters(), None)

@@ -451,6 +451,12 @@ def no_hooks(m: nn.Module) -> bool:
             and not any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS))
 
 
+def plain_layer(m: nn.Module) -> bool:
+    """A torch ``nn.Linear`` itself (not a subclass, a wrapper such as peft's LoRA layer, or a quantized layer) with no
+    hooks that calling it would run: a caller may then read its ``weight`` / ``bias`` instead of calling it."""
+    return type(m) is nn.Linear and no_hooks(m)
+
+
 def _plain(m: nn.Module) -> bool:
     """A difftx ``Linear`` itself (not a subclass or a wrapper) with no hooks that calling it would run."""
     return type(m) is Linear and no_hooks(m)
