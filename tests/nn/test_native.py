@@ -667,6 +667,82 @@ def test_diff_decode_kernel_matches_reference(dtype, h, hk, padded, paired, d):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,hk,padded", [(4, 4, False), (4, 2, True), (4, 1, True)])
+@pytest.mark.parametrize("d", [8, 32])  # the scalar loop; whole 16-lane vectors
+def test_softmax_decode_kernel_matches_float64(dtype, h, hk, padded, d):
+    """The one-map case of the decoding kernel (softmax attention, M = 1) over a cache's strided prefix views
+    (29 of 40 slots written), GQA groups and padded keys, against softmax(q K^T s) V in float64."""
+    g = torch.Generator().manual_seed(3)
+    b, t, cap, scale = 3, 29, 40, 0.37
+    q = torch.randn(b, 1, h, 1, d, generator=g).to(dtype)
+    k = torch.randn(b, hk, cap, d, generator=g).to(dtype)[:, :, :t]
+    v = torch.randn(b, hk, cap, d, generator=g).to(dtype)[:, :, :t]
+    assert not k.is_contiguous()
+    valid = None
+    if padded:
+        valid = torch.ones(b, t, dtype=torch.bool)
+        valid[0, :4] = False
+        valid[2, 10:13] = False
+    for out_dtype in (torch.float32, torch.bfloat16):
+        out = native.diff_decode(q, k[:, None], v, valid, 123.0, scale, False, None, 1.0, 0.0, out_dtype)
+        assert out.shape == (b, 1, h, d) and out.dtype == out_dtype
+        rep = h // hk
+        kk, vv = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+        logits = torch.einsum("bhd,bhtd->bht", q[:, 0, :, 0].double(), kk) * scale
+        if valid is not None:
+            logits = logits.masked_fill(~valid[:, None], float("-inf"))
+        ref = torch.einsum("bht,bhtd->bhd", torch.softmax(logits, -1), vv)[:, None]
+        tol = (2e-5 if dtype == torch.float32 else 1e-4) if out_dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(out.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@needs_native
+@pytest.mark.parametrize("attention,qk_norm", [("softmax", False), ("softmax", True)])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("bf16", [True, False])
+def test_softmax_decoding_takes_the_native_step_and_matches_the_torch_step(attention, qk_norm, padded, bf16,
+                                                                           monkeypatch):
+    """Transformer (and DNT-style QK-normed) decoding steps take the one-map native kernel, one call a layer
+    and step, and give the torch step's logits; asking for the sdpa variant keeps SDPA."""
+    from difftx import ModelConfig, build_model
+
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                      attention=attention, qk_norm=qk_norm)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    prompt = torch.randint(0, 64, (2, 9))
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    if padded:
+        valid[1, :3] = False
+    calls = []
+    real = native.diff_decode
+    monkeypatch.setattr(native, "diff_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def decode(use_native, variant="auto"):
+        monkeypatch.setattr(native, "ENABLED", use_native)
+        for block in model.layers:
+            block.attn.diff_variant = variant
+        cache = model.new_cache(2, 12)
+        outs = []
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            model(prompt, cache=cache, attention_mask=valid)
+            tok = prompt[:, -1:]
+            for _ in range(3):
+                outs.append(model(tok, cache=cache).logits.float())
+        return torch.cat(outs, 1)
+
+    a = decode(True)
+    assert len(calls) == 3 * cfg.n_layers
+    b = decode(False)
+    c = decode(True, "sdpa")
+    assert len(calls) == 3 * cfg.n_layers
+    tol = 0.05 if bf16 else 1e-5
+    torch.testing.assert_close(a, b, atol=tol * b.abs().max().item(), rtol=tol)
+    torch.testing.assert_close(a, c, atol=tol * c.abs().max().item(), rtol=tol)
+
+
+@needs_native
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("bf16", [True, False])
 def test_model_decoding_takes_the_native_step_and_matches_the_torch_step(padded, bf16, monkeypatch):
@@ -706,7 +782,7 @@ def test_model_decoding_takes_the_native_step_and_matches_the_torch_step(padded,
 
 
 @needs_native
-@pytest.mark.parametrize("attention", ["diff", "diff2"])
+@pytest.mark.parametrize("attention", ["diff", "diff2", "softmax"])
 def test_native_decoding_applies_a_one_row_key_valid_to_every_sequence(attention, monkeypatch):
     """AttnMask takes key_valid with one row for the whole batch; the native decoding step masks every
     sequence with it, as the torch step does (it used to read rows 1.. past the end of the mask)."""

@@ -195,9 +195,23 @@ class SoftmaxAttention(AttentionBase):
         q = self._qk(_heads(self._qk_norm(qp, self.q_norm, d), self.n_heads, d), rope)
         k = self._qk(_heads(self._qk_norm(kp, self.k_norm, d), self.n_kv_heads, d), rope)
         v = _heads(vp, self.n_kv_heads, d)
+        decoding = cache is not None and cache.length > 0
         if cache is not None:
             k, v = cache.update(self.layer - 1, k, v)
+        out_dtype = _out_dtype(x)
+        if decoding and q.shape[2] == 1 and self._native_decode(q, k, v, mask, out_dtype):
+            # a decoding step: logits, softmax and the value sum over the cache's prefix views in one native pass
+            o = backends.native_diff_decode(q[:, None], k[:, None], v, mask, self.scale, 0.0, False, None, 1.0,
+                                            0.0, out_dtype)  # (B, 1, H, d)
+            return self.out_proj(o.reshape(x.shape[0], 1, self.n_heads * d))
         return self.out_proj(_merge(self._attend(q, k, v, mask)))
+
+    def _native_decode(self, q, k, v, mask: AttnMask, out_dtype: torch.dtype) -> bool:
+        """Whether a one-query decoding step takes the native kernel: the sdpa backend (no probe, no dropout)
+        with the ``auto`` or ``fused`` variant, no autograd, and a step the kernel serves."""
+        return (self.diff_variant in ("auto", "fused", "2call", "4call") and self._backend(q.device) == "sdpa"
+                and self._dropout_p() == 0 and not torch.is_grad_enabled()
+                and backends.native_diff_decode_ok(q[:, None], k[:, None], v, mask, out_dtype))
 
 
 class DifferentialAttention(AttentionBase):

@@ -7,6 +7,7 @@
  *   difftx_softmax_backward   dS = P (dP - rowsum(P dP)) per map, and the row sums (lambda's grad)
  *   difftx_rms_norm(_backward), difftx_swiglu(_backward), difftx_rope
  *   difftx_diff_decode        one decoding query of DIFF V1 over a KV cache, with the head norm
+ *                             (also DIFF V2's, and softmax attention's: one map)
  *
  * Data are float32 or bfloat16 ("is_bf16"); every sum, exp and statistic is float32.
  *
@@ -419,8 +420,9 @@ int difftx_rms_norm(const void *x, int x_bf16, void *y, int y_bf16, float *rstd_
 }
 
 /* One decoding query of differential attention per head over a cache: DIFF V1 with its per-head RMSNorm,
- * or DIFF V2 (both maps over the same keys, a value of d, lambda per head and sequence, no norm):
- *   q       (B, 2, H, d) contiguous: q1 and q2 of every head
+ * or DIFF V2 (both maps over the same keys, a value of d, lambda per head and sequence, no norm), or (M = 1)
+ * plain softmax attention (one map, no lambda; the second map's arguments unused):
+ *   q       (B, M, H, d) contiguous: q1 and q2 of every head
  *   k       K1 of (batch b, head kh, token t) at b * k_batch + kh * k_head + t * k_tok, d contiguous
  *           elements; K2 k2_off further.  The paired bf16 cache ([K1 | K2] per token):
  *           k_tok = 2d, k2_off = d; the fp32 cache (B, 2 Hk, T, d): k_tok = d, k2_off = Hk heads;
@@ -433,7 +435,7 @@ int difftx_rms_norm(const void *x, int x_bf16, void *y, int y_bf16, float *rstd_
  * Query head i uses K/V head i / (H / Hk).  Logits, softmax, sums: float32. */
 #define MAX_DV (128 / LANES) /* vectors per head dim d in the decoding kernel's vector path (d <= 128) */
 int difftx_diff_decode(const void *q, const void *k, const void *v, const uint8_t *valid, void *out,
-                       int is_bf16, int out_bf16, int64_t B, int64_t H, int64_t Hk, int64_t T, int64_t d,
+                       int is_bf16, int out_bf16, int64_t M, int64_t B, int64_t H, int64_t Hk, int64_t T, int64_t d,
                        int64_t vw, int64_t k_batch, int64_t k_head, int64_t k_tok, int64_t k2_off, int64_t v_batch,
                        int64_t v_head, int64_t v_tok, float scale, float lam_scalar, const float *lam_bh, int norm,
                        const float *wg, float gain, float eps, int nthreads) {
@@ -454,9 +456,30 @@ int difftx_diff_decode(const void *q, const void *k, const void *v, const uint8_
             if (vec) { /* d a multiple of LANES up to 128: whole vectors, q and the sums in registers */
                 vf q1v[MAX_DV], q2v[MAX_DV], av[2 * MAX_DV];
                 for (int64_t j = 0; j < nv; j++) {
-                    q1v[j] = vload(q, (b * 2 * H + hi) * d + j * LANES, is_bf16, LANES, 0.0f) * scale;
-                    q2v[j] = vload(q, (b * 2 * H + H + hi) * d + j * LANES, is_bf16, LANES, 0.0f) * scale;
+                    q1v[j] = vload(q, (b * M * H + hi) * d + j * LANES, is_bf16, LANES, 0.0f) * scale;
+                    q2v[j] = M == 2 ? vload(q, (b * 2 * H + H + hi) * d + j * LANES, is_bf16, LANES, 0.0f) * scale
+                                    : (vf){0};
                 }
+                if (M == 1) { /* plain softmax attention: one map */
+                    for (int64_t t = 0; t < T; t++) {
+                        if (valid && !valid[b * T + t]) {
+                            l1[t] = -INFINITY;
+                            continue;
+                        }
+                        const int64_t o = k_off + t * k_tok;
+                        vf a1 = {0};
+                        for (int64_t j = 0; j < nv; j++) a1 += q1v[j] * vload(k, o + j * LANES, is_bf16, LANES, 0.0f);
+                        l1[t] = vhsum(a1);
+                    }
+                    const float inv1 = softmax_inplace(l1, T);
+                    for (int64_t j = 0; j < nvv; j++) av[j] = (vf){0};
+                    for (int64_t t = 0; t < T; t++) {
+                        const float pt = l1[t] * inv1;
+                        if (pt == 0.0f) continue; /* masked keys */
+                        const int64_t o = v_off + t * v_tok;
+                        for (int64_t j = 0; j < nvv; j++) av[j] += pt * vload(v, o + j * LANES, is_bf16, LANES, 0.0f);
+                    }
+                } else {
                 for (int64_t t = 0; t < T; t++) {
                     if (valid && !valid[b * T + t]) {
                         l1[t] = -INFINITY;
@@ -480,11 +503,12 @@ int difftx_diff_decode(const void *q, const void *k, const void *v, const uint8_
                     const int64_t o = v_off + t * v_tok;
                     for (int64_t j = 0; j < nvv; j++) av[j] += pt * vload(v, o + j * LANES, is_bf16, LANES, 0.0f);
                 }
+                }
                 for (int64_t j = 0; j < nvv; j++) memcpy(acc + j * LANES, &av[j], sizeof(vf));
             } else {
-            load_row(q, (b * 2 * H + hi) * d, is_bf16, qf, d);            /* q1 */
-            load_row(q, (b * 2 * H + H + hi) * d, is_bf16, qf + d, d);    /* q2 */
-            for (int64_t i = 0; i < w; i++) qf[i] *= scale;
+            load_row(q, (b * M * H + hi) * d, is_bf16, qf, d);                   /* q1 */
+            if (M == 2) load_row(q, (b * 2 * H + H + hi) * d, is_bf16, qf + d, d); /* q2 */
+            for (int64_t i = 0; i < M * d; i++) qf[i] *= scale;
             for (int64_t t = 0; t < T; t++) {
                 if (valid && !valid[b * T + t]) {
                     l1[t] = -INFINITY;
@@ -492,17 +516,24 @@ int difftx_diff_decode(const void *q, const void *k, const void *v, const uint8_
                     continue;
                 }
                 load_row(k, k_off + t * k_tok, is_bf16, row, d);
-                load_row(k, k_off + t * k_tok + k2_off, is_bf16, row + d, d);
                 float a1 = 0.0f, a2 = 0.0f;
 #pragma omp simd reduction(+ : a1)
                 for (int64_t i = 0; i < d; i++) a1 += qf[i] * row[i];
+                if (M == 2) {
+                    load_row(k, k_off + t * k_tok + k2_off, is_bf16, row + d, d);
 #pragma omp simd reduction(+ : a2)
-                for (int64_t i = d; i < w; i++) a2 += qf[i] * row[i];
+                    for (int64_t i = d; i < w; i++) a2 += qf[i] * row[i];
+                }
                 l1[t] = a1;
                 l2[t] = a2;
             }
-            const float inv1 = softmax_inplace(l1, T), inv2 = softmax_inplace(l2, T);
-            for (int64_t t = 0; t < T; t++) l1[t] = l1[t] * inv1 - lam * inv2 * l2[t];
+            const float inv1 = softmax_inplace(l1, T);
+            if (M == 2) {
+                const float inv2 = softmax_inplace(l2, T);
+                for (int64_t t = 0; t < T; t++) l1[t] = l1[t] * inv1 - lam * inv2 * l2[t];
+            } else {
+                for (int64_t t = 0; t < T; t++) l1[t] *= inv1;
+            }
             for (int64_t i = 0; i < vw; i++) acc[i] = 0.0f;
             for (int64_t t = 0; t < T; t++) {
                 const float pt = l1[t];
