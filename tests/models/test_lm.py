@@ -156,6 +156,38 @@ def test_a_reset_cache_decodes_as_a_fresh_one_in_its_own_buffers(attention):
     assert [t.data_ptr() for t in cache.k + cache.v] == buffers
 
 
+@pytest.mark.parametrize("attention", KINDS)
+def test_a_reset_cache_drops_the_autograd_history_of_earlier_prompts(attention):
+    """Decoding with autograd on (no torch.no_grad) writes K/V with a history into the cache's buffers; reset()
+    kept it: each reuse chained the next prompt's graph (and its saved activations) to every earlier one, so a
+    server or notebook reusing one cache grew without bound (+0.9 MB per prompt at d_model 64).  After reset the
+    buffers, the same tensors, hold no history, as a fresh cache's."""
+    torch.manual_seed(0)
+    model = build_model(tiny(attention)).eval()
+    prompt = torch.randint(0, 61, (2, 5))
+    cache = model.new_cache(2, 20)
+    model(prompt, cache=cache)
+    assert cache.k[0].grad_fn is not None  # the premise: the buffers were written with a history
+    nodes = _graph_size(cache.k[0])
+    buffers = list(cache.k + cache.v)
+    for _ in range(3):
+        cache.reset()
+        assert all(t.grad_fn is None for t in cache.k + cache.v)
+        assert all(a is b for a, b in zip(cache.k + cache.v, buffers))  # the same tensors
+        model(prompt, cache=cache)
+        assert _graph_size(cache.k[0]) == nodes  # this prompt's graph alone, as in a fresh cache
+
+
+def _graph_size(t: torch.Tensor) -> int:
+    """The autograd nodes reachable from ``t``."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        f = todo.pop()
+        if f is not None and f not in seen:
+            seen.add(f)
+            todo.extend(g for g, _ in f.next_functions)
+    return len(seen)
+
 
 def test_a_reset_cache_takes_another_models_keys_as_a_fresh_one():
     """After reset, K/V of another layout (here DIFF after softmax: V of 2 heads of 16, not 4 of 8) get buffers of

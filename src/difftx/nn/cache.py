@@ -115,8 +115,10 @@ class KVCache:
         device from its buffer gets a new one, as a fresh cache would."""
         for layer, (k, v) in enumerate(zip(self.k, self.v)):
             if k is not None:
-                k.zero_()
-                v.zero_()
+                for t in (k, v):
+                    if t.grad_fn is not None:  # written with autograd on: drop the history of the earlier prompts
+                        t.detach_()  # (in place: the same tensors), else each reset kept every earlier graph alive
+                    t.zero_()
                 self._recycled[layer] = True
         self.length = 0
         self.padded = False
