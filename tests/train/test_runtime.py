@@ -81,6 +81,29 @@ def test_sigterm_checkpoints_and_resume_is_exact(tmp_path, corpus, cache):
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
 
 
+def test_threads_hold_for_the_run_and_the_callers_count_comes_back(tmp_path, corpus, cache):
+    """train(threads=N) ran torch.set_num_threads(N) and left it: a notebook or server that trained one run with
+    --threads 1 then evaluated and generated on one thread for the rest of the process.  The count holds during the
+    run and the caller's comes back after it, returned or raised."""
+    from difftx.errors import ConfigError
+    from difftx.train import train
+
+    seen = []
+
+    class Threads:
+        def on_step_end(self, trainer, row):
+            seen.append(torch.get_num_threads())
+
+    torch.set_num_threads(2)  # the caller's (tests run on one: the fixture restores it)
+    tcfg, mcfg = tiny(corpus, cache, steps=1, eval_every=0, threads=1)
+    train(tcfg, mcfg, tmp_path / "a", callbacks=[Threads()], announce=None)
+    assert seen == [1] and torch.get_num_threads() == 2
+    tcfg, mcfg = tiny(corpus, cache, steps=1, eval_every=0, threads=1, stop_at=5)  # refused after the threads are set
+    with pytest.raises(ConfigError, match="stop_at"):
+        train(tcfg, mcfg, tmp_path / "b", announce=None)
+    assert torch.get_num_threads() == 2
+
+
 def test_resume_from_a_checkpoint_into_a_new_directory(tmp_path, train_cli):
     assert train_cli("--steps", 4, "--checkpoint-every", 2, "--eval-every", 0, "--out", tmp_path / "a") == 0
     fork = tmp_path / "fork"

@@ -113,6 +113,8 @@ def run_job(study: StudyConfig, job: Job, out: Path, report: Report = lambda e: 
     tcfg = train_config(study, job)
     mcfg = study.model_config(job.arm, job.task)
     report({"event": "start", "job": job.key, "steps": job.steps})
+    if tcfg.threads:  # the job's measurements run on its training's threads (train() gives its caller's count back)
+        torch.set_num_threads(tcfg.threads)
     start = _resumed_step(run_dir)  # an interrupted job continues: this process trains only the rest
     cpu0, wall0 = time.process_time(), time.perf_counter()
     result = {"job": job.to_dict(), "label": job.arm.label, "params": None, "diverged": False}

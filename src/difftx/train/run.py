@@ -181,6 +181,7 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
             raise ConfigError("device", f"this run was saved with --device {saved}, and torch sees no GPU here; "
                                         "resume with --device cpu")
         device = saved
+    threads_before = torch.get_num_threads()  # --threads holds for the run: the caller's count comes back after it
     world = init_world(device)
     try:
         if resume is not None and world.world_size > 1:  # rank 0 puts back an interrupted re-save, then all resolve
@@ -288,6 +289,8 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
         return trainer.fit(resume_ckpt)
     finally:
         shutdown_world(world)
+        if torch.get_num_threads() != threads_before:
+            torch.set_num_threads(threads_before)
 
 
 def _saved_device(resume: Optional[str], out: Path) -> Optional[str]:
