@@ -245,3 +245,30 @@ def test_lambda_reparameterisation_and_readout():
     big = build_model(ModelConfig(attention="diff", d_model=512, n_heads=2, n_layers=2, lambda_std=0.1))
     sample = torch.cat([big.layers[0].attn.lambda_q1, big.layers[1].attn.lambda_k2])
     assert 0.08 < float(sample.detach().std()) < 0.12
+
+
+@pytest.mark.parametrize("backend,variant", [("eager", "auto"), ("sdpa", "fused"), ("sdpa", "2call")])
+def test_lambda_with_large_equal_exponents_is_finite(backend, variant):
+    """lq1 . lk1 = lq2 . lk2 = 100: each exp overflows float32 (past 88.7), but lambda = lambda_init exactly.
+    Computed in float32 it was inf - inf = NaN, and so was every output and input gradient of the layer."""
+    cfg = ModelConfig(attention="diff", d_model=32, n_heads=2, n_layers=3, qk_norm=False)
+    a = make_attention(cfg, 3)
+    with torch.no_grad():
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            getattr(a, name).fill_(math.sqrt(100.0 / cfg.head_dim))
+    lam = a.lambda_full().detach()
+    assert lam.dtype == torch.float32 and float(lam) == pytest.approx(lambda_init_for_layer(3), abs=1e-6)
+    ref = make_attention(cfg, 3).double()
+    ref.load_state_dict(a.state_dict())
+    ref.backend = "eager"
+    a.backend, a.diff_variant = backend, variant
+    x, _, positions = _inputs(cfg, padded=False)
+    rope = RotaryEmbedding(cfg.head_dim).cos_sin(positions)
+    mask = AttnMask(causal=True, n_q=N, n_k=N)
+    xf = x.detach().float().requires_grad_(True)
+    y = a(xf, rope, mask)
+    y.sum().backward()
+    assert torch.isfinite(y).all() and torch.isfinite(xf.grad).all()
+    with torch.no_grad():
+        expected = ref(x.detach(), tuple(t.double() for t in rope), mask)
+    torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-5)
