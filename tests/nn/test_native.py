@@ -31,6 +31,38 @@ def test_kernels_build_where_a_compiler_exists():
     assert native.status().startswith("on")
 
 
+def test_enabled_false_turns_off_the_bf16_product_kernels_too(monkeypatch):
+    """``native.ENABLED = False`` (what the tests compare the native path against) is the pure-torch path
+    everywhere: the AMX / AVX512-BF16 switches (bf16 linear layers, packed decoding weights, bf16 attention) said
+    yes from the loaded library's flags alone, so bf16 linear layers kept running on the dot-product kernels."""
+    monkeypatch.setattr(native, "library", lambda: object())  # a loaded library on a CPU with every bf16 kernel
+    monkeypatch.setattr(native, "_STATE", {"amx": True, "bf16_attention": True, "dot_linear": True})
+    monkeypatch.setattr(native, "ENABLED", True)
+    assert native.amx() and native.bf16_attention() and native.dot_linear()
+    monkeypatch.setattr(native, "ENABLED", False)
+    assert not native.amx() and not native.bf16_attention() and not native.dot_linear()
+
+
+@needs_native
+def test_enabled_false_calls_no_kernel_in_bf16_training_and_decoding(monkeypatch):
+    from difftx import ModelConfig, build_model
+
+    calls = []
+    for name in ("dot_mm", "dot_mm_sum", "dot_mm_t", "pack_wt", "pack_rows", "few_rows_linear", "diff_decode"):
+        real = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    monkeypatch.setattr(native, "ENABLED", False)
+    model = build_model(ModelConfig(d_model=32, n_layers=1, n_heads=2, vocab_size=32))
+    ids = torch.randint(0, 32, (2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids, targets=ids).loss.backward()
+        with torch.no_grad():
+            cache = model.new_cache(2, 9)
+            model(ids, cache=cache)
+            model(ids[:, :1], cache=cache)
+    assert calls == []
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,causal,diag0", [(2, True, 0), (2, True, 21), (1, True, 5), (2, False, -1), (1, False, -1)])

@@ -474,13 +474,13 @@ def swiglu_backward(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor):
 def amx() -> bool:
     """Whether AMX bf16 tiles run here: the kernels built for a CPU with them and allowed to use them (Linux
     grants the tile state per process; the kernel asks once)."""
-    return library() is not None and _STATE.get("amx", False)
+    return ENABLED and library() is not None and _STATE.get("amx", False)
 
 
 def bf16_attention() -> bool:
     """Whether the bfloat16 attention kernel runs here: its products on AMX tiles (:func:`amx`) or, without
     them, on AVX512-BF16 dot products (vdpbf16ps: AMD Zen 4, Intel Cooper Lake and later)."""
-    return library() is not None and _STATE.get("bf16_attention", False)
+    return ENABLED and library() is not None and _STATE.get("bf16_attention", False)
 
 
 def attention_backward_form(form: Optional[int] = None) -> int:
@@ -497,7 +497,7 @@ def attention_backward_form(form: Optional[int] = None) -> int:
 def dot_linear() -> bool:
     """Whether the bfloat16 training products of :class:`difftx.nn.linear.Linear` run on the native kernels'
     AVX512-BF16 dot products: here without AMX (with AMX they stay torch's GEMMs, see that module)."""
-    return library() is not None and _STATE.get("dot_linear", False)
+    return ENABLED and library() is not None and _STATE.get("dot_linear", False)
 
 
 def _packed_numel(k: int, n: int) -> int:
