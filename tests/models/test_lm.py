@@ -178,6 +178,31 @@ def test_a_reset_cache_drops_the_autograd_history_of_earlier_prompts(attention):
         assert _graph_size(cache.k[0]) == nodes  # this prompt's graph alone, as in a fresh cache
 
 
+@pytest.mark.parametrize("made_inside", [True, False])
+def test_a_cache_filled_under_inference_mode_is_reset_and_reused_outside_it(made_inside):
+    """A cache written under torch.inference_mode() (its buffers inference tensors; made there too, or not) then
+    reset and reused outside it: reset() raised torch's "Inplace update to inference tensor outside
+    InferenceMode"; now it behaves as a fresh cache (bitwise the same logits)."""
+    torch.manual_seed(0)
+    model = build_model(tiny("softmax")).eval()
+    prompt, other = torch.randint(0, 61, (2, 5)), torch.randint(0, 61, (2, 7))
+    if made_inside:
+        with torch.inference_mode():
+            cache = model.new_cache(2, 20)
+    else:
+        cache = model.new_cache(2, 20)
+    with torch.inference_mode():
+        model(prompt, cache=cache)
+    with torch.no_grad():
+        cache.reset()
+        got = model(other, cache=cache).logits
+        step = model(other[:, -1:], cache=cache).logits
+        fresh = model.new_cache(2, 20)
+        want = model(other, cache=fresh).logits
+        want_step = model(other[:, -1:], cache=fresh).logits
+    assert torch.equal(got, want) and torch.equal(step, want_step)
+
+
 def _graph_size(t: torch.Tensor) -> int:
     """The autograd nodes reachable from ``t``."""
     seen, todo = set(), [t.grad_fn]

@@ -33,6 +33,10 @@ class KVCache:
     ``packed``: the weights packed for bf16 decoding on CPUs with AVX512-BF16 and without AMX
     (:func:`difftx.nn.linear.packed_weights`): filled at the first bf16 call through the cache, half the float32
     weights' bytes, dropped by :meth:`reset` or with the cache.  Set it to None to decode on autocast's F.linear.
+
+    Gradients: each call writes its K/V into the buffers in place, so a backward through the logits of more than
+    one call over a cache raises torch's "modified by an inplace operation" error; train on whole sequences
+    without a cache (the cache is for inference).
     """
 
     def __init__(self, n_layers: int, batch_size: int, max_len: int, device=None, dtype=None):
@@ -112,7 +116,17 @@ class KVCache:
         """Empty the cache for a new prompt: it then behaves exactly as a freshly built one (no positions, no
         padding, every row's next position 0) while keeping its K/V buffers, zeroed in place (no reallocation, the
         same tensors for ``torch.compile`` and CUDA graphs).  A layer whose next K/V differ in shape, dtype or
-        device from its buffer gets a new one, as a fresh cache would."""
+        device from its buffer gets a new one, as a fresh cache would.  Buffers made under ``torch.inference_mode()``
+        cannot be written outside it: reset outside inference mode, such a cache gets new buffers."""
+        if not torch.is_inference_mode_enabled():
+            for layer, k in enumerate(self.k):
+                if k is not None and (k.is_inference() or self.v[layer].is_inference()):
+                    self.k[layer] = self.v[layer] = None  # allocated again at the layer's next write
+                    self._recycled[layer] = False
+            if self.key_valid.is_inference():
+                self.key_valid = self.key_valid.clone()
+            if self.next_position.is_inference():
+                self.next_position = self.next_position.clone()
         for layer, (k, v) in enumerate(zip(self.k, self.v)):
             if k is not None:
                 for t in (k, v):
