@@ -58,7 +58,10 @@ def test_sdist_and_wheel_carry_what_tests_and_runs_need(tmp_path):
         (tree / rel).write_bytes(b"junk")
 
     def build(kind, src, out):
-        code = f"from setuptools import build_meta as b; print(b.build_{kind}({str(out)!r}))"
+        # a setuptools deprecation in the build is a build that a later setuptools refuses: an error here
+        code = ("import warnings; from setuptools.warnings import SetuptoolsDeprecationWarning as W; "
+                "warnings.simplefilter('error', W); "
+                f"from setuptools import build_meta as b; print(b.build_{kind}({str(out)!r}))")
         p = subprocess.run([sys.executable, "-c", code], cwd=src, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
         return out / p.stdout.strip().splitlines()[-1]
