@@ -814,6 +814,39 @@ def test_model_decoding_takes_the_native_step_and_matches_the_torch_step(padded,
 
 
 @needs_native
+@pytest.mark.parametrize("attention", ["softmax", "diff", "diff2"])
+def test_a_decoding_step_with_autograd_on_keeps_its_gradients(attention, monkeypatch):
+    """The native decoding step has no backward: a step taken with autograd on (a prefill without gradients, then
+    one step whose logits are differentiated) runs the torch step, and its parameter gradients are the pure-torch
+    ones (the query projection's included, which only the attention's output reaches)."""
+    from difftx import ModelConfig, build_model
+
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
+                      attention=attention)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    prompt = torch.randint(0, 64, (2, 9))
+
+    def step_grads(use_native):
+        monkeypatch.setattr(native, "ENABLED", use_native)
+        model.zero_grad(set_to_none=True)
+        cache = model.new_cache(2, 12)
+        with torch.no_grad():
+            model(prompt, cache=cache)
+        logits = model(prompt[:, -1:], cache=cache).logits
+        (logits.double() ** 2).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref = step_grads(False)
+    got = step_grads(True)
+    q_proj = next(n for n in ref if "attn" in n and ("q_proj" in n or "qkv" in n))
+    assert set(got) == set(ref), sorted(set(ref) ^ set(got))
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5 * ref[n].abs().max().item(), rtol=1e-5, msg=n)
+    assert ref[q_proj].abs().max() > 0
+
+
+@needs_native
 @pytest.mark.parametrize("attention", ["diff", "diff2", "softmax"])
 def test_native_decoding_applies_a_one_row_key_valid_to_every_sequence(attention, monkeypatch):
     """AttnMask takes key_valid with one row for the whole batch; the native decoding step masks every
