@@ -178,11 +178,13 @@ def test_a_reset_cache_drops_the_autograd_history_of_earlier_prompts(attention):
         assert _graph_size(cache.k[0]) == nodes  # this prompt's graph alone, as in a fresh cache
 
 
+@pytest.mark.parametrize("reset_inside_first", [False, True])
 @pytest.mark.parametrize("made_inside", [True, False])
-def test_a_cache_filled_under_inference_mode_is_reset_and_reused_outside_it(made_inside):
+def test_a_cache_filled_under_inference_mode_is_reset_and_reused_outside_it(made_inside, reset_inside_first):
     """A cache written under torch.inference_mode() (its buffers inference tensors; made there too, or not) then
     reset and reused outside it: reset() raised torch's "Inplace update to inference tensor outside
-    InferenceMode"; now it behaves as a fresh cache (bitwise the same logits)."""
+    InferenceMode"; now it behaves as a fresh cache (bitwise the same logits).  ``reset_inside_first``: the
+    generation loop reset it under inference mode too (its buffers then kept for reuse) before the reset outside."""
     torch.manual_seed(0)
     model = build_model(tiny("softmax")).eval()
     prompt, other = torch.randint(0, 61, (2, 5)), torch.randint(0, 61, (2, 7))
@@ -193,6 +195,8 @@ def test_a_cache_filled_under_inference_mode_is_reset_and_reused_outside_it(made
         cache = model.new_cache(2, 20)
     with torch.inference_mode():
         model(prompt, cache=cache)
+        if reset_inside_first:
+            cache.reset()
     with torch.no_grad():
         cache.reset()
         got = model(other, cache=cache).logits
