@@ -278,3 +278,36 @@ def test_a_config_error_names_the_option_the_user_typed(capsys, tmp_path):
     # --set n_heads=7 is at fault, but the field named is d_model, which the user did not give: kept as it is
     assert err("info", "small", "--set", "n_heads=7").startswith("difftx info: error: d_model: ")
     assert not out.exists()
+
+
+def test_an_in_process_command_leaves_the_callers_sigterm_handling_as_it_was(monkeypatch, capsys):
+    """``difftx.cli.main`` handles SIGTERM as Ctrl-C while a command runs (exit 143), then gives the process its
+    SIGTERM handling back: the default (a later SIGTERM ends a notebook or a server that called it, not a stray
+    KeyboardInterrupt), or a handler of the caller's own, which keeps getting SIGTERM during the command."""
+    import signal
+
+    import difftx.cli.info as info
+    from difftx.cli import main
+
+    real = info.run
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    monkeypatch.setattr(info, "run", lambda args: signal.raise_signal(signal.SIGTERM))
+    assert main(["info", "small"]) == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    monkeypatch.setattr(info, "run", real)
+    assert main(["info", "small", "--json"]) == 0
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+    got = []
+
+    def own(signum, frame):
+        got.append(signum)
+
+    old = signal.signal(signal.SIGTERM, own)
+    try:
+        monkeypatch.setattr(info, "run", lambda args: signal.raise_signal(signal.SIGTERM))
+        assert main(["info", "small"]) == 0
+        assert got == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is own
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    capsys.readouterr()
