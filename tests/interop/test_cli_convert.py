@@ -921,13 +921,14 @@ def test_a_hugging_face_write_that_fails_midway_leaves_the_earlier_directory_as_
 
 
 @pytest.mark.parametrize("failure", ["interrupt", "full-disk"])
-@pytest.mark.parametrize("dst_exists", [False, True])
+@pytest.mark.parametrize("dst_exists", [False, True, "under_new_parents"])
 def test_a_convert_that_stops_while_copying_the_tokenizer_leaves_no_half_model(failure, dst_exists, tmp_path,
                                                                               capsys, monkeypatch):
     """The model files were written atomically straight into DST, then the tokenizer copied with shutil.copyfile:
     Ctrl-C (or a full disk) during that copy left a complete-looking model with a truncated tokenizer.json (or
     none), and a rerun was refused as 'directory is not empty'.  Now a convert that fails leaves DST as it found
-    it (no DST, or the empty directory), so the same command simply runs again."""
+    it (no DST, or the empty directory), so the same command simply runs again; a DST under directories that the
+    convert made goes with them."""
     import errno
     import shutil
 
@@ -936,7 +937,8 @@ def test_a_convert_that_stops_while_copying_the_tokenizer_leaves_no_half_model(f
     src = tmp_path / "src"
     difftx.save_model(difftx_model(), src)
     ByteTokenizer().save(src)
-    dst = tmp_path / "dst"
+    dst = tmp_path / "new" / "deeper" / "dst" if dst_exists == "under_new_parents" else tmp_path / "dst"
+    dst_exists = dst_exists is True
     if dst_exists:
         dst.mkdir()
     copyfile = shutil.copyfile
