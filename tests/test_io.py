@@ -207,7 +207,7 @@ def test_save_model_refuses_a_tokenizer_that_does_not_fit_and_writes_nothing(tok
     assert not (tmp_path / "m").exists() or not any((tmp_path / "m").iterdir())
 
 
-@pytest.mark.parametrize("change", ["prune", "weight_norm", "quantize_dynamic"])
+@pytest.mark.parametrize("change", ["prune", "weight_norm", "quantize_dynamic", "extra_tensor", "missing_tensor"])
 @pytest.mark.parametrize("save", ["save_model", "hf-difftx", "hf-diffllama"])
 def test_saving_a_model_whose_tensors_a_parametrization_or_pruning_renamed_is_one_clear_error(tmp_path, change, save):
     """prune / parametrize / peft's LoRA / quantize_dynamic rename a module's tensors (weight_orig + weight_mask,
@@ -224,6 +224,10 @@ def test_saving_a_model_whose_tensors_a_parametrization_or_pruning_renamed_is_on
         prune.l1_unstructured(q, "weight", amount=0.5)
     elif change == "weight_norm":
         torch.nn.utils.parametrizations.weight_norm(q)
+    elif change == "extra_tensor":  # a tensor added beside the model's own (an adapter's scale): no name missing
+        q.register_buffer("adapter_scale", torch.ones(1))
+    elif change == "missing_tensor":  # a norm swapped for one without a weight: no name added
+        model.layers[0].attn_norm = torch.nn.Identity()
     else:
         model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)  # lm_head
     with pytest.raises(DifftxError, match="make them plain first"):
