@@ -272,6 +272,50 @@ def test_a_study_figure_that_fails_midway_keeps_the_earlier_figure(failure, tmp_
     assert (tmp_path / "cost.png").read_bytes().startswith(b"\x89PNG") and len(list(tmp_path.iterdir())) == 1
 
 
+def test_a_study_figure_interrupted_while_its_bytes_are_written_keeps_the_earlier_figure(tmp_path, monkeypatch):
+    """The figure is drawn in memory, then written: Ctrl-C midway through writing its bytes leaves the earlier
+    figure whole under its name (and no temporary file), not half a new one."""
+    import io
+
+    pytest.importorskip("matplotlib")
+    from difftx.analysis.plots import _figure, _save
+
+    fig = _figure(2, 2)
+    fig.subplots().plot([0, 1], [1, 0])
+    fig.savefig(io.BytesIO(), format="png")  # drawn once first: font caches and the like are not this write
+    (tmp_path / "cost.png").write_bytes(b"an earlier figure")
+    real_open = io.open
+
+    class StopsMidway:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            self.f.write(bytes(data)[: len(data) // 2])
+            self.f.flush()
+            raise KeyboardInterrupt
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+    def open_that_stops(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return StopsMidway(f) if "w" in mode or "a" in mode or "+" in mode else f
+
+    monkeypatch.setattr(io, "open", open_that_stops)
+    with pytest.raises(KeyboardInterrupt):
+        _save(fig, tmp_path / "cost.png")
+    monkeypatch.undo()
+    assert (tmp_path / "cost.png").read_bytes() == b"an earlier figure"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cost.png"]
+
+
 @pytest.mark.parametrize("where", ["fsync", "mkstemp"])
 def test_a_failed_atomic_write_names_the_file_it_was_for(where, tmp_path, monkeypatch, capsys):
     """A full disk during an evaluation's write said only "difftx eval: error: No space left on device; check the
