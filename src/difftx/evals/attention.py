@@ -128,7 +128,8 @@ def allocation(model, samples: Sequence[NiahSample], normalize: str = "l1",
     layers = sorted(probe.shares)
     per_layer = {layer: torch.cat(probe.shares[layer]).mean(0) for layer in layers}  # (R,)
     mass = {layer: float(torch.cat(probe.mass[layer]).mean()) for layer in layers}
-    mean = torch.stack([per_layer[layer] for layer in layers]).mean(0)
+    # in float64: the mean of the float32 values reported per layer, not a float32 sum's rounding of it
+    mean = torch.stack([per_layer[layer] for layer in layers]).double().mean(0)
     return {
         "mean": dict(zip(REGION_NAMES, mean.tolist())),
         "by_layer": [{"layer": layer, "row_mass": mass[layer], **dict(zip(REGION_NAMES, per_layer[layer].tolist()))}
