@@ -101,9 +101,7 @@ class AttentionBase(nn.Module):
     def _qk(self, t: torch.Tensor, rope) -> torch.Tensor:
         """RoPE on (B, H, N, d), or DIFF's (B, 2, H, N, d) (maps first), after :meth:`_qk_norm`."""
         if rope is not None and self.rope_style is not None:
-            cos, sin = rope
-            if t.dim() == 5:  # one more head axis
-                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            cos, sin = rope  # (B|1, 1, N, d/2): apply_rope lines them up with DIFF's maps axis itself
             t = apply_rope(t, cos, sin, self.rope_style)
         return t
 
@@ -344,8 +342,7 @@ class DifferentialAttention(AttentionBase):
             kk, v = cache.update(self.layer - 1, _cache_keys(k, isinstance(cache, KVCache)), v)
             k = _cached_keys(kk, b, hk, d)
             if isinstance(cache, KVCache) and fresh is None:  # its whole static buffers (fused decoding)
-                kb, vb = cache.k[self.layer - 1], cache.v[self.layer - 1]
-                kv_buffers = _cached_keys(kb, b, hk, d), vb
+                kv_buffers = cache
                 decode_gqa = t == 1 and kk.shape[1] == hk  # the paired layout: one GQA flash call
             elif fresh is not None:  # prefill into an empty cache: the keys as computed, not strided buffers
                 k, v = fresh
@@ -364,7 +361,8 @@ class DifferentialAttention(AttentionBase):
         if fast and decode_gqa:
             o = backends.diff_decode_paired(q, kk, v, mask, self.scale, lam)  # (B, 1, h, 2d)
         elif backend == "sdpa" and variant == "fused":
-            kf, vf = kv_buffers if kv_buffers is not None else (k, v)
+            kf, vf = (k, v) if kv_buffers is None else \
+                (_cached_keys(kv_buffers.k[self.layer - 1], b, hk, d), kv_buffers.v[self.layer - 1])
             o = backends.fused_attention(q, kf, vf, mask, self.scale, lam)  # (B, N, h, 2d)
         else:
             q1, q2, k1, k2 = q[:, 0], q[:, 1], k[:, 0], k[:, 1]

@@ -117,7 +117,11 @@ def _native_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: s
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
     """Rotate ``x`` of shape (B, H, N, d) (or (B, M, H, N, d)) by the angles in cos/sin (B|1, 1, N, d/2)."""
     out = _native_rope(x, cos, sin, style) if x.device.type == "cpu" else None
-    return out if out is not None else _rope_torch(x, cos, sin, style)
+    if out is not None:
+        return out
+    if x.dim() == 5 and cos.dim() == 4:  # DIFF's (B, 2, h, N, d): the angles broadcast over the maps axis too
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return _rope_torch(x, cos, sin, style)
 
 
 def _rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
