@@ -730,23 +730,25 @@ def test_softmax_decode_kernel_matches_float64(dtype, h, hk, padded, d):
 
 
 @needs_native
-@pytest.mark.parametrize("attention,qk_norm", [("softmax", False), ("softmax", True)])
+@pytest.mark.parametrize("attention,qk_norm", [("diff", False), ("softmax", False), ("softmax", True)])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("bf16", [True, False])
-def test_softmax_decoding_takes_the_native_step_and_matches_the_torch_step(attention, qk_norm, padded, bf16,
-                                                                           monkeypatch):
-    """Transformer (and DNT-style QK-normed) decoding steps take the one-map native kernel, one call a layer
-    and step, and give the torch step's logits; asking for the sdpa variant keeps SDPA."""
+def test_model_decoding_takes_the_native_step_and_matches_the_torch_step(attention, qk_norm, padded, bf16,
+                                                                         monkeypatch):
+    """Decoding with the native step, one call a layer and step, gives the torch step's logits (bf16: to bf16
+    rounding; fp32: to float32 rounding).  DIFF: the paired bf16 cache, the (B, 2 h_kv, T, d) fp32 one; softmax
+    attention (the Transformer's, and DNT's QK-normed): the kernel's one-map case.  Asking for the sdpa variant
+    keeps the torch step."""
     from difftx import ModelConfig, build_model
 
-    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                      attention=attention, qk_norm=qk_norm)
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, attention=attention,
+                      qk_norm=qk_norm)
     torch.manual_seed(0)
     model = build_model(cfg).eval()
     prompt = torch.randint(0, 64, (2, 9))
     valid = torch.ones(2, 9, dtype=torch.bool)
     if padded:
-        valid[1, :3] = False
+        valid[1, :3] = False  # left padding, remembered by the cache
     calls = []
     real = native.diff_decode
     monkeypatch.setattr(native, "diff_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -772,45 +774,6 @@ def test_softmax_decoding_takes_the_native_step_and_matches_the_torch_step(atten
     tol = 0.05 if bf16 else 1e-5
     torch.testing.assert_close(a, b, atol=tol * b.abs().max().item(), rtol=tol)
     torch.testing.assert_close(a, c, atol=tol * c.abs().max().item(), rtol=tol)
-
-
-@needs_native
-@pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("bf16", [True, False])
-def test_model_decoding_takes_the_native_step_and_matches_the_torch_step(padded, bf16, monkeypatch):
-    """DIFF decoding with the native step gives the torch step's logits (bf16: to bf16 rounding; the
-    paired cache; fp32: to float32 rounding, the (B, 2 h_kv, T, d) cache)."""
-    from difftx import ModelConfig, build_model
-
-    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, attention="diff")
-    torch.manual_seed(0)
-    model = build_model(cfg).eval()
-    prompt = torch.randint(0, 64, (2, 9))
-    valid = torch.ones(2, 9, dtype=torch.bool)
-    if padded:
-        valid[1, :3] = False  # left padding, remembered by the cache
-    calls = []
-    real = native.diff_decode
-    monkeypatch.setattr(native, "diff_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-
-    def decode(use_native):
-        monkeypatch.setattr(native, "ENABLED", use_native)
-        cache = model.new_cache(2, 12)
-        outs = []
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            model(prompt, cache=cache, attention_mask=valid)
-            tok = prompt[:, -1:]
-            for _ in range(3):
-                logits = model(tok, cache=cache).logits
-                outs.append(logits.float())
-        return torch.cat(outs, 1)
-
-    a = decode(True)
-    assert len(calls) == 3 * cfg.n_layers
-    b = decode(False)
-    assert len(calls) == 3 * cfg.n_layers
-    tol = 0.05 if bf16 else 1e-5
-    torch.testing.assert_close(a, b, atol=tol * b.abs().max().item(), rtol=tol)
 
 
 @needs_native
