@@ -640,6 +640,32 @@ def test_fused_rms_norm_matches_functional_float64():
     torch.testing.assert_close(a, b, atol=1e-14, rtol=1e-12)
 
 
+@pytest.mark.skipif(not any(__import__("shutil").which(c) for c in ("g++", "c++", "clang++")),
+                    reason="inductor builds its CPU kernels with a C++ compiler")
+@pytest.mark.parametrize("attention,dtype", [("softmax", "fp32"), ("diff", "fp32"), ("diff2", "bf16")])
+def test_cached_decoding_compiles_with_inductor(attention, dtype):
+    """torch.compile (inductor) of a model decoding over a KV cache, the default attention variant: its steps
+    give the eager steps' logits.  The decoding step took the native kernel (a ctypes call) or the fused kernel
+    (a compiler-disabled island) inside the graph, and after that break inductor failed on the cache's dynamic
+    length ("name 's29' is not defined"); compiled steps now run on SDPA."""
+    torch.manual_seed(0)
+    m = build_model(ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, head_dim=32, attention=attention))
+    m.eval()
+    ids = torch.randint(0, 64, (2, 8))
+    torch._dynamo.reset()
+    compiled = torch.compile(m)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        cache = m.new_cache(2, 16)
+        m(ids, cache=cache)
+        want = [m(ids[:, i:i + 1], cache=cache).logits.float() for i in range(4)]
+        cache = m.new_cache(2, 16)
+        compiled(ids, cache=cache)
+        got = [compiled(ids[:, i:i + 1], cache=cache).logits.float() for i in range(4)]  # dynamic from the 2nd
+    tol = 2e-2 if dtype == "bf16" else 1e-5
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=tol * w.abs().max().item(), rtol=tol)
+
+
 @pytest.mark.parametrize("attention", ["softmax", "diff"])
 def test_models_trace_under_torch_compile(attention):
     """Dynamo traces the model around the fused CPU kernel (an eager island), forward and backward,

@@ -29,7 +29,7 @@ from torch import nn
 from . import backends
 from .cache import KVCache
 from .fused import rms_norm
-from .linear import Linear, autocast_on, functorch_active, no_autocast, no_hooks, plain_layer, project
+from .linear import Linear, autocast_on, functorch_active, no_autocast, no_hooks, plain_layer, project, traced
 from .mask import AttnMask
 from .norms import RMSNorm, make_norm, upcast
 from .rope import apply_rope
@@ -111,16 +111,24 @@ class AttentionBase(nn.Module):
     def _dropout_p(self) -> float:
         return self.dropout if self.training else 0.0
 
-    def _attend(self, q, k, v, mask: AttnMask) -> torch.Tensor:
-        """Plain softmax attention through the chosen backend: (B, H, N, d)."""
+    def _attend(self, q, k, v, mask: AttnMask, compiled_step: bool = False) -> torch.Tensor:
+        """Plain softmax attention through the chosen backend: (B, H, N, d).  ``compiled_step``: see
+        :func:`_compiled_step`."""
         backend, p = self._backend(q.device), self._dropout_p()
         if backend == "eager":
             return backends.eager_attention(q, k, v, mask, self.scale, p, self.probe, self.layer)
         if backend == "flex":
             return backends.flex(q, k, v, mask, self.scale)
-        if backends.resolve_softmax_variant(self.diff_variant, q, p) == "fused":
+        if not compiled_step and backends.resolve_softmax_variant(self.diff_variant, q, p) == "fused":
             return backends.fused_attention(q[:, None], k[:, None], v, mask, self.scale).transpose(1, 2)
         return backends.sdpa(q, k, v, mask, self.scale, p)
+
+
+def _compiled_step(cache, n_queries: int) -> bool:
+    """A one-query decoding step under torch.compile: it takes SDPA, not the fused kernel, which is a
+    compiler-disabled island (a graph break; with the cache's length as a dynamic size, inductor then failed to
+    compile the step: "name 's29' is not defined", torch 2.13).  One query gains nothing from the fused kernel."""
+    return n_queries == 1 and cache is not None and cache.length > 0 and traced()
 
 
 def _heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
@@ -202,7 +210,7 @@ class SoftmaxAttention(AttentionBase):
             o = backends.native_diff_decode(q[:, None], k[:, None], v, mask, self.scale, 0.0, False, None, 1.0,
                                             0.0, out_dtype)  # (B, 1, H, d)
             return self.out_proj(o.reshape(x.shape[0], 1, self.n_heads * d))
-        return self.out_proj(_merge(self._attend(q, k, v, mask)))
+        return self.out_proj(_merge(self._attend(q, k, v, mask, _compiled_step(cache, q.shape[2]))))
 
     def _native_decode(self, q, k, v, mask: AttnMask, out_dtype: torch.dtype) -> bool:
         """Whether a one-query decoding step takes the native kernel: the sdpa backend (no probe, no dropout)
@@ -268,7 +276,7 @@ class DifferentialAttention(AttentionBase):
         again.  Changes that bypass the version counters (``.data``, torch's fused
         optimisers) are not seen: reset the cache after them.
         """
-        if torch.is_grad_enabled() or cache is None:
+        if torch.is_grad_enabled() or cache is None or traced():  # compiled: part of the graph, no memo to guard on
             if cache is not None and not decoding:  # a new generation: a memo of the cache's last one is stale
                 self._lambda_memo = None
             return self.lambda_full()
@@ -349,6 +357,8 @@ class DifferentialAttention(AttentionBase):
         lam = self._lambda(cache, decoding)
         backend, p = self._backend(q.device), self._dropout_p()
         variant = backends.resolve_diff_variant(self.diff_variant, q.device, p, q.dtype)
+        if variant == "fused" and _compiled_step(cache, t):
+            variant = "2call"
         out_dtype = _out_dtype(x)
         fast = backend == "sdpa" and variant == "fused" and not torch.is_grad_enabled()
         plain_norm = self.head_norm is None or (type(self.head_norm) is RMSNorm and no_hooks(self.head_norm))
@@ -436,11 +446,12 @@ class DiffV2Attention(AttentionBase):
             return self.out_proj(o.reshape(b, n, -1))
         if backend == "eager":
             o = backends.eager_v2_attention(q, k, v, lam, mask, self.scale, p, self.probe, self.layer)
-        elif backend == "sdpa" and backends.resolve_v2_variant(self.diff_variant, q, p) == "fused":
+        elif (backend == "sdpa" and backends.resolve_v2_variant(self.diff_variant, q, p) == "fused"
+              and not _compiled_step(cache, n)):
             o = backends.fused_attention(qs, k[:, None], v, mask, self.scale, lam)  # (B, N, h, d); K read by both maps
             return self.out_proj(o.reshape(b, n, -1).to(_out_dtype(x)))
         else:
-            o = self._attend(q, k, v, mask)
+            o = self._attend(q, k, v, mask, _compiled_step(cache, n))
             o = upcast(o[:, 0::2]) - lam * upcast(o[:, 1::2])
         return self.out_proj(_merge(o.to(x.dtype)))
 

@@ -244,9 +244,12 @@ def diff_decode_paired(q, kk, v, mask: AttnMask, scale: float, lam: torch.Tensor
 def native_diff_decode_ok(q, k, v, mask: AttnMask, out_dtype: torch.dtype) -> bool:
     """Whether :func:`native_diff_decode` takes this decoding step: one causal query over a cache's
     keys ``k`` (B, 2, h_kv, T, d) in float32 or bfloat16 on the CPU, the native kernels built
-    (difftx.nn.native) and not switched off."""
+    (difftx.nn.native) and not switched off; not under torch.compile (a ctypes call is no graph op: inductor
+    failed to compile the decoding step around it) or a torch.func transform."""
     from . import native
 
+    if traced():
+        return False
     ok = (torch.float32, torch.bfloat16)
     return (q.dtype in ok and k.dtype == v.dtype == q.dtype and out_dtype in ok and mask.causal
             and mask.n_q == 1 and k.shape[3] == mask.n_k and mask.q_start == mask.n_k - 1
