@@ -342,7 +342,7 @@ class DifferentialAttention(AttentionBase):
         q = self._qk(self._stack(_heads(self._qk_norm(qp, self.q_norm, d), 2 * h, d), h), rope)  # (B, 2, h, N, d)
         k = self._qk(self._stack(_heads(self._qk_norm(kp, self.k_norm, d), 2 * hk, d), hk), rope)
         v = self._value(vp)  # (B, h_kv, N, 2d)
-        kv_buffers = None
+        read_buffers = False  # the fused path reads the cache's whole static buffers
         decode_gqa = False
         decoding = cache is not None and cache.length > 0
         if cache is not None:
@@ -350,7 +350,7 @@ class DifferentialAttention(AttentionBase):
             kk, v = cache.update(self.layer - 1, _cache_keys(k, isinstance(cache, KVCache)), v)
             k = _cached_keys(kk, b, hk, d)
             if isinstance(cache, KVCache) and fresh is None:  # its whole static buffers (fused decoding)
-                kv_buffers = cache
+                read_buffers = True
                 decode_gqa = t == 1 and kk.shape[1] == hk  # the paired layout: one GQA flash call
             elif fresh is not None:  # prefill into an empty cache: the keys as computed, not strided buffers
                 k, v = fresh
@@ -371,8 +371,8 @@ class DifferentialAttention(AttentionBase):
         if fast and decode_gqa:
             o = backends.diff_decode_paired(q, kk, v, mask, self.scale, lam)  # (B, 1, h, 2d)
         elif backend == "sdpa" and variant == "fused":
-            kf, vf = (k, v) if kv_buffers is None else \
-                (_cached_keys(kv_buffers.k[self.layer - 1], b, hk, d), kv_buffers.v[self.layer - 1])
+            kf, vf = (k, v) if not read_buffers else \
+                (_cached_keys(cache.k[self.layer - 1], b, hk, d), cache.v[self.layer - 1])
             o = backends.fused_attention(q, kf, vf, mask, self.scale, lam)  # (B, N, h, 2d)
         else:
             q1, q2, k1, k2 = q[:, 0], q[:, 1], k[:, 0], k[:, 1]

@@ -846,8 +846,7 @@ def diff_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: Option
     ks, vs = k.stride(), v.stride()
     library().difftx_diff_decode(
         qc.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(vm), out.data_ptr(), int(q.dtype == torch.bfloat16),
-        int(out_dtype == torch.bfloat16), m, b, h, hk, t, d, dv, ks[0], ks[2], ks[3], ks[1] if m == 2 else 0,
-        vs[0], vs[1], vs[2],
+        int(out_dtype == torch.bfloat16), m, b, h, hk, t, d, dv, ks[0], ks[2], ks[3], ks[1], vs[0], vs[1], vs[2],
         float(scale), 0.0 if lam_bh is not None else float(lam), _ptr(lam_bh), int(norm), _ptr(wg), float(gain),
         float(eps), torch.get_num_threads())
     return out
