@@ -160,6 +160,16 @@ def test_long_context_bytes_per_token_count_every_sequence_of_the_batch():
             assert two["peak_bytes_per_token"] == pytest.approx(one["peak_bytes_per_token"], rel=0.1)
 
 
+def test_long_context_with_every_cell_left_out_returns_no_rows():
+    """Only eager asked for, at lengths past eager_max: every cell is skipped and the result has no rows (the
+    memory method, set only by a measured cell, was read unbound: UnboundLocalError)."""
+    from difftx.benchmarking.long_context import attention_scaling, markdown
+
+    res = attention_scaling([64], preset="nano", dtype="fp32", variants=("eager",), eager_max=32, log=lambda s: None)
+    assert res["rows"] == [] and res["growth"] == {} and res["memory_method"] is None
+    assert "| N | variant |" in markdown(res)
+
+
 def test_bench_seq_len_past_learned_positions_makes_no_out_dir(capsys, tmp_path):
     """A --seq-len longer than a learned-position preset allows is refused before --out is created."""
     from difftx.cli import main

@@ -85,7 +85,7 @@ def attention_scaling(lengths: list[int], preset: str = "small", batch: int = 1,
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     scale = cfg.head_dim ** -0.5
-    rows = []
+    rows, method = [], None  # method: how the peaks were measured (None when no cell ran)
     for n in lengths:
         for variant in variants:
             if variant == "eager" and n > eager_max:
