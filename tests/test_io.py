@@ -400,3 +400,14 @@ def test_save_hf_of_a_state_dict_without_its_config_is_one_clear_error(tmp_path)
     assert not (tmp_path / "m").exists()
     save_hf(model.state_dict(), tmp_path / "m", "hf-difftx", cfg=model.config)
     assert (tmp_path / "m" / "config.json").exists()
+
+
+def test_clean_state_dict_strips_every_wrapper_level_and_nothing_else():
+    """Wrapper names are whole key parts at any depth (FSDP1 nests one per block); "module." was stripped first and
+    anywhere, so "_fsdp_wrapped_module." became "_fsdp_wrapped_" and a part merely ending in "module" lost it."""
+    from difftx.io import clean_state_dict
+
+    sd = {"_orig_mod.module.layers.0.attn.w": 1, "_fsdp_wrapped_module.layers.1._fsdp_wrapped_module.ffn.w": 2,
+          "module.layers.2.submodule.w": 3, "layers.3.module.w": 4}
+    assert list(clean_state_dict(sd).items()) == [("layers.0.attn.w", 1), ("layers.1.ffn.w", 2),
+                                                   ("layers.2.submodule.w", 3), ("layers.3.w", 4)]

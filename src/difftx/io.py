@@ -49,13 +49,9 @@ def register_resolver(fn: Callable) -> Callable:
 
 
 def clean_state_dict(sd: dict) -> dict:
-    """Strip torch.compile / DDP / FSDP wrapper prefixes from keys."""
-    out = {}
-    for k, v in sd.items():
-        for prefix in ("_orig_mod.", "module.", "_fsdp_wrapped_module."):
-            k = k.replace(prefix, "")
-        out[k] = v
-    return out
+    """Strip torch.compile / DDP / FSDP wrapper prefixes from keys (whole key parts, at any depth)."""
+    wrappers = ("_orig_mod", "module", "_fsdp_wrapped_module")
+    return {".".join(part for part in k.split(".") if part not in wrappers): v for k, v in sd.items()}
 
 
 _UMASK = os.umask(0o022)
