@@ -660,3 +660,30 @@ def test_a_bench_write_that_fails_midway_keeps_the_earlier_pair(tmp_path, monkey
     assert (tmp_path / "long_context.md").read_text() == "table of run 1\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "bench.md", "long_context.json",
                                                           "long_context.md"]
+
+
+def test_bench_restores_the_callers_thread_count(tmp_path, monkeypatch):
+    """run_bench(threads=N) and bench --long-context --threads N set torch's thread count and left it in the calling
+    process; each runs on its count and the caller's comes back after it, returned or raised."""
+    import torch
+
+    from difftx.benchmarking import long_context, speed
+    from difftx.cli import main
+    from difftx.errors import ConfigError
+
+    seen = []
+
+    def stop(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        raise ConfigError("stop", "here")
+
+    monkeypatch.setattr(speed, "build_arms", stop)
+    monkeypatch.setattr(long_context, "attention_scaling", stop)
+    torch.set_num_threads(2)  # the caller's (the autouse fixture restores the test process's own)
+    with pytest.raises(ConfigError, match="here"):
+        speed.run_bench(speed.BenchConfig(preset="nano", seq_len=32, batch_size=2, decode_tokens=4, threads=1),
+                        log=lambda s: None)
+    assert seen == [1] and torch.get_num_threads() == 2
+    assert main(["bench", "--long-context", "--quick", "--lengths", "32", "--threads", "1",
+                 "--out", str(tmp_path)]) == 2
+    assert seen == [1, 1] and torch.get_num_threads() == 2

@@ -94,6 +94,26 @@ def keep_freed_memory() -> bool:
     return _applied
 
 
+def keeps_threads(fn):
+    """``fn``, with torch's thread count put back as the caller had it when ``fn`` returns or raises: for the entry
+    points a caller may run in its own process (``run_bench``, ``run_study``, ``main(["grads", ...])``) that set the
+    count for their work (``--threads``), as :func:`difftx.train.train` does."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        import torch
+
+        before = torch.get_num_threads()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
+
+    return wrapper
+
+
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity mask where the OS has one, else the CPU count)."""
     try:

@@ -500,3 +500,16 @@ def test_grads_force_interrupted_midway_leaves_no_earlier_report_beside_new_resu
     assert json.loads((out / "flow.json").read_text())  # this run's
     assert (out / "tails.json").read_text() == "an earlier run's"
     assert not (out / "report.md").exists()
+
+
+def test_grads_restores_the_callers_thread_count(tmp_path, monkeypatch):
+    """grads set torch's thread count (--threads, or one for a small model) and left it in a process that called
+    main(["grads", ...]); the study runs on its count and the caller's comes back after it."""
+    from difftx.cli import grads
+
+    seen = []
+    monkeypatch.setattr(grads, "_flow_section", lambda st: seen.append(torch.get_num_threads()))
+    torch.set_num_threads(2)  # the caller's (the autouse fixture restores the test process's own)
+    assert main(["grads", "--out", str(tmp_path / "g"), *tiny(["--only", "flow"]), "--only", "flow",
+                 "--threads", "1"]) == 0
+    assert seen == [1] and torch.get_num_threads() == 2

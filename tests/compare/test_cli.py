@@ -489,3 +489,28 @@ def test_mqar_too_long_for_the_retrieval_length_names_the_compare_flag(compare, 
     from difftx.compare.runner import check_inputs
 
     check_inputs(StudyConfig(retrieval="mqar", retrieval_seq_len=24, steps=1))  # the length it names is enough
+
+
+def test_run_study_restores_the_callers_thread_count(tmp_path, monkeypatch):
+    """run_study with --threads and one worker set torch's thread count in the calling process and left it: a
+    notebook that ran a study with threads=1 went on with one thread.  The study's jobs run on its count and the
+    caller's comes back after it, returned or raised."""
+    import torch
+
+    from difftx.compare import run_study
+    from difftx.compare.runner import Executor
+    from difftx.errors import DataError
+
+    seen = []
+
+    def run(self, jobs, progress):
+        seen.append(torch.get_num_threads())
+        raise DataError("stop here")
+
+    monkeypatch.setattr(Executor, "run", run)
+    torch.set_num_threads(2)  # the caller's (the autouse fixture restores the test process's own)
+    study = StudyConfig(arms=["transformer:adamw"], seeds=1, steps=2, retrieval="none", model={"n_layers": 1},
+                        workers=1, threads=1, device="cpu")
+    with pytest.raises(DataError, match="stop here"):
+        run_study(study, tmp_path / "out", progress=False)
+    assert seen == [1] and torch.get_num_threads() == 2

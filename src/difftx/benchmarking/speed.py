@@ -47,7 +47,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..models import build_model
 from ..optim import build_optimizer
-from ..runtime import SLOW_BF16, keep_freed_memory, native_bf16_matmul, resolve_device
+from ..runtime import SLOW_BF16, keep_freed_memory, keeps_threads, native_bf16_matmul, resolve_device
 from .memory import peak_live_bytes
 
 ARMS = {  # name -> ModelConfig.from_preset overrides (the matched twins of the preset, whatever its own kind)
@@ -484,6 +484,7 @@ def _interleaved(arms: list, repeats: int, warmup: int, run: Callable, timer,
     return {name: t for name, t in times.items() if name not in failed}
 
 
+@keeps_threads
 def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
     """Run every phase for every dtype and arm; returns the results dictionary (see module doc)."""
     bc.validate()

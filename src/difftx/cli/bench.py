@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..runtime import keeps_threads
 
 RESULT_FILES = ("bench.json", "bench.md")
 LONG_CONTEXT_FILES = ("long_context.json", "long_context.md")
@@ -168,6 +169,7 @@ def _long_context_dtype(bc) -> str:
     return resolve_dtypes(bc.dtypes, torch.device(bc.device))[-1]  # auto: bf16 where native, else fp32
 
 
+@keeps_threads
 def _long_context(args, bc, lengths: list, out: Path, command: str) -> int:
     import json
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from ..errors import ConfigError, DifftxError
+from ..runtime import keeps_threads
 
 DEFAULT_SETTINGS = "S1,S2,S3,S4,S5,diff"
 RESULT_FILES = ("flow.json", "tails.json", "report.md")  # an earlier run's, kept unless --force
@@ -549,6 +550,7 @@ def _check_memory(args, configs) -> None:
                                "pass fewer --noise-batches or --max-noise-entries")
 
 
+@keeps_threads
 def run(args) -> int:
     from ..io import atomic_write_text, make_out_dir
     from ..nn import native

@@ -29,6 +29,7 @@ from typing import Optional
 
 from ..errors import ConfigError, DataError, DifftxError
 from ..io import atomic_write_text, make_out_dir
+from ..runtime import keeps_threads
 from .jobs import JOB_FILE, Job, plan, step_cost, sweep_plan
 from .progress import StudyProgress
 from .study import StudyConfig
@@ -429,6 +430,7 @@ def _earlier_timing(out: Path) -> Optional[dict]:
     return {k: v for k, v in timing.items() if k not in ("jobs_cpu_s", "jobs_continued")}
 
 
+@keeps_threads
 def run_study(study: StudyConfig, out, force: bool = False, resume: bool = False, command: str = "",
               progress: Optional[bool] = None, stream=None) -> Optional[dict]:
     """Run ``study`` into ``out``; returns the results dict on rank 0 (None on other ranks).
