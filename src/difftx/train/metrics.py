@@ -37,13 +37,10 @@ class MetricsLogger:
         self._f = open(self.path, "a", encoding="utf-8")
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ConfigError("tensorboard", "needs the tensorboard package: pip install 'difftx[tensorboard]'") \
-                    from None
-            # the events after the resumed step (a run started afresh: all of them) are hidden, as their rows are
-            # dropped above
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=(resume_step or 0) + 1)
+                self.tb = _writer(run_dir, resume_step)
+            except BaseException:  # no tensorboard, or its log dir cannot be made: the error as it is, no file open
+                self._f.close()
+                raise
 
     def _truncate_after(self, step: int, source: Path) -> None:
         from ..io import atomic_write_text
@@ -97,6 +94,16 @@ class MetricsLogger:
             self._f.close()
             if self.tb is not None:
                 self.tb.close()
+
+
+def _writer(run_dir: Path, resume_step: Optional[int]):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError("tensorboard", "needs the tensorboard package: pip install 'difftx[tensorboard]'") from None
+    # the events after the resumed step (a run started afresh: all of them) are hidden, as MetricsLogger drops their
+    # rows
+    return SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=(resume_step or 0) + 1)
 
 
 class Progress:
