@@ -311,3 +311,37 @@ def test_an_in_process_command_leaves_the_callers_sigterm_handling_as_it_was(mon
     finally:
         signal.signal(signal.SIGTERM, old)
     capsys.readouterr()
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/fd"), reason="lists open descriptors in /proc")
+def test_a_reader_that_left_costs_no_descriptor(tmp_path, monkeypatch, capsys):
+    """`difftx info small | head`: stdout's pipe closed under a print.  main points stdout at /dev/null (Python's
+    exit-time flush must not raise again) and returns 0, but it kept the /dev/null descriptor it opened for that
+    open: one leaked descriptor per call in a process that calls main in-process."""
+    import os
+    import sys
+
+    from difftx.cli import main
+
+    target = open(tmp_path / "stdout", "w")  # stands in for the pipe's descriptor: dup2 replaces this one
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+        def fileno(self):
+            return target.fileno()
+
+    try:
+        before = sorted(os.listdir("/proc/self/fd"))
+        monkeypatch.setattr(sys, "stdout", ClosedPipe())
+        assert main(["info", "small"]) == 0
+        monkeypatch.undo()
+        assert sorted(os.listdir("/proc/self/fd")) == before
+        assert os.path.samefile(f"/proc/self/fd/{target.fileno()}", os.devnull)  # the pipe's descriptor is /dev/null
+    finally:
+        target.close()
+    assert capsys.readouterr().err == ""

@@ -162,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # `difftx info small | head`: the reader left; not an error of ours
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # Python's exit-time flush must not raise again
+        try:
+            os.dup2(devnull, sys.stdout.fileno())  # Python's exit-time flush must not raise again
+        finally:
+            os.close(devnull)  # stdout's descriptor is a copy of it now
         return 0
     except OSError as e:  # the file system said no (disk full, permissions, a path in the way): one line
         where = f"{e.filename}: " if e.filename else ""
