@@ -188,6 +188,40 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, train_cl
     assert max(r for r in losses(run, "step")) == 4
 
 
+def test_an_update_that_makes_the_weights_non_finite_is_not_saved(tmp_path, train_cli, capsys, monkeypatch):
+    """A step with a finite loss and gradient norm whose update overflowed the weights (an absurd --lr, weights near
+    the float limit) was noticed only at the next step's loss: a checkpoint of that step was saved first, holding
+    the inf, and the error named it as the last good checkpoint (which --resume auto then refused to load)."""
+    from difftx.train import trainer as trainer_mod
+
+    real, steps = trainer_mod.build_optimizer, {"n": 0}
+
+    def overflowing(model, *args, **kwargs):
+        opt = real(model, *args, **kwargs)
+        step = opt.step
+
+        def poisoned_step(*a, **k):
+            out = step(*a, **k)
+            steps["n"] += 1
+            if steps["n"] == 4:  # step 4's update overflows one weight
+                with torch.no_grad():
+                    next(model.parameters()).view(-1)[0] = float("inf")
+            return out
+
+        opt.step = poisoned_step
+        return opt
+
+    monkeypatch.setattr(trainer_mod, "build_optimizer", overflowing)
+    run = tmp_path / "run"
+    assert train_cli("--steps", 8, "--checkpoint-every", 2, "--eval-every", 0, "--out", run) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "non-finite weights after the update of step 4" in err, err
+    assert f"Last good checkpoint: {run / 'checkpoints' / 'step_00000002'}." in err, err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
+    model = difftx.load_model(run)
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+
+
 def _damage(ckpt, how):
     """A step directory that lacks files, as a partial copy or sync (or a hand) leaves it; returns what is left."""
     import shutil

@@ -11,7 +11,8 @@ One optimizer step:
    gradients are all-reduced only after the last micro-batch;
 4. gradient clipping (the norm is logged either way); a non-finite loss or
    gradient norm stops the run *before* the update, leaving the last good
-   checkpoint the newest;
+   checkpoint the newest; an update that made the weights non-finite stops it
+   before they are saved (checked where a checkpoint is due);
 5. the optimizer step, then logging, evaluation, diagnostics and checkpoints
    at their intervals.
 
@@ -197,6 +198,18 @@ class Trainer:
         row["_size"] = size
         return row
 
+    def _weights_finite(self) -> bool:
+        """Whether every weight (every process's shard) is finite.  A step with a finite loss and gradient norm can
+        still overflow them (an absurd --lr); the next step's loss would show it, but a checkpoint of this step would
+        be saved first.  One pass over the weights and one all-reduce: run where the weights are saved, not every
+        step."""
+        bad = torch.zeros((), dtype=torch.float64, device=self.world.device)
+        for p in self.model.parameters():
+            w = p.detach()
+            w = w.to_local() if hasattr(w, "to_local") else w  # an FSDP shard
+            bad += (~torch.isfinite(w)).sum()
+        return not self.world.all_reduce_sum(bad).item()
+
     def _clip(self) -> float:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -266,6 +279,13 @@ class Trainer:
                 row.update(tokens_per_s=rate, elapsed=round(self.elapsed, 3))
                 progress.update(row["loss"], row["lr"], row["grad_norm"], rate)
                 step = self.step
+                saving = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == stop_at
+                if saving and not self._weights_finite():  # elsewhere the next step's loss check catches them
+                    last = ckpt.newest_complete(self.run_dir)[0]
+                    raise TrainingDiverged(
+                        f"non-finite weights after the update of step {step} (loss {row['loss']}, grad norm "
+                        f"{row['grad_norm']}); not saved. Last good checkpoint: {last or 'none'}. Lower --lr, raise "
+                        "--warmup, clip with --grad-clip or use --dtype fp32")
                 # the run's last step, not a --stop-at one: a stopped and resumed run logs what one run logs
                 if step % cfg.log_every == 0 or "lambdas" in row or step == cfg.steps:
                     logger.log(row)
@@ -282,7 +302,7 @@ class Trainer:
                         acc = f", val_acc {self.last_eval['val_acc']:.4f}" if "val_acc" in self.last_eval else ""
                         progress.write(f"step {step}: loss {row['loss']:.4f}, "
                                        f"val_loss {self.last_eval['val_loss']:.4f}{acc}")
-                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == stop_at:
+                if saving:
                     saved_at = ckpt.save_checkpoint(self, step)
             if self.step == cfg.steps:
                 for split in self.domain.eval_splits:
