@@ -262,3 +262,46 @@ def test_a_directory_without_a_difftx_config_is_refused(tmp_path):
             with pytest.raises(difftx.errors.CheckpointError, match="no 'difftx' object"):
                 load(path)
     assert DifftxConfig().model_config == difftx.ModelConfig()  # the default config itself is still built
+
+
+def test_generate_computes_a_diff_lambda_once_per_generation_and_never_a_stale_one(monkeypatch):
+    """forward wrapped transformers' cache in a new view each call, and DIFF's lambda memo is keyed on the cache it
+    is given: every decoding step of generate missed it and computed lambda again.  Now one view per transformers
+    cache: lambda once per layer per generation, and a lambda changed between steps (in place, load_state_dict)
+    is read again."""
+    from difftx.nn.attention import DifferentialAttention
+
+    model = difftx_model(seed=3, attention="diff", n_heads=2, n_kv_heads=1)
+    hf = DifftxForCausalLM.from_difftx(model).eval()
+    layers = [blk.attn for blk in model.layers]
+    calls, used = [], []
+    real_full, real_lambda = DifferentialAttention.lambda_full, DifferentialAttention._lambda
+    monkeypatch.setattr(DifferentialAttention, "lambda_full", lambda self: calls.append(self) or real_full(self))
+
+    def spy(self, *args, **kwargs):
+        lam = real_lambda(self, *args, **kwargs)
+        used.append((self, lam))
+        return lam
+
+    monkeypatch.setattr(DifferentialAttention, "_lambda", spy)
+    x = tokens(97, n=7)
+    ours = model.generate(x, max_new_tokens=6, temperature=0)
+    calls.clear()
+    assert torch.equal(hf.generate(x, max_new_tokens=6, do_sample=False), ours)
+    assert len(calls) == len(layers)  # the prefill's; the 5 decoding steps reuse it
+
+    cache = DynamicCache()
+    with torch.no_grad():
+        hf(x, past_key_values=cache, use_cache=True)
+        hf(x[:, :1], past_key_values=cache, use_cache=True)  # decoding: memoised
+        layers[0].lambda_q1.mul_(0.5)  # in place, between two decoding steps
+        used.clear()
+        hf(x[:, 1:2], past_key_values=cache, use_cache=True)
+        assert [a for a, _ in used] == layers and torch.equal(used[0][1], real_full(layers[0]))
+        state = hf.state_dict()
+        state["model.layers.1.attn.lambda_k2"] = state["model.layers.1.attn.lambda_k2"] + 1.0
+        hf.load_state_dict(state)
+        used.clear()
+        hf(x[:, 2:3], past_key_values=cache, use_cache=True)
+    assert torch.equal(used[1][1], real_full(layers[1]))
+    assert all(torch.equal(lam, real_full(a)) for a, lam in used)

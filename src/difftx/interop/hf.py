@@ -43,17 +43,34 @@ _CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclas
 
 
 class _CacheView:
-    """A transformers ``Cache`` seen through difftx's ``KVCache`` interface, for one forward call.
+    """A transformers ``Cache`` seen through difftx's ``KVCache`` interface.
 
-    ``length`` and ``key_valid`` describe the positions cached before this call;
-    positions are passed explicitly, so ``advance`` has nothing to do.
+    ``length`` and ``key_valid`` describe the positions cached before the current forward call (:meth:`of` sets
+    them); positions are passed explicitly, so ``advance`` has nothing to do.  One view per transformers cache, kept
+    on it: DIFF's lambda memo is keyed on the cache object it is given (one per generation), so a new view per call
+    computed lambda again at every decoding step.
     """
 
     def __init__(self, cache: Cache, length: int, key_valid: torch.Tensor):
         self.cache = cache
+        self.at(length, key_valid)
+
+    def at(self, length: int, key_valid: torch.Tensor) -> "_CacheView":
         self.length = length
         self.key_valid = key_valid
         self.padded = not bool(key_valid.all())
+        return self
+
+    @classmethod
+    def of(cls, cache: Cache, length: int, key_valid: torch.Tensor) -> "_CacheView":
+        view = getattr(cache, "__dict__", {}).get("_difftx_view")
+        if view is None:
+            view = cls(cache, length, key_valid)
+            try:
+                cache._difftx_view = view
+            except AttributeError:  # a cache class with __slots__: a view per call (lambda computed each step)
+                pass
+        return view.at(length, key_valid)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + k.shape[2]
@@ -205,7 +222,7 @@ class DifftxForCausalLM(DifftxPreTrainedModel, GenerationMixin):
             full = torch.ones(b, past + n, dtype=torch.bool, device=input_ids.device)
         if position_ids is None:
             position_ids = torch.arange(past, past + n, device=input_ids.device)[None].expand(b, n)
-        view = _CacheView(past_key_values, past, full[:, :past]) if past_key_values is not None else None
+        view = _CacheView.of(past_key_values, past, full[:, :past]) if past_key_values is not None else None
         states = _HiddenStates(self.model.layers) if want_hidden else contextlib.nullcontext()
         with states:
             hidden = self.model.features(input_ids, attention_mask=step_mask, position_ids=position_ids, cache=view)
