@@ -730,6 +730,28 @@ def test_softmax_decode_kernel_matches_float64(dtype, h, hk, padded, d):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [8, 32])  # the scalar loop; whole 16-lane vectors
+def test_decode_kernel_reads_queries_through_their_strides(dtype, d):
+    """DIFF V2's queries reach the decoding kernel as a view of one projection (heads 2i, 2i + 1 -> maps 1, 2),
+    not copied: the same bits as the contiguous copy, and the maps not swapped (lambda weighs map 2)."""
+    g = torch.Generator().manual_seed(4)
+    b, h, hk, t = 3, 4, 2, 21
+    q = torch.randn(b, 2 * h, 1, d, generator=g).to(dtype)
+    qs = q.view(b, h, 2, 1, d).transpose(1, 2)  # as DiffV2Attention hands it over
+    assert not qs.is_contiguous()
+    k = torch.randn(b, hk, t, d, generator=g).to(dtype)[:, None].expand(b, 2, hk, t, d)
+    v = torch.randn(b, hk, t, d, generator=g).to(dtype)
+    lam = torch.rand(b, h, generator=g)
+    out = native.diff_decode(qs, k, v, None, lam, 0.3, False, None, 1.0, 0.0, torch.float32)
+    assert torch.equal(out, native.diff_decode(qs.contiguous(), k, v, None, lam, 0.3, False, None, 1.0, 0.0,
+                                               torch.float32))
+    swapped = native.diff_decode(qs.flip(1).contiguous(), k, v, None, lam, 0.3, False, None, 1.0, 0.0,
+                                 torch.float32)
+    assert not torch.allclose(out, swapped)
+
+
+@needs_native
 @pytest.mark.parametrize("attention,qk_norm", [("diff", False), ("softmax", False), ("softmax", True)])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("bf16", [True, False])

@@ -412,7 +412,26 @@ class DiffV2Attention(AttentionBase):
         self.v_proj = Linear(cfg.d_model, hk * d, bias=cfg.bias)
         self.out_proj = Linear(h * d, cfg.d_model, bias=cfg.bias)
         self.lambda_proj = nn.Linear(cfg.d_model, h, bias=False)
-        self.last_lambda: Optional[torch.Tensor] = None
+        self._last_lam: Optional[torch.Tensor] = None  # the last forward's sigmoid(W x), detached
+
+    @property
+    def last_lambda(self) -> Optional[torch.Tensor]:
+        """The mean of sigmoid(W_lambda x) over the last forward pass outside torch.func transforms (a 0-dim
+        float32 or float64 tensor; None before any); computed when read, not at every decoding step."""
+        return None if self._last_lam is None else self._last_lam.mean()
+
+    def _lambdas(self, x: torch.Tensor) -> torch.Tensor:
+        """sigmoid(W_lambda x): (B, N, h), at least float32, from the float32 x (autocast off)."""
+        xf, lp = upcast(x), self.lambda_proj
+        with no_autocast(x.device.type):  # F.linear is on autocast's bf16 list
+            if plain_layer(lp):
+                w = lp.weight.to(xf.dtype)
+                if xf.shape[1] == 1 and xf.dim() == 3 and not torch.is_grad_enabled():  # a decoding step: one mm
+                    return torch.sigmoid(torch.mm(xf.reshape(xf.shape[0], -1), w.t())).view(xf.shape[0], 1, -1)
+                return torch.sigmoid(F.linear(xf, w))
+            # a hooked or swapped-in layer (a LoRA wrapper): called as it is, in its parameters' dtype
+            w = next(lp.parameters(), None)
+            return torch.sigmoid(upcast(lp(xf if w is None or w.dtype == xf.dtype else xf.to(w.dtype))))
 
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
         self._check(x, rope, mask, cache)
@@ -423,16 +442,10 @@ class DiffV2Attention(AttentionBase):
         v = _heads(vp, self.n_kv_heads, d)
         if cache is not None:
             k, v = cache.update(self.layer - 1, k, v)
-        xf, lp = upcast(x), self.lambda_proj
-        with no_autocast(x.device.type):  # F.linear is on autocast's bf16 list
-            if plain_layer(lp):
-                lam = torch.sigmoid(F.linear(xf, lp.weight.to(xf.dtype)))  # (B, N, h), >= fp32
-            else:  # a hooked or swapped-in layer (a LoRA wrapper): called as it is, in its parameters' dtype
-                w = next(lp.parameters(), None)
-                lam = torch.sigmoid(upcast(lp(xf if w is None or w.dtype == xf.dtype else xf.to(w.dtype))))
+        lam = self._lambdas(x)  # (B, N, h), >= fp32
         if not functorch_active():  # inside torch.func (grad, vmap) lam is the transform's wrapper: kept on the
-            self.last_lambda = lam.detach().mean()  # module past it, it breaks deepcopy, pickling and lambdas()
-        lam = lam.transpose(1, 2)[..., None]  # (B, h, N, 1)
+            self._last_lam = lam.detach() if lam.requires_grad else lam  # module past it, it breaks deepcopy,
+            # pickling and lambdas()
         backend, p = self._backend(q.device), self._dropout_p()
         b, _, n, d = q.shape
         qs = q.view(b, self.n_heads, 2, n, d).transpose(1, 2)  # heads 2i, 2i+1 -> maps 1, 2
@@ -444,6 +457,7 @@ class DiffV2Attention(AttentionBase):
             o = backends.native_diff_decode(qs, ks, v, mask, self.scale, lam.reshape(b, self.n_heads), False,
                                             None, 1.0, 0.0, _out_dtype(x))
             return self.out_proj(o.reshape(b, n, -1))
+        lam = lam.transpose(1, 2)[..., None]  # (B, h, N, 1)
         if backend == "eager":
             o = backends.eager_v2_attention(q, k, v, lam, mask, self.scale, p, self.probe, self.layer)
         elif (backend == "sdpa" and backends.resolve_v2_variant(self.diff_variant, q, p) == "fused"

@@ -422,7 +422,9 @@ int difftx_rms_norm(const void *x, int x_bf16, void *y, int y_bf16, float *rstd_
 /* One decoding query of differential attention per head over a cache: DIFF V1 with its per-head RMSNorm,
  * or DIFF V2 (both maps over the same keys, a value of d, lambda per head and sequence, no norm), or (M = 1)
  * plain softmax attention (one map, no lambda; the second map's arguments unused):
- *   q       (B, M, H, d) contiguous: q1 and q2 of every head
+ *   q       q1 of (batch b, head hi) at b * q_batch + hi * q_head, d contiguous elements; q2 q_map further
+ *           ((B, M, H, d) contiguous: q_batch = M H d, q_map = H d, q_head = d; DIFF V2's heads 2i, 2i + 1:
+ *           q_map = d, q_head = 2d)
  *   k       K1 of (batch b, head kh, token t) at b * k_batch + kh * k_head + t * k_tok, d contiguous
  *           elements; K2 k2_off further.  The paired bf16 cache ([K1 | K2] per token):
  *           k_tok = 2d, k2_off = d; the fp32 cache (B, 2 Hk, T, d): k_tok = d, k2_off = Hk heads;
@@ -436,7 +438,7 @@ int difftx_rms_norm(const void *x, int x_bf16, void *y, int y_bf16, float *rstd_
 #define MAX_DV (128 / LANES) /* vectors per head dim d in the decoding kernel's vector path (d <= 128) */
 int difftx_diff_decode(const void *q, const void *k, const void *v, const uint8_t *valid, void *out,
                        int is_bf16, int out_bf16, int64_t M, int64_t B, int64_t H, int64_t Hk, int64_t T, int64_t d,
-                       int64_t vw, int64_t k_batch, int64_t k_head, int64_t k_tok, int64_t k2_off, int64_t v_batch,
+                       int64_t vw, int64_t q_batch, int64_t q_map, int64_t q_head, int64_t k_batch, int64_t k_head, int64_t k_tok, int64_t k2_off, int64_t v_batch,
                        int64_t v_head, int64_t v_tok, float scale, float lam_scalar, const float *lam_bh, int norm,
                        const float *wg, float gain, float eps, int nthreads) {
     const int64_t group = H / Hk, w = 2 * d, nv = d / LANES, nvv = vw / LANES;
@@ -453,11 +455,12 @@ int difftx_diff_decode(const void *q, const void *k, const void *v, const uint8_
             const int64_t b = bh / H, hi = bh % H, kh = hi / group;
             const int64_t k_off = b * k_batch + kh * k_head, v_off = b * v_batch + kh * v_head;
             const float lam = lam_bh ? lam_bh[bh] : lam_scalar;
+            const int64_t q1o = b * q_batch + hi * q_head, q2o = q1o + q_map;
             if (vec) { /* d a multiple of LANES up to 128: whole vectors, q and the sums in registers */
                 vf q1v[MAX_DV], q2v[MAX_DV], av[2 * MAX_DV];
                 for (int64_t j = 0; j < nv; j++) {
-                    q1v[j] = vload(q, (b * M * H + hi) * d + j * LANES, is_bf16, LANES, 0.0f) * scale;
-                    q2v[j] = M == 2 ? vload(q, (b * 2 * H + H + hi) * d + j * LANES, is_bf16, LANES, 0.0f) * scale
+                    q1v[j] = vload(q, q1o + j * LANES, is_bf16, LANES, 0.0f) * scale;
+                    q2v[j] = M == 2 ? vload(q, q2o + j * LANES, is_bf16, LANES, 0.0f) * scale
                                     : (vf){0};
                 }
                 if (M == 1) { /* plain softmax attention: one map */
@@ -506,8 +509,8 @@ int difftx_diff_decode(const void *q, const void *k, const void *v, const uint8_
                 }
                 for (int64_t j = 0; j < nvv; j++) memcpy(acc + j * LANES, &av[j], sizeof(vf));
             } else {
-            load_row(q, (b * M * H + hi) * d, is_bf16, qf, d);                   /* q1 */
-            if (M == 2) load_row(q, (b * 2 * H + H + hi) * d, is_bf16, qf + d, d); /* q2 */
+            load_row(q, q1o, is_bf16, qf, d);                   /* q1 */
+            if (M == 2) load_row(q, q2o, is_bf16, qf + d, d); /* q2 */
             for (int64_t i = 0; i < M * d; i++) qf[i] *= scale;
             for (int64_t t = 0; t < T; t++) {
                 if (valid && !valid[b * T + t]) {

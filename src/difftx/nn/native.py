@@ -196,7 +196,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_rms_norm.argtypes = [p, i, p, i, p, p, f, f, i64, i64, i]
     lib.difftx_rms_norm.restype = i
     lib.difftx_rms_norm.errcheck = _scratch_check
-    lib.difftx_diff_decode.argtypes = [p, p, p, p, p, i, i] + [i64] * 14 + [f, f, p, i, p, f, f, i]
+    lib.difftx_diff_decode.argtypes = [p, p, p, p, p, i, i] + [i64] * 17 + [f, f, p, i, p, f, f, i]
     lib.difftx_diff_decode.restype = i
     lib.difftx_diff_decode.errcheck = _scratch_check
     lib.difftx_rms_norm_backward.argtypes = [p, i, p, i, p, p, f, p, p, i64, i64, p, p, i, i]
@@ -820,9 +820,9 @@ def diff_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: Option
                 out_dtype: torch.dtype) -> torch.Tensor:
     """One decoding query of differential attention per head over a KV cache: (B, 1, H, dv).
 
-    ``q`` (B, M, H, 1, d); ``k`` (B, M, Hk, T, d) and ``v`` (B, Hk, T, dv) any strided views whose
+    ``q`` (B, M, H, 1, d), ``k`` (B, M, Hk, T, d) and ``v`` (B, Hk, T, dv) any strided views whose
     last dim is contiguous (a cache's prefix in either key layout; DIFF V2's one set of keys as a stride-0
-    map dim), dv = 2d (DIFF V1) or d (DIFF V2, and softmax attention); M = 2 maps, or 1: softmax attention
+    map dim, its queries as heads 2i, 2i + 1 of one projection), dv = 2d (DIFF V1) or d (DIFF V2, and softmax attention); M = 2 maps, or 1: softmax attention
     (``lam`` unused).  ``valid`` (B, T) bool or None (every key).  ``lam``: a float, or float32 (B, H) per
     sequence and head (DIFF V2).  ``norm``: apply RMSNorm over dv with ``wg`` (float32 weight x gain) or
     the scalar ``gain``.  float32 or bfloat16 throughout (q, k, v one dtype).
@@ -836,17 +836,19 @@ def diff_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: Option
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    qc = q.reshape(b, m, h, d).contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     vm = None if valid is None else valid.to(torch.uint8).contiguous()
     out = torch.empty(b, 1, h, dv, dtype=out_dtype, device=q.device)
     wg = None if wg is None else wg.to(torch.float32).contiguous()
     lam_bh = None
     if isinstance(lam, torch.Tensor) and lam.numel() > 1:
         lam_bh = lam.to(torch.float32).reshape(b, h).contiguous()
-    ks, vs = k.stride(), v.stride()
+    qs, ks, vs = q.stride(), k.stride(), v.stride()
     library().difftx_diff_decode(
-        qc.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(vm), out.data_ptr(), int(q.dtype == torch.bfloat16),
-        int(out_dtype == torch.bfloat16), m, b, h, hk, t, d, dv, ks[0], ks[2], ks[3], ks[1], vs[0], vs[1], vs[2],
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(vm), out.data_ptr(), int(q.dtype == torch.bfloat16),
+        int(out_dtype == torch.bfloat16), m, b, h, hk, t, d, dv, qs[0], qs[1], qs[2], ks[0], ks[2], ks[3], ks[1],
+        vs[0], vs[1], vs[2],
         float(scale), 0.0 if lam_bh is not None else float(lam), _ptr(lam_bh), int(norm), _ptr(wg), float(gain),
         float(eps), torch.get_num_threads())
     return out
