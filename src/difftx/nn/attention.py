@@ -437,7 +437,11 @@ class DiffV2Attention(AttentionBase):
         self._check(x, rope, mask, cache)
         d = self.head_dim
         qp, kp, vp = project(_autocast_input(x), (self.q_proj, self.k_proj, self.v_proj))
-        q = self._qk(_heads(self._qk_norm(qp, self.q_norm, d), 2 * self.n_heads, d), rope)
+        qh = _heads(self._qk_norm(qp, self.q_norm, d), 2 * self.n_heads, d)  # (B, 2h, N, d)
+        b, _, n, _ = qh.shape
+        # heads 2i, 2i+1 -> maps 1, 2, stacked before RoPE (as DIFF's _stack), whose output is a new tensor: so it
+        # comes out contiguous in (B, 2, h, N, d) order, which the fused and decoding kernels read without a copy
+        qs = self._qk(qh.view(b, self.n_heads, 2, n, d).transpose(1, 2), rope)
         k = self._qk(_heads(self._qk_norm(kp, self.k_norm, d), self.n_kv_heads, d), rope)
         v = _heads(vp, self.n_kv_heads, d)
         if cache is not None:
@@ -446,9 +450,7 @@ class DiffV2Attention(AttentionBase):
         if not functorch_active():  # inside torch.func (grad, vmap) lam is the transform's wrapper: kept on the
             self._last_lam = lam.detach() if lam.requires_grad else lam  # module past it, it breaks deepcopy,
             # pickling and lambdas()
-        backend, p = self._backend(q.device), self._dropout_p()
-        b, _, n, d = q.shape
-        qs = q.view(b, self.n_heads, 2, n, d).transpose(1, 2)  # heads 2i, 2i+1 -> maps 1, 2
+        backend, p = self._backend(qs.device), self._dropout_p()
         ks = k[:, None].expand(b, 2, *k.shape[1:])  # both maps over the one set of keys (a view)
         if (backend == "sdpa" and self.diff_variant in ("auto", "fused", "2call", "4call") and n == 1 and p == 0.0
                 and cache is not None and cache.length > 0 and not torch.is_grad_enabled()
@@ -458,12 +460,13 @@ class DiffV2Attention(AttentionBase):
                                             None, 1.0, 0.0, _out_dtype(x))
             return self.out_proj(o.reshape(b, n, -1))
         lam = lam.transpose(1, 2)[..., None]  # (B, h, N, 1)
-        if backend == "eager":
-            o = backends.eager_v2_attention(q, k, v, lam, mask, self.scale, p, self.probe, self.layer)
-        elif (backend == "sdpa" and backends.resolve_v2_variant(self.diff_variant, q, p) == "fused"
-              and not _compiled_step(cache, n)):
+        if (backend == "sdpa" and backends.resolve_v2_variant(self.diff_variant, qs, p) == "fused"
+                and not _compiled_step(cache, n)):
             o = backends.fused_attention(qs, k[:, None], v, mask, self.scale, lam)  # (B, N, h, d); K read by both maps
             return self.out_proj(o.reshape(b, n, -1).to(_out_dtype(x)))
+        q = qs.transpose(1, 2).reshape(b, 2 * self.n_heads, n, d)  # the 2h heads in projection order (a copy)
+        if backend == "eager":
+            o = backends.eager_v2_attention(q, k, v, lam, mask, self.scale, p, self.probe, self.layer)
         else:
             o = self._attend(q, k, v, mask, _compiled_step(cache, n))
             o = upcast(o[:, 0::2]) - lam * upcast(o[:, 1::2])
