@@ -448,8 +448,8 @@ class DiffV2Attention(AttentionBase):
             k, v = cache.update(self.layer - 1, k, v)
         lam = self._lambdas(x)  # (B, N, h), >= fp32
         if not functorch_active():  # inside torch.func (grad, vmap) lam is the transform's wrapper: kept on the
-            self._last_lam = lam.detach() if lam.requires_grad else lam  # module past it, it breaks deepcopy,
-            # pickling and lambdas()
+            # module past it, it breaks deepcopy, pickling and lambdas()
+            self._last_lam = lam.detach() if lam.requires_grad else lam
         backend, p = self._backend(qs.device), self._dropout_p()
         ks = k[:, None].expand(b, 2, *k.shape[1:])  # both maps over the one set of keys (a view)
         if (backend == "sdpa" and self.diff_variant in ("auto", "fused", "2call", "4call") and n == 1 and p == 0.0

@@ -438,9 +438,10 @@ int difftx_rms_norm(const void *x, int x_bf16, void *y, int y_bf16, float *rstd_
 #define MAX_DV (128 / LANES) /* vectors per head dim d in the decoding kernel's vector path (d <= 128) */
 int difftx_diff_decode(const void *q, const void *k, const void *v, const uint8_t *valid, void *out,
                        int is_bf16, int out_bf16, int64_t M, int64_t B, int64_t H, int64_t Hk, int64_t T, int64_t d,
-                       int64_t vw, int64_t q_batch, int64_t q_map, int64_t q_head, int64_t k_batch, int64_t k_head, int64_t k_tok, int64_t k2_off, int64_t v_batch,
-                       int64_t v_head, int64_t v_tok, float scale, float lam_scalar, const float *lam_bh, int norm,
-                       const float *wg, float gain, float eps, int nthreads) {
+                       int64_t vw, int64_t q_batch, int64_t q_map, int64_t q_head, int64_t k_batch, int64_t k_head,
+                       int64_t k_tok, int64_t k2_off, int64_t v_batch, int64_t v_head, int64_t v_tok, float scale,
+                       float lam_scalar, const float *lam_bh, int norm, const float *wg, float gain, float eps,
+                       int nthreads) {
     const int64_t group = H / Hk, w = 2 * d, nv = d / LANES, nvv = vw / LANES;
     const int vec = d % LANES == 0 && nv <= MAX_DV && vw % LANES == 0 && vw <= w;
     int failed = 0;
@@ -460,8 +461,7 @@ int difftx_diff_decode(const void *q, const void *k, const void *v, const uint8_
                 vf q1v[MAX_DV], q2v[MAX_DV], av[2 * MAX_DV];
                 for (int64_t j = 0; j < nv; j++) {
                     q1v[j] = vload(q, q1o + j * LANES, is_bf16, LANES, 0.0f) * scale;
-                    q2v[j] = M == 2 ? vload(q, q2o + j * LANES, is_bf16, LANES, 0.0f) * scale
-                                    : (vf){0};
+                    q2v[j] = M == 2 ? vload(q, q2o + j * LANES, is_bf16, LANES, 0.0f) * scale : (vf){0};
                 }
                 if (M == 1) { /* plain softmax attention: one map */
                     for (int64_t t = 0; t < T; t++) {
@@ -509,7 +509,7 @@ int difftx_diff_decode(const void *q, const void *k, const void *v, const uint8_
                 }
                 for (int64_t j = 0; j < nvv; j++) memcpy(acc + j * LANES, &av[j], sizeof(vf));
             } else {
-            load_row(q, q1o, is_bf16, qf, d);                   /* q1 */
+            load_row(q, q1o, is_bf16, qf, d);                 /* q1 */
             if (M == 2) load_row(q, q2o, is_bf16, qf + d, d); /* q2 */
             for (int64_t i = 0; i < M * d; i++) qf[i] *= scale;
             for (int64_t t = 0; t < T; t++) {

@@ -822,10 +822,10 @@ def diff_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: Option
 
     ``q`` (B, M, H, 1, d), ``k`` (B, M, Hk, T, d) and ``v`` (B, Hk, T, dv) any strided views whose
     last dim is contiguous (a cache's prefix in either key layout; DIFF V2's one set of keys as a stride-0
-    map dim, its queries as heads 2i, 2i + 1 of one projection), dv = 2d (DIFF V1) or d (DIFF V2, and softmax attention); M = 2 maps, or 1: softmax attention
-    (``lam`` unused).  ``valid`` (B, T) bool or None (every key).  ``lam``: a float, or float32 (B, H) per
-    sequence and head (DIFF V2).  ``norm``: apply RMSNorm over dv with ``wg`` (float32 weight x gain) or
-    the scalar ``gain``.  float32 or bfloat16 throughout (q, k, v one dtype).
+    map dim, its queries as heads 2i, 2i + 1 of one projection), dv = 2d (DIFF V1) or d (DIFF V2, and softmax
+    attention); M = 2 maps, or 1: softmax attention (``lam`` unused).  ``valid`` (B, T) bool or None (every key).
+    ``lam``: a float, or float32 (B, H) per sequence and head (DIFF V2).  ``norm``: apply RMSNorm over dv with
+    ``wg`` (float32 weight x gain) or the scalar ``gain``.  float32 or bfloat16 throughout (q, k, v one dtype).
     """
     b, m, h, _, d = q.shape
     hk, t, dv = k.shape[2], k.shape[3], v.shape[-1]
