@@ -1,6 +1,6 @@
 """The candidate formulations of differential attention, timed side by side at one layer's shapes.
 
-    python benchmarks/attention_variants.py [--preset small] [--batch 4] [--seq-len 512]
+    python benchmarks/performance/attention_variants.py [--preset small] [--batch 4] [--seq-len 512]
         [--dtypes auto|fp32,bf16] [--repeats 10] [--threads N] [--timer wall|cpu] [--flex] [--out FILE.json]
         [--device cpu|cuda] [--inner K] [--rows PREFIX,...]
 
