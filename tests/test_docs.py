@@ -14,6 +14,10 @@
   it loads or writes anything.  A synopsis (``[--opt N]``, ``NAME``, ``...``) and an inline
   ```difftx SUBCOMMAND ...``` span in the prose name only options the subcommand has; an inline span that
   parses as a whole command passes the option checks too.
+
+* Every ``python benchmarks/X.py ...`` command in the docs (benchmarks/performance/README.md too) and in a benchmark
+  script's own docstring names a script that exists and only options its parser has; any other ``--option`` a
+  script's docstring names is one of its own or of a ``difftx`` subcommand.
 """
 
 from __future__ import annotations
@@ -398,3 +402,93 @@ def test_cache_defaults_name_both_variables(monkeypatch, tmp_path):
                 line = text.count("\n", 0, m.start()) + 1
                 bad.append(f"{where}:{line}: ...{chain}XDG_CACHE_HOME")
     assert len(texts) >= 10 and not bad, "\n".join(bad)
+
+
+# ----------------------------------------------------------------------------- the benchmark scripts' commands
+BENCH_DOCS = DOCS + [ROOT / "benchmarks" / "performance" / "README.md"]
+SCRIPTS = sorted(p for p in (ROOT / "benchmarks").rglob("*.py") if "results" not in p.relative_to(ROOT).parts)
+SCRIPT_CMD = re.compile(r"(?<![\w/.-])(?:python3?|bash)\s+(benchmarks/[\w./-]+\.(?:py|sh))([^`#;|&\n]*)")
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def _script_options(path: Path) -> set[str]:
+    """The --options a benchmark script's argparse parser has (its ``add_argument`` calls, read statically)."""
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {a.value for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "add_argument"
+            for a in n.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
+
+
+def _script_docstring(path: Path) -> str:
+    import ast
+
+    return ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+
+
+def _script_commands(texts) -> list[tuple[str, str, str]]:
+    """(where, script path, its arguments) of every ``python benchmarks/X.py ARGS`` / ``bash benchmarks/X.sh``."""
+    return [(where, m.group(1), m.group(2)) for where, text in texts for m in SCRIPT_CMD.finditer(text)]
+
+
+def _doc_script_texts():
+    """Code lines (a backslash continues one) and inline spans (a span wrapped over two lines is one text)."""
+    out = []
+    for path in BENCH_DOCS:
+        _, code, prose = _scan(path)
+        pending = None
+        for where, line in code:
+            if pending is not None:
+                where, line = pending[0], pending[1] + " " + line.strip()
+            pending = (where, line.rstrip()[:-1]) if line.rstrip().endswith("\\") else None
+            if pending is None:
+                out.append((where, line))
+        text = "\n".join(line for _, line in prose)
+        for m in re.finditer(r"`([^`]+)`", text):
+            out.append((prose[text.count("\n", 0, m.start())][0], m.group(1).replace("\n", " ")))
+    return out
+
+
+def _check_script_command(where: str, script: str, args: str) -> list[str]:
+    path = ROOT / script
+    if not path.is_file():
+        return [f"{where}: {script} does not exist"]
+    if path.suffix != ".py":
+        return []
+    known = _script_options(path)
+    return [f"{where}: {script} has no option {flag}" for flag in FLAG.findall(args) if flag not in known]
+
+
+def test_benchmark_commands_in_the_docs_name_real_scripts_and_options():
+    cmds = _script_commands(_doc_script_texts())
+    assert len(cmds) >= 20 and {s for _, s, _ in cmds} >= {"benchmarks/train_nanogpt_cpu.py",
+                                                            "benchmarks/interop/llama_to_diff.py"}, cmds
+    bad = [e for c in cmds for e in _check_script_command(*c)]
+    assert not bad, "\n".join(bad)
+
+
+def test_benchmark_scripts_docstrings_name_real_paths_and_options():
+    """Each script's usage lines (``python benchmarks/X.py [--a N]``, continued on lines that start with ``[`` or
+    ``--``) name an existing script and its options; any other ``--option`` the docstring names is the script's
+    own or a ``difftx`` subcommand's (the command the script runs)."""
+    difftx_opts = set().union(*(_options(sub) for sub in SUBCOMMANDS))
+    bad, usages = [], 0
+    for path in SCRIPTS:
+        rel = path.relative_to(ROOT).as_posix()
+        lines = _script_docstring(path).splitlines()
+        texts = []
+        for i, line in enumerate(lines):
+            if SCRIPT_CMD.search(line):
+                j = i + 1
+                while j < len(lines) and lines[j].strip().startswith(("[", "--")):
+                    line += " " + lines[j].strip()
+                    j += 1
+                texts.append((f"{rel} (docstring line {i + 1})", line))
+        cmds = _script_commands(texts)
+        usages += len(cmds)
+        bad += [e for c in cmds for e in _check_script_command(*c)]
+        own = _script_options(path)
+        bad += [f"{rel}: its docstring names {flag}, an option of neither it nor difftx"
+                for flag in sorted(set(FLAG.findall("\n".join(lines))) - own - difftx_opts)]
+    assert len(SCRIPTS) >= 15 and usages >= 15, (len(SCRIPTS), usages)
+    assert not bad, "\n".join(bad)

@@ -7,8 +7,7 @@ step is "outside" (torch's own operators: float32 GEMMs on MKL, AdamW, the loss;
 The bench's training step (``difftx bench``: small preset, 4 x 512 tokens, fused AdamW) after two warm-up
 steps per dtype; with several dtypes the steps alternate (fp32, bf16, bf16, fp32, ...) so that the dtypes
 share the machine's state.  Unlike ``cpu_step_profile.py`` (torch.profiler), nothing is booked to the wrong
-operator and the timers cost a few microseconds a call; ``--flops`` adds the achieved GFLOP/s of the bf16
-Linear kernels (``difftx_dot_linear``) from the step's projection FLOPs.
+operator and the timers cost a few microseconds a call.
 """
 
 from __future__ import annotations
