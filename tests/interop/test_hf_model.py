@@ -305,3 +305,32 @@ def test_generate_computes_a_diff_lambda_once_per_generation_and_never_a_stale_o
         hf(x[:, 2:3], past_key_values=cache, use_cache=True)
     assert torch.equal(used[1][1], real_full(layers[1]))
     assert all(torch.equal(lam, real_full(a)) for a, lam in used)
+
+
+def test_a_transformers_cache_and_its_tensors_are_freed_without_the_garbage_collector():
+    """The view kept on a transformers cache (for DIFF's lambda memo) referred back to it: cache -> view -> cache,
+    a cycle that only the garbage collector frees.  A server calling generate kept every finished generation's K/V
+    (up to ~40 caches in a loop of generate calls) until a collection reached them; the view now holds its cache
+    weakly, so a cache (and its K/V) goes with its last reference, as transformers' own caches do."""
+    import gc
+    import weakref
+
+    hf = DifftxForCausalLM.from_difftx(difftx_model(seed=3, attention="diff", n_heads=2, n_kv_heads=1)).eval()
+    x = tokens(97, n=7)
+    gc.collect()
+    gc.disable()
+    try:
+        cache = DynamicCache()
+        with torch.no_grad():
+            hf(x, past_key_values=cache, use_cache=True)
+            step = hf(x[:, :1], past_key_values=cache, use_cache=True)  # the output refers to the cache too
+        keys = weakref.ref(cache.layers[0].keys if hasattr(cache, "layers") else cache.key_cache[0])
+        gone = weakref.ref(cache)
+        del cache, step
+        assert gone() is None and keys() is None
+        out = hf.generate(x, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+        gone = weakref.ref(getattr(out, "past_key_values", None) or out.cache)
+        del out
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -23,6 +23,7 @@ it but registers lazily (see :mod:`difftx.interop._hooks`).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Optional
 
 import torch
@@ -48,12 +49,20 @@ class _CacheView:
     ``length`` and ``key_valid`` describe the positions cached before the current forward call (:meth:`of` sets
     them); positions are passed explicitly, so ``advance`` has nothing to do.  One view per transformers cache, kept
     on it: DIFF's lambda memo is keyed on the cache object it is given (one per generation), so a new view per call
-    computed lambda again at every decoding step.
+    computed lambda again at every decoding step.  The view holds its cache weakly: a strong reference back made a
+    cycle (cache -> view -> cache) that kept each finished generation's K/V alive until the garbage collector ran.
     """
 
     def __init__(self, cache: Cache, length: int, key_valid: torch.Tensor):
-        self.cache = cache
+        try:
+            self._cache = weakref.ref(cache)
+        except TypeError:  # no weak references (__slots__): the view is not kept on such a cache, so no cycle
+            self._cache = lambda: cache
         self.at(length, key_valid)
+
+    @property
+    def cache(self) -> Cache:
+        return self._cache()
 
     def at(self, length: int, key_valid: torch.Tensor) -> "_CacheView":
         self.length = length
