@@ -334,3 +334,29 @@ def test_a_transformers_cache_and_its_tensors_are_freed_without_the_garbage_coll
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_a_copied_transformers_cache_decodes_into_itself_not_into_the_original():
+    """transformers' prompt reuse: fill a cache once, copy.deepcopy it per continuation.  The view kept on the
+    cache (``_difftx_view``) was copied with it, its weak reference still naming the original: the copy's decoding
+    steps wrote their K/V into the original cache and read its keys.  A copied cache gets a view of its own; and a
+    cache holding a view still pickles."""
+    import copy
+    import pickle
+
+    hf = DifftxForCausalLM.from_difftx(difftx_model(seed=3, attention="diff2", n_heads=2, n_kv_heads=1)).eval()
+    x = tokens(97, n=7)
+    with torch.no_grad():
+        prompt = DynamicCache()
+        hf(x[:, :5], past_key_values=prompt, use_cache=True)
+        hf(x[:, 5:6], past_key_values=prompt, use_cache=True)  # a view now kept on prompt
+        want = hf(x[:, 6:7], past_key_values=copy.deepcopy(prompt), use_cache=True).logits
+        assert prompt.get_seq_length() == 6
+        again = copy.deepcopy(prompt)
+        got = hf(x[:, 6:7], past_key_values=again, use_cache=True).logits
+        assert prompt.get_seq_length() == 6 and again.get_seq_length() == 7
+        assert max_diff(got, want) == 0.0 and max_diff(got, hf(x).logits[:, 6:7]) < 1e-5
+        shallow = copy.copy(prompt)
+        hf(x[:, 6:7], past_key_values=shallow, use_cache=True)
+        assert shallow._difftx_view.cache is shallow
+    pickle.loads(pickle.dumps(prompt))

@@ -43,6 +43,10 @@ from .hf_config import DifftxConfig, register_config
 _CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 
 
+def _no_view() -> None:
+    return None
+
+
 class _CacheView:
     """A transformers ``Cache`` seen through difftx's ``KVCache`` interface.
 
@@ -64,6 +68,11 @@ class _CacheView:
     def cache(self) -> Cache:
         return self._cache()
 
+    def __reduce__(self):
+        # deepcopy and pickle of the cache it is kept on: the copy gets no view (its own is made when it is used);
+        # a copied weak reference would name the original cache, and a weak reference does not pickle
+        return _no_view, ()
+
     def at(self, length: int, key_valid: torch.Tensor) -> "_CacheView":
         self.length = length
         self.key_valid = key_valid
@@ -73,7 +82,7 @@ class _CacheView:
     @classmethod
     def of(cls, cache: Cache, length: int, key_valid: torch.Tensor) -> "_CacheView":
         view = getattr(cache, "__dict__", {}).get("_difftx_view")
-        if view is None:
+        if view is None or view.cache is not cache:  # none yet, or a copy's (copy.copy): it names the original
             view = cls(cache, length, key_valid)
             try:
                 cache._difftx_view = view
