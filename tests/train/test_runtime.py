@@ -81,6 +81,27 @@ def test_sigterm_checkpoints_and_resume_is_exact(tmp_path, corpus, cache):
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
 
 
+def test_a_stop_signal_after_an_update_that_made_the_weights_non_finite_saves_nothing(tmp_path, corpus, cache):
+    """The weights are checked for non-finite values before a checkpoint at the checkpoint steps, but a stop signal's
+    checkpoint (SIGTERM: a preempted job) skipped it: a step whose update overflowed the weights, then a SIGTERM
+    before the next step's loss could show it, saved them as the newest checkpoint, which --resume auto takes."""
+    from difftx.train import train
+    from difftx.train.trainer import TrainingDiverged
+
+    class OverflowThenKill:
+        def on_step_end(self, trainer, row):
+            if row["step"] == 3:
+                with torch.no_grad():
+                    next(trainer.model.parameters()).view(-1)[0] = float("inf")
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    tcfg, mcfg = tiny(corpus, cache, steps=6, eval_every=0, checkpoint_every=2)
+    with pytest.raises(TrainingDiverged, match="non-finite weights after the update of step 3"):
+        train(tcfg, mcfg, tmp_path / "a", callbacks=[OverflowThenKill()], announce=None)
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_00000002"]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
+
+
 def test_threads_hold_for_the_run_and_the_callers_count_comes_back(tmp_path, corpus, cache):
     """train(threads=N) ran torch.set_num_threads(N) and left it: a notebook or server that trained one run with
     --threads 1 then evaluated and generated on one thread for the rest of the process.  The count holds during the

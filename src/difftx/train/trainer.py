@@ -210,6 +210,14 @@ class Trainer:
             bad += (~torch.isfinite(w)).sum()
         return not self.world.all_reduce_sum(bad).item()
 
+    def _check_weights(self, about: str) -> None:
+        """Raise :class:`TrainingDiverged` before a checkpoint of non-finite weights is saved."""
+        if not self._weights_finite():
+            last = ckpt.newest_complete(self.run_dir)[0]
+            raise TrainingDiverged(
+                f"non-finite weights after the update of step {self.step}{about}; not saved. Last good checkpoint: "
+                f"{last or 'none'}. Lower --lr, raise --warmup, clip with --grad-clip or use --dtype fp32")
+
     def _clip(self) -> float:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -280,12 +288,8 @@ class Trainer:
                 progress.update(row["loss"], row["lr"], row["grad_norm"], rate)
                 step = self.step
                 saving = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == stop_at
-                if saving and not self._weights_finite():  # elsewhere the next step's loss check catches them
-                    last = ckpt.newest_complete(self.run_dir)[0]
-                    raise TrainingDiverged(
-                        f"non-finite weights after the update of step {step} (loss {row['loss']}, grad norm "
-                        f"{row['grad_norm']}); not saved. Last good checkpoint: {last or 'none'}. Lower --lr, raise "
-                        "--warmup, clip with --grad-clip or use --dtype fp32")
+                if saving:  # elsewhere the next step's loss check catches them
+                    self._check_weights(f" (loss {row['loss']}, grad norm {row['grad_norm']})")
                 # the run's last step, not a --stop-at one: a stopped and resumed run logs what one run logs
                 if step % cfg.log_every == 0 or "lambdas" in row or step == cfg.steps:
                     logger.log(row)
@@ -318,6 +322,7 @@ class Trainer:
                             logger.log(extra)
                         self.last_eval.update(extra)
             if stopped_by is not None:
+                self._check_weights("")  # the last step's update, which no later step's loss has seen
                 saved_at = ckpt.save_checkpoint(self, self.step)
                 progress.write(f"stopped by {stopped_by} at step {self.step}; resume with --resume auto")
         finally:
