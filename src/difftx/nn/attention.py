@@ -418,7 +418,8 @@ class DiffV2Attention(AttentionBase):
     def last_lambda(self) -> Optional[torch.Tensor]:
         """The mean of sigmoid(W_lambda x) over the last forward pass outside torch.func transforms (a 0-dim
         float32 or float64 tensor; None before any); computed when read, not at every decoding step."""
-        return None if self._last_lam is None else self._last_lam.mean()
+        lam = self.__dict__.get("_last_lam")  # (absent on a module pickled whole before it was introduced)
+        return None if lam is None else lam.mean()
 
     def _lambdas(self, x: torch.Tensor) -> torch.Tensor:
         """sigmoid(W_lambda x): (B, N, h), at least float32, from the float32 x (autocast off)."""
