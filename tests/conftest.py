@@ -19,11 +19,47 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 os.environ.setdefault("DIFFTX_FLEX_COMPILE", "0")  # unfused flex in quick tests; compiled flex is a slow test
 
 
+@pytest.fixture(autouse=True)
+def _cpu_only(request, monkeypatch):
+    """The suite runs on the CPU, as CI does, on a GPU machine too: there device "auto" picked the GPU and changed
+    what tests measure (a study's workers and threads, eval's native-kernel line, a compare pool's jobs: four
+    failures in a run on an H200).  tests/test_cuda.py is the GPU's; subprocesses get CUDA_VISIBLE_DEVICES=""
+    from cli_env."""
+    if request.path.name != "test_cuda.py" and torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def sigint_default():
+    """SIGINT as Python's default handler (KeyboardInterrupt) for a test that raises it: a suite started in the
+    background by a non-interactive shell (``pytest &``, nohup) inherits SIGINT ignored, and a raised SIGINT then
+    did nothing."""
+    import signal
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def load_owned(path) -> dict:
+    """safetensors' ``load_file`` as tensors that own their memory: before safetensors 0.8 they were views of the
+    file's memory map, so a test that rewrote a file it had loaded and then read the loaded tensors again died
+    of SIGBUS (safetensors 0.4.3-0.7.0)."""
+    from safetensors.torch import load_file
+
+    return {k: v.clone() for k, v in load_file(str(path)).items()}
+
+
+# Features of newer torch than the oldest the project declares: their tests skip, with the reason, on an older one
+needs_muon = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="Muon needs torch >= 2.9 (torch.optim.Muon)")
+
+
 def cli_env(**extra) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("DIFFTX_FLEX_COMPILE", "0")
     env.setdefault("PYTHONFAULTHANDLER", "1")  # a child killed by a signal prints its threads' stacks
+    env["CUDA_VISIBLE_DEVICES"] = ""  # on the CPU, as in-process tests are (_cpu_only)
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

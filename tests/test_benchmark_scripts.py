@@ -28,3 +28,27 @@ def test_cuda_ops_op_table_runs_on_the_cpu(one_thread, monkeypatch):
     monkeypatch.setattr(mod, "_time", lambda fn, repeats=20: (fn(), 1e-3)[1])
     rows = mod.ops(1, 8, 2, 8)
     assert [r["op"] for r in rows] == ["head RMSNorm fwd+bwd", "combine fwd+bwd"]
+
+
+def test_torch_versions_script_runs_the_tests_in_each_environment(tmp_path):
+    """benchmarks/torch_versions.sh (the check of the declared torch range, docs in benchmarks/results/
+    dependency_versions.md): an existing environment is used as it is, its versions and pytest's verdict printed
+    one line a version; no version named is a usage error."""
+    import os
+    import subprocess
+    import sys
+
+    venv = tmp_path / "venv-9.9.9" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (venv / "python").chmod(0o755)
+    script = str(BENCH / "torch_versions.sh")
+    env = dict(os.environ, TESTS="tests/test_config.py -k preset")
+    r = subprocess.run(["bash", script, str(tmp_path), "9.9.9"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    line = r.stdout.strip()
+    assert r.returncode == 0 and line.startswith(f"9.9.9: torch {torch.__version__} transformers "), (line, r.stderr)
+    assert " rc=0 " in line and " passed" in line, line
+    assert (tmp_path / "9.9.9.log").is_file()
+    bad = subprocess.run(["bash", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "name at least one torch version" in bad.stderr

@@ -146,10 +146,11 @@ def test_a_save_over_a_model_that_fails_midway_leaves_the_old_model_loadable(tmp
 
 def test_float8_weights_are_one_checkpoint_error(tmp_path):
     """torch.isfinite is not implemented for float8: such a tensor was a NotImplementedError traceback."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+    from tests.conftest import load_owned
 
     d = difftx.save_model(tiny_model(), tmp_path / "m")
-    state = load_file(d / "model.safetensors")
+    state = load_owned(d / "model.safetensors")
     state["embed.weight"] = state["embed.weight"].to(torch.float8_e4m3fn)
     save_file(state, d / "model.safetensors")
     with pytest.raises(difftx.CheckpointError, match="'embed.weight' is float8_e4m3fn"):
@@ -352,7 +353,8 @@ def test_a_failed_atomic_write_names_the_file_it_was_for(where, tmp_path, monkey
 
 
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
-def test_a_signal_between_the_renames_of_a_model_save_does_not_split_the_pair(signame, tmp_path, monkeypatch):
+def test_a_signal_between_the_renames_of_a_model_save_does_not_split_the_pair(signame, tmp_path, monkeypatch,
+                                                                            sigint_default):
     """atomic_write_files renames each file into place in turn: Ctrl-C (or SIGTERM, handled as the trainer and
     compare handle it) arriving between the renames left the new model.safetensors beside the old config.json,
     "both or neither" broken.  The signal now waits until every file is in place, then acts as it would have."""

@@ -10,6 +10,8 @@ from difftx import ModelConfig, build_model
 from difftx.errors import ConfigError
 from difftx.optim import MSGDW, build_optimizer, is_no_decay, lr_at, param_groups, set_lr
 
+from .conftest import needs_muon
+
 
 @pytest.fixture(autouse=True)
 def _one_thread():
@@ -109,6 +111,7 @@ def test_build_optimizer_kinds():
         build_optimizer(model, "lion")
 
 
+@needs_muon
 def test_muon_for_matrices_adamw_for_the_rest():
     model = _model("softmax")
     opt = build_optimizer(model, "muon", lr=0.02, weight_decay=0.01)
@@ -131,6 +134,7 @@ def test_muon_for_matrices_adamw_for_the_rest():
     assert [g["weight_decay"] for g in rest.param_groups] == [0.01]  # --decay-all reaches AdamW's side too
 
 
+@needs_muon
 def test_combined_state_of_another_number_of_optimizers_is_refused():
     """A Muon + AdamW state holding one part only loaded Muon's and left AdamW's moments fresh, silently (a resume
     then trained on another trajectory); it is refused as a mismatch (checkpoint.py makes it one line)."""
@@ -147,6 +151,7 @@ def test_combined_state_of_another_number_of_optimizers_is_refused():
     assert len(fresh.optimizers[1].state) == len(opt.optimizers[1].state) > 0
 
 
+@needs_muon
 @pytest.mark.parametrize("nesterov, rule", [(True, "match_rms_adamw"), (False, "original")])
 def test_muon_in_bf16_is_torchs_muon_exactly(nesterov, rule):
     """Same hyperparameters, state and update as torch.optim.Muon, bit for bit, when it iterates in bf16."""
@@ -190,6 +195,19 @@ def test_muon_fp32_iteration_matches_a_float64_reference():
         assert sv.min() > 0.5 and sv.max() < 1.5  # it orthogonalises (singular values near 1)
 
 
+def test_muon_on_a_torch_without_it_is_one_clear_error(monkeypatch):
+    """Before torch 2.9 (no torch.optim.Muon) the optimizer name and the class both say what is missing and what to do,
+    where the class raised a bare TypeError on lr=... (its base is a plain Optimizer then)."""
+    from difftx.optim import Muon
+    monkeypatch.delattr(torch.optim, "Muon", raising=False)
+    model = build_model(ModelConfig(d_model=16, n_heads=2, head_dim=8, n_layers=1, vocab_size=32))
+    for make in (lambda: build_optimizer(model, "muon", lr=0.02),
+                 lambda: Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02)):
+        with pytest.raises(ConfigError, match=r"(?i)muon needs torch >= 2\.9.*this is torch .*adamw or msgdw"):
+            make()
+
+
+@needs_muon
 def test_muon_iterates_in_fp32_where_bf16_matmul_is_slow(monkeypatch):
     import difftx.runtime
 

@@ -199,6 +199,8 @@ class Muon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.optim.Opt
     """
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, **kwargs):
+        if not hasattr(torch.optim, "Muon"):  # (the base is a bare Optimizer then: a TypeError on lr=...)
+            raise _muon_missing()
         super().__init__(params, **kwargs)
         self.ns_dtype = ns_dtype
 
@@ -235,9 +237,14 @@ def _muon_lr_ratio(rule: Optional[str], shape) -> float:
     return 1.0
 
 
+def _muon_missing() -> ConfigError:
+    return ConfigError("optimizer", f"muon needs torch >= 2.9 (torch.optim.Muon); this is torch {torch.__version__}: "
+                                    "upgrade torch, or use adamw or msgdw")
+
+
 def _build_muon(model, lr, weight_decay, betas, eps, decay_all):
     if not hasattr(torch.optim, "Muon"):
-        raise ConfigError("optimizer", "muon needs torch >= 2.9 (torch.optim.Muon)")
+        raise _muon_missing()
     hidden, rest = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:

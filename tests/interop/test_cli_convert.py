@@ -51,10 +51,11 @@ def test_convert_verify_and_load(capsys, llama_dir, tmp_path):
 
 
 def test_mismatched_weights_exit_2_with_one_line_naming_the_tensor(cli, llama_dir, tmp_path):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+    from tests.conftest import load_owned
 
     _, src = llama_dir
-    sd = load_file(src / "model.safetensors")
+    sd = load_owned(src / "model.safetensors")
     sd["model.layers.0.mlp.up_proj.weight"] = sd["model.layers.0.mlp.up_proj.weight"][:, :10].contiguous()
     save_file(sd, src / "model.safetensors")
     r = cli("convert", src, tmp_path / "out")
@@ -301,10 +302,11 @@ def test_refused_pickles_give_only_the_one_line(capsys, llama_dir, tmp_path):
 
 def test_an_integer_weight_tensor_is_refused(capsys, llama_dir, tmp_path):
     """load_state_dict would cast an int tensor into a float parameter without a word: a corrupt file."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+    from tests.conftest import load_owned
 
     _, src = llama_dir
-    sd = load_file(src / "model.safetensors")
+    sd = load_owned(src / "model.safetensors")
     name = "model.layers.0.mlp.up_proj.weight"
     sd[name] = sd[name].round().to(torch.int32)
     save_file(sd, src / "model.safetensors")
@@ -314,7 +316,7 @@ def test_an_integer_weight_tensor_is_refused(capsys, llama_dir, tmp_path):
     _one_error_line(rc, err, name, "int32")
     model = difftx_model(attention="softmax", n_heads=4)
     difftx.save_model(model, tmp_path / "m")
-    sd = load_file(tmp_path / "m" / "model.safetensors")
+    sd = load_owned(tmp_path / "m" / "model.safetensors")
     sd["final_norm.weight"] = sd["final_norm.weight"].to(torch.int64)
     save_file(sd, tmp_path / "m" / "model.safetensors")
     with pytest.raises(CheckpointError, match="'final_norm.weight' is int64"):
@@ -323,10 +325,11 @@ def test_an_integer_weight_tensor_is_refused(capsys, llama_dir, tmp_path):
 
 def test_a_non_finite_weight_is_refused(capsys, llama_dir, tmp_path):
     """A NaN or inf weight (a corrupt file, a diverged export) is refused by name, not loaded."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+    from tests.conftest import load_owned
 
     _, src = llama_dir
-    sd = load_file(src / "model.safetensors")
+    sd = load_owned(src / "model.safetensors")
     name = "model.layers.1.self_attn.k_proj.weight"
     sd[name][0, :3] = float("nan")
     save_file(sd, src / "model.safetensors")
@@ -337,7 +340,7 @@ def test_a_non_finite_weight_is_refused(capsys, llama_dir, tmp_path):
     assert not (tmp_path / "out").exists()
     model = difftx_model(attention="diff", n_heads=2)
     difftx.save_model(model, tmp_path / "m")
-    sd = load_file(tmp_path / "m" / "model.safetensors")
+    sd = load_owned(tmp_path / "m" / "model.safetensors")
     sd["final_norm.weight"][1] = float("-inf")
     save_file(sd, tmp_path / "m" / "model.safetensors")
     with pytest.raises(CheckpointError, match="'final_norm.weight' holds 1 non-finite value "):
@@ -688,10 +691,11 @@ def test_a_mixed_dtype_model_exported_to_hugging_face_names_no_dtype(capsys, tmp
     """bf16 weights with float32 norm gains (a mixed model: no one dtype) exported to hf-llama: config.json said
     "dtype": "float32", so load_model upcast every tensor where the difftx source (and an hf-difftx export) keep
     each tensor's stored dtype."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+    from tests.conftest import load_owned
 
     src = difftx.save_model(difftx_model(attention="softmax", n_heads=4, n_kv_heads=2), tmp_path / "m")
-    state = {k: v if "norm" in k else v.to(torch.bfloat16) for k, v in load_file(src / "model.safetensors").items()}
+    state = {k: v if "norm" in k else v.to(torch.bfloat16) for k, v in load_owned(src / "model.safetensors").items()}
     save_file(state, src / "model.safetensors")
     cfg = json.loads((src / "config.json").read_text())
     del cfg["dtype"]  # as save_model writes a mixed model's
@@ -992,7 +996,8 @@ def test_a_tokenizer_copy_that_stops_midway_leaves_no_truncated_file_under_its_n
         oct((src / "tokenizer.json").stat().st_mode & 0o777)
 
 
-def test_ctrl_c_while_force_swaps_the_new_model_in_never_leaves_dst_missing(tmp_path, capsys, monkeypatch):
+def test_ctrl_c_while_force_swaps_the_new_model_in_never_leaves_dst_missing(tmp_path, capsys, monkeypatch,
+                                                                             sigint_default):
     """--force converts beside DST, then renames DST away and the result into place: Ctrl-C between the two renames
     left no DST at all (the earlier model hidden as .DST.replaced-PID).  The swap now finishes first."""
     import os

@@ -101,11 +101,12 @@ def test_export_refuses_what_the_target_cannot_hold():
 
 
 def test_shape_mismatch_names_the_tensor(tmp_path):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+    from tests.conftest import load_owned
 
     hf_llama("llama", heads=4, kv=2).save_pretrained(tmp_path / "hf")
     path = tmp_path / "hf" / "model.safetensors"
-    sd = load_file(path)
+    sd = load_owned(path)
     sd["model.layers.1.self_attn.k_proj.weight"] = sd["model.layers.1.self_attn.k_proj.weight"][:16]
     save_file(sd, path)
     with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.self_attn\.k_proj\.weight' has shape \(16, 64\)"):
@@ -248,11 +249,12 @@ def test_diffllama_config_without_rms_norm_eps_uses_diffllamas_default(tmp_path)
 def test_tied_config_with_a_different_lm_head_keeps_the_head(tmp_path, kind):
     """config.json ties the embeddings but the checkpoint holds an lm_head.weight of other values: transformers
     loads that head untied; the conversion used to drop it and tie (logits off by ~3)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+    from tests.conftest import load_owned
     from transformers import AutoModelForCausalLM
 
     hf_llama(kind, tie=True).save_pretrained(tmp_path / "hf")
-    sd = load_file(tmp_path / "hf" / "model.safetensors")
+    sd = load_owned(tmp_path / "hf" / "model.safetensors")
     g = torch.Generator().manual_seed(3)
     sd["lm_head.weight"] = 0.1 * torch.randn(sd["model.embed_tokens.weight"].shape, generator=g)
     save_file(sd, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})

@@ -38,3 +38,32 @@ print("ok")
 def test_auto_registration(script):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+OLD = """
+import warnings
+import transformers
+transformers.__version__ = "5.3.0"  # a transformers older than the config class below needs
+import difftx
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from transformers import AutoConfig  # the registration runs, and fails: a warning, not a broken import
+    AutoConfig.for_model("llama")
+said = [str(w.message) for w in caught if "difftx" in str(w.message)]
+assert len(said) == 1 and "need transformers >= 5.4; this is transformers 5.3.0" in said[0], said
+try:
+    import difftx.interop.hf
+except ImportError as e:
+    assert "pip install -U 'transformers>=5.4'" in str(e), e
+else:
+    raise AssertionError("difftx.interop.hf imported on transformers 5.3")
+print("ok")
+"""
+
+
+def test_a_transformers_too_old_for_the_config_class_is_named_with_the_fix():
+    """On transformers 5.0-5.3 each DifftxForCausalLM refused its own config (every field derived in __post_init__
+    read None), and 4.x failed the import of PreTrainedConfig: the registration warns, once, and importing the
+    classes raises ImportError saying which version they need and how to get it."""
+    r = subprocess.run([sys.executable, "-c", OLD], capture_output=True, text=True, env=cli_env(), timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

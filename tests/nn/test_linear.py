@@ -679,7 +679,7 @@ def test_bf16_inference_in_a_packed_scope_runs_the_dot_kernels(rows, d_in, d_out
     bound2 = 2.0 ** -8 * exact2.abs() + d_in * 2.0 ** -23 * (x.bfloat16().double().abs() @ w.abs().t()) + 1e-30
     assert ((y2.double() - exact2).abs() <= bound2).all()
     with torch.autocast("cpu", dtype=torch.bfloat16), L.packed_weights(store):
-        node = layer(x).grad_fn.name()
+        node = type(layer(x).grad_fn).__name__  # (its .name() raised on torch 2.6-2.8)
     assert node.startswith("_DotLinear")  # a gradient wanted: the training path
     alive = [entry[0] for entry in store.values()]
     del layer, odd

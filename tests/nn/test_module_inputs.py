@@ -175,7 +175,8 @@ def test_a_hooked_or_swapped_head_norm_runs(dtype):
 
 def test_hf_missing_keys_get_difftx_init(tmp_path):
     pytest.importorskip("transformers")
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+    from tests.conftest import load_owned
     from transformers import AutoModelForCausalLM
 
     from difftx.interop.hf import DifftxForCausalLM
@@ -184,7 +185,7 @@ def test_hf_missing_keys_get_difftx_init(tmp_path):
     cfg = ModelConfig(attention="diff", n_heads=2, d_model=64, n_layers=2, vocab_size=97)
     model = build_model(cfg)
     DifftxForCausalLM.from_difftx(model).save_pretrained(tmp_path)
-    sd = load_file(tmp_path / "model.safetensors")
+    sd = load_owned(tmp_path / "model.safetensors")
     gone = [k for k in sd if k.endswith(("layers.0.attn.lambda_q1", "layers.0.attn.q_proj.weight",
                                          "layers.0.attn.head_norm.weight", "layers.1.ffn.w_down.weight"))]
     assert len(gone) == 4

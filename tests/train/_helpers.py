@@ -62,6 +62,7 @@ def cli_env(**extra) -> dict:
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONFAULTHANDLER", "1")  # a child killed by a signal prints its threads' stacks
+    env["CUDA_VISIBLE_DEVICES"] = ""  # on the CPU, as in-process tests are (tests/conftest.py: _cpu_only)
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

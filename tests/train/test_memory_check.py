@@ -15,6 +15,8 @@ from difftx.errors import InsufficientMemory
 from difftx.runtime import linux_free_memory
 from difftx.train import memory_check
 
+from ..conftest import needs_muon
+
 GIB = 2 ** 30
 
 
@@ -23,7 +25,7 @@ GIB = 2 ** 30
     ("nano", {"attention": "diff"}, 4, 256, "adamw", False),
     ("nano", {"attention": "diff2"}, 2, 512, "sgd", False),
     ("nano", {"attention": "diff", "norms": "dnt"}, 2, 512, "msgdw", False),
-    ("nano", {"attention": "diff", "ffn_dim": 32}, 2, 256, "muon", False),
+    pytest.param("nano", {"attention": "diff", "ffn_dim": 32}, 2, 256, "muon", False, marks=needs_muon),
     ("nano", {"attention": "diff"}, 4, 64, "adamw", True),
     ("nano", {"attention": "diff2", "attn_backend": "eager"}, 2, 256, "adamw", False),
     ("nanogpt", {}, 12, 64, "adamw", False),
@@ -252,18 +254,33 @@ def test_compare_runs_fewer_jobs_at_once_when_all_would_not_fit(free):
 
 
 def test_every_process_of_a_torchrun_stops_on_rank0s_verdict(tmp_path, corpus, cache):
-    """Two CPU processes: rank 0 decides and both stop (a rank left waiting at a barrier would hang the run)."""
+    """Two CPU processes: rank 0 decides and both stop, each with the line (a rank left waiting at a barrier would
+    hang the run).  Launched as torchrun would, but without its agent, which kills the other processes once one
+    has failed: so each process must stop by itself (under torchrun the second line raced that kill: torch 2.7)."""
+    import socket
     import subprocess
     import sys
 
     from ._helpers import cli_env
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "difftx",
-           "train", "--data", str(corpus), "--cache-dir", str(cache), "--tokenizer", "char", "--d-model", "32",
-           "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--batch-size", str(10 ** 8), "--steps", "1",
-           "--device", "cpu", "--no-progress", "--out", str(out)]  # a floor of terabytes: refused on any machine
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=240)
-    assert proc.returncode != 0
-    assert proc.stderr.count("difftx train: error: not enough memory") == 2, proc.stderr[-3000:]
-    assert "2 processes at once" in proc.stderr and not out.exists()
+    cmd = [sys.executable, "-m", "difftx", "train", "--data", str(corpus), "--cache-dir", str(cache), "--tokenizer",
+           "char", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--batch-size",
+           str(10 ** 8), "--steps", "1", "--device", "cpu", "--no-progress",
+           "--out", str(out)]  # a floor of terabytes: refused on any machine
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=cli_env(**env, RANK=str(r), LOCAL_RANK=str(r))) for r in (0, 1)]
+    try:
+        results = [p.communicate(timeout=240) + (p.returncode,) for p in procs]
+    except subprocess.TimeoutExpired:  # a rank left waiting: what each printed
+        for p in procs:
+            p.kill()
+        raise AssertionError([p.communicate()[1][-3000:] for p in procs]) from None
+    for rank, (_, err, rc) in enumerate(results):
+        assert rc == 2 and err.count("difftx train: error: not enough memory") == 1, (rank, rc, err[-3000:])
+        assert "2 processes at once" in err
+    assert not out.exists()

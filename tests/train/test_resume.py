@@ -7,6 +7,8 @@ import torch
 
 import difftx
 from difftx.data import load_tokenizer
+
+from ..conftest import needs_muon
 from ._helpers import losses
 
 
@@ -71,7 +73,8 @@ def _same(a, b, where="optimizer"):
 @pytest.mark.parametrize("flags, how", [
     (["--optimizer", "msgdw", "--lr", 0.05, "--norms", "dnt"], "stop"),
     (["--optimizer", "sgd", "--nesterov", "--lr", 0.05, "--attention", "diff2", "--log-every", 4], "stop"),
-    (["--optimizer", "muon", "--lr", 0.02, "--schedule", "linear", "--warmup", 3, "--min-lr", 1e-4], "stop"),
+    pytest.param(["--optimizer", "muon", "--lr", 0.02, "--schedule", "linear", "--warmup", 3, "--min-lr", 1e-4], "stop",
+                 marks=needs_muon),
     (["--dtype", "bf16", "--grad-accum", 2, "--set", "dropout=0.1", "--grad-clip", 0.1], "stop"),
     (["--set", "dropout=0.1", "--checkpoint-every", 2, "--keep-last", 2], "older checkpoint into a new --out"),
 ], ids=["msgdw-dnt", "sgd-nesterov-diff2-log4", "muon-linear-stop-in-warmup", "bf16-accum-dropout-clip", "fork"])

@@ -29,6 +29,7 @@ import sys
 import warnings
 
 _installed = False
+_warned: set = set()  # the config's and the model's registration fail alike on an old transformers: one warning
 
 
 def _register(module: str):
@@ -36,7 +37,10 @@ def _register(module: str):
         try:
             importlib.import_module(module, __package__)  # registers on import
         except Exception as e:  # an incompatible transformers must not break the user's import
-            warnings.warn(f"difftx: could not register with transformers ({type(e).__name__}: {e})", stacklevel=2)
+            said = f"difftx: could not register with transformers ({type(e).__name__}: {e})"
+            if said not in _warned:
+                _warned.add(said)
+                warnings.warn(said, stacklevel=2)
 
     return register
 

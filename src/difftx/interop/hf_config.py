@@ -6,11 +6,30 @@ transformers' configuration module, which ``AutoConfig`` has loaded anyway.
 
 from __future__ import annotations
 
-from transformers import AutoConfig, PreTrainedConfig
+import transformers
+from packaging.version import Version
 
 from ..config import ModelConfig
 from ..errors import CheckpointError
 from .convert import hf_standard_fields, model_config_from_hf
+
+# The config below is a transformers >= 5.4 config (fields declared on the class, derived in __post_init__): on
+# 5.0-5.3 every derived field read None and each model refused its config; 4.x has no PreTrainedConfig.
+TRANSFORMERS_MIN = "5.4"
+
+
+def check_transformers_version(version: str) -> None:
+    """ImportError naming the fix when ``version`` is older than :data:`TRANSFORMERS_MIN`."""
+    if Version(version).release[:2] < Version(TRANSFORMERS_MIN).release:
+        raise ImportError(f"difftx's Hugging Face classes (DifftxConfig, DifftxForCausalLM) need transformers >= "
+                          f"{TRANSFORMERS_MIN}; this is transformers {version}: pip install -U "
+                          f"'transformers>={TRANSFORMERS_MIN}' (difftx.load_model and `difftx convert` read and "
+                          "write Hugging Face directories without transformers)")
+
+
+check_transformers_version(transformers.__version__)
+
+from transformers import AutoConfig, PreTrainedConfig  # noqa: E402
 
 
 class DifftxConfig(PreTrainedConfig):
