@@ -28,8 +28,10 @@ for spec in "$@"; do
             { [ -z "$hv" ] || "$venv/bin/pip" install -q "transformers==$hv"; } ) >"$out/$name.install.log" 2>&1 ||
             { echo "$name: install failed ($out/$name.install.log)"; rm -rf "$venv"; continue; }
     fi
-    versions=$("$venv/bin/python" -c "import torch, transformers; print('torch', torch.__version__, \
-'transformers', transformers.__version__)" 2>&1)
+    versions=$("$venv/bin/python" -c "import importlib.metadata as m, torch
+try: tf = m.version('transformers')
+except m.PackageNotFoundError: tf = 'none'
+print('torch', torch.__version__, 'transformers', tf)" 2>&1 | tail -1)
     t0=$SECONDS
     # shellcheck disable=SC2086  # TESTS: words for pytest
     DIFFTX_CACHE_DIR=$out/cache-$name "$venv/bin/python" -m pytest -p no:cacheprovider -rfE ${TESTS:-} >"$log" 2>&1
