@@ -9,7 +9,8 @@
 # machine.  Each venv gets torch first, then this checkout as `-e .[dev]` (which keeps that torch), then the
 # transformers version if one is given.  The native kernels build into OUT_DIR/cache-VERSION.  Logs:
 # OUT_DIR/VERSION.log; the venvs (OUT_DIR/venv-VERSION) are left for a rerun (an existing one is used as it is):
-# delete them after.  TESTS="tests/x.py -k y" runs those instead of the whole suite.
+# delete them after.  TESTS="tests/x.py -k y" runs those instead of the whole suite.  PYTHON=/path/to/python3.12
+# builds the venvs with that interpreter (use a separate OUT_DIR per interpreter).
 set -uo pipefail
 out=${1:?usage: torch_versions.sh OUT_DIR TORCH_VERSION[:TRANSFORMERS_VERSION] ...}
 shift
@@ -28,10 +29,10 @@ for spec in "$@"; do
             { [ -z "$hv" ] || "$venv/bin/pip" install -q "transformers==$hv"; } ) >"$out/$name.install.log" 2>&1 ||
             { echo "$name: install failed ($out/$name.install.log)"; rm -rf "$venv"; continue; }
     fi
-    versions=$("$venv/bin/python" -c "import importlib.metadata as m, torch
+    versions=$("$venv/bin/python" -c "import importlib.metadata as m, platform, torch
 try: tf = m.version('transformers')
 except m.PackageNotFoundError: tf = 'none'
-print('torch', torch.__version__, 'transformers', tf)" 2>&1 | tail -1)
+print('python', platform.python_version(), 'torch', torch.__version__, 'transformers', tf)" 2>&1 | tail -1)
     t0=$SECONDS
     # shellcheck disable=SC2086  # TESTS: words for pytest
     DIFFTX_CACHE_DIR=$out/cache-$name "$venv/bin/python" -m pytest -p no:cacheprovider -rfE ${TESTS:-} >"$log" 2>&1

@@ -47,7 +47,10 @@ def test_torch_versions_script_runs_the_tests_in_each_environment(tmp_path):
     r = subprocess.run(["bash", script, str(tmp_path), "9.9.9"], capture_output=True, text=True, env=env,
                        timeout=300)
     line = r.stdout.strip()
-    assert r.returncode == 0 and line.startswith(f"9.9.9: torch {torch.__version__} transformers "), (line, r.stderr)
+    import platform
+
+    want = f"9.9.9: python {platform.python_version()} torch {torch.__version__} transformers "
+    assert r.returncode == 0 and line.startswith(want), (line, r.stderr)
     assert " rc=0 " in line and " passed" in line, line
     assert (tmp_path / "9.9.9.log").is_file()
     bad = subprocess.run(["bash", script, str(tmp_path)], capture_output=True, text=True, timeout=60)

@@ -115,7 +115,8 @@ OPTIMIZER_STATES = {"adamw": 2, "muon": 1}  # muon: one momentum (AdamW on the r
 
 
 def training_memory_floor(cfg, batch_size: int, seq_len: int, optimizer: str = "adamw", momentum: float = 0.9,
-                          bf16: bool = False, shards: int = 1, loss_chunk: int = 0) -> dict:
+                          bf16: bool = False, shards: int = 1, loss_chunk: int = 0,
+                          activation_checkpointing: int = 0) -> dict:
     """A lower bound, in bytes, on the peak memory of one training process of ``cfg``.
 
     ``state``: fp32 weights plus the optimizer's per-parameter state, held between steps.
@@ -125,8 +126,11 @@ def training_memory_floor(cfg, batch_size: int, seq_len: int, optimizer: str = "
     attention output), two ``ffn_dim``-wide ones (the FFN's hidden activations), and for a language
     model the logits and their gradient (of ``loss_chunk`` tokens only when the loss is chunked); fp32, or 2
     bytes each under bf16 autocast.  With
-    ``attn_backend: eager`` also the fp32 attention maps, N x N per head (two per DIFF head).  ``shards``
-    divides weights, gradients and optimizer state (FSDP).  ``total`` = ``state`` + ``step``.
+    ``attn_backend: eager`` also the fp32 attention maps, N x N per head (two per DIFF head).  A block under
+    ``activation_checkpointing`` (every that-many-th block, as ``set_activation_checkpointing``) keeps only
+    its ``d_model``-wide input until its backward recomputes the rest: the activations are then the larger of
+    those at the end of the forward pass and those in the last recomputed block's backward.  ``shards`` divides weights, gradients and optimizer state (FSDP).  ``total`` =
+    ``state`` + ``step``.
 
     It is a floor, not an estimate: a run whose floor exceeds the free memory cannot fit.  Measured
     peaks are 1.16-1.78x it (``benchmarks/memory_floor.py``, table in ``benchmarks/results/memory_floor.md``).
@@ -136,12 +140,23 @@ def training_memory_floor(cfg, batch_size: int, seq_len: int, optimizer: str = "
     state = params * 4 * (1 + states) // shards
     n = seq_len if cfg.domain == "lm" else cfg.n_patches + (cfg.pooling == "cls")
     tokens = batch_size * n
-    per_token = cfg.n_layers * (6 * cfg.d_model + 2 * cfg.ffn_dim)
+    size = 2 if bf16 else 4
+    width = 6 * cfg.d_model + 2 * cfg.ffn_dim  # per token, what a block saves for backward
+    maps = 0  # bytes of one block's attention maps: the eager backend keeps them (fp32), two per DIFF head
+    if cfg.attn_backend == "eager":
+        maps = batch_size * cfg.n_heads * (1 if cfg.attention == "softmax" else 2) * n * n * 4
+    every = activation_checkpointing
+    recomputed = -(-cfg.n_layers // every) if every > 0 else 0  # blocks 0, every, 2 every, ... (0-based)
+    kept = cfg.n_layers - recomputed  # blocks whose activations stay saved until backward
     logit_tokens = (min(tokens, loss_chunk) if loss_chunk > 0 else tokens) if cfg.domain == "lm" else 0
-    activations = (tokens * per_token + logit_tokens * 2 * cfg.vocab_size) * (2 if bf16 else 4)
-    if cfg.attn_backend == "eager":  # it keeps every attention map (fp32) for backward: two per DIFF head
-        maps = cfg.n_heads * (1 if cfg.attention == "softmax" else 2)
-        activations += cfg.n_layers * batch_size * maps * n * n * 4
+    # at the end of the forward pass: every block's saved tensors, and the logits with their gradient
+    activations = (tokens * (kept * width + recomputed * cfg.d_model) + logit_tokens * 2 * cfg.vocab_size) * size \
+        + kept * maps
+    if recomputed:  # in the backward of the last recomputed block: its activations again, and what precedes it
+        last = (cfg.n_layers - 1) // every * every
+        kept_before = last - (recomputed - 1)
+        activations = max(activations, tokens * ((recomputed - 1) * cfg.d_model + (kept_before + 1) * width) * size
+                          + (kept_before + 1) * maps)
     gradients = params * 4 // shards
     step = max(gradients, activations)
     return {"parameters": params, "state": state, "gradients": gradients, "activations": activations,

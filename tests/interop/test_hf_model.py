@@ -360,3 +360,36 @@ def test_a_copied_transformers_cache_decodes_into_itself_not_into_the_original()
         hf(x[:, 6:7], past_key_values=shallow, use_cache=True)
         assert shallow._difftx_view.cache is shallow
     pickle.loads(pickle.dumps(prompt))
+
+
+@pytest.mark.parametrize("kwargs", [None, {"use_reentrant": True}])
+def test_activation_checkpointing_through_transformers(kwargs):
+    """transformers' activation_checkpointing_enable (gradient_checkpointing_enable before 5.x's rename), as its
+    Trainer calls it: every block recomputed with transformers' checkpoint function, the same loss and gradients
+    bit for bit (dropout included, with either checkpoint kind); disabling it restores the plain blocks."""
+    import warnings
+
+    model = difftx_model(seed=0, attention="diff", n_heads=2, dropout=0.1)
+    hf = DifftxForCausalLM.from_difftx(model).train()
+    x = tokens(97, n=40)
+
+    def step():
+        hf.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        loss = hf(input_ids=x, labels=x).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in hf.parameters()]
+
+    ref = step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the deprecated name, where it is the one there is
+        enable = getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable
+        disable = getattr(hf, "activation_checkpointing_disable", None) or hf.gradient_checkpointing_disable
+        enable(kwargs)
+        assert model.activation_checkpointing() == [True] * model.config.n_layers
+        assert all(getattr(b, "_gradient_checkpointing_func", None) is not None for b in model.layers)
+        loss, grads = step()
+        assert torch.equal(loss, ref[0])
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref[1]))
+        disable()
+    assert model.activation_checkpointing() == [False] * model.config.n_layers

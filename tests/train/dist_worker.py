@@ -1,6 +1,6 @@
 """Run under ``python -m torch.distributed.run --nproc-per-node 2``: DDP and FSDP2 runs of the tiny model.
 
-argv: DATA CACHE OUT.  Writes OUT/{ddp,fsdp,fsdp_chunked,fsdp_resumed}/ run dirs,
+argv: DATA CACHE OUT.  Writes OUT/{ddp,fsdp,fsdp_chunked,fsdp_ac,fsdp_resumed}/ run dirs,
 OUT/grads_{mode}.safetensors, OUT/fsdp_groups_errors.json and OUT/fsdp_shard_errors.json (rank 0): the
 damaged-checkpoint resumes' errors.
 """
@@ -23,11 +23,14 @@ dist.init_process_group("gloo")
 RANK = dist.get_rank()
 
 
-for mode in ("ddp", "fsdp", "fsdp_chunked"):  # fsdp_chunked: FSDP2 with the chunked loss (--loss-chunk 5)
+# fsdp_chunked: FSDP2 with the chunked loss (--loss-chunk 5); fsdp_ac: with activation checkpointing (every block
+# recomputed in backward, under FSDP2's unshard hooks)
+for mode in ("ddp", "fsdp", "fsdp_chunked", "fsdp_ac"):
     phase(mode)
     rec = GradRecorder()
-    tcfg, mcfg = tiny(data, cache, parallel=mode.removesuffix("_chunked"), batch_size=4, grad_accum=1,
-                      loss_chunk=5 if mode.endswith("_chunked") else 0, eval_batches=3)
+    tcfg, mcfg = tiny(data, cache, parallel=mode.split("_")[0], batch_size=4, grad_accum=1,
+                      loss_chunk=5 if mode.endswith("_chunked") else 0,
+                      activation_checkpointing=1 if mode.endswith("_ac") else 0, eval_batches=3)
     train(tcfg, mcfg, out / mode, callbacks=[rec], announce=None)
     if dist.get_rank() == 0:
         save_file({f"{i}/{k}": v.contiguous() for i, g in enumerate(rec.grads) for k, v in g.items()},

@@ -54,6 +54,21 @@ def test_the_floor_stays_below_the_peak_with_a_chunked_loss_and_a_large_vocabula
         training_memory_floor(cfg, 4, 256)["activations"] - (4 * 256 - 64) * 2 * 8192 * 4
 
 
+@pytest.mark.parametrize("changes", [{"attention": "diff"}, {"attention": "softmax", "attn_backend": "eager"}])
+def test_the_floor_stays_below_the_peak_with_activation_checkpointing(changes):
+    """--activation-checkpointing N leaves a recomputed block only its input until backward: the floor counts that
+    (and no attention maps for it), stays under the measured peak, and still covers it within TYPICAL."""
+    cfg = ModelConfig.from_preset("nano", **changes, max_seq_len=256)
+    floors = {}
+    for every in (0, 2, 1):
+        floor = training_memory_floor(cfg, 4, 256, "adamw", activation_checkpointing=every)
+        got = measured_training_memory(cfg, 4, 256, "adamw", activation_checkpointing=every)
+        assert floor["state"] <= got["state"] and floor["step"] <= got["step"], (every, floor, got)
+        assert got["total"] <= memory_check.TYPICAL * floor["total"], (every, floor, got)
+        floors[every] = floor["activations"]
+    assert floors[1] < floors[2] < floors[0], floors
+
+
 def test_floor_counts_what_it_says():
     cfg = ModelConfig.from_preset("nano")
     p = training_memory_floor(cfg, 1, 64)["parameters"]
@@ -111,7 +126,11 @@ def test_train_refuses_a_run_that_cannot_fit_and_writes_nothing(tmp_path, train_
     err = capsys.readouterr().err
     assert err.startswith("difftx train: error: not enough memory: this run needs at least") and err.count("\n") == 1
     assert "lower --batch-size" in err and "DIFFTX_MEMORY_CHECK=0" in err and "1,024 tokens per micro-batch" in err
+    assert "--activation-checkpointing 1" in err  # the advice it can take
     assert not out.exists()
+    assert train_cli("--steps", 2, "--batch-size", 64, "--activation-checkpointing", 1, "--out", out) == 2
+    err = capsys.readouterr().err  # already taken: not advised again; its floor is lower, and still too much here
+    assert "not enough memory" in err and "--activation-checkpointing" not in err and not out.exists()
     free(1000)  # not even the weights: a smaller model is the advice
     assert train_cli("--steps", 2, "--out", out) == 2
     assert "pick a smaller model" in capsys.readouterr().err and not out.exists()

@@ -167,6 +167,20 @@ def test_compile_is_opt_in_and_keeps_clean_keys(tmp_path, corpus, cache, attenti
     assert not any("_orig_mod" in k for k in keys)
 
 
+@pytest.mark.slow
+def test_compile_with_activation_checkpointing(tmp_path, corpus, cache):
+    """--compile --activation-checkpointing 1: the compiled graph recomputes the blocks (torch's checkpoint traced
+    by dynamo): the losses of eager training within float rounding (the graph partitions differently)."""
+    from difftx.train import train
+
+    tcfg, mcfg = tiny(corpus, cache, model={"attention": "diff"}, steps=3, eval_every=0, compile=True,
+                      activation_checkpointing=1)
+    train(tcfg, mcfg, tmp_path / "c", announce=None)
+    plain, _ = tiny(corpus, cache, model={"attention": "diff"}, steps=3, eval_every=0)
+    train(plain, mcfg, tmp_path / "p", announce=None)
+    assert losses(tmp_path / "c") == pytest.approx(losses(tmp_path / "p"), rel=1e-4)
+
+
 def test_python_and_numpy_rngs_are_seeded_per_run(tmp_path):
     """Two runs of one seed start Python's and NumPy's global RNGs alike (they were left as the process had them);
     another seed starts them elsewhere."""
@@ -212,3 +226,28 @@ def test_diagnostic_gradient_norms_are_of_the_gradients_grad_norm_measures(tmp_p
         assert top and top <= set(r["grad_norms"]) and len(r["layer_grad_norms"]) == 2, (top, r)
         whole = sum(v * v for v in r["layer_grad_norms"]) + sum(r["grad_norms"][n] ** 2 for n in top)
         assert math.sqrt(whole) == pytest.approx(r["grad_norm"], rel=1e-4), r
+
+
+def test_activation_checkpointing_trains_the_same_bits_and_may_change_on_resume(tmp_path, train_cli, capsys):
+    """--activation-checkpointing 1 (every block recomputed in backward): the same losses and final weights, bit for
+    bit, as without it, with dropout; a run stopped without it may resume with it (a runtime setting, as --threads),
+    and gives the same bits again.  A bad value is one line, exit 2, nothing written."""
+    common = ["--steps", 4, "--eval-every", 2, "--set", "dropout=0.1"]
+    assert train_cli(*common, "--out", tmp_path / "plain") == 0
+    assert train_cli(*common, "--activation-checkpointing", 1, "--out", tmp_path / "ac") == 0
+    assert train_cli(*common, "--stop-at", 2, "--out", tmp_path / "switched") == 0
+    assert train_cli(*common, "--activation-checkpointing", 2, "--resume", "auto", "--out", tmp_path / "switched") == 0
+    ref = losses(tmp_path / "plain")
+    assert len(ref) == 4
+    for run in ("ac", "switched"):
+        assert losses(tmp_path / run) == ref and losses(tmp_path / run, "val_loss") == losses(tmp_path / "plain",
+                                                                                              "val_loss")
+        for (k, v), w in zip(difftx.load_model(tmp_path / "plain").state_dict().items(),
+                             difftx.load_model(tmp_path / run).state_dict().values()):
+            assert torch.equal(v, w), (run, k)
+    assert json.loads((tmp_path / "ac" / "config.json").read_text())["train"]["activation_checkpointing"] == 1
+    capsys.readouterr()
+    assert train_cli("--activation-checkpointing", -1, "--out", tmp_path / "bad") == 2
+    err = capsys.readouterr().err
+    assert "--activation-checkpointing" in err and "non-negative integer" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "bad").exists()

@@ -43,7 +43,7 @@ def peak_live_bytes(fn: Callable[[], object], device: torch.device | str = "cpu"
 
 
 def measured_training_memory(cfg, batch_size: int, seq_len: int, optimizer: str = "adamw",
-                             bf16: bool = False, loss_chunk: int = 0) -> dict:
+                             bf16: bool = False, loss_chunk: int = 0, activation_checkpointing: int = 0) -> dict:
     """Peak bytes of a CPU training step of ``cfg`` as the trainer runs it: ``state`` (fp32 weights and the
     optimizer's state after a first step, held between steps) + ``step`` (the step's high-water mark of tensor
     bytes, :func:`peak_live_bytes`) = ``total``.  Random tokens (images); the attention backend the trainer
@@ -57,6 +57,7 @@ def measured_training_memory(cfg, batch_size: int, seq_len: int, optimizer: str 
     backend = training_attention_backend(cfg, torch.device("cpu"), torch.bfloat16 if bf16 else None, seq_len)
     if backend is not None:
         model.set_attention_backend(backend)
+    model.set_activation_checkpointing(activation_checkpointing)
     opt = build_optimizer(model, optimizer, lr=1e-3, weight_decay=0.1, momentum=0.9)
     if cfg.domain == "lm":
         x = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))

@@ -21,7 +21,7 @@ TRAIN_FLAGS = ("data", "tokenizer", "bpe_vocab_size", "text_field", "val_fractio
                "lr", "min_lr", "schedule", "warmup", "weight_decay", "betas", "momentum", "nesterov", "eps",
                "decay_all", "grad_clip", "dtype", "compile", "device", "threads", "parallel", "seed", "eval_every",
                "eval_batches", "log_every", "diag_every", "checkpoint_every", "keep_last", "stop_at", "tensorboard",
-               "progress", "task_options", "domain_options", "loss_chunk")
+               "progress", "task_options", "domain_options", "loss_chunk", "activation_checkpointing")
 MODEL_FLAGS = ("attention", "norms", "d_model", "n_layers", "n_heads", "vocab_size")
 
 
@@ -100,6 +100,10 @@ def add_parser(sub) -> None:
     r.add_argument("--loss-chunk", type=int, metavar="TOKENS",
                    help="language models: compute the loss TOKENS tokens at a time, never holding all batch x "
                         "sequence x vocabulary logits (saves memory with a large vocabulary; 0, the default: off)")
+    r.add_argument("--activation-checkpointing", type=int, metavar="N",
+                   help="every Nth block keeps only its input for backward and recomputes the rest there: much "
+                        "less training memory for about one more forward per step, the same bits (1: every block; "
+                        "0, the default: off)")
     r.add_argument("--parallel", choices=["auto", "none", "ddp", "fsdp"],
                    help="under torchrun: ddp (default) or fsdp (FSDP2 fully_shard)")
     r.add_argument("--seed", type=int, help="random seed (1337)")

@@ -113,7 +113,7 @@ class DifftxPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     _no_split_modules = ["Block"]
     _skip_keys_device_placement = ["past_key_values"]
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True  # Block.gradient_checkpointing (difftx.nn.block.run_blocks)
 
     @torch.no_grad()
     def _init_weights(self, module):

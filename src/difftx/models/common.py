@@ -39,6 +39,23 @@ class ModelMixin:
                 out.append(None if m.last_lambda is None else float(m.last_lambda))
         return out
 
+    def set_activation_checkpointing(self, every: int = 1) -> None:
+        """Activation checkpointing: every ``every``-th block (the 1st, the ``every + 1``-th, ...) keeps only its
+        inputs for backward and runs its forward again during backward; 1: every block, 0: none.  Training
+        memory falls to about one block's activations plus the blocks' inputs; a step costs about one more
+        forward.  Values and gradients stay the same, bit for bit (in eager mode; a compiled graph, partitioned
+        differently, agrees to float rounding).  Decoding with a KV cache and code without
+        autograd never recompute.  Not saved with the model: a runtime setting, as the attention backend."""
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"every must be a non-negative integer (0: off, 1: every block); got {every!r}")
+        for i, block in enumerate(self.layers):
+            block.gradient_checkpointing = every > 0 and i % every == 0
+            block.__dict__.pop("_gradient_checkpointing_func", None)  # torch's non-reentrant checkpoint
+
+    def activation_checkpointing(self) -> list[bool]:
+        """Per block (1-based layer order), whether it recomputes its activations in backward."""
+        return [bool(getattr(b, "gradient_checkpointing", False)) for b in self.layers]
+
     def set_attention_backend(self, backend: str, diff_variant: Optional[str] = None) -> None:
         """Switch every layer to ``backend`` (auto, eager, sdpa, flex) and optionally a DIFF sdpa variant."""
         from ..config import BACKENDS

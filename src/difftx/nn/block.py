@@ -12,8 +12,11 @@ QK-norm lives inside the attention module; InputNorm and the final norm in the m
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from .attention import _out_dtype, make_attention
@@ -40,6 +43,10 @@ class Block(nn.Module):
         self.ffn = make_ffn(cfg)
         self.ffn_mid_norm = norm(cfg.mid_norm_ffn)
         self.ffn_post_norm = norm(cfg.post_norm)
+        # activation checkpointing (ModelMixin.set_activation_checkpointing): keep only the block's inputs for
+        # backward and run it again there.  Named as transformers names it, so its activation_checkpointing_enable
+        # (gradient_checkpointing_enable) sets it, with its own checkpoint function in _gradient_checkpointing_func
+        self.gradient_checkpointing = False
 
     @staticmethod
     def _maybe(norm, x):
@@ -111,21 +118,47 @@ class Block(nn.Module):
         return x, self.ffn(h)
 
 
+def _checkpoint(block, cache):
+    """The function to run ``block`` under for activation checkpointing, or None to run it as it is: its
+    ``gradient_checkpointing`` set, autograd recording and no KV cache (decoding never checkpoints), and no
+    evaluation probe attached (a probe would observe the recomputation again).  torch's non-reentrant
+    checkpoint unless transformers gave the block its own (``_gradient_checkpointing_func``)."""
+    if not getattr(block, "gradient_checkpointing", False) or cache is not None or not torch.is_grad_enabled():
+        return None
+    if getattr(getattr(block, "attn", None), "probe", None) is not None:
+        return None
+    return getattr(block, "_gradient_checkpointing_func", None) or _NON_REENTRANT
+
+
+_NON_REENTRANT = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+
+
+def run_block(block, x: torch.Tensor, rope, mask, cache=None) -> torch.Tensor:
+    """``block(x, rope, mask, cache)``, under activation checkpointing when the block asks for it."""
+    ckpt = _checkpoint(block, cache)
+    return block(x, rope, mask, cache) if ckpt is None else ckpt(block, x, rope, mask, cache)
+
+
 def run_blocks(blocks, x: torch.Tensor, rope, mask, cache=None, final_norm=None) -> torch.Tensor:
     """``final_norm(block_n(...block_1(x)))`` (``final_norm`` may be None), with each residual addition between
     two blocks done in the next attention PreNorm's pass, and the last in the final norm's, where every block
     :meth:`Block.chains` (training-sized CPU inputs, or any size without autograd: decoding); otherwise block by
-    block."""
+    block.  A block with ``gradient_checkpointing`` set keeps only its inputs for backward (:func:`_checkpoint`):
+    the same values and gradients, bit for bit (torch's checkpoint restores the RNG state for dropout)."""
     if ((x.numel() > SMALL_NORM or not torch.is_grad_enabled()) and len(blocks) > 0
             and all(isinstance(b, Block) and b.chains(x, i == 0) for i, b in enumerate(blocks))):
         pending = None
         for block in blocks:
-            x, f = block.forward_parts(x, pending, rope, mask, cache)
+            ckpt = _checkpoint(block, cache)
+            if ckpt is None:
+                x, f = block.forward_parts(x, pending, rope, mask, cache)
+            else:
+                x, f = ckpt(block.forward_parts, x, pending, rope, mask, cache)
             pending = block.pending(f)
         if final_norm is not None and Block._fusable_norm(final_norm, x):
             return add_rms_norm(x, pending, final_norm.weight, final_norm.eps, x.dtype)[1]
         x = x + pending
     else:
         for block in blocks:
-            x = block(x, rope, mask, cache)
+            x = run_block(block, x, rope, mask, cache)
     return x if final_norm is None else final_norm(x)

@@ -25,7 +25,7 @@ MAX_SEED = 1 << 63
 # fields a resumed run may change (the rest must match the run being resumed)
 RESUMABLE_CHANGES = ("steps", "stop_at", "eval_every", "eval_batches", "log_every", "diag_every",
                      "checkpoint_every", "keep_last", "tensorboard", "progress", "compile", "cache_dir", "device",
-                     "parallel", "dtype", "threads", "loss_chunk",
+                     "parallel", "dtype", "threads", "loss_chunk", "activation_checkpointing",
                      "grad_accum", "global_batch")  # how a step's batch is split: its size is checked on resume
 
 
@@ -76,6 +76,7 @@ class TrainConfig:
     device: str = "auto"                  # auto | cpu | cuda
     threads: Optional[int] = None         # CPU threads per process (torch.set_num_threads); None: torch's default
     loss_chunk: int = 0                   # lm: the loss this many tokens at a time, never all logits; 0: off
+    activation_checkpointing: int = 0     # every Nth block recomputes its activations in backward; 0: off, 1: all
     parallel: str = "auto"                # auto (ddp when launched with several processes) | none | ddp | fsdp
     seed: int = 1337
 
@@ -123,7 +124,8 @@ class TrainConfig:
             raise ConfigError("device", f"must be auto, cpu or cuda[:N]; got {self.device!r}")
         for name in ("batch_size", "grad_accum", "steps", "bpe_vocab_size", "eval_batches", "keep_last", "log_every"):
             positive_int(name)
-        for name in ("warmup", "eval_every", "diag_every", "checkpoint_every", "loss_chunk"):  # 0: off (see above)
+        for name in ("warmup", "eval_every", "diag_every", "checkpoint_every", "loss_chunk",
+                     "activation_checkpointing"):  # 0: off (see above)
             positive_int(name, allow_zero=True)
         for name in ("seq_len", "global_batch", "stop_at", "threads"):
             positive_int(name, allow_none=True)

@@ -41,7 +41,8 @@ def gib(n: float) -> str:
 def run_floor(mcfg, tcfg, bf16: bool, shards: int = 1) -> dict:
     """The memory floor of one training process of ``mcfg`` under ``tcfg`` (bytes; see accounting)."""
     return training_memory_floor(mcfg, tcfg.batch_size, tcfg.seq_len or mcfg.max_seq_len, tcfg.optimizer,
-                                 tcfg.momentum, bf16=bf16, shards=shards, loss_chunk=tcfg.loss_chunk)
+                                 tcfg.momentum, bf16=bf16, shards=shards, loss_chunk=tcfg.loss_chunk,
+                                 activation_checkpointing=tcfg.activation_checkpointing)
 
 
 def host_processes(device) -> int:
@@ -160,6 +161,8 @@ def check_run(world, mcfg, tcfg, parallel: str) -> str | None:
                       world.world_size if parallel == "fsdp" else 1)
     shrink = "lower --batch-size (--grad-accum keeps the batch per step)" + (" or --seq-len" if tcfg.domain == "lm"
                                                                                else "")
+    if tcfg.activation_checkpointing != 1:
+        shrink += ", or recompute activations with --activation-checkpointing 1"
     samples = step_samples_bytes(mcfg, tcfg, world.world_size)
     rows = tcfg.batch_size * tcfg.accumulation(world.world_size) * world.world_size
 

@@ -100,6 +100,7 @@ class Trainer:
         backend = training_attention_backend(model_cfg, world.device, self.dtype, cfg.seq_len or 0)
         if backend is not None:
             self.model.set_attention_backend(backend)
+        self.model.set_activation_checkpointing(cfg.activation_checkpointing)
         self.train_model = parallelize(self.model, world, self.parallel, cfg.compile)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                          betas=cfg.betas, momentum=cfg.momentum, nesterov=cfg.nesterov, eps=cfg.eps,
