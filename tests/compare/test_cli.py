@@ -63,6 +63,7 @@ def _one_line_error(p) -> str:
     (["--domain", "vision", "--retrieval", "mqar"], "retrieval"),
     (["--retrieval-opt", "pairs=9-2"], "pairs"),
     (["--tokens", "x"], "invalid int"),
+    (["--activation-checkpointing", "-1"], "--activation-checkpointing: must be a non-negative integer"),
     # an option the study would not read is refused, not ignored
     (["--tokens", "1000", "--steps", "3"], "--tokens/--steps: are two budgets"),
     (["--retrieval-tokens", "1000", "--retrieval-steps", "3"], "--retrieval-tokens/--retrieval-steps"),

@@ -47,8 +47,8 @@ def test_a_v2_arm_records_its_lambdas(tmp_path, corpus):
 
 
 def test_an_interrupted_job_resumes_with_the_studys_new_runtime_settings(tmp_path, corpus):
-    """``difftx compare --resume`` may change --threads, --device and --cache-dir; an interrupted job (continued by
-    ``train(..., resume="auto")``) kept the ones its run had saved: it trained on the old thread count, read the old
+    """``difftx compare --resume`` may change --threads, --device, --cache-dir and --activation-checkpointing; an
+    interrupted job (continued by ``train(..., resume="auto")``) kept the ones its run had saved: it trained on the old thread count, read the old
     cache directory and (since a resumed run keeps its device) would have gone back to the old device; and with the
     corpus moved (a resume may name it by another path: its contents are checked) it read the old, missing path."""
     import dataclasses
@@ -67,7 +67,8 @@ def test_an_interrupted_job_resumes_with_the_studys_new_runtime_settings(tmp_pat
     train(train_config(study, job).replace(stop_at=2), study.model_config(job.arm), run_dir, announce=None,
           memory_check=False)
     moved = data.rename(tmp_path / "b.txt")
-    resumed = dataclasses.replace(study, threads=2, device="auto", cache_dir=str(tmp_path / "cache2"), data=str(moved))
+    resumed = dataclasses.replace(study, threads=2, device="auto", cache_dir=str(tmp_path / "cache2"), data=str(moved),
+                                  activation_checkpointing=1)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # the study process's own count: the job trains and is measured on its 2
@@ -77,7 +78,7 @@ def test_an_interrupted_job_resumes_with_the_studys_new_runtime_settings(tmp_pat
     assert res["train"]["threads"] == 2 and res["train"]["steps"] == 2
     assert (tmp_path / "cache2" / "shards").is_dir()
     saved = json.loads((run_dir / "config.json").read_text())["train"]
-    assert saved["device"] == "auto" and saved["data"] == str(moved)
+    assert saved["device"] == "auto" and saved["data"] == str(moved) and saved["activation_checkpointing"] == 1
 
 
 def test_a_retrieval_job_of_a_study_with_a_cache_dir_trains(tmp_path):

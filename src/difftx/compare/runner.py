@@ -285,6 +285,8 @@ def fit_in_memory(study: StudyConfig, workers: int, world) -> tuple[int, bool, O
     per_job = host_processes(world.device)  # torchrun's processes on this host's CPU share its memory
     shrink = "lower --batch-size or --seq-len" if job.task == "corpus" else \
         "lower --retrieval-batch-size or --retrieval-seq-len"
+    if study.activation_checkpointing != 1:
+        shrink += ", or recompute activations with --activation-checkpointing 1"
     what = f"the study's largest job ({job.arm.id}, {job.task})"
     warning = require_fit(floor, world.device, what, shrink, copies=per_job)
     if study.workers is not None:  # asked for: refused only if that many cannot fit

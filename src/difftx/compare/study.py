@@ -115,6 +115,7 @@ class StudyConfig:
     device: str = "auto"
     workers: Optional[int] = None           # parallel job processes on a CPU (None: auto)
     threads: Optional[int] = None           # torch threads per job process (None: auto)
+    activation_checkpointing: int = 0       # every Nth block recomputed in backward (0: off); the same results
 
     def __post_init__(self) -> None:
         if self.domain not in DEFAULTS:
@@ -154,6 +155,9 @@ class StudyConfig:
         for name in ("tokens", "steps", "seq_len", "batch_size", "retrieval_tokens", "retrieval_steps",
                      "retrieval_seq_len", "retrieval_batch_size", "workers", "threads"):
             positive(name)
+        v = self.activation_checkpointing
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError("activation_checkpointing", f"must be a non-negative integer (0: off); got {v!r}")
         if self.seeds > MAX_SEEDS:
             raise ConfigError("seeds", f"at most {MAX_SEEDS} seeds per arm (each is a training run per arm and task); "
                                        f"got {self.seeds}")
@@ -272,4 +276,4 @@ class StudyConfig:
         return cls(**data)
 
     # fields that may differ when a study is resumed (they do not change any number it measures)
-    RESUMABLE = ("workers", "threads", "device", "cache_dir")
+    RESUMABLE = ("workers", "threads", "device", "cache_dir", "activation_checkpointing")

@@ -89,7 +89,7 @@ def _is_result(r) -> bool:
     return not retrieval or isinstance(retrieval.get("overall"), (int, float))
 
 
-RESUMED_JOB_FIELDS = ("threads", "device", "cache_dir", "data")
+RESUMED_JOB_FIELDS = ("threads", "device", "cache_dir", "data", "activation_checkpointing")
 
 
 def _resumed_job_fields(study: StudyConfig, job: Job) -> tuple:
