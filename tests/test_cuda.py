@@ -1,6 +1,6 @@
 """The CUDA paths against the float64 CPU reference: every attention backend and DIFF formulation,
 forward and backward; bf16 and fp16 autocast; second derivatives; cached decoding; the fused kernel's pure-torch path; training
-resumed mid-run (to float rounding), evaluation and the bench on the GPU.
+resumed mid-run (to float rounding), activation checkpointing, evaluation and the bench on the GPU.
 
 Skipped without a CUDA GPU (CI has none); run on a GPU machine with
 ``python -m pytest tests/test_cuda.py`` (what ``benchmarks/performance/cuda_session.sh`` does).
@@ -392,3 +392,26 @@ def test_hf_wrapper_generates_the_cpu_tokens_on_cuda():
         hf = DifftxForCausalLM.from_difftx(model).to(DEV).eval()  # shares (and so moves) the model's weights
         theirs = hf.generate(x.to(DEV), max_new_tokens=10, do_sample=False)
         assert torch.equal(ours, theirs.cpu()), attention
+
+
+@pytest.mark.parametrize("attention", ["softmax", "diff"])
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(attention):
+    """Every block recomputed in backward on the device (dropout on: torch's checkpoint restores the device's RNG
+    state): the loss and gradients of no checkpointing, to float rounding (a GPU attention backward may add in a
+    varying order; on the CPU they are the same bits, tests/nn/test_activation_checkpointing.py)."""
+    torch.manual_seed(0)
+    model = difftx.build_model(_cfg(attention, dropout=0.1)).to(DEV).train()
+    ids = _ids(2, 64).to(DEV)
+
+    def step(every):
+        model.set_activation_checkpointing(every)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)  # the dropout masks, on every device
+        loss = model(ids, targets=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    (loss, grads), (ref_loss, ref) = step(1), step(0)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
