@@ -139,3 +139,32 @@ def test_a_bad_setting_is_refused(every):
     with pytest.raises(ValueError, match="every must be a non-negative integer"):
         model.set_activation_checkpointing(every)
     assert model.activation_checkpointing() == [False] * model.config.n_layers
+
+
+def test_a_block_called_on_its_own_honours_its_flag():
+    """``difftx.nn.Block`` in a user's own loop: the flag is read in its forward, not only by difftx's models, so
+    it is never set and silently ignored; the checkpoint function (transformers' slot) runs once per call."""
+    from torch.utils.checkpoint import checkpoint
+
+    from difftx.nn import AttnMask, Block, RotaryEmbedding
+
+    cfg = ModelConfig.from_preset("nano", attention="diff", max_seq_len=32)
+    torch.manual_seed(0)
+    block = Block(cfg, 1)
+    x = torch.randn(2, 32, cfg.d_model, requires_grad=True)
+    rope = RotaryEmbedding(cfg.head_dim).cos_sin(torch.arange(32))
+    mask = AttnMask(causal=True, n_q=32, n_k=32)
+    calls = []
+
+    def run(flag):
+        block.gradient_checkpointing = flag
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        block(x, rope, mask).square().sum().backward()
+        return [x.grad] + [p.grad for p in block.parameters()]
+
+    ref = run(False)
+    block._gradient_checkpointing_func = lambda *a, **k: calls.append(1) or checkpoint(*a, use_reentrant=False, **k)
+    got = run(True)
+    assert calls == [1]
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))

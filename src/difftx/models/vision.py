@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import DifftxError
-from ..nn.block import Block, run_block
+from ..nn.block import Block
 from ..nn.mask import AttnMask
 from ..nn.norms import make_norm, upcast
 from ..nn.rope import RotaryEmbedding, sinusoidal_table
@@ -91,7 +91,7 @@ class VisionEncoder(ModelMixin, nn.Module):
         rope = self.rope.cos_sin(torch.arange(n, device=x.device), x.dtype) if self.rope is not None else None
         mask = AttnMask(causal=False, n_q=n, n_k=n)
         for block in self.layers:
-            x = run_block(block, x, rope, mask)
+            x = block(x, rope, mask)
         if self.final_norm is not None:
             x = self.final_norm(x)
         return x

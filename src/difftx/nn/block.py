@@ -91,6 +91,15 @@ class Block(nn.Module):
         return self._maybe(self.ffn_mid_norm, f)
 
     def forward(self, x: torch.Tensor, rope, mask, cache=None) -> torch.Tensor:
+        """The block; with ``gradient_checkpointing`` set, under activation checkpointing (:func:`_checkpoint`):
+        it then keeps only its inputs for backward and runs again there (inside the module's call, so hooks and
+        FSDP2's unsharding run once)."""
+        ckpt = _checkpoint(self, cache)
+        if ckpt is not None:
+            return ckpt(self._forward, x, rope, mask, cache)
+        return self._forward(x, rope, mask, cache)
+
+    def _forward(self, x: torch.Tensor, rope, mask, cache=None) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         x, f = self.forward_parts(x, None, rope, mask, cache)
         x = x + F.dropout(self._maybe(self.ffn_mid_norm, f), p)
@@ -133,18 +142,13 @@ def _checkpoint(block, cache):
 _NON_REENTRANT = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
 
 
-def run_block(block, x: torch.Tensor, rope, mask, cache=None) -> torch.Tensor:
-    """``block(x, rope, mask, cache)``, under activation checkpointing when the block asks for it."""
-    ckpt = _checkpoint(block, cache)
-    return block(x, rope, mask, cache) if ckpt is None else ckpt(block, x, rope, mask, cache)
-
-
 def run_blocks(blocks, x: torch.Tensor, rope, mask, cache=None, final_norm=None) -> torch.Tensor:
     """``final_norm(block_n(...block_1(x)))`` (``final_norm`` may be None), with each residual addition between
     two blocks done in the next attention PreNorm's pass, and the last in the final norm's, where every block
     :meth:`Block.chains` (training-sized CPU inputs, or any size without autograd: decoding); otherwise block by
-    block.  A block with ``gradient_checkpointing`` set keeps only its inputs for backward (:func:`_checkpoint`):
-    the same values and gradients, bit for bit (torch's checkpoint restores the RNG state for dropout)."""
+    block.  A block with ``gradient_checkpointing`` set keeps only its inputs for backward (:func:`_checkpoint`;
+    a chained one here, else in :meth:`Block.forward`): the same values and gradients, bit for bit (torch's
+    checkpoint restores the RNG state for dropout)."""
     if ((x.numel() > SMALL_NORM or not torch.is_grad_enabled()) and len(blocks) > 0
             and all(isinstance(b, Block) and b.chains(x, i == 0) for i, b in enumerate(blocks))):
         pending = None
@@ -160,5 +164,5 @@ def run_blocks(blocks, x: torch.Tensor, rope, mask, cache=None, final_norm=None)
         x = x + pending
     else:
         for block in blocks:
-            x = run_block(block, x, rope, mask, cache)
+            x = block(x, rope, mask, cache)
     return x if final_norm is None else final_norm(x)
