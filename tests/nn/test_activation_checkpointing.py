@@ -12,6 +12,7 @@ import torch
 from difftx.benchmarking.memory import peak_live_bytes
 from difftx.config import ModelConfig
 from difftx.models import build_model
+from difftx.nn.mask import AttnMask
 from difftx.nn.probe import AttentionProbe, attach_probe
 
 
@@ -168,3 +169,32 @@ def test_a_block_called_on_its_own_honours_its_flag():
     got = run(True)
     assert calls == [1]
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_torch_func_and_forward_mode_ad_run_without_recomputing():
+    """torch.func.grad refuses saved-tensor hooks (what checkpointing works by: "don't yet support saved tensor
+    hooks"); under it, and under forward-mode AD, the blocks run as they are: the same gradients and tangents."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.func import functional_call, grad
+
+    cfg = ModelConfig.from_preset("nano", attention="diff", max_seq_len=32)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    x = torch.randint(0, cfg.vocab_size, (2, 32))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    tangent = torch.randn(2, 32, cfg.d_model)
+
+    def run(every):
+        model.set_activation_checkpointing(every)
+        g = grad(lambda p: functional_call(model, p, (x,), {"targets": x}).loss)(params)
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(torch.randn(2, 32, cfg.d_model, generator=torch.Generator().manual_seed(1)),
+                                  tangent)
+            out = model.layers[0](dual, model.rope.cos_sin(torch.arange(32)[None].expand(2, 32)),
+                                  AttnMask(causal=True, n_q=32, n_k=32))
+            jvp = fwAD.unpack_dual(out).tangent
+        return g, jvp
+
+    (g0, t0), (g1, t1) = run(0), run(1)
+    assert all(torch.equal(g0[k], g1[k]) for k in g0)
+    assert torch.equal(t0, t1)

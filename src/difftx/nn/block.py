@@ -22,7 +22,7 @@ from torch import nn
 from .attention import _out_dtype, make_attention
 from .ffn import make_ffn
 from .fused import SMALL_NORM, add_rms_norm
-from .linear import autocast_on, no_hooks
+from .linear import autocast_on, functorch_active, no_hooks
 from .norms import LayerNorm, RMSNorm, make_norm
 
 
@@ -129,10 +129,12 @@ class Block(nn.Module):
 
 def _checkpoint(block, cache):
     """The function to run ``block`` under for activation checkpointing, or None to run it as it is: its
-    ``gradient_checkpointing`` set, autograd recording and no KV cache (decoding never checkpoints), and no
+    ``gradient_checkpointing`` set, autograd recording and no KV cache (decoding never checkpoints), no torch.func
+    transform or forward-mode AD (torch.func.grad refuses the saved-tensor hooks checkpointing works by), and no
     evaluation probe attached (a probe would observe the recomputation again).  torch's non-reentrant
     checkpoint unless transformers gave the block its own (``_gradient_checkpointing_func``)."""
-    if not getattr(block, "gradient_checkpointing", False) or cache is not None or not torch.is_grad_enabled():
+    if not getattr(block, "gradient_checkpointing", False) or cache is not None or not torch.is_grad_enabled() \
+            or functorch_active():
         return None
     if getattr(getattr(block, "attn", None), "probe", None) is not None:
         return None
