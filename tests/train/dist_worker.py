@@ -1,6 +1,6 @@
 """Run under ``python -m torch.distributed.run --nproc-per-node 2``: DDP and FSDP2 runs of the tiny model.
 
-argv: DATA CACHE OUT.  Writes OUT/{ddp,fsdp,fsdp_chunked,fsdp_ac,fsdp_resumed}/ run dirs,
+argv: DATA CACHE OUT.  Writes OUT/{ddp,fsdp,fsdp_chunked,ddp_ac,fsdp_ac,fsdp_resumed}/ run dirs,
 OUT/grads_{mode}.safetensors, OUT/fsdp_groups_errors.json and OUT/fsdp_shard_errors.json (rank 0): the
 damaged-checkpoint resumes' errors.
 """
@@ -23,9 +23,9 @@ dist.init_process_group("gloo")
 RANK = dist.get_rank()
 
 
-# fsdp_chunked: FSDP2 with the chunked loss (--loss-chunk 5); fsdp_ac: with activation checkpointing (every block
-# recomputed in backward, under FSDP2's unshard hooks)
-for mode in ("ddp", "fsdp", "fsdp_chunked", "fsdp_ac"):
+# fsdp_chunked: FSDP2 with the chunked loss (--loss-chunk 5); ddp_ac, fsdp_ac: with activation checkpointing (every
+# block recomputed in backward; under FSDP2, inside its unshard hooks)
+for mode in ("ddp", "fsdp", "fsdp_chunked", "ddp_ac", "fsdp_ac"):
     phase(mode)
     rec = GradRecorder()
     tcfg, mcfg = tiny(data, cache, parallel=mode.split("_")[0], batch_size=4, grad_accum=1,

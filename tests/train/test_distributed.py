@@ -29,7 +29,7 @@ def dist_runs(tmp_path_factory):
     return runs, tmp / "single", rec.grads
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp_chunked", "fsdp_ac"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp_chunked", "ddp_ac", "fsdp_ac"])
 def test_same_losses_and_gradients_as_one_process(dist_runs, mode):
     tmp, single, ref_grads = dist_runs
     assert losses(tmp / mode) == pytest.approx(losses(single), rel=1e-5, abs=1e-6)
@@ -42,15 +42,17 @@ def test_same_losses_and_gradients_as_one_process(dist_runs, mode):
                                        msg=lambda m: f"step {step} {name}: {m}")
 
 
-def test_activation_checkpointing_under_fsdp_changes_no_bit(dist_runs):
-    """FSDP2's blocks recomputed in backward (their unshard hooks run again for the recomputation): the same losses
-    and gradients as FSDP2 without it, bit for bit."""
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_activation_checkpointing_under_ddp_and_fsdp_changes_no_bit(dist_runs, mode):
+    """Blocks recomputed in backward under DDP and FSDP2 (inside its unshard hooks): the same losses and gradients as
+    without it, bit for bit."""
     import json
 
     tmp, _, _ = dist_runs
-    assert json.loads((tmp / "fsdp_ac" / "config.json").read_text())["train"]["activation_checkpointing"] == 1
-    assert losses(tmp / "fsdp_ac") == losses(tmp / "fsdp")
-    plain, ac = load_file(str(tmp / "grads_fsdp.safetensors")), load_file(str(tmp / "grads_fsdp_ac.safetensors"))
+    assert json.loads((tmp / f"{mode}_ac" / "config.json").read_text())["train"]["activation_checkpointing"] == 1
+    assert losses(tmp / f"{mode}_ac") == losses(tmp / mode)
+    plain = load_file(str(tmp / f"grads_{mode}.safetensors"))
+    ac = load_file(str(tmp / f"grads_{mode}_ac.safetensors"))
     assert plain.keys() == ac.keys()
     for name, g in plain.items():
         assert torch.equal(ac[name], g), name
