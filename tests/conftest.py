@@ -54,6 +54,17 @@ def load_owned(path) -> dict:
 needs_muon = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="Muon needs torch >= 2.9 (torch.optim.Muon)")
 
 
+def patch_mkdir(monkeypatch, mkdir) -> None:
+    """``mkdir`` in place of os.mkdir for os.makedirs and pathlib's ``Path.mkdir`` too: Python 3.10's pathlib holds
+    its own reference to os.mkdir (in ``_NormalAccessor``), which patching ``os.mkdir`` alone leaves in place."""
+    import pathlib
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    accessor = getattr(pathlib, "_NormalAccessor", None)
+    if accessor is not None and "mkdir" in vars(accessor):
+        monkeypatch.setattr(accessor, "mkdir", staticmethod(mkdir))
+
+
 def cli_env(**extra) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")

@@ -12,6 +12,7 @@ from difftx.data.corpus import resolve_corpus
 from difftx.data.shards import MANIFEST_FILE, TOKENS_FILE, WindowSampler, prepare_tokens, token_dtype
 from difftx.data.tokenizers import ByteTokenizer, CharTokenizer
 from difftx.errors import DataError
+from ..conftest import patch_mkdir
 
 
 @pytest.fixture
@@ -404,7 +405,7 @@ def _refusing_mkdir(monkeypatch, cache, code):
             raise OSError(code, os.strerror(code), os.fspath(path))
         return mkdir(path, *args, **kwargs)
 
-    monkeypatch.setattr(os, "mkdir", refuse)
+    patch_mkdir(monkeypatch, refuse)
 
 
 def _assert_cannot_be_written(message, path, code, folder):

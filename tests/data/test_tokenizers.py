@@ -11,6 +11,7 @@ import pytest
 from difftx.data.tokenizers import (ByteTokenizer, CharTokenizer, HFTokenizer, build_tokenizer, load_tokenizer,
                                     train_bpe)
 from difftx.errors import DataError
+from ..conftest import patch_mkdir
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak. Ünïcödé ✓\n" * 30
 
@@ -176,7 +177,7 @@ def test_a_cache_folder_that_cannot_be_written_names_the_bpe_cache_file(tmp_path
                 raise OSError(code, os.strerror(code), os.fspath(path))
             return mkdir(path, *args, **kwargs)
 
-        monkeypatch.setattr(os, "mkdir", make)
+        patch_mkdir(monkeypatch, make)
         refused = tmp_path
     with pytest.raises(DataError) as e:
         build_tokenizer("bpe", _bpe_texts, "corpus-hash", 300, tmp_path)
