@@ -468,3 +468,19 @@ def test_resume_passes_over_a_checkpoint_of_two_processes_that_lacks_one_rng_sta
     assert f"resuming from {ckpts / 'step_00000002'}" in out, out
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000004", "step_00000004.incomplete",
                                                        "step_00000006"]
+
+
+def test_dcp_metadata_written_on_python_3_13_reads_on_any_python():
+    """Python 3.13 pickles paths as pathlib._local.PosixPath: the allow-list refused them there (every FSDP resume
+    failed on 3.13: "refusing to load pathlib._local.PosixPath"), and Python 3.10-3.12 have no such module.  The
+    unpickler reads them as pathlib's classes on every version."""
+    import io
+    from pathlib import PurePosixPath
+
+    from difftx.train.checkpoint import _AllowListUnpickler
+
+    for module in (b"pathlib._local", b"pathlib"):  # protocol 2: PurePosixPath("a/b") as 3.13 and 3.12 write it
+        data = b"\x80\x02c" + module + b"\nPurePosixPath\nX\x03\x00\x00\x00a/b\x85R."
+        assert _AllowListUnpickler(io.BytesIO(data)).load() == PurePosixPath("a/b")
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load pathlib.Path "):  # not on the list
+        _AllowListUnpickler(io.BytesIO(b"\x80\x02cpathlib._local\nPath\nX\x01\x00\x00\x00a\x85R.")).load()

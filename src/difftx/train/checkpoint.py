@@ -242,6 +242,8 @@ _DCP_ALLOWED = {
 
 class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
+        if module == "pathlib._local":  # Python 3.13 pickles its paths from here; pathlib exports them everywhere,
+            module = "pathlib"          # so a checkpoint written on 3.13 reads on 3.10-3.12 too, and the reverse
         is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if (module, name) in _DCP_ALLOWED or is_dtype:
             return super().find_class(module, name)
