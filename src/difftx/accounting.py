@@ -129,8 +129,8 @@ def training_memory_floor(cfg, batch_size: int, seq_len: int, optimizer: str = "
     ``attn_backend: eager`` also the fp32 attention maps, N x N per head (two per DIFF head).  A block under
     ``activation_checkpointing`` (every that-many-th block, as ``set_activation_checkpointing``) keeps only
     its ``d_model``-wide input until its backward recomputes the rest: the activations are then the larger of
-    those at the end of the forward pass and those in the last recomputed block's backward.  ``shards`` divides weights, gradients and optimizer state (FSDP).  ``total`` =
-    ``state`` + ``step``.
+    those at the end of the forward pass and those in the last recomputed block's backward.  ``shards``
+    divides weights, gradients and optimizer state (FSDP).  ``total`` = ``state`` + ``step``.
 
     It is a floor, not an estimate: a run whose floor exceeds the free memory cannot fit.  Measured
     peaks are 1.16-1.78x it (``benchmarks/memory_floor.py``, table in ``benchmarks/results/memory_floor.md``).
