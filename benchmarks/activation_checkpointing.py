@@ -6,9 +6,9 @@
 For each attention kind, shape (batch x sequence) and dtype: the preset's model, one AdamW training step as the
 trainer runs it (bf16: autocast, the attention backend the trainer picks), with every Nth block recomputed in
 backward (0: none).  Peak memory (difftx.benchmarking.memory.measured_training_memory: fp32 weights and optimizer
-state + the step's high-water mark of live tensor bytes, also shown alone) against the memory check's floor; the median seconds
-per step over ``--repeats`` interleaved repeats in alternating order (wall clock); and whether the loss and every
-gradient are the same bits as with N = 0.  Prints a markdown table and writes
+state + the step's high-water mark of live tensor bytes, also shown alone) against the memory check's floor; the
+median seconds per step over ``--repeats`` interleaved repeats in alternating order (wall clock); and whether the
+loss and every gradient are the same bits as with N = 0.  Prints a markdown table and writes
 ``OUT/activation_checkpointing.md``.
 """
 

@@ -48,9 +48,10 @@ def test_a_v2_arm_records_its_lambdas(tmp_path, corpus):
 
 def test_an_interrupted_job_resumes_with_the_studys_new_runtime_settings(tmp_path, corpus):
     """``difftx compare --resume`` may change --threads, --device, --cache-dir and --activation-checkpointing; an
-    interrupted job (continued by ``train(..., resume="auto")``) kept the ones its run had saved: it trained on the old thread count, read the old
-    cache directory and (since a resumed run keeps its device) would have gone back to the old device; and with the
-    corpus moved (a resume may name it by another path: its contents are checked) it read the old, missing path."""
+    interrupted job (continued by ``train(..., resume="auto")``) kept the ones its run had saved: it trained on the
+    old thread count, read the old cache directory and (since a resumed run keeps its device) would have gone back
+    to the old device; and with the corpus moved (a resume may name it by another path: its contents are checked)
+    it read the old, missing path."""
     import dataclasses
     import shutil
 
