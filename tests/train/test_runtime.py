@@ -234,7 +234,9 @@ def test_activation_checkpointing_trains_the_same_bits_and_may_change_on_resume(
     and gives the same bits again.  A bad value is one line, exit 2, nothing written."""
     common = ["--steps", 4, "--eval-every", 2, "--set", "dropout=0.1"]
     assert train_cli(*common, "--out", tmp_path / "plain") == 0
+    assert "recomputing" not in capsys.readouterr().out
     assert train_cli(*common, "--activation-checkpointing", 1, "--out", tmp_path / "ac") == 0
+    assert "(none, fp32, recomputing every block) ->" in capsys.readouterr().out  # the start line says so
     assert train_cli(*common, "--stop-at", 2, "--out", tmp_path / "switched") == 0
     assert train_cli(*common, "--activation-checkpointing", 2, "--resume", "auto", "--out", tmp_path / "switched") == 0
     ref = losses(tmp_path / "plain")

@@ -285,12 +285,20 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
             what = f"resuming from {resume_ckpt}" if resume_ckpt else "training"
             announce(f"difftx train: {what}: {mcfg.attention} attention, {mcfg.preset or 'custom'} "
                      f"({count_parameters(mcfg):,} params), {tcfg.steps} steps on {world.world_size} x "
-                     f"{world.device.type} ({trainer.parallel}, {'bf16' if trainer.dtype else 'fp32'}) -> {out}")
+                     f"{world.device.type} ({trainer.parallel}, {'bf16' if trainer.dtype else 'fp32'}"
+                     f"{_recomputing(tcfg.activation_checkpointing)}) -> {out}")
         return trainer.fit(resume_ckpt)
     finally:
         shutdown_world(world)
         if torch.get_num_threads() != threads_before:
             torch.set_num_threads(threads_before)
+
+
+def _recomputing(every: int) -> str:
+    """The start line's word on activation checkpointing: nothing when it is off."""
+    if not every:
+        return ""
+    return ", recomputing every block" if every == 1 else f", recomputing one block in {every}"
 
 
 def _saved_device(resume: Optional[str], out: Path) -> Optional[str]:
