@@ -29,6 +29,8 @@ def test_info_json(cli):
     mem = info["train_memory_floor"]  # AdamW fp32: 4 bytes of weight + 8 of moments per parameter, 4 of gradient
     assert mem["state_bytes"] == 12 * info["params"] and mem["gradient_bytes"] == 4 * info["params"]
     assert mem["activation_bytes_per_sequence"] == 4 * 2048 * (24 * (6 * 2048 + 2 * 5461) + 2 * 100288)
+    # every block recomputed: each keeps its 2048-wide input; the logits and their gradient stay
+    assert mem["activation_bytes_per_sequence_recomputing"] == 4 * 2048 * (24 * 2048 + 2 * 100288)
 
 
 def test_info_twin_and_overrides(cli):

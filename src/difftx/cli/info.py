@@ -96,15 +96,18 @@ def describe(cfg, seq_len: int | None = None) -> dict:
         "train_flops_per_token": flops_per_token(cfg, seq, training=True),
         "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg) if cfg.domain == "lm" else 0,
         "kv_cache_dtype_bytes": 2,
-        "train_memory_floor": _memory_floor(training_memory_floor(cfg, 1, seq)),
+        "train_memory_floor": _memory_floor(training_memory_floor(cfg, 1, seq),
+                                            training_memory_floor(cfg, 1, seq, activation_checkpointing=1)),
         "config": cfg.to_dict(),
     }
 
 
-def _memory_floor(one: dict) -> dict:
-    """The training-memory floor of one sequence (AdamW, fp32) as state + max(gradients, batch x activations)."""
+def _memory_floor(one: dict, recomputing: dict) -> dict:
+    """The training-memory floor of one sequence (AdamW, fp32) as state + max(gradients, batch x activations); the
+    activations also with every block recomputed in backward (--activation-checkpointing 1)."""
     return {"optimizer": "adamw", "dtype": "fp32", "state_bytes": one["state"], "gradient_bytes": one["gradients"],
-            "activation_bytes_per_sequence": one["activations"]}
+            "activation_bytes_per_sequence": one["activations"],
+            "activation_bytes_per_sequence_recomputing": recomputing["activations"]}
 
 
 def norms_label(cfg) -> str:
@@ -178,6 +181,8 @@ def run(args) -> int:
     mem = info["train_memory_floor"]
     print(f"  training memory, AdamW fp32  >= {_bytes(mem['state_bytes'])} + max({_bytes(mem['gradient_bytes'])}, "
           f"batch x {_bytes(mem['activation_bytes_per_sequence'])})  (a floor, docs/training.md)")
+    print(f"    recomputing every block    >= {_bytes(mem['state_bytes'])} + max({_bytes(mem['gradient_bytes'])}, "
+          f"batch x {_bytes(mem['activation_bytes_per_sequence_recomputing'])})  (--activation-checkpointing 1)")
     print("  config:")
     for k, v in cfg.to_dict().items():
         print(f"    {k} = {v!r}")
