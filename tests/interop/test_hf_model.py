@@ -393,3 +393,9 @@ def test_activation_checkpointing_through_transformers(kwargs):
         assert all(torch.equal(a, b) for a, b in zip(grads, ref[1]))
         disable()
     assert model.activation_checkpointing() == [False] * model.config.n_layers
+    if hasattr(hf, "activation_checkpointing_enable"):  # every_n_layers: transformers 5.2x
+        hf.activation_checkpointing_enable(every_n_layers=2)
+        assert model.activation_checkpointing() == [i % 2 == 0 for i in range(model.config.n_layers)]
+        assert torch.equal(step()[0], ref[0])
+        hf.activation_checkpointing_disable()
+        assert model.activation_checkpointing() == [False] * model.config.n_layers

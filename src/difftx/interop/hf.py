@@ -115,6 +115,18 @@ class DifftxPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["past_key_values"]
     supports_gradient_checkpointing = True  # Block.gradient_checkpointing (difftx.nn.block.run_blocks)
 
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
+                                    every_n_layers: int = 1):
+        """What transformers' activation_checkpointing_enable / _disable (gradient_checkpointing_* before) call:
+        the difftx blocks' flag, with transformers' checkpoint function.  transformers' own version counts only
+        its GradientCheckpointingLayer blocks for ``every_n_layers`` and would recompute every difftx block."""
+        if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
+            raise ValueError(f"every_n_layers must be a positive integer; got {every_n_layers!r}")
+        for i, block in enumerate(self.model.layers):
+            block.gradient_checkpointing = enable and i % every_n_layers == 0
+            if gradient_checkpointing_func is not None:
+                block._gradient_checkpointing_func = gradient_checkpointing_func
+
     @torch.no_grad()
     def _init_weights(self, module):
         """difftx's own init (:func:`difftx.models.init.init_module`) of one module: transformers builds the model
