@@ -122,9 +122,9 @@ class DifftxPreTrainedModel(PreTrainedModel):
         its GradientCheckpointingLayer blocks for ``every_n_layers`` and would recompute every difftx block."""
         if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
             raise ValueError(f"every_n_layers must be a positive integer; got {every_n_layers!r}")
-        for i, block in enumerate(self.model.layers):
-            block.gradient_checkpointing = enable and i % every_n_layers == 0
-            if gradient_checkpointing_func is not None:
+        self.model.set_activation_checkpointing(every_n_layers if enable else 0)
+        if gradient_checkpointing_func is not None:
+            for block in self.model.layers:
                 block._gradient_checkpointing_func = gradient_checkpointing_func
 
     @torch.no_grad()
