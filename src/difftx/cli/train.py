@@ -21,7 +21,8 @@ TRAIN_FLAGS = ("data", "tokenizer", "bpe_vocab_size", "text_field", "val_fractio
                "lr", "min_lr", "schedule", "warmup", "weight_decay", "betas", "momentum", "nesterov", "eps",
                "decay_all", "grad_clip", "dtype", "compile", "device", "threads", "parallel", "seed", "eval_every",
                "eval_batches", "log_every", "diag_every", "checkpoint_every", "keep_last", "stop_at", "tensorboard",
-               "progress", "task_options", "domain_options", "loss_chunk", "activation_checkpointing")
+               "progress", "task_options", "domain_options", "loss_chunk", "activation_checkpointing",
+               "document_masking")
 MODEL_FLAGS = ("attention", "norms", "d_model", "n_layers", "n_heads", "vocab_size")
 
 
@@ -104,6 +105,10 @@ def add_parser(sub) -> None:
                    help="every Nth block keeps only its input for backward and recomputes the rest there: much "
                         "less training memory for about one more forward per step, the same bits (1: every block; "
                         "0, the default: off)")
+    d.add_argument("--document-masking", action="store_true", default=None,
+                   help="attention stays within each document of a training window (documents end with the "
+                        "tokenizer's end-of-text token: --tokenizer bpe or a tokenizer.json), with positions "
+                        "restarting at each document")
     r.add_argument("--parallel", choices=["auto", "none", "ddp", "fsdp"],
                    help="under torchrun: ddp (default) or fsdp (FSDP2 fully_shard)")
     r.add_argument("--seed", type=int, help="random seed (1337)")

@@ -47,6 +47,20 @@ def _no_view() -> None:
     return None
 
 
+def _packed_documents(position_ids: torch.Tensor, b: int, n: int) -> Optional[torch.Tensor]:
+    """Document ids of packed sequences, as transformers packs them without padding (DataCollatorWithFlattening:
+    the examples of a batch in one row, ``position_ids`` restarting at 0 for each, no ``attention_mask``): a new
+    document wherever the position does not grow.  None when the positions only grow (one document a row)."""
+    if position_ids.dim() != 2 or position_ids.shape[1] != n or position_ids.shape[0] not in (1, b) or n < 2:
+        return None
+    restart = position_ids[:, 1:] <= position_ids[:, :-1]
+    if not bool(restart.any()):
+        return None
+    doc = torch.zeros(position_ids.shape, dtype=torch.long, device=position_ids.device)
+    doc[:, 1:] = restart.long().cumsum(-1)
+    return doc.expand(b, n)
+
+
 class _CacheView:
     """A transformers ``Cache`` seen through difftx's ``KVCache`` interface.
 
@@ -250,12 +264,18 @@ class DifftxForCausalLM(DifftxPreTrainedModel, GenerationMixin):
                 position_ids = (full.long().cumsum(-1) - 1).clamp_min(0)[:, past:]
         else:
             full = torch.ones(b, past + n, dtype=torch.bool, device=input_ids.device)
+        documents = None
         if position_ids is None:
             position_ids = torch.arange(past, past + n, device=input_ids.device)[None].expand(b, n)
+        elif attention_mask is None and past == 0:
+            documents = _packed_documents(position_ids, b, n)
+        if documents is not None:  # packed sequences: no cache (its later steps could not tell the documents apart)
+            past_key_values = None
         view = _CacheView.of(past_key_values, past, full[:, :past]) if past_key_values is not None else None
         states = _HiddenStates(self.model.layers) if want_hidden else contextlib.nullcontext()
         with states:
-            hidden = self.model.features(input_ids, attention_mask=step_mask, position_ids=position_ids, cache=view)
+            hidden = self.model.features(input_ids, attention_mask=step_mask, position_ids=position_ids, cache=view,
+                                         document_ids=documents)
 
         def keep(t):  # transformers' logits_to_keep: the last N positions (0: all), or a 1-D tensor of indices
             if isinstance(logits_to_keep, int):

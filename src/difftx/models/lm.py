@@ -19,7 +19,7 @@ from ..nn.block import Block, run_blocks
 from ..nn.cache import KVCache
 from ..nn.linear import linear, packed_weights, plain_layer, traced
 from ..nn.loss import linear_cross_entropy
-from ..nn.mask import AttnMask
+from ..nn.mask import AttnMask, document_positions
 from ..nn.norms import make_norm, upcast
 from ..nn.rope import RotaryEmbedding, sinusoidal_table
 from .common import ModelMixin
@@ -72,6 +72,7 @@ class DecoderLM(ModelMixin, nn.Module):
         cache: Optional[KVCache] = None,
         loss_reduction: str = "mean",
         loss_chunk: int = 0,
+        document_ids: Optional[torch.Tensor] = None,
     ) -> LMOutput:
         """Logits (B, N, V) for ``input_ids`` (B, N).
 
@@ -83,8 +84,11 @@ class DecoderLM(ModelMixin, nn.Module):
         ``logits`` is then None.
         ``attention_mask`` (B, N): 1 for tokens, 0 for padding (left or right).
         With a ``cache``, ``input_ids`` are the new tokens only.
+        ``document_ids`` (B, N) integer: packed documents, each attending only to itself, with positions that
+        restart at each document unless ``position_ids`` are given (:func:`difftx.nn.mask.document_ids` makes
+        them from an end-of-text token); not with a ``cache``.
         """
-        hidden = self.features(input_ids, attention_mask, position_ids, cache)
+        hidden = self.features(input_ids, attention_mask, position_ids, cache, document_ids)
         logits = loss = n_targets = None
         flat = targets.reshape(-1) if targets is not None else None
         # the chunked loss reads the head's weight itself: a hooked or swapped-in head (a LoRA wrapper) is called
@@ -113,6 +117,7 @@ class DecoderLM(ModelMixin, nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
         cache: Optional[KVCache] = None,
+        document_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """The final hidden states (B, N, d_model): :meth:`forward` up to, not including, the LM head.
 
@@ -127,6 +132,16 @@ class DecoderLM(ModelMixin, nn.Module):
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)} (1 = token, "
                              f"0 = padding); got {tuple(attention_mask.shape)}")
+        if document_ids is not None:
+            if not isinstance(document_ids, torch.Tensor) or document_ids.shape != input_ids.shape \
+                    or document_ids.dtype.is_floating_point or document_ids.dtype == torch.bool:
+                what = (f"a {document_ids.dtype} tensor of shape {tuple(document_ids.shape)}"
+                        if isinstance(document_ids, torch.Tensor) else type(document_ids).__name__)
+                raise ValueError(f"document_ids must be integer ids of input_ids' shape {tuple(input_ids.shape)}, "
+                                 f"one per token (difftx.nn.mask.document_ids(input_ids, eos_id)); got {what}")
+            if cache is not None:
+                raise ValueError("document_ids packs documents for training and scoring; decoding with a KV cache "
+                                 "takes one document per sequence (drop document_ids, or the cache)")
         b, n = input_ids.shape
         device = input_ids.device
         rows = getattr(cache, "batch_size", b)  # a difftx KVCache holds one row per sequence
@@ -145,6 +160,9 @@ class DecoderLM(ModelMixin, nn.Module):
         else:
             key_valid = step_valid if has_pad else None
 
+        doc = None if document_ids is None else document_ids.to(device)
+        if position_ids is None and doc is not None:
+            position_ids = document_positions(doc, step_valid if has_pad else None)
         if position_ids is None:
             if step_valid is not None and has_pad:
                 position_ids = step_valid.long().cumsum(-1) - 1
@@ -169,7 +187,7 @@ class DecoderLM(ModelMixin, nn.Module):
         x = F.dropout(x, cfg.dropout if self.training else 0.0)
 
         rope = self.rope.cos_sin(position_ids, x.dtype) if self.rope is not None else None
-        mask = AttnMask(causal=True, n_q=n, n_k=q_start + n, q_start=q_start, key_valid=key_valid)
+        mask = AttnMask(causal=True, n_q=n, n_k=q_start + n, q_start=q_start, key_valid=key_valid, doc_ids=doc)
         x = _with_packed(cache, run_blocks, self.layers, x, rope, mask, cache, self.final_norm)
         if cache is not None:
             cache.advance(n, step_valid)

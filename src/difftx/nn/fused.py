@@ -128,16 +128,20 @@ def _key_end(mask: AttnMask, i1: int) -> int:
 
 
 def _block_mask(mask: AttnMask, i0: int, i1: int, ke: int, device) -> Optional[torch.Tensor]:
-    """With padding: boolean (B, 1, 1, 1, C, ke), True = attend, over key columns [0, ke).
+    """With padding or documents: boolean (B, 1, 1, 1, C, ke), True = attend, over key columns [0, ke).
 
-    Without padding the mask is causal only and handled by :meth:`_Blocks.probs` with an
+    Without either the mask is causal only and handled by :meth:`_Blocks.probs` with an
     additive triangle on the diagonal block; this returns None then.
     """
-    if mask.key_valid is None:
+    if mask.key_valid is None and mask.doc_ids is None:
         return None
     qpos = torch.arange(mask.q_start + i0, mask.q_start + i1, device=device)[:, None]
     kpos = torch.arange(ke, device=device)[None]
-    allowed = mask.key_valid[:, None, :ke].to(device)  # (B, 1, ke)
+    allowed = torch.ones(1, 1, ke, dtype=torch.bool, device=device)
+    if mask.key_valid is not None:
+        allowed = mask.key_valid[:, None, :ke].to(device)  # (B, 1, ke)
+    if mask.doc_ids is not None:
+        allowed = allowed & mask.same_document(i0, i1, ke, device)  # (B, C, ke)
     if mask.causal:
         allowed = allowed & (kpos <= qpos)[None]
     allowed = allowed | (kpos == qpos)[None]  # a query always sees itself (no empty rows)
@@ -239,7 +243,7 @@ class _Blocks:
         # Causal without padding: key columns [q_start + i0, ke) of a block form a square whose
         # strict upper triangle is masked; adding -inf there is ~8x cheaper than masked_fill_.
         # The native kernels skip those columns themselves and need no triangle.
-        self.plain_causal = mask.causal and mask.key_valid is None
+        self.plain_causal = mask.causal and mask.key_valid is None and mask.doc_ids is None
         self._tri = None
         if self.plain_causal and not self.native:
             c = min(chunk, n)
@@ -349,7 +353,8 @@ class _FusedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, lam, mask: AttnMask, scale: float, chunk: int, native_chunk: int):
         k3 = _batched(k)  # (B*M*Hk, Nk, d), or (B*Hk, Nk, d) for a shared K; q is contiguous (fused_attention)
         # bf16 (on AMX) takes blocks of 32-row tile pairs (see fused_attention's native_chunk)
-        ctx.native_attn = (native.attention_ok(q, k3, v, mask.n_k, mask.key_valid is not None)
+        ctx.native_attn = (native.attention_ok(q, k3, v, mask.n_k, mask.key_valid is not None
+                                               or mask.doc_ids is not None)
                            and (q.dtype == torch.float32 or native_chunk % 32 == 0))
         if ctx.native_attn:  # every block's products and maps in one native call; V read in place
             want = any(ctx.needs_input_grad[:4])
@@ -569,7 +574,7 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
         raise ValueError(f"fused_attention: k must be (B, {m} or 1, Hk, Nk, d) (a K per map, or one K both maps "
                          f"read); got {tuple(k.shape)}")
     needs_grad = grad_wanted(q, k, v, lam)
-    native_chunk = chunk
+    native_chunk = given_chunk = chunk
     if chunk is None:
         # Reduced-precision inference takes blocks as large as BLOCK_BYTES allows (at the small
         # preset's prefill, 4 x 512 tokens: one block): fewer K/V prefix copies and Python steps,
@@ -593,9 +598,129 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
             k, v = k[:, :, :, : mask.n_k], v[:, :, : mask.n_k]
         if functorch_active():  # torch.func (grad, vmap, jvp): torch ops over whole maps, which it can transform
             return _attention_torch(q, k, v, lam, mask, scale)
+        segments = mask.segments() if mask.doc_ids is not None else None
+        if segments is not None:
+            return _by_document(q, k, v, lam, mask, scale, segments, given_chunk)
         # one pass over Q so that every block of it is a strided view; made here, it is the Function's input,
         # which the backward can differentiate again (create_graph=True)
         return _FusedAttention.apply(q.contiguous(), k, v, lam, mask, scale, chunk, native_chunk)
+
+
+def _by_document(q, k, v, lam, mask: AttnMask, scale: float, segments: list, chunk: Optional[int]) -> torch.Tensor:
+    """Packed documents (:meth:`AttnMask.segments`) as plain causal (or bidirectional) calls on the CPU's fused
+    kernels, at the cost of each document's own length squared, where the packed sequence under a document mask
+    would take the masked torch blocks over the whole triangle.
+
+    The documents are gathered into batches of similar lengths (the same power of two at or above the length),
+    each document from position 0 of its own row, right-padded to the batch's longest: under a causal mask no
+    real query sees a padding key, and the padding queries' outputs are dropped (their output gradients are
+    zeros), so the padding changes nothing, gradients included; without causality each length is a batch of its
+    own (no padding).  One call per batch (a handful per layer, not one per document); tokens move to and from
+    the batches by gathers, forward and backward (:class:`_ToDocuments`, :class:`_FromDocuments`).  The same
+    values as the masked call, to float rounding."""
+    b, m, h, n, _ = q.shape
+    plan = _document_plan(mask, segments, b, q.device)
+    if plan is None:  # one document a row: the plain call
+        return fused_attention(q, k, v, AttnMask(causal=mask.causal, n_q=n, n_k=n), scale, lam, chunk)
+    per_row = lam is not None and lam.dim() > 0
+    qs = _ToDocuments.apply(q, plan, 3)
+    ks = _ToDocuments.apply(k, plan, 3)
+    vs = _ToDocuments.apply(v, plan, 2)
+    ls = _ToDocuments.apply(lam, plan, 2) if per_row else [lam] * len(qs)
+    outs = [fused_attention(qb, kb, vb, AttnMask(causal=mask.causal, n_q=length, n_k=length), scale, lb, chunk)
+            for qb, kb, vb, lb, (_, length, _) in zip(qs, ks, vs, ls, plan[0])]  # each (D, L, H, dv)
+    return _FromDocuments.apply(plan, b, *outs)
+
+
+def _document_plan(mask: AttnMask, segments: list, b: int, device):
+    """For :func:`_by_document`: the batches of documents, each (token index (D, L) into the B*N tokens, L,
+    real (D, L) bool: False at padding, whose index repeats the document's first token), and the gather (B*N,)
+    from the batches' real tokens, in order, back to the tokens; None when every row is one document.  Once per
+    forward (cached on the mask)."""
+    key = ("documents", str(device), b)
+    if key in mask._dense:
+        return mask._dense[key]
+    rows = segments if len(segments) == b else segments * b
+    n = mask.n_k
+    plan = None
+    if any(len(spans) > 1 for spans in rows):
+        groups: dict = {}
+        for r, spans in enumerate(rows):
+            for s0, s1 in spans:
+                # causal: similar lengths share a batch; bidirectional: a batch per length (no padding keys)
+                groups.setdefault((s1 - s0 - 1).bit_length() if mask.causal else s1 - s0, []).append((r, s0, s1))
+        batches, order = [], []
+        for g in sorted(groups):
+            docs = groups[g]
+            length = max(s1 - s0 for _, s0, s1 in docs)
+            steps = torch.arange(length)[None]
+            first = torch.tensor([r * n + s0 for r, s0, _ in docs])[:, None]
+            real = steps < torch.tensor([s1 - s0 for _, s0, s1 in docs])[:, None]
+            idx = torch.where(real, first + steps, first)
+            order.append(idx[real])
+            batches.append((idx.to(device), length, real.to(device)))
+        flat = torch.cat(order)
+        inverse = torch.empty(len(rows) * n, dtype=torch.long)
+        inverse[flat] = torch.arange(flat.numel())
+        plan = (batches, inverse.to(device))
+    mask._dense[key] = plan
+    return plan
+
+
+def _token_major(x: torch.Tensor, tdim: int) -> torch.Tensor:
+    """(B, ..., N at ``tdim``, ...) -> (B*N, rest): the tokens as rows."""
+    x = x.movedim(tdim, 1)
+    return x.reshape(x.shape[0] * x.shape[1], -1)
+
+
+class _ToDocuments(torch.autograd.Function):
+    """x (B, ..., N at ``tdim``, ...) -> one tensor per batch of documents (D, ..., L, ...), contiguous, from the
+    plan's token index; backward: the batches' gradients at their real tokens, gathered back to x's tokens (each
+    token is one real position of one batch; the padding's gradients are dropped)."""
+
+    @staticmethod
+    def forward(ctx, x, plan, tdim: int):
+        batches, inverse = plan
+        ctx.plan, ctx.tdim, ctx.shape = plan, tdim, x.shape
+        flat = _token_major(x, tdim)
+        rest = x.movedim(tdim, 1).shape[2:]
+        return tuple(flat.index_select(0, idx.reshape(-1)).view(*idx.shape, *rest).movedim(1, tdim).contiguous()
+                     for idx, _, _ in batches)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        batches, inverse = ctx.plan
+        tdim = ctx.tdim
+        reals = [_token_major(g, tdim)[real.reshape(-1)] for g, (_, _, real) in zip(grads, batches)]
+        flat = (torch.cat(reals) if len(reals) > 1 else reals[0]).index_select(0, inverse)
+        shape = list(ctx.shape)
+        n = shape.pop(tdim)
+        gx = flat.view(shape[0], n, *shape[1:]).movedim(1, tdim)
+        return gx, None, None
+
+
+class _FromDocuments(torch.autograd.Function):
+    """The batches' outputs (D, L, H, dv) back to the tokens (B, N, H, dv); backward: each batch's output
+    gradient gathered from its tokens, zero at the padding (whose queries see the document's real keys: a
+    nonzero gradient there would reach them)."""
+
+    @staticmethod
+    def forward(ctx, plan, b: int, *outs):
+        batches, inverse = plan
+        ctx.plan = plan
+        reals = [o.reshape(o.shape[0] * o.shape[1], -1)[real.reshape(-1)] for o, (_, _, real) in zip(outs, batches)]
+        flat = (torch.cat(reals) if len(reals) > 1 else reals[0]).index_select(0, inverse)
+        return flat.view(b, -1, *outs[0].shape[2:])
+
+    @staticmethod
+    def backward(ctx, g):
+        batches, _ = ctx.plan
+        flat = g.reshape(g.shape[0] * g.shape[1], -1)
+        grads = []
+        for idx, _, real in batches:
+            gb = flat.index_select(0, idx.reshape(-1)).view(*idx.shape, *g.shape[2:])
+            grads.append(gb.masked_fill(~real.view(*real.shape, *([1] * (g.dim() - 2))), 0))
+        return (None, None, *grads)
 
 
 SMALL_QUERY = 4  # up to this many queries (decoding), a single block without scratch bookkeeping

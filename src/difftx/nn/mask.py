@@ -1,11 +1,16 @@
-"""Attention masks: causal, key padding and bidirectional, described once per forward.
+"""Attention masks: causal, key padding, documents and bidirectional, described once per forward.
 
 An :class:`AttnMask` is built by the model and shared by every layer.  Backends
 ask it for what they can use: ``is_plain_causal`` (no explicit mask needed), a
-dense boolean mask, or a FlexAttention block mask.  Every query may always
+dense boolean mask, a FlexAttention block mask, or the documents of a packed
+sequence as segments (:meth:`AttnMask.segments`).  Every query may always
 attend to its own position, so a row is never fully masked (a left-padding
 query would otherwise produce NaN); outputs at padded positions are finite and
 meaningless, and losses ignore them.
+
+Document masking (``doc_ids``): several documents packed into one sequence,
+each attending only within itself, as if each were its own sequence.  A query
+sees a key only when both carry the same document id.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class AttnMask:
     n_k: int
     q_start: int = 0  # index of the first query among the keys (the cache length before this step)
     key_valid: Optional[torch.Tensor] = None  # (B, n_k) bool, True = a real token
+    doc_ids: Optional[torch.Tensor] = None  # (B, n_k) integer: a query sees only keys of its own document
     _dense: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -42,6 +48,13 @@ class AttnMask:
             what = f"a {kv.dtype} tensor of shape {tuple(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv)
             raise ValueError(f"AttnMask: key_valid must be a bool tensor (B, n_k={self.n_k}), True for real "
                              f"tokens; got {what} (use .bool())")
+        doc = self.doc_ids
+        if doc is not None and not (isinstance(doc, torch.Tensor) and doc.dim() == 2 and doc.shape[1] == self.n_k
+                                    and not doc.dtype.is_floating_point and not doc.dtype.is_complex
+                                    and doc.dtype != torch.bool):
+            what = f"a {doc.dtype} tensor of shape {tuple(doc.shape)}" if isinstance(doc, torch.Tensor) else type(doc)
+            raise ValueError(f"AttnMask: doc_ids must be an integer tensor (B, n_k={self.n_k}), each key's "
+                             f"document id; got {what}")
 
     def check(self, x: torch.Tensor, d_model: int, cache_length: int = 0) -> None:
         """Raise a ValueError unless ``x`` is an attention input (B, N, d_model) that this mask describes: N =
@@ -53,18 +66,20 @@ class AttnMask:
                              f"describe this input: {x.shape[1]} tokens after {cache_length} cached; build it as "
                              f"AttnMask(causal, n_q={x.shape[1]}, n_k={cache_length + x.shape[1]}, "
                              f"q_start={cache_length})")
-        if self.key_valid is not None and self.key_valid.shape[0] not in (1, x.shape[0]):
-            raise ValueError(f"AttnMask: key_valid has {self.key_valid.shape[0]} rows for a batch of {x.shape[0]}")
+        for name, t in (("key_valid", self.key_valid), ("doc_ids", self.doc_ids)):
+            if t is not None and t.shape[0] not in (1, x.shape[0]):
+                raise ValueError(f"AttnMask: {name} has {t.shape[0]} rows for a batch of {x.shape[0]}")
 
     @property
     def is_plain_causal(self) -> bool:
         """True when ``is_causal=True`` on square q/k describes the mask exactly."""
-        return self.causal and self.key_valid is None and self.q_start == 0 and self.n_q == self.n_k
+        return (self.causal and self.key_valid is None and self.doc_ids is None and self.q_start == 0
+                and self.n_q == self.n_k)
 
     @property
     def is_empty(self) -> bool:
         """True when nothing is masked at all (every query sees every key)."""
-        if self.key_valid is not None:
+        if self.key_valid is not None or self.doc_ids is not None:
             return False
         return not self.causal or self.q_start >= self.n_k - 1
 
@@ -82,6 +97,8 @@ class AttnMask:
             allowed = allowed[None, None]
             if self.key_valid is not None:
                 allowed = allowed & self.key_valid.to(device)[:, None, None, :]
+            if self.doc_ids is not None:
+                allowed = allowed & self.same_document(0, self.n_q, self.n_k, device)[:, None]
             allowed = allowed | (k_pos == q_pos)[None, None]
             self._dense[key] = allowed
         return self._dense[key]
@@ -106,15 +123,75 @@ class AttnMask:
         valid = None if self.key_valid is None else self.key_valid.to(device)
         if valid is not None and valid.shape[0] != batch:  # one row for every sequence (check() allows it)
             valid = valid.expand(batch, -1)
+        doc = None if self.doc_ids is None else self.doc_ids.to(device)
+        if doc is not None and doc.shape[0] != batch:
+            doc = doc.expand(batch, -1)
 
         def mask_mod(b, h, q_idx, kv_idx):
             q_abs = q_idx + q_start
             ok = (kv_idx <= q_abs) if causal else (kv_idx >= 0)
             if valid is not None:
                 ok = ok & valid[b, kv_idx]
+            if doc is not None:
+                ok = ok & (doc[b, kv_idx] == doc[b, q_abs])
             return ok | (kv_idx == q_abs)
 
-        bm = create_block_mask(mask_mod, batch if valid is not None else None, None, self.n_q, self.n_k,
-                               device=device)
+        per_row = valid is not None or doc is not None
+        bm = create_block_mask(mask_mod, batch if per_row else None, None, self.n_q, self.n_k, device=device)
         self._dense[key] = bm
         return bm
+
+    def same_document(self, i0: int, i1: int, ke: int, device) -> torch.Tensor:
+        """(B|1, i1 - i0, ke) bool: whether query i (of this call's queries [i0, i1)) and key j < ``ke`` belong to
+        the same document (``doc_ids`` must be set)."""
+        doc = self.doc_ids.to(device)
+        q_doc = doc[:, self.q_start + i0: self.q_start + i1]
+        return q_doc[:, :, None] == doc[:, None, :ke]
+
+    def segments(self) -> Optional[list]:
+        """The documents of a packed self-attention call as (start, end) token ranges, one list per ``doc_ids``
+        row, when each document is one contiguous run of tokens and nothing else is masked but causality: then
+        attention over the packed sequence is attention over each document on its own, and a kernel may run
+        them one by one (a plain causal or bidirectional call each).  None otherwise (no ``doc_ids``, padding,
+        queries after a cache, or an id that comes back after another)."""
+        doc = self.doc_ids
+        if doc is None or self.key_valid is not None or self.q_start != 0 or self.n_q != self.n_k:
+            return None
+        if "segments" not in self._dense:  # once per forward: every layer asks
+            self._dense["segments"] = self._segments(doc)
+        return self._dense["segments"]
+
+    def _segments(self, doc: torch.Tensor) -> Optional[list]:
+        change = doc[:, 1:] != doc[:, :-1]  # (R, N-1)
+        rows, cols = torch.nonzero(change, as_tuple=True)
+        # contiguous: as many runs as distinct ids in every row, i.e. no id seen before a different one comes back
+        runs = change.sum(1) + 1
+        distinct = torch.tensor([int(torch.unique(r).numel()) for r in doc], device=runs.device)
+        if not bool((runs == distinct).all()):
+            return None
+        cuts: list = [[0] for _ in range(doc.shape[0])]
+        for r, c in zip(rows.tolist(), cols.tolist()):
+            cuts[r].append(c + 1)
+        return [list(zip(c, c[1:] + [self.n_k])) for c in cuts]
+
+
+def document_ids(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(B, N) int64 document ids of packed token sequences whose documents end with ``eos_id``: the end-of-text
+    token belongs to the document it ends, and the token after it starts the next (ids count from 0 in each
+    row; a window that starts mid-document starts with that document)."""
+    ends = input_ids == eos_id
+    return (ends.long().cumsum(-1) - ends.long())
+
+
+def document_positions(doc_ids: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(B, N) int64 positions that restart at 0 where the document id changes, for ``doc_ids`` (B, N): each
+    packed document sees the positions it would have on its own.  ``valid`` (B, N) bool, False at padding: only
+    real tokens count (a padding token takes its document's next position, or 0)."""
+    b, n = doc_ids.shape
+    ones = torch.ones(b, n, dtype=torch.long, device=doc_ids.device)
+    v = ones if valid is None else valid.to(device=doc_ids.device, dtype=torch.long).expand(b, n)
+    count = v.cumsum(-1)  # real tokens up to and including t
+    start = torch.ones(b, n, dtype=torch.bool, device=doc_ids.device)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    before = torch.where(start, count - v, torch.zeros_like(count)).cummax(-1).values  # counted before the doc
+    return (count - before - 1).clamp_min(0)

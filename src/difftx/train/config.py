@@ -77,6 +77,7 @@ class TrainConfig:
     threads: Optional[int] = None         # CPU threads per process (torch.set_num_threads); None: torch's default
     loss_chunk: int = 0                   # lm: the loss this many tokens at a time, never all logits; 0: off
     activation_checkpointing: int = 0     # every Nth block recomputes its activations in backward; 0: off, 1: all
+    document_masking: bool = False        # lm: attention stays within each document of a window (split at EOS)
     parallel: str = "auto"                # auto (ddp when launched with several processes) | none | ddp | fsdp
     seed: int = 1337
 
@@ -130,6 +131,8 @@ class TrainConfig:
         for name in ("seq_len", "global_batch", "stop_at", "threads"):
             positive_int(name, allow_none=True)
         positive_int("seed", allow_zero=True)
+        if not isinstance(self.document_masking, bool):
+            raise ConfigError("document_masking", f"must be true or false; got {self.document_masking!r}")
         if self.seed >= MAX_SEED:  # torch.manual_seed(seed + rank) takes 64 bits
             raise ConfigError("seed", f"must be below 2^63; got {self.seed}")
         number("lr", 0.0, lo_open=True)

@@ -138,6 +138,9 @@ class LMDomain(Domain):
 
             factory = get_task(cfg.task)
             self.tokenizer = load_tokenizer(saved) if saved and saved.is_file() else build_tokenizer(cfg.tokenizer)
+            if cfg.document_masking:
+                raise ConfigError("document_masking", f"keeps a corpus's documents apart, and the task {cfg.task!r} "
+                                                      "makes each sequence itself: drop --document-masking")
             try:
                 self.task = factory(self.tokenizer, cfg.seq_len, cfg.seed, **cfg.task_options)
             except TypeError as e:
@@ -166,6 +169,11 @@ class LMDomain(Domain):
                                              cfg.bpe_vocab_size, cache)
         if self.world.distributed:  # rank 0 builds the tokenizer and the shard; the others read them
             self.tokenizer = self._share_tokenizer()
+        if cfg.document_masking and self.tokenizer.eos_id is None:
+            raise ConfigError("document_masking", f"needs the documents separated by an end-of-text token, and the "
+                                                  f"{self.tokenizer.kind} tokenizer has none: use --tokenizer bpe "
+                                                  "(its <|endoftext|> ends every document) or a tokenizer.json with "
+                                                  "an EOS token")
         if self.world.is_main:
             self.data = prepare_tokens(self.corpus, self.tokenizer, cache, cfg.val_fraction, progress)
         self.world.barrier()
@@ -254,8 +262,13 @@ class LMDomain(Domain):
         return int(batch["input_ids"].numel())
 
     def loss(self, model, batch: dict) -> torch.Tensor:
+        kw = {}
+        if self.cfg.document_masking:  # each window's documents (split after every EOS) attend only to themselves
+            from ..nn.mask import document_ids
+
+            kw["document_ids"] = document_ids(batch["input_ids"], self.tokenizer.eos_id)
         out = model(batch["input_ids"], targets=batch["targets"], attention_mask=batch.get("attention_mask"),
-                    loss_reduction="sum", loss_chunk=self.cfg.loss_chunk)
+                    loss_reduction="sum", loss_chunk=self.cfg.loss_chunk, **kw)
         return out.loss
 
     # ------------------------------------------------------------------ evaluation

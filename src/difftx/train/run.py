@@ -286,7 +286,8 @@ def train(tcfg: TrainConfig, mcfg: ModelConfig, out, resume: Optional[str] = Non
             announce(f"difftx train: {what}: {mcfg.attention} attention, {mcfg.preset or 'custom'} "
                      f"({count_parameters(mcfg):,} params), {tcfg.steps} steps on {world.world_size} x "
                      f"{world.device.type} ({trainer.parallel}, {'bf16' if trainer.dtype else 'fp32'}"
-                     f"{_recomputing(tcfg.activation_checkpointing)}) -> {out}")
+                     f"{_recomputing(tcfg.activation_checkpointing)}"
+                     f"{', documents masked' if tcfg.document_masking else ''}) -> {out}")
         return trainer.fit(resume_ckpt)
     finally:
         shutdown_world(world)

@@ -98,6 +98,9 @@ class VisionDomain(Domain):
 
     def __init__(self, cfg: TrainConfig, world: World):
         super().__init__(cfg, world)
+        if cfg.document_masking:
+            raise ConfigError("document_masking", "keeps a language model's packed documents apart; an image has no "
+                                                  "documents: drop --document-masking")
         if cfg.loss_chunk:
             raise ConfigError("loss_chunk", "chunks a language model's loss over its vocabulary; a vision model's "
                                             "classes are few: drop --loss-chunk")
