@@ -64,6 +64,9 @@ def _one_line_error(p) -> str:
     (["--retrieval-opt", "pairs=9-2"], "pairs"),
     (["--tokens", "x"], "invalid int"),
     (["--activation-checkpointing", "-1"], "--activation-checkpointing: must be a non-negative integer"),
+    (["--document-masking"], "--document-masking: needs the documents separated by an end-of-text token, and the "
+                             "byte tokenizer has none"),
+    (["--domain", "vision", "--document-masking"], "--document-masking: keeps a language corpus's documents apart"),
     # an option the study would not read is refused, not ignored
     (["--tokens", "1000", "--steps", "3"], "--tokens/--steps: are two budgets"),
     (["--retrieval-tokens", "1000", "--retrieval-steps", "3"], "--retrieval-tokens/--retrieval-steps"),

@@ -532,3 +532,14 @@ def test_grad_hist_draws_every_tabulated_matrix_kind(tmp_path, monkeypatch):
     res = {"arms": {"a": {"label": "A"}}, "corpus": {"a": {"tails": {"histograms": {k: h for k in kinds}}}}}
     assert plots.grad_hist(res, tmp_path / "g.png")
     assert [ax.get_title() for ax in saved[0].axes if ax.get_visible()] == list(kinds)
+
+
+def test_document_masking_reaches_the_corpus_runs_only():
+    """--document-masking: every corpus run masks its documents; the retrieval task's runs (sequences the task
+    makes whole) do not, and TrainConfig would refuse it there."""
+    study = StudyConfig(tokens=100_000, retrieval_tokens=50_000, tokenizer="bpe", document_masking=True)
+    tcfgs = [(j.task, train_config(study, j)) for j in plan(study)]
+    assert {t.document_masking for task, t in tcfgs if task == "corpus"} == {True}
+    assert {t.document_masking for task, t in tcfgs if task != "corpus"} == {False}
+    assert not any(t.document_masking for _, t in ((j.task, train_config(StudyConfig(tokens=100_000), j))
+                                                    for j in plan(StudyConfig(tokens=100_000))))

@@ -399,3 +399,29 @@ def test_activation_checkpointing_through_transformers(kwargs):
         assert torch.equal(step()[0], ref[0])
         hf.activation_checkpointing_disable()
         assert model.activation_checkpointing() == [False] * model.config.n_layers
+
+
+def test_packed_sequences_from_transformers_flattening_collator(saved):
+    """transformers' DataCollatorWithFlattening packs a batch's examples into one row, position_ids restarting at
+    0 for each, no attention_mask: each example then attends only to itself, with labels and loss as if each
+    had been its own sequence (the collator's -100 at every example's first label)."""
+    from transformers import DataCollatorWithFlattening
+
+    model, _, hf = saved
+    lengths = (5, 9, 3, 12)
+    examples = [tokens(97, batch=1, n=n, seed=10 + i)[0].tolist() for i, n in enumerate(lengths)]
+    batch = DataCollatorWithFlattening()([{"input_ids": e} for e in examples])
+    assert "attention_mask" not in batch and batch["position_ids"][0].tolist()[5] == 0
+    with torch.no_grad():
+        packed = hf(**batch)
+        starts = [0, 5, 14, 17]
+        total, count = 0.0, 0
+        for e, s in zip(examples, starts):
+            alone = hf(torch.tensor([e]), labels=torch.tensor([e]))
+            assert max_diff(packed.logits[0, s:s + len(e)], alone.logits[0]) < 1e-5
+            total, count = total + float(alone.loss) * (len(e) - 1), count + len(e) - 1
+        assert float(packed.loss) == pytest.approx(total / count, rel=1e-5)
+        # ordinary growing positions change nothing: one document a row
+        x = tokens(97)
+        assert max_diff(hf(x, position_ids=torch.arange(13)[None].expand(2, 13)).logits, hf(x).logits) == 0.0
+    assert packed.past_key_values is None  # a cache of packed rows could not tell their documents apart

@@ -292,3 +292,32 @@ def test_model_refuses_bad_document_ids():
         model(ids, document_ids=torch.zeros(2, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="decoding with a KV cache takes one document per sequence"):
         model(ids, document_ids=torch.zeros(2, 6, dtype=torch.long), cache=model.new_cache(2, 16))
+
+
+def test_logit_quantization_scales_come_from_the_querys_own_document():
+    """The attention-logit quantization eval sets its scales from the logits a query may see: under a document
+    mask, only its own document's."""
+    from difftx.evals.quant import scale_entries
+
+    m = AttnMask(causal=True, n_q=N, n_k=N, doc_ids=DOCS)
+    assert torch.equal(scale_entries(m, N, N, torch.device("cpu"))[:, 0], allowed_docs(DOCS))
+
+
+@pytest.mark.parametrize("kind", ["softmax", "diff", "diff2"])
+def test_second_derivatives_through_packed_documents(kind):
+    """A Hessian-vector product (create_graph=True) through the batched documents of the fused path equals the
+    eager reference's under the dense document mask."""
+    cfg = ModelConfig(attention=kind, d_model=64, n_heads=2, n_layers=2, vocab_size=50, max_seq_len=64)
+    torch.manual_seed(0)
+    model = build_model(cfg).double()
+    ids = torch.randint(1, 50, (2, 40))
+    ids[0, 9] = ids[0, 25] = ids[1, 2] = 0
+    doc = document_ids(ids, 0)
+    hvps = {}
+    for backend in ("sdpa", "eager"):
+        model.set_attention_backend(backend)
+        params = list(model.parameters())
+        grads = torch.autograd.grad(model(ids, targets=ids, document_ids=doc).loss, params, create_graph=True)
+        hv = torch.autograd.grad(sum(g.sum() for g in grads), params, allow_unused=True)
+        hvps[backend] = torch.cat([h.flatten() for h in hv if h is not None])
+    assert torch.allclose(hvps["sdpa"], hvps["eager"], atol=1e-11)

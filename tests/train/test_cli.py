@@ -55,6 +55,9 @@ def _bad_inputs(tmp_path, corpus):
                                "--momentum is read by msgdw and sgd, and this run trains with muon"),
         "betas with msgdw": (["--optimizer", "msgdw", "--betas", "0.9,0.95"],
                              "--betas is read by adamw and muon, and this run trains with msgdw"),
+        "documents without an end-of-text token": (["--document-masking"],  # the char tokenizer has none
+                                                   "--document-masking: needs the documents separated by an "
+                                                   "end-of-text token, and the char tokenizer has none"),
     }
 
 

@@ -22,11 +22,11 @@ STUDY_FLAGS = ("domain", "preset", "seeds", "seed", "data", "tokenizer", "cache_
                "batch_size", "retrieval", "retrieval_tokens", "retrieval_steps", "retrieval_seq_len",
                "retrieval_batch_size", "schedule", "min_lr_ratio", "grad_clip", "eval_points", "eval_batches",
                "outlier_tokens", "tail_batches", "retrieval_samples", "dtype", "device", "workers", "threads",
-               "activation_checkpointing")
+               "activation_checkpointing", "document_masking")
 # fields only a retrieval task reads, and fields only a language study reads (a vision run evaluates whole splits)
 RETRIEVAL_FIELDS = ("retrieval_tokens", "retrieval_steps", "retrieval_seq_len", "retrieval_batch_size",
                     "retrieval_options", "retrieval_samples")
-LM_FIELDS = ("tokenizer", "cache_dir", "seq_len", "eval_batches", "outlier_tokens")
+LM_FIELDS = ("tokenizer", "cache_dir", "seq_len", "eval_batches", "outlier_tokens", "document_masking")
 
 
 def add_parser(sub) -> None:
@@ -60,6 +60,9 @@ def add_parser(sub) -> None:
     d = p.add_argument_group("data and budget")
     d.add_argument("--data", help="text corpus (file, directory, glob, .jsonl; default: the built-in corpus)")
     d.add_argument("--tokenizer", help="byte (default), char, bpe or a tokenizer.json path")
+    d.add_argument("--document-masking", action="store_true", default=None,
+                   help="corpus runs: attention stays within each document of a window (needs --tokenizer bpe or a "
+                        "tokenizer.json with an end-of-text token)")
     d.add_argument("--cache-dir", help="token shards (default: $DIFFTX_CACHE, else $DIFFTX_CACHE_DIR, else "
                                        "$XDG_CACHE_HOME/difftx, else ~/.cache/difftx)")
     d.add_argument("--tokens", type=int, help="corpus tokens per run (the token budget; default 256000)")

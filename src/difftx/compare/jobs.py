@@ -59,7 +59,8 @@ def train_config(study: StudyConfig, job: Job) -> TrainConfig:
         warmup=warmup, grad_clip=study.grad_clip, dtype=study.dtype, device=study.device, threads=study.threads,
         seed=job.seed, eval_every=eval_every(study, job), eval_batches=study.eval_batches, log_every=1,
         diag_every=0, checkpoint_every=0, keep_last=1, progress=False,
-        activation_checkpointing=study.activation_checkpointing, **opt)
+        activation_checkpointing=study.activation_checkpointing,
+        document_masking=study.document_masking and job.task == "corpus", **opt)
     if job.task == "retrieval":
         fields.update(task=study.retrieval, task_options=retrieval_task_options(study))
     return TrainConfig(**fields)

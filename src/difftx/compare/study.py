@@ -79,6 +79,7 @@ class StudyConfig:
     seed: int = 0                           # the first seed; seeds are seed, seed+1, ...
     data: Optional[str] = None
     tokenizer: str = "byte"
+    document_masking: bool = False          # corpus runs: attention within each document (needs an EOS tokenizer)
     cache_dir: Optional[str] = None
 
     # corpus task budget: steps = ceil(tokens / (global batch x seq_len)) unless steps is given
@@ -155,6 +156,15 @@ class StudyConfig:
         for name in ("tokens", "steps", "seq_len", "batch_size", "retrieval_tokens", "retrieval_steps",
                      "retrieval_seq_len", "retrieval_batch_size", "workers", "threads"):
             positive(name)
+        if not isinstance(self.document_masking, bool):
+            raise ConfigError("document_masking", f"must be true or false; got {self.document_masking!r}")
+        if self.document_masking and self.domain != "lm":
+            raise ConfigError("document_masking", "keeps a language corpus's documents apart; images have none: "
+                                                  "drop it")
+        if self.document_masking and self.tokenizer in ("byte", "char"):
+            raise ConfigError("document_masking", f"needs the documents separated by an end-of-text token, and the "
+                                                  f"{self.tokenizer} tokenizer has none: give --tokenizer bpe (or a "
+                                                  "tokenizer.json with an EOS token)")
         v = self.activation_checkpointing
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigError("activation_checkpointing", f"must be a non-negative integer (0: off); got {v!r}")
