@@ -50,6 +50,14 @@ def packed_documents(b: int, n: int, mean: float, seed: int) -> torch.Tensor:
     return torch.tensor(rows)
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
+    except OSError:
+        return "unknown CPU"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small")
@@ -106,6 +114,7 @@ def main() -> None:
                 print(f"{attention} {dtype} mean {mean}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in med.items()),
                       flush=True)
     lines = [f"# Document masking: training step time ({args.preset}, {b} x {n} tokens, {args.threads} threads)", "",
+             f"Machine: {_cpu_name()}, torch {torch.__version__}.", "",
              f"Command: `python benchmarks/document_masking.py --preset {args.preset} --attentions {args.attentions} "
              f"--shape {args.shape} --dtypes {args.dtypes} --doc-lengths {args.doc_lengths} --repeats "
              f"{args.repeats} --threads {args.threads}`", "",

@@ -144,3 +144,37 @@ def test_seq_len_past_learned_positions_names_the_flag(name, tmp_path, capsys):
                "--data", str(tmp_path / "t.txt"), "--no-plot", "--quiet"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--seq-len up to 64" in err[0] and err[0].startswith("difftx eval")
+
+
+@pytest.mark.parametrize("kind", ["softmax", "diff"])
+def test_document_masking_scores_each_windows_documents_apart(kind):
+    """document_eos: each window's documents (ended by that token) attend only to themselves: the loss of the
+    model called with the windows' document ids, not the loss without."""
+    from difftx.nn import document_ids
+
+    model = tiny_model(kind)
+    tokens = torch.randint(1, 256, (4 * 32 + 1,), generator=torch.Generator().manual_seed(2))
+    tokens[[5, 40, 41, 70, 100]] = 0  # end-of-text tokens
+    r = evaluate_lm(model, tokens, seq_len=32, max_tokens=4 * 32, document_eos=0)
+    x = torch.stack([tokens[i * 32:(i + 1) * 32] for i in range(4)])
+    y = torch.stack([tokens[i * 32 + 1:(i + 1) * 32 + 1] for i in range(4)])
+    with torch.no_grad():
+        masked = float(model(x, targets=y, document_ids=document_ids(x, 0)).loss)
+        plain = float(model(x, targets=y).loss)
+    assert r["document_masking"] and abs(r["loss"] - masked) < 5e-6 and abs(masked - plain) > 1e-4
+    assert not evaluate_lm(model, tokens, seq_len=32, max_tokens=4 * 32)["document_masking"]
+
+
+def test_document_masking_needs_an_end_of_text_token(tmp_path, capsys):
+    import difftx
+    from difftx.cli import main
+    from difftx.data import ByteTokenizer
+
+    difftx.save_model(tiny_model("diff"), tmp_path / "ck")
+    ByteTokenizer().save(tmp_path / "ck")
+    code = main(["eval", "lm", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "out"),
+                 "--document-masking", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--document-masking: needs the documents ended by an end-of-text" \
+        " token, and the checkpoint's byte tokenizer has none" in err, err
+    assert not (tmp_path / "out" / "lm.json").exists()

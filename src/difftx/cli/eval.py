@@ -120,6 +120,9 @@ def add_parser(sub) -> None:
     q.add_argument("--max-tokens", type=_positive, default=8192, help="token budget (default: 8192)")
     q.add_argument("--ar-max-freq", type=_positive, default=None,
                    help="AR-Hit only for bigrams seen at most this often in the evaluated text (default: any)")
+    q.add_argument("--document-masking", action="store_true",
+                   help="each window's documents (ended by the tokenizer's end-of-text token in the text) attend "
+                        "only to themselves, as difftx train --document-masking trains")
 
     q = ev.add_parser("niah", help=EVALS["niah"], description=EVALS["niah"])
     _common(q)
@@ -224,6 +227,11 @@ def _run_eval(args, model, tok) -> tuple[dict, dict]:
     if name == "lm":
         from ..evals.lm import evaluate_lm_text
         s = dict(data=args.data, seq_len=args.seq_len, max_tokens=args.max_tokens, ar_max_freq=args.ar_max_freq, **bs)
+        if args.document_masking:
+            if tok.eos_id is None:
+                raise ConfigError("document_masking", f"needs the documents ended by an end-of-text token, and the "
+                                                      f"checkpoint's {tok.kind} tokenizer has none; drop it")
+            s["document_eos"] = tok.eos_id
         return evaluate_lm_text(model, tok, progress=prog, **s), s
     if name == "niah":
         from ..evals.niah import evaluate_niah

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DataError
+from ..nn.mask import document_ids
 from .common import check_count, check_token_ids, logit_chunks, model_device, text_tokens, window_length
 
 
@@ -70,8 +71,12 @@ def _summary_positions(n: int, max_points: int = 64) -> list[int]:
 
 @torch.no_grad()
 def evaluate_lm(model, tokens, seq_len: Optional[int] = None, max_tokens: int = 16384, batch_size: int = 8,
-                ar_max_freq: Optional[int] = None, progress: bool = False) -> dict:
-    """Loss, perplexity, cumulative NLL by position and AR-Hit / Others on a 1-D token stream."""
+                ar_max_freq: Optional[int] = None, progress: bool = False,
+                document_eos: Optional[int] = None) -> dict:
+    """Loss, perplexity, cumulative NLL by position and AR-Hit / Others on a 1-D token stream.
+
+    ``document_eos``: the end-of-text token id that ends each document of the stream; a window's documents then
+    attend only to themselves (document masking, as ``difftx train --document-masking`` trains)."""
     tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
     seq_len = window_length(model, seq_len)
     max_tokens, batch_size = check_count("max_tokens", max_tokens), check_count("batch_size", batch_size)
@@ -95,7 +100,8 @@ def evaluate_lm(model, tokens, seq_len: Optional[int] = None, max_tokens: int = 
         win = torch.stack([used[i * seq_len: i * seq_len + seq_len + 1] for i in idx.tolist()])
         x, y = win[:, :-1].to(device), win[:, 1:].to(device)
         nll = torch.empty(y.shape, dtype=torch.float64)
-        for s, logits in logit_chunks(model, x):  # never all (B, N, V) logits at once
+        kw = {} if document_eos is None else {"document_ids": document_ids(x, document_eos)}
+        for s, logits in logit_chunks(model, x, **kw):  # never all (B, N, V) logits at once
             k = logits.shape[1]
             nll[:, s:s + k] = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y[:, s:s + k].reshape(-1),
                                               reduction="none").view(-1, k).cpu()  # stored as float64
@@ -119,7 +125,7 @@ def evaluate_lm(model, tokens, seq_len: Optional[int] = None, max_tokens: int = 
     pts = _summary_positions(seq_len)
     return {
         "loss": loss, "perplexity": math.exp(min(loss, 700.0)), "bits_per_token": loss / math.log(2),
-        "tokens": int(n), "windows": n_windows, "seq_len": seq_len,
+        "tokens": int(n), "windows": n_windows, "seq_len": seq_len, "document_masking": document_eos is not None,
         "ar_hit": {"loss": hit_sum / hit_n if hit_n else None, "tokens": int(hit_n), "fraction": hit_n / n,
                    "max_freq": ar_max_freq},
         "others": {"loss": other_sum / other_n if other_n else None, "tokens": int(other_n)},
