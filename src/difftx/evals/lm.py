@@ -125,7 +125,7 @@ def evaluate_lm(model, tokens, seq_len: Optional[int] = None, max_tokens: int = 
     pts = _summary_positions(seq_len)
     return {
         "loss": loss, "perplexity": math.exp(min(loss, 700.0)), "bits_per_token": loss / math.log(2),
-        "tokens": int(n), "windows": n_windows, "seq_len": seq_len, "document_masking": document_eos is not None,
+        "tokens": int(n), "windows": n_windows, "seq_len": seq_len,
         "ar_hit": {"loss": hit_sum / hit_n if hit_n else None, "tokens": int(hit_n), "fraction": hit_n / n,
                    "max_freq": ar_max_freq},
         "others": {"loss": other_sum / other_n if other_n else None, "tokens": int(other_n)},
