@@ -1,7 +1,7 @@
 """Training speed with document masking (``--document-masking``), side by side with plain causal attention.
 
     python benchmarks/document_masking.py [--preset small] [--attentions softmax,diff] [--shape 4x512]
-        [--dtypes fp32,bf16] [--doc-lengths 32,128,512] [--repeats 5] [--threads 2]
+        [--dtypes fp32,bf16] [--doc-lengths 32,128,512] [--repeats 5] [--threads 2] [--memory]
 
 For each attention kind, dtype and mean document length: the preset's model and one AdamW training step as the
 trainer runs it (bf16: autocast, the trainer's attention backend), on windows of packed documents whose lengths
@@ -14,7 +14,9 @@ interleaved repeats (median seconds per step, wall clock):
 * ``masked blocks``: the same mask through the fused path's masked torch blocks, which ids that come back
   after another document (not one run per document) take.
 
-Prints a markdown table and writes ``OUT/document_masking.md``.
+With ``--memory``, also the peak training memory of the causal and documents arms
+(difftx.benchmarking.memory.measured_training_memory: fp32 weights and AdamW state + the step's high-water mark
+of live tensor bytes).  Prints a markdown table and writes ``OUT/document_masking.md``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from difftx.benchmarking.memory import measured_training_memory
 from difftx.config import ModelConfig
 from difftx.models import build_model
 from difftx.nn.mask import AttnMask
@@ -67,6 +70,7 @@ def main() -> None:
     ap.add_argument("--doc-lengths", default="32,128,512")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--memory", action="store_true", help="also the peak training memory of each arm")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -110,22 +114,31 @@ def main() -> None:
                         times[k].append(step(*arms[k]))
                 med = {k: statistics.median(v) for k, v in times.items()}
                 docs = int((doc[:, 1:] != doc[:, :-1]).sum()) + b
-                rows.append((attention, dtype, mean, docs / b, med))
+                mem = {}
+                if args.memory:
+                    for k, d in (("causal", None), ("documents", doc)):
+                        mem[k] = measured_training_memory(cfg, b, n, bf16=bf16, document_ids=d)["total"]
+                rows.append((attention, dtype, mean, docs / b, med, mem))
                 print(f"{attention} {dtype} mean {mean}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in med.items()),
                       flush=True)
     lines = [f"# Document masking: training step time ({args.preset}, {b} x {n} tokens, {args.threads} threads)", "",
              f"Machine: {_cpu_name()}, torch {torch.__version__}.", "",
              f"Command: `python benchmarks/document_masking.py --preset {args.preset} --attentions {args.attentions} "
              f"--shape {args.shape} --dtypes {args.dtypes} --doc-lengths {args.doc_lengths} --repeats "
-             f"{args.repeats} --threads {args.threads}`", "",
+             f"{args.repeats} --threads {args.threads}{' --memory' if args.memory else ''}`", "",
              "Median seconds per AdamW step (forward, backward, optimizer) over interleaved repeats; ratios to the "
              "causal arm (below 1: faster).", "",
              "| attention | dtype | mean doc length | docs per window | causal ms | documents ms | ratio | "
-             "masked blocks ms | ratio |", "|---|---|---|---|---|---|---|---|---|"]
-    for attention, dtype, mean, per, med in rows:
+             "masked blocks ms | ratio |" + (" causal MiB | documents MiB | ratio |" if args.memory else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.memory else "")]
+    for attention, dtype, mean, per, med, mem in rows:
         c = med["causal"]
-        lines.append(f"| {attention} | {dtype} | {mean} | {per:.1f} | {c * 1e3:.0f} | {med['documents'] * 1e3:.0f} | "
-                     f"{med['documents'] / c:.2f} | {med['masked blocks'] * 1e3:.0f} | {med['masked blocks'] / c:.2f} |")
+        line = (f"| {attention} | {dtype} | {mean} | {per:.1f} | {c * 1e3:.0f} | {med['documents'] * 1e3:.0f} | "
+                f"{med['documents'] / c:.2f} | {med['masked blocks'] * 1e3:.0f} | {med['masked blocks'] / c:.2f} |")
+        if mem:
+            line += (f" {mem['causal'] / 2 ** 20:.0f} | {mem['documents'] / 2 ** 20:.0f} | "
+                     f"{mem['documents'] / mem['causal']:.2f} |")
+        lines.append(line)
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out)

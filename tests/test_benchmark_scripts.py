@@ -55,3 +55,21 @@ def test_torch_versions_script_runs_the_tests_in_each_environment(tmp_path):
     assert (tmp_path / "9.9.9.log").is_file()
     bad = subprocess.run(["bash", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "name at least one torch version" in bad.stderr
+
+
+def test_document_masking_benchmark_runs_and_writes_its_table(tmp_path, one_thread, monkeypatch):
+    """benchmarks/document_masking.py at a toy size: its table with the three arms and the memory columns; the
+    document lengths it draws are runs of the ids 0, 1, 2, ... filling each row."""
+    import sys
+
+    mod = _load("document_masking.py")
+    doc = mod.packed_documents(3, 40, 8, seed=1)
+    assert doc.shape == (3, 40) and torch.equal(doc[:, 0], torch.zeros(3, dtype=torch.long))
+    assert bool(((doc[:, 1:] - doc[:, :-1]) >= 0).all() and ((doc[:, 1:] - doc[:, :-1]) <= 1).all())
+    assert torch.equal(doc, mod.packed_documents(3, 40, 8, seed=1))
+    monkeypatch.setattr(sys, "argv", ["document_masking.py", "--preset", "nano", "--attentions", "diff", "--shape",
+                                      "2x32", "--dtypes", "fp32", "--doc-lengths", "8", "--repeats", "1", "--threads",
+                                      "1", "--memory", "--out", str(tmp_path)])
+    mod.main()
+    table = (tmp_path / "document_masking.md").read_text().splitlines()
+    assert table[-1].startswith("| diff | fp32 | 8 |") and table[-1].count("|") == 13  # 12 columns

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -43,11 +43,13 @@ def peak_live_bytes(fn: Callable[[], object], device: torch.device | str = "cpu"
 
 
 def measured_training_memory(cfg, batch_size: int, seq_len: int, optimizer: str = "adamw",
-                             bf16: bool = False, loss_chunk: int = 0, activation_checkpointing: int = 0) -> dict:
+                             bf16: bool = False, loss_chunk: int = 0, activation_checkpointing: int = 0,
+                             document_ids: Optional[torch.Tensor] = None) -> dict:
     """Peak bytes of a CPU training step of ``cfg`` as the trainer runs it: ``state`` (fp32 weights and the
     optimizer's state after a first step, held between steps) + ``step`` (the step's high-water mark of tensor
     bytes, :func:`peak_live_bytes`) = ``total``.  Random tokens (images); the attention backend the trainer
-    picks.  What ``benchmarks/memory_floor.py`` and the tests hold the memory floor against."""
+    picks; ``document_ids`` (batch_size, seq_len): packed documents (language models).  What
+    ``benchmarks/memory_floor.py`` and the tests hold the memory floor against."""
     from ..models import build_model
     from ..optim import build_optimizer
     from ..train.trainer import training_attention_backend
@@ -69,6 +71,8 @@ def measured_training_memory(cfg, batch_size: int, seq_len: int, optimizer: str 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             chunked = {"loss_chunk": loss_chunk} if loss_chunk else {}  # language models only
+            if document_ids is not None:
+                chunked["document_ids"] = document_ids
             loss = model(x, targets=y, loss_reduction="sum", **chunked).loss
         loss.backward()
         opt.step()
