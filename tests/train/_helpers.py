@@ -36,6 +36,18 @@ def write_corpus(path: Path, n_chars: int = 6000) -> Path:
     return path
 
 
+def write_documents(path: Path, n: int = 120) -> Path:
+    """A deterministic JSONL corpus of ``n`` short documents (a bpe tokenizer ends each with its EOS)."""
+    import random
+
+    rng = random.Random(1)
+    words = ["alpha", "beta", "gamma", "delta", "stone", "river", "light", "north", "quiet", "seven"]
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))}) + "\n")
+    return path
+
+
 class GradRecorder:
     """Records the full (gathered) gradient of every parameter at every step, on every rank."""
 

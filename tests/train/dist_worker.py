@@ -1,6 +1,7 @@
 """Run under ``python -m torch.distributed.run --nproc-per-node 2``: DDP and FSDP2 runs of the tiny model.
 
-argv: DATA CACHE OUT.  Writes OUT/{ddp,fsdp,fsdp_chunked,ddp_ac,fsdp_ac,fsdp_resumed}/ run dirs,
+argv: DATA CACHE OUT (DATA's directory also holds docs.jsonl).  Writes OUT/{ddp,fsdp,fsdp_chunked,ddp_ac,fsdp_ac,
+ddp_docs,fsdp_resumed}/ run dirs,
 OUT/grads_{mode}.safetensors, OUT/fsdp_groups_errors.json and OUT/fsdp_shard_errors.json (rank 0): the
 damaged-checkpoint resumes' errors.
 """
@@ -35,6 +36,15 @@ for mode in ("ddp", "fsdp", "fsdp_chunked", "ddp_ac", "fsdp_ac"):
     if dist.get_rank() == 0:
         save_file({f"{i}/{k}": v.contiguous() for i, g in enumerate(rec.grads) for k, v in g.items()},
                   str(out / f"grads_{mode}.safetensors"))
+# DDP with document masking, on a JSONL corpus of short documents and a bpe tokenizer (rank 0 trains and shares it)
+phase("ddp_docs")
+rec = GradRecorder()
+tcfg, mcfg = tiny(str(Path(data).parent / "docs.jsonl"), cache, parallel="ddp", batch_size=4, grad_accum=1,
+                  eval_batches=3, tokenizer="bpe", bpe_vocab_size=300, document_masking=True)
+train(tcfg, mcfg, out / "ddp_docs", callbacks=[rec], announce=None)
+if dist.get_rank() == 0:
+    save_file({f"{i}/{k}": v.contiguous() for i, g in enumerate(rec.grads) for k, v in g.items()},
+              str(out / "grads_ddp_docs.safetensors"))
 # FSDP2 resume through the sharded (torch.distributed.checkpoint) path
 phase("fsdp_resumed")
 tcfg, mcfg = tiny(data, cache, parallel="fsdp", stop_at=2, eval_batches=3)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ._helpers import GradRecorder, losses, run_torchrun_worker, tiny, write_corpus
+from ._helpers import GradRecorder, losses, run_torchrun_worker, tiny, write_corpus, write_documents
 
 
 
@@ -25,13 +25,22 @@ def dist_runs(tmp_path_factory):
     rec = GradRecorder()
     tcfg, mcfg = tiny(data, cache, batch_size=4, grad_accum=2, eval_batches=3)
     train(tcfg, mcfg, tmp / "single", callbacks=[rec], announce=None)
+    # and with document masking, on short documents (the worker's ddp_docs)
+    docs = write_documents(tmp / "docs.jsonl")
+    rec_docs = GradRecorder()
+    tcfg, mcfg = tiny(docs, cache, batch_size=4, grad_accum=2, eval_batches=3, tokenizer="bpe", bpe_vocab_size=300,
+                      document_masking=True)
+    train(tcfg, mcfg, tmp / "single_docs", callbacks=[rec_docs], announce=None)
     runs = run_torchrun_worker(Path(__file__).parent / "dist_worker.py", data, cache, tmp)
-    return runs, tmp / "single", rec.grads
+    return runs, tmp, {"": rec.grads, "docs": rec_docs.grads}
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp_chunked", "ddp_ac", "fsdp_ac"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp_chunked", "ddp_ac", "fsdp_ac", "ddp_docs"])
 def test_same_losses_and_gradients_as_one_process(dist_runs, mode):
-    tmp, single, ref_grads = dist_runs
+    """ddp_docs: with --document-masking (each window's documents attend only to themselves)."""
+    tmp, ref_dir, refs = dist_runs
+    docs = mode.endswith("_docs")
+    single, ref_grads = ref_dir / ("single_docs" if docs else "single"), refs["docs" if docs else ""]
     assert losses(tmp / mode) == pytest.approx(losses(single), rel=1e-5, abs=1e-6)
     assert losses(tmp / mode, "val_loss") == pytest.approx(losses(single, "val_loss"), rel=1e-5)
     grads = load_file(str(tmp / f"grads_{mode}.safetensors"))

@@ -10,22 +10,11 @@ import torch
 from difftx.models.lm import DecoderLM
 from difftx.nn.mask import document_ids
 
-from ._helpers import losses
-
-
-def _documents(path, n: int = 120):
-    import random
-
-    rng = random.Random(1)
-    words = ["alpha", "beta", "gamma", "delta", "stone", "river", "light", "north", "quiet", "seven"]
-    with open(path, "w") as f:
-        for _ in range(n):
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))}) + "\n")
-    return path
+from ._helpers import losses, write_documents
 
 
 def _args(tmp_path, *extra):
-    return ["train", "--data", str(_documents(tmp_path / "docs.jsonl")), "--tokenizer", "bpe", "--bpe-vocab-size",
+    return ["train", "--data", str(write_documents(tmp_path / "docs.jsonl")), "--tokenizer", "bpe", "--bpe-vocab-size",
             300, "--cache-dir", str(tmp_path / "cache"), "--d-model", 32, "--n-layers", 2, "--n-heads", 2,
             "--seq-len", 64, "--batch-size", 4, "--warmup", 1, "--dtype", "fp32", "--eval-batches", 2, "--eval-every",
             2, "--steps", 4, "--no-progress", "--seed", 7, *extra]
