@@ -47,6 +47,12 @@ def test_document_masking_passes_each_windows_documents(tmp_path, monkeypatch, c
     assert all(doc is None for _, doc in seen)
     # the same initial weights and batches, other losses from the first step on
     assert losses(tmp_path / "docs")[0] != losses(tmp_path / "plain")[0]
+    # switching it on resume is refused in one line (it changes the training the run continues)
+    capsys.readouterr()
+    args = _args(tmp_path, "--document-masking", "--steps", 6, "--resume", "auto", "--out", tmp_path / "plain")
+    assert main([str(a) for a in args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--document-masking: is False in the run being resumed" in err, err
 
 
 def test_document_masking_is_part_of_a_run_and_refused_where_there_are_no_documents(tmp_path, capsys):
