@@ -165,6 +165,7 @@ class ModelConfig:
     init_std: float = 0.02
     dropout: float = 0.0
     attn_backend: str = "auto"
+    sliding_window: Optional[int] = None  # each query sees itself and the window - 1 tokens before it; None: all
 
     # vision domain
     image_size: int = 32
@@ -205,7 +206,7 @@ class ModelConfig:
         choice("attn_backend", BACKENDS)
         for name in ("d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len", "ffn_multiple_of"):
             positive(name)
-        for name in ("head_dim", "n_kv_heads", "ffn_dim"):
+        for name in ("head_dim", "n_kv_heads", "ffn_dim", "sliding_window"):
             positive(name, allow_none=True)
         for name in ("norm_eps", "head_norm_eps", "init_std", "rope_theta"):
             v = getattr(self, name)
@@ -289,6 +290,9 @@ class ModelConfig:
                     f"image_size {self.image_size} is not divisible by patch_size {self.patch_size}; "
                     "pick a patch size that divides the image size",
                 )
+            if self.sliding_window is not None:  # else accepted and ignored: a ViT attends bidirectionally
+                raise ConfigError("sliding_window", "is a causal language model's local attention; a vision model "
+                                                    "attends over every patch: drop it")
             if self.tie_embeddings:  # else accepted and ignored: the classifier has nothing to be tied to
                 raise ConfigError(
                     "tie_embeddings",

@@ -98,6 +98,10 @@ def test_export_refuses_what_the_target_cannot_hold():
     model = difftx_model(attention="diff", n_heads=2, head_norm_weight=False, lambda_init=0.5, norm_eps=1e-5)
     with pytest.raises(ConfigError, match="lambda_init"):
         save_hf(model, "/nonexistent", "hf-diffllama")
+    for attention, fmt in (("softmax", "hf-llama"), ("diff", "hf-diffllama")):  # a window Llama has no field for
+        model = difftx_model(attention=attention, n_heads=2, head_norm_weight=False, norm_eps=1e-5, sliding_window=8)
+        with pytest.raises(ConfigError, match=f"sliding_window: cannot export to {fmt}: {fmt} attends over the whole"):
+            save_hf(model, "/nonexistent", fmt)
 
 
 def test_shape_mismatch_names_the_tensor(tmp_path):

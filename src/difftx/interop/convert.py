@@ -129,6 +129,8 @@ def _check_llama_like(cfg: ModelConfig, fmt: str) -> None:
     _require(cfg, fmt, "norm", cfg.norm == "rms", "Llama uses RMSNorm")
     _require(cfg, fmt, "ffn", cfg.ffn == "swiglu", "Llama uses a SwiGLU FFN")
     _require(cfg, fmt, "positions", cfg.positions == "rope", "Llama uses rotary positions")
+    _require(cfg, fmt, "sliding_window", cfg.sliding_window is None,
+             f"{fmt} attends over the whole context (no sliding window); export to hf-difftx")
     if fmt == "hf-diffllama":
         _require(cfg, fmt, "bias", not cfg.bias, "DiffLlama's FFN has no bias")
         _require(cfg, fmt, "head_norm", cfg.head_norm, "DiffLlama always applies the per-head RMSNorm")

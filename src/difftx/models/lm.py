@@ -187,7 +187,8 @@ class DecoderLM(ModelMixin, nn.Module):
         x = F.dropout(x, cfg.dropout if self.training else 0.0)
 
         rope = self.rope.cos_sin(position_ids, x.dtype) if self.rope is not None else None
-        mask = AttnMask(causal=True, n_q=n, n_k=q_start + n, q_start=q_start, key_valid=key_valid, doc_ids=doc)
+        mask = AttnMask(causal=True, n_q=n, n_k=q_start + n, q_start=q_start, key_valid=key_valid, doc_ids=doc,
+                        window=cfg.sliding_window)
         x = _with_packed(cache, run_blocks, self.layers, x, rope, mask, cache, self.final_norm)
         if cache is not None:
             cache.advance(n, step_valid)

@@ -128,12 +128,13 @@ def _key_end(mask: AttnMask, i1: int) -> int:
 
 
 def _block_mask(mask: AttnMask, i0: int, i1: int, ke: int, device) -> Optional[torch.Tensor]:
-    """With padding or documents: boolean (B, 1, 1, 1, C, ke), True = attend, over key columns [0, ke).
+    """With padding, documents or a sliding window: boolean (B, 1, 1, 1, C, ke), True = attend, over key columns
+    [0, ke).
 
-    Without either the mask is causal only and handled by :meth:`_Blocks.probs` with an
+    Without any of them the mask is causal only and handled by :meth:`_Blocks.probs` with an
     additive triangle on the diagonal block; this returns None then.
     """
-    if mask.key_valid is None and mask.doc_ids is None:
+    if mask.key_valid is None and mask.doc_ids is None and not mask.windowed:
         return None
     qpos = torch.arange(mask.q_start + i0, mask.q_start + i1, device=device)[:, None]
     kpos = torch.arange(ke, device=device)[None]
@@ -144,6 +145,8 @@ def _block_mask(mask: AttnMask, i0: int, i1: int, ke: int, device) -> Optional[t
         allowed = allowed & mask.same_document(i0, i1, ke, device)  # (B, C, ke)
     if mask.causal:
         allowed = allowed & (kpos <= qpos)[None]
+    if mask.windowed:
+        allowed = allowed & ((qpos - kpos < mask.window) & (kpos - qpos < mask.window))[None]
     allowed = allowed | (kpos == qpos)[None]  # a query always sees itself (no empty rows)
     return allowed[:, None, None, None]
 
@@ -243,7 +246,7 @@ class _Blocks:
         # Causal without padding: key columns [q_start + i0, ke) of a block form a square whose
         # strict upper triangle is masked; adding -inf there is ~8x cheaper than masked_fill_.
         # The native kernels skip those columns themselves and need no triangle.
-        self.plain_causal = mask.causal and mask.key_valid is None and mask.doc_ids is None
+        self.plain_causal = mask.causal and mask.key_valid is None and mask.doc_ids is None and not mask.windowed
         self._tri = None
         if self.plain_causal and not self.native:
             c = min(chunk, n)
@@ -354,7 +357,7 @@ class _FusedAttention(torch.autograd.Function):
         k3 = _batched(k)  # (B*M*Hk, Nk, d), or (B*Hk, Nk, d) for a shared K; q is contiguous (fused_attention)
         # bf16 (on AMX) takes blocks of 32-row tile pairs (see fused_attention's native_chunk)
         ctx.native_attn = (native.attention_ok(q, k3, v, mask.n_k, mask.key_valid is not None
-                                               or mask.doc_ids is not None)
+                                               or mask.doc_ids is not None or mask.windowed)
                            and (q.dtype == torch.float32 or native_chunk % 32 == 0))
         if ctx.native_attn:  # every block's products and maps in one native call; V read in place
             want = any(ctx.needs_input_grad[:4])

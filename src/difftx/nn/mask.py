@@ -1,4 +1,4 @@
-"""Attention masks: causal, key padding, documents and bidirectional, described once per forward.
+"""Attention masks: causal, key padding, documents, sliding windows and bidirectional, described once per forward.
 
 An :class:`AttnMask` is built by the model and shared by every layer.  Backends
 ask it for what they can use: ``is_plain_causal`` (no explicit mask needed), a
@@ -11,6 +11,10 @@ meaningless, and losses ignore them.
 Document masking (``doc_ids``): several documents packed into one sequence,
 each attending only within itself, as if each were its own sequence.  A query
 sees a key only when both carry the same document id.
+
+Sliding window (``window``): a query sees only the keys fewer than ``window``
+positions (key indices, a cache's included) away: with causality, itself and the
+``window - 1`` keys before it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class AttnMask:
     q_start: int = 0  # index of the first query among the keys (the cache length before this step)
     key_valid: Optional[torch.Tensor] = None  # (B, n_k) bool, True = a real token
     doc_ids: Optional[torch.Tensor] = None  # (B, n_k) integer: a query sees only keys of its own document
+    window: Optional[int] = None  # sliding window: a query sees keys less than this many positions before it
     _dense: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +53,10 @@ class AttnMask:
             what = f"a {kv.dtype} tensor of shape {tuple(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv)
             raise ValueError(f"AttnMask: key_valid must be a bool tensor (B, n_k={self.n_k}), True for real "
                              f"tokens; got {what} (use .bool())")
+        w = self.window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, torch.SymInt)) or w < 1):
+            raise ValueError(f"AttnMask: window must be a positive integer (the keys a query sees, itself "
+                             f"included) or None; got {w!r}")
         doc = self.doc_ids
         if doc is not None and not (isinstance(doc, torch.Tensor) and doc.dim() == 2 and doc.shape[1] == self.n_k
                                     and not doc.dtype.is_floating_point and not doc.dtype.is_complex
@@ -73,13 +82,18 @@ class AttnMask:
     @property
     def is_plain_causal(self) -> bool:
         """True when ``is_causal=True`` on square q/k describes the mask exactly."""
-        return (self.causal and self.key_valid is None and self.doc_ids is None and self.q_start == 0
-                and self.n_q == self.n_k)
+        return (self.causal and self.key_valid is None and self.doc_ids is None and not self.windowed
+                and self.q_start == 0 and self.n_q == self.n_k)
+
+    @property
+    def windowed(self) -> bool:
+        """True when the sliding window hides some key from some query (a window as long as the keys does not)."""
+        return self.window is not None and self.window < self.n_k
 
     @property
     def is_empty(self) -> bool:
         """True when nothing is masked at all (every query sees every key)."""
-        if self.key_valid is not None or self.doc_ids is not None:
+        if self.key_valid is not None or self.doc_ids is not None or self.windowed:
             return False
         return not self.causal or self.q_start >= self.n_k - 1
 
@@ -94,6 +108,8 @@ class AttnMask:
             allowed = torch.ones(self.n_q, self.n_k, dtype=torch.bool, device=device)
             if self.causal:
                 allowed = k_pos <= q_pos
+            if self.windowed:
+                allowed = allowed & (q_pos - k_pos < self.window) & (k_pos - q_pos < self.window)
             allowed = allowed[None, None]
             if self.key_valid is not None:
                 allowed = allowed & self.key_valid.to(device)[:, None, None, :]
@@ -119,7 +135,7 @@ class AttnMask:
             return self._dense[key]
         from torch.nn.attention.flex_attention import create_block_mask
 
-        q_start, causal = self.q_start, self.causal
+        q_start, causal, window = self.q_start, self.causal, (self.window if self.windowed else None)
         valid = None if self.key_valid is None else self.key_valid.to(device)
         if valid is not None and valid.shape[0] != batch:  # one row for every sequence (check() allows it)
             valid = valid.expand(batch, -1)
@@ -134,6 +150,8 @@ class AttnMask:
                 ok = ok & valid[b, kv_idx]
             if doc is not None:
                 ok = ok & (doc[b, kv_idx] == doc[b, q_abs])
+            if window is not None:
+                ok = ok & (q_abs - kv_idx < window) & (kv_idx - q_abs < window)
             return ok | (kv_idx == q_abs)
 
         per_row = valid is not None or doc is not None
@@ -155,7 +173,7 @@ class AttnMask:
         them one by one (a plain causal or bidirectional call each).  None otherwise (no ``doc_ids``, padding,
         queries after a cache, or an id that comes back after another)."""
         doc = self.doc_ids
-        if doc is None or self.key_valid is not None or self.q_start != 0 or self.n_q != self.n_k:
+        if doc is None or self.key_valid is not None or self.windowed or self.q_start != 0 or self.n_q != self.n_k:
             return None
         if "segments" not in self._dense:  # once per forward: every layer asks
             self._dense["segments"] = self._segments(doc)
