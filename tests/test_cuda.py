@@ -1,6 +1,6 @@
 """The CUDA paths against the float64 CPU reference: every attention backend and DIFF formulation,
 forward and backward; bf16 and fp16 autocast; second derivatives; cached decoding; the fused kernel's pure-torch path; training
-resumed mid-run (to float rounding), activation checkpointing, document masking, evaluation and the bench on the
+resumed mid-run (to float rounding), activation checkpointing, document masking, sliding windows, evaluation and the bench on the
 GPU.
 
 Skipped without a CUDA GPU (CI has none); run on a GPU machine with
@@ -446,4 +446,23 @@ def test_document_masking_matches_float64_reference(attention, extra, backend, v
     for n, p in model.named_parameters():
         # lambda's gradient sums over every query and key with cancellation: in fp32, 4call's reaches 1.3e-3 of its
         # largest entry on the CPU (its float64 run agrees with the reference to 4e-13)
+        _close(p.grad, ref_grads[n], (20 if ".lambda_" in n else 5) * tol, f"grad of {n}")
+
+
+@pytest.mark.parametrize("attention,extra", KINDS[:4], ids=lambda v: v if isinstance(v, str) else
+                         "-".join(map(str, v.values())))
+@pytest.mark.parametrize("backend,variant", PATHS, ids=lambda v: str(v))
+def test_sliding_window_matches_float64_reference(attention, extra, backend, variant):
+    """sliding_window on every GPU path: the float64 CPU eager model's logits and gradients (its dense mask)."""
+    cfg = _cfg(attention, sliding_window=9, **extra)
+    ids, targets = _ids(2, 48), _ids(2, 48, seed=1)
+    ref, ref_logits, ref_grads = _reference(cfg, ids, targets)
+    model = difftx.build_model(cfg).to(DEV)
+    model.load_state_dict(ref.state_dict())
+    model.set_attention_backend(backend, variant)
+    out = model(ids.to(DEV), targets=targets.to(DEV))
+    out.loss.backward()
+    tol = 2e-3 if backend == "flex" else 2e-4
+    _close(out.logits, ref_logits, tol, "logits")
+    for n, p in model.named_parameters():
         _close(p.grad, ref_grads[n], (20 if ".lambda_" in n else 5) * tol, f"grad of {n}")
