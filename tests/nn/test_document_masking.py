@@ -136,17 +136,20 @@ def test_attention_under_documents_matches_the_equations(kind, h, h_kv, backend,
     positions = document_positions(doc)
     x = torch.randn(2, N, cfg.d_model, dtype=torch.float64, requires_grad=True)
     out = m(x, _rope(cfg, positions, torch.float64), AttnMask(causal=True, n_q=N, n_k=N, doc_ids=doc))
-    ref = _reference(kind, cfg, m, x, positions, allowed_docs(doc))
-    assert torch.allclose(out, ref, atol=1e-10), (out - ref).abs().max()
-    w = torch.randn(out.shape, dtype=torch.float64)
-    params = [x, *m.parameters()]
+    assert_matches(out, _reference(kind, cfg, m, x, positions, allowed_docs(doc)), [x, *m.parameters()])
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, params: list, tol: float = 1e-10) -> None:
+    """``out`` equals ``ref``, and so do the gradients of a random projection of each for ``params``."""
+    assert torch.allclose(out, ref, atol=tol), (out - ref).abs().max()
+    w = torch.randn(out.shape, dtype=out.dtype)
     g_out = torch.autograd.grad((out * w).sum(), params, allow_unused=True)
     g_ref = torch.autograd.grad((ref * w).sum(), params, allow_unused=True)
     for a, b in zip(g_out, g_ref):
         if a is None or b is None:
             assert a is None or not a.any()
             continue
-        assert torch.allclose(a, b, atol=1e-10), (a - b).abs().max()
+        assert torch.allclose(a, b, atol=tol), (a - b).abs().max()
 
 
 @pytest.mark.skipif(not flex_available(), reason="FlexAttention is not available in this torch")
