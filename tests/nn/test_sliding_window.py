@@ -139,3 +139,10 @@ def test_decoding_with_a_cache_keeps_the_window(kind, dtype, monkeypatch):
     assert torch.allclose(got, full[:, 12:20], atol=tol), (got - full[:, 12:20]).abs().max()
     assert not torch.allclose(unwindowed[:, 12:20], full[:, 12:20], atol=tol)
     assert bool(taken) == native.supports(dtype, torch.device("cpu"))
+
+
+def test_logit_quantization_scales_come_from_the_window():
+    from difftx.evals.quant import scale_entries
+
+    m = AttnMask(causal=True, n_q=N, n_k=N, window=5)
+    assert torch.equal(scale_entries(m, N, N, torch.device("cpu"))[:, 0], allowed_window(N, 5))
