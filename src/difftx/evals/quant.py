@@ -67,7 +67,7 @@ def scale_entries(mask, n_q: int, n_k: int, device) -> Optional[torch.Tensor]:
     if mask is not None and mask.windowed:  # and those of keys outside its sliding window
         q = torch.arange(q_start, q_start + n_q, device=device)[:, None]
         k = torch.arange(n_k, device=device)[None, :]
-        near = ((q - k < mask.window) & (k - q < mask.window))[None, None]
+        near = mask.in_window(q, k)[None, None]
         valid = near if valid is None else valid & near
     if mask is not None and mask.doc_ids is not None:  # a query's logits over other documents' keys are masked
         same = mask.same_document(0, n_q, n_k, device)[:, None]

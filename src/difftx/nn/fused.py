@@ -146,7 +146,7 @@ def _block_mask(mask: AttnMask, i0: int, i1: int, ke: int, device) -> Optional[t
     if mask.causal:
         allowed = allowed & (kpos <= qpos)[None]
     if mask.windowed:
-        allowed = allowed & ((qpos - kpos < mask.window) & (kpos - qpos < mask.window))[None]
+        allowed = allowed & mask.in_window(qpos, kpos)[None]
     allowed = allowed | (kpos == qpos)[None]  # a query always sees itself (no empty rows)
     return allowed[:, None, None, None]
 
@@ -683,7 +683,7 @@ class _ToDocuments(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, plan, tdim: int):
-        batches, inverse = plan
+        batches, _ = plan
         ctx.plan, ctx.tdim, ctx.shape = plan, tdim, x.shape
         flat = _token_major(x, tdim)
         rest = x.movedim(tdim, 1).shape[2:]

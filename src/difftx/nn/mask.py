@@ -109,7 +109,7 @@ class AttnMask:
             if self.causal:
                 allowed = k_pos <= q_pos
             if self.windowed:
-                allowed = allowed & (q_pos - k_pos < self.window) & (k_pos - q_pos < self.window)
+                allowed = allowed & self.in_window(q_pos, k_pos)
             allowed = allowed[None, None]
             if self.key_valid is not None:
                 allowed = allowed & self.key_valid.to(device)[:, None, None, :]
@@ -158,6 +158,11 @@ class AttnMask:
         bm = create_block_mask(mask_mod, batch if per_row else None, None, self.n_q, self.n_k, device=device)
         self._dense[key] = bm
         return bm
+
+    def in_window(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Whether keys at ``k_pos`` lie within the sliding window of queries at ``q_pos`` (positions among the keys,
+        broadcast against each other): fewer than ``window`` positions apart."""
+        return (q_pos - k_pos < self.window) & (k_pos - q_pos < self.window)
 
     def same_document(self, i0: int, i1: int, ke: int, device) -> torch.Tensor:
         """(B|1, i1 - i0, ke) bool: whether query i (of this call's queries [i0, i1)) and key j < ``ke`` belong to
