@@ -47,7 +47,8 @@ def test_mask_forms_match_an_explicit_loop():
     for causal in (True, False):
         for kv, dc in ((None, None), (valid, None), (None, doc)):
             m = AttnMask(causal=causal, n_q=N, n_k=N, key_valid=kv, doc_ids=dc, window=5)
-            assert m.windowed and not m.is_plain_causal and not m.is_empty and m.segments() is None
+            assert m.windowed and not m.is_plain_causal and not m.is_empty
+            assert (m.segments() is not None) == (dc is not None)  # documents keep the window: a call each
             ref = allowed_window(N, 5, causal, valid=kv, doc=dc).expand(2, N, N)
             assert torch.equal(m.dense(cpu)[:, 0].expand(2, N, N), ref)
             for i0, i1 in ((0, 8), (8, N)):
@@ -146,3 +147,152 @@ def test_logit_quantization_scales_come_from_the_window():
 
     m = AttnMask(causal=True, n_q=N, n_k=N, window=5)
     assert torch.equal(scale_entries(m, N, N, torch.device("cpu"))[:, 0], allowed_window(N, 5))
+
+
+# ----------------------------------------------------------------------------- the native kernels' own windows
+def _native_case(m, h, hk, n, q_start, lam_kind, causal, window, mk=None, seed=2):
+    """float64 inputs whose head widths take the native attention kernels (d = 32, dv = 32 or 64); ``mk`` 1: one K
+    both maps read (DIFF V2).  ((q, k, v, lam), mask)."""
+    g = torch.Generator().manual_seed(seed)
+    b, d, dv, nk = 2, 32, 64 if m == 2 else 32, n + q_start
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    lam = None
+    if lam_kind == "scalar":
+        lam = torch.tensor(0.37, dtype=torch.float64)
+    elif lam_kind == "rows":
+        lam = torch.rand(b, h, n, 1, generator=g, dtype=torch.float64)
+    mask = AttnMask(causal=causal, n_q=n, n_k=nk, q_start=q_start, window=window)
+    return (t(b, m, h, n, d), t(b, mk or m, hk, nk, d), t(b, hk, nk, dv), lam), mask
+
+
+def _fused_run(inputs, mask, dtype, use_native, monkeypatch, chunk):
+    """Output and gradients (q, k, v, lambda) of fused_attention on ``inputs`` in ``dtype`` (lambda in float32 under
+    bf16), with the native kernels on or off; and whether the native attention kernel ran."""
+    from difftx.nn import fused
+
+    monkeypatch.setattr(native, "ENABLED", use_native)
+    calls = []
+    fwd, bwd = native.attention_forward, native.attention_backward
+    monkeypatch.setattr(native, "attention_forward", lambda *a, **kw: calls.append("f") or fwd(*a, **kw))
+    monkeypatch.setattr(native, "attention_backward", lambda *a, **kw: calls.append("b") or bwd(*a, **kw))
+    lam_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+    ins = [None if x is None else x.to(lam_dtype if x is inputs[3] else dtype).requires_grad_() for x in inputs]
+    out = fused.fused_attention(*ins[:3], mask, 0.3, ins[3], chunk=chunk)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
+    grads = torch.autograd.grad((out * w).sum(), [x for x in ins if x is not None])
+    return [out.detach(), *grads], calls
+
+
+WINDOW_CASES = [  # m, h, hk, n, q_start, lambda, causal, window, mk, (fp32 chunk, bf16 chunk)
+    (1, 4, 4, 200, 0, None, True, 40, None, (48, 32)),  # blocks whose keys start past 0, 64, 96, ...
+    (2, 4, 2, 200, 0, "scalar", True, 70, None, (96, 64)),  # GQA, taller blocks
+    (2, 2, 2, 150, 37, "rows", True, 33, None, (48, 32)),  # DIFF V2's per-token lambda, queries after a cache
+    (2, 4, 2, 150, 0, "scalar", True, 45, 1, (48, 32)),  # one K both maps read
+    (2, 4, 2, 130, 0, "scalar", False, 45, None, (48, 32)),  # bidirectional: keys on both sides
+    (1, 4, 4, 100, 0, None, True, 1, None, (48, 32)),  # every query sees itself only
+    (2, 4, 2, 300, 0, "scalar", True, 64, None, (None, None)),  # the default (window) blocks
+]
+
+
+@pytest.mark.skipif(not native.supports(torch.float32, torch.device("cpu")), reason="no native kernels here")
+@pytest.mark.parametrize("m,h,hk,n,q_start,lam_kind,causal,window,mk,chunks", WINDOW_CASES)
+def test_native_float32_attention_under_a_window_matches_float64(m, h, hk, n, q_start, lam_kind, causal, window, mk,
+                                                                  chunks, monkeypatch):
+    """The float32 attention kernels take a sliding window themselves (each block multiplies only the keys from its
+    first query's window on, each row masks the rest): the output and every gradient of the float64 masked
+    reference, to a few fp32 ulp (a scalar lambda's gradient, one fp32 sum over every row with cancellation, to
+    5e-5 of its size: the torch path's is as far off)."""
+    inputs, mask = _native_case(m, h, hk, n, q_start, lam_kind, causal, window, mk)
+    got, calls = _fused_run(inputs, mask, torch.float32, True, monkeypatch, chunks[0])
+    assert calls == ["f", "b"], calls
+    exact, _ = _fused_run(inputs, mask, torch.float64, False, monkeypatch, chunks[0])
+    for i, (a, r) in enumerate(zip(got, exact)):
+        assert a.dtype == torch.float32 and a.shape == r.shape
+        scale = r.abs().max().clamp_min(1.0)
+        tol = 5e-5 if r.dim() == 0 else 2e-6
+        assert (a.double() - r).abs().max() <= tol * scale, (i, (a.double() - r).abs().max() / scale)
+
+
+@pytest.mark.skipif(not native.bf16_attention(), reason="the bf16 attention kernel needs AMX or AVX512-BF16")
+@pytest.mark.parametrize("m,h,hk,n,q_start,lam_kind,causal,window,mk,chunks", WINDOW_CASES)
+def test_native_bf16_attention_under_a_window_is_as_close_to_float64_as_the_torch_path(
+        m, h, hk, n, q_start, lam_kind, causal, window, mk, chunks, monkeypatch):
+    inputs, mask = _native_case(m, h, hk, n, q_start, lam_kind, causal, window, mk)
+    inputs = tuple(None if x is None or x is inputs[3] else x.bfloat16().double() for x in inputs[:3]) + (inputs[3],)
+    got, calls = _fused_run(inputs, mask, torch.bfloat16, True, monkeypatch, chunks[1])
+    assert calls == ["f", "b"], calls
+    tor, calls = _fused_run(inputs, mask, torch.bfloat16, False, monkeypatch, chunks[1])
+    assert not calls
+    exact, _ = _fused_run(inputs, mask, torch.float64, False, monkeypatch, chunks[1])
+    for i, (a, b, r) in enumerate(zip(got, tor, exact)):
+        scale = r.abs().max().clamp_min(1.0)
+        err, err_torch = (a.double() - r).abs().max() / scale, (b.double() - r).abs().max() / scale
+        assert err <= 1.5 * err_torch + 2e-3, (i, err, err_torch)
+        if i < 4:
+            assert err <= 2e-2, (i, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_attention_never_reads_the_keys_left_of_a_blocks_window(dtype, monkeypatch):
+    """NaN in the first 32 keys and values: the queries of every block whose first query's window starts past them
+    get the same outputs as with finite keys there (a masked product would give 0 x NaN = NaN: the kernels neither
+    multiply nor read those keys), the earlier queries NaN."""
+    ok = native.supports(dtype, torch.device("cpu")) and (dtype == torch.float32 or native.bf16_attention())
+    if not ok:
+        pytest.skip("no native attention kernel for this dtype here")
+    (q, k, v, lam), mask = _native_case(2, 4, 2, 200, 0, "scalar", True, 40)
+    chunk = 48 if dtype == torch.float32 else 32
+    clean, calls = _fused_run((q, k, v, lam), mask, dtype, True, monkeypatch, chunk)
+    assert calls == ["f", "b"]
+    k, v = k.clone(), v.clone()
+    k[:, :, :, :32] = float("nan")
+    v[:, :, :32] = float("nan")
+    dirty, _ = _fused_run((q, k, v, lam), mask, dtype, True, monkeypatch, chunk)
+    first = next(i0 for i0 in range(0, 200, chunk) if i0 - 40 + 1 >= 32)  # 96 (fp32) or 96 (bf16)
+    assert torch.equal(dirty[0][:, first:], clean[0][:, first:])
+    assert dirty[0][:, :32].isnan().all()
+
+
+@pytest.mark.skipif(not (native.bf16_attention() and not native.amx()),
+                    reason="the untransposed dK / dV products run on AVX512-BF16 without AMX")
+@pytest.mark.parametrize("causal", [True, False])
+def test_bf16_backward_forms_give_the_same_bits_under_a_window(causal):
+    """AMX's transposed dK / dV products (form 0, run here on dot products) and the untransposed ones (form 1) over
+    each block's window of keys: equal bits."""
+    g = torch.Generator().manual_seed(3)
+    b, m, h, hk, n, d, dv = 2, 2, 4, 2, 150, 32, 64
+    t = lambda *shape: torch.randn(*shape, generator=g).bfloat16()  # noqa: E731
+    q, k, v, dout = t(b, m, h, n, d), t(b * m * hk, n, d), t(b, hk, n, dv), t(b, n, h, dv)
+    _, lse = native.attention_forward(q, k, v, causal, 0, 32, 0.3, 0.37, None, True, 40)
+    before = native.attention_backward_form()
+    try:
+        native.attention_backward_form(0)
+        old = native.attention_backward(q, k, v, dout, lse, causal, 0, 32, 0.3, 0.37, None, 40)
+        native.attention_backward_form(1)
+        new = native.attention_backward(q, k, v, dout, lse, causal, 0, 32, 0.3, 0.37, None, 40)
+    finally:
+        native.attention_backward_form(before)
+    for a, c in zip(old, new):
+        assert torch.equal(a, c) and a.abs().sum() > 0
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_documents_under_a_window_run_a_call_each_and_match_the_mask(causal, monkeypatch):
+    """Documents and a sliding window together: each document its own call under the window (not the masked blocks
+    over the whole sequence), the values of the float64 masked reference."""
+    from difftx.nn import fused
+
+    doc = torch.tensor([[0] * 70 + [1] * 50 + [2] * 80, [0] * 130 + [1] * 70])
+    (q, k, v, lam), _ = _native_case(2, 4, 2, 200, 0, "scalar", causal, 40)
+    mask = AttnMask(causal=causal, n_q=200, n_k=200, doc_ids=doc, window=40)
+    seen = []
+    real = fused._by_document
+    monkeypatch.setattr(fused, "_by_document", lambda *a, **kw: seen.append(a[4]) or real(*a, **kw))
+    got, _ = _fused_run((q, k, v, lam), mask, torch.float32, True, monkeypatch, None)
+    assert len(seen) == 1 and seen[0].window == 40
+    monkeypatch.setattr(fused, "_by_document", real)
+    ref = backends.eager_diff_attention(q[:, 0], q[:, 1], k[:, 0], k[:, 1], v, lam, mask, 0.3).transpose(1, 2)
+    assert (got[0].double() - ref).abs().max() <= 2e-6 * ref.abs().max()

@@ -954,11 +954,23 @@ static void pack_t(const float *x, int64_t ldx, int64_t n, int64_t w, float *out
     }
 }
 
-/* Keys query i of a block sees: the causal prefix, or all. */
-static inline int64_t attn_visible(int causal, int64_t q_start, int64_t i, int64_t nk) {
-    if (!causal) return nk;
-    const int64_t n = q_start + i + 1;
+/* Query i of a call (at key position q_start + i) sees keys [attn_first, attn_visible): the causal prefix, or
+ * all; with a sliding window (window > 0) only the keys fewer than ``window`` positions away. */
+static inline int64_t attn_visible(int causal, int64_t window, int64_t q_start, int64_t i, int64_t nk) {
+    const int64_t n = causal ? q_start + i + 1 : (window > 0 ? q_start + i + window : nk);
     return n < nk ? n : nk;
+}
+
+static inline int64_t attn_first(int64_t window, int64_t q_start, int64_t i) {
+    const int64_t lo = q_start + i - window + 1;
+    return window > 0 && lo > 0 ? lo : 0;
+}
+
+/* The first key of the block of queries from i0: its first query's first key, down to a multiple of 32 (whole
+ * packed panels and tiles).  A block's products run over keys [k0, ke) only: with a sliding window, the keys
+ * left of every query's window are neither multiplied nor read. */
+static inline int64_t attn_block_first(int64_t window, int64_t q_start, int64_t i0) {
+    return attn_first(window, q_start, i0) / 32 * 32;
 }
 
 /* e[0:n] = exp(e - lse): the probabilities of a row from its saved log-sum-exp. */
@@ -1023,7 +1035,7 @@ static void pack_values(const float *x, int64_t inner, int64_t so, int64_t si, i
 int difftx_attn_forward(const float *q, const float *k, int64_t ks, int64_t kr, const float *v, int64_t vsb,
                         int64_t vsh, int64_t vr, float *out, float *lse, float *kpack, float *vpack, int64_t B,
                         int64_t M, int64_t MK, int64_t H, int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv,
-                        int64_t q_start, int causal,
+                        int64_t q_start, int causal, int64_t window,
                         int64_t chunk, float scale, float lam, const float *lam_rows, int nthreads) {
     const int64_t np_all = (nk + GEMM_NR - 1) / GEMM_NR, rep = H / Hk;
     const int64_t nblk = (N + chunk - 1) / chunk, tasks = B * H * nblk;
@@ -1040,33 +1052,38 @@ int difftx_attn_forward(const float *q, const float *k, int64_t ks, int64_t kr, 
             if (!S) continue;
             const int64_t blk = nblk - 1 - t / (B * H), bh = t % (B * H), b = bh / H, h = bh % H, hk = h / rep;
             const int64_t i0 = blk * chunk, i1 = i0 + chunk < N ? i0 + chunk : N, c = i1 - i0;
-            const int64_t ke = causal ? (q_start + i1 < nk ? q_start + i1 : nk) : nk;
+            /* keys [k0, ke), the maps' columns [0, ke - k0) */
+            const int64_t k0 = attn_block_first(window, q_start, i0);
+            const int64_t ke = attn_visible(causal, window, q_start, i1 - 1, nk) - k0;
             const int64_t np = (ke + GEMM_NR - 1) / GEMM_NR, ld = np * GEMM_NR;
-            const int64_t diag = causal ? q_start + i0 : -1; /* the block's first query among the keys */
+            const int64_t diag = causal ? q_start + i0 - k0 : -1; /* the block's first query among the keys */
             for (int64_t m = 0; m < M; m++) {
                 const int64_t s = (b * MK + m % MK) * Hk + hk; /* K's slice: its own per map, or one shared */
                 const float *qm = q + (((b * M + m) * H + h) * N + i0) * d;
-                gemm_panels(c, np, d, qm, d, kpack + s * np_all * d * GEMM_NR, S + m * chunk * ld, ld, scale, diag);
+                gemm_panels(c, np, d, qm, d, kpack + (s * np_all + k0 / GEMM_NR) * d * GEMM_NR, S + m * chunk * ld, ld,
+                            scale, diag);
             }
             for (int64_t i = 0; i < c; i++) {
-                const int64_t n = attn_visible(causal, q_start, i0 + i, nk);
+                const int64_t n = attn_visible(causal, window, q_start, i0 + i, nk) - k0;
+                const int64_t lo = attn_first(window, q_start, i0 + i) - k0; /* columns [0, lo): outside the window */
                 float *e0 = S + i * ld, mx;
-                const float sum0 = exp_row(e0, n, &mx), inv0 = 1.0f / sum0;
+                if (lo) memset(e0, 0, (size_t)lo * sizeof(float));
+                const float sum0 = exp_row(e0 + lo, n - lo, &mx), inv0 = 1.0f / sum0;
                 const int64_t row = (b * M * H + h) * N + i0 + i; /* lse index of map 0 */
                 if (lse) lse[row] = mx + logf(sum0);
                 if (M == 1) {
-                    for (int64_t j = 0; j < n; j++) e0[j] *= inv0;
+                    for (int64_t j = lo; j < n; j++) e0[j] *= inv0;
                 } else {
                     float *e1 = S + (chunk + i) * ld, mx1;
-                    const float sum1 = exp_row(e1, n, &mx1), inv1 = 1.0f / sum1;
+                    const float sum1 = exp_row(e1 + lo, n - lo, &mx1), inv1 = 1.0f / sum1;
                     if (lse) lse[row + H * N] = mx1 + logf(sum1);
                     const float l = lam_rows ? lam_rows[(b * H + h) * N + i0 + i] : lam, w1 = -l * inv1;
-                    for (int64_t j = 0; j < n; j++) e0[j] = e0[j] * inv0 + e1[j] * w1;
+                    for (int64_t j = lo; j < n; j++) e0[j] = e0[j] * inv0 + e1[j] * w1;
                 }
                 if (ke > n) memset(e0 + n, 0, (size_t)(ke - n) * sizeof(float));
             }
             for (int64_t j = 0; j < dv; j += GEMM_NR) /* one contiguous panel of values at a time */
-                gemm(c, GEMM_NR, ke, S, ld, 1, vpack + ((b * Hk + hk) * dv + j) * nk, GEMM_NR,
+                gemm(c, GEMM_NR, ke, S, ld, 1, vpack + ((b * Hk + hk) * dv + j) * nk + k0 * GEMM_NR, GEMM_NR,
                      out + ((b * N + i0) * H + h) * dv + j, H * dv, 1.0f, 0, diag, -1);
         }
         free(S);
@@ -1079,8 +1096,8 @@ int difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr,
                          float *dv_, int64_t dvsb, int64_t dvsh, int64_t dvr,
                          float *rs2, float *kpack, float *vpack, int64_t B, int64_t M, int64_t MK, int64_t H,
                          int64_t Hk,
-                         int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal, int64_t chunk,
-                         float scale, float lam, const float *lam_rows, int nthreads) {
+                         int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal, int64_t window,
+                         int64_t chunk, float scale, float lam, const float *lam_rows, int nthreads) {
     const int64_t np_all = (nk + GEMM_NR - 1) / GEMM_NR, rep = H / Hk;
     const int64_t nblk = (N + chunk - 1) / chunk;
     pack_keys(k, 1, ks, 0, kr, B * MK * Hk, nk, d, kpack, nthreads);
@@ -1104,27 +1121,35 @@ int difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr,
             for (int64_t h = hk * rep; h < (hk + 1) * rep; h++) {
                 for (int64_t blk = 0; blk < nblk; blk++) {
                     const int64_t i0 = blk * chunk, i1 = i0 + chunk < N ? i0 + chunk : N, c = i1 - i0;
-                    const int64_t ke = causal ? (q_start + i1 < nk ? q_start + i1 : nk) : nk;
+                    /* keys [k0, ke), the maps' columns [0, ke - k0) (the forward's) */
+                    const int64_t k0 = attn_block_first(window, q_start, i0);
+                    const int64_t ke = attn_visible(causal, window, q_start, i1 - 1, nk) - k0;
                     const int64_t np = (ke + GEMM_NR - 1) / GEMM_NR, ld = np * GEMM_NR;
-                    const int64_t diag = causal ? q_start + i0 : -1;
+                    const int64_t diag = causal ? q_start + i0 - k0 : -1;
                     float *G = S + M * chunk * ld; /* the combined map, then dP */
                     const float *doc = dout + ((b * N + i0) * H + h) * dv;
                     for (int64_t m = 0; m < M; m++) { /* the maps again, from the saved log-sum-exp */
                         const int64_t s = (b * MK + m % MK) * Hk + hk;
                         const float *qm = q + (((b * M + m) * H + h) * N + i0) * d;
-                        gemm_panels(c, np, d, qm, d, kpack + s * np_all * d * GEMM_NR, S + m * chunk * ld, ld, scale,
-                                    diag);
+                        gemm_panels(c, np, d, qm, d, kpack + (s * np_all + k0 / GEMM_NR) * d * GEMM_NR,
+                                    S + m * chunk * ld, ld, scale, diag);
                     }
                     for (int64_t i = 0; i < c; i++) { /* P1 (and P2) rebuilt, and the combined map G, per row */
-                        const int64_t n = attn_visible(causal, q_start, i0 + i, nk), row = (b * M * H + h) * N + i0 + i;
+                        const int64_t n = attn_visible(causal, window, q_start, i0 + i, nk) - k0;
+                        const int64_t lo = attn_first(window, q_start, i0 + i) - k0, row = (b * M * H + h) * N + i0 + i;
                         float *p0 = S + i * ld, *g = G + i * ld;
-                        exp_lse_row(p0, n, lse[row]);
+                        if (lo) { /* outside the window: probability 0 */
+                            memset(p0, 0, (size_t)lo * sizeof(float));
+                            memset(g, 0, (size_t)lo * sizeof(float));
+                        }
+                        exp_lse_row(p0 + lo, n - lo, lse[row]);
                         if (M == 1) {
-                            memcpy(g, p0, (size_t)n * sizeof(float));
+                            memcpy(g + lo, p0 + lo, (size_t)(n - lo) * sizeof(float));
                         } else {
                             float *p1 = S + (chunk + i) * ld;
                             const float l = lam_rows ? lam_rows[(b * H + h) * N + i0 + i] : lam;
-                            exp_lse_comb_row(p1, p0, g, n, lse[row + H * N], l);
+                            if (lo) memset(p1, 0, (size_t)lo * sizeof(float));
+                            exp_lse_comb_row(p1 + lo, p0 + lo, g + lo, n - lo, lse[row + H * N], l);
                             if (ke > n) memset(p1 + n, 0, (size_t)(ke - n) * sizeof(float));
                         }
                         if (ke > n) {
@@ -1132,12 +1157,13 @@ int difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr,
                             memset(g + n, 0, (size_t)(ke - n) * sizeof(float));
                         }
                     }
-                    /* dV[:ke] += comb^T dO */
-                    gemm(ke, dv, c, G, 1, ld, doc, H * dv, dvs, dvr, 1.0f, 1, -1, diag);
+                    /* dV[k0:k0 + ke] += comb^T dO */
+                    gemm(ke, dv, c, G, 1, ld, doc, H * dv, dvs + k0 * dvr, dvr, 1.0f, 1, -1, diag);
                     /* dP = dO V^T */
-                    gemm_panels(c, np, dv, doc, H * dv, vpack + t * np_all * dv * GEMM_NR, G, ld, 1.0f, diag);
+                    gemm_panels(c, np, dv, doc, H * dv, vpack + (t * np_all + k0 / GEMM_NR) * dv * GEMM_NR, G, ld, 1.0f,
+                                diag);
                     for (int64_t i = 0; i < c; i++) { /* dS_m = w_m P_m (dP - rowsum(P_m dP)), w = 1, -lambda */
-                        const int64_t n = attn_visible(causal, q_start, i0 + i, nk);
+                        const int64_t n = attn_visible(causal, window, q_start, i0 + i, nk) - k0;
                         float *p0 = S + i * ld;
                         const float *g = G + i * ld;
                         if (M == 1) {
@@ -1167,10 +1193,10 @@ int difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr,
                         float *Sm = S + m * chunk * ld;
                         const int64_t s = (b * MK + m % MK) * Hk + hk; /* a shared K sums both maps' dK */
                         const float *qm = q + (((b * M + m) * H + h) * N + i0) * d;
-                        /* dQ = scale dS K, dK[:ke] += scale dS^T Q */
-                        gemm(c, d, ke, Sm, ld, 1, k + s * ks, kr, dq + (((b * M + m) * H + h) * N + i0) * d, d, scale, 0,
-                             diag, -1);
-                        gemm(ke, d, c, Sm, 1, ld, qm, d, dk + s * nk * d, d, scale, 1, -1, diag);
+                        /* dQ = scale dS K, dK[k0:k0 + ke] += scale dS^T Q */
+                        gemm(c, d, ke, Sm, ld, 1, k + s * ks + k0 * kr, kr, dq + (((b * M + m) * H + h) * N + i0) * d, d,
+                             scale, 0, diag, -1);
+                        gemm(ke, d, c, Sm, 1, ld, qm, d, dk + (s * nk + k0) * d, d, scale, 1, -1, diag);
                     }
                 }
             }
@@ -1194,14 +1220,14 @@ int difftx_attn_backward(const float *q, const float *k, int64_t ks, int64_t kr,
 #define DIFFTX_ATTN_FORWARD_BF16_ARGS                                                                               \
     const uint16_t *q, const uint16_t *k, int64_t ks, int64_t kr, const uint16_t *v, int64_t vsb, int64_t vsh,      \
         int64_t vr, uint16_t *out, float *lse, int64_t B, int64_t M, int64_t MK, int64_t H, int64_t Hk, int64_t N,  \
-        int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal, int64_t chunk, float scale, float lam,      \
-        const float *lam_rows, int nthreads
+        int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal, int64_t window, int64_t chunk, float scale, \
+        float lam, const float *lam_rows, int nthreads
 #define DIFFTX_ATTN_BACKWARD_BF16_ARGS                                                                              \
     const uint16_t *q, const uint16_t *k, int64_t ks, int64_t kr, const uint16_t *v, int64_t vsb, int64_t vsh,      \
         int64_t vr, const uint16_t *dout, const float *lse, uint16_t *dq, uint16_t *dk, uint16_t *dv_,             \
         int64_t dvsb, int64_t dvsh, int64_t dvr, float *rs2, int64_t B, int64_t M, int64_t MK, int64_t H,          \
-        int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal, int64_t chunk,      \
-        float scale, float lam, const float *lam_rows, int nthreads
+        int64_t Hk, int64_t N, int64_t nk, int64_t d, int64_t dv, int64_t q_start, int causal, int64_t window,     \
+        int64_t chunk, float scale, float lam, const float *lam_rows, int nthreads
 
 /* ---- Few-row products (decoding): y (M x N) = x (M x K) W^T [+ b], float32 ----
  * W is (N, K) row-major (a Linear's weight), x and y row-major.  With one token per sequence a
@@ -1802,12 +1828,15 @@ int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
             if (!ok) continue; /* every thread still reaches the loop's barrier; the caller raises MemoryError */
             const int64_t blk = nblk - 1 - t / (B * H), bh = t % (B * H), b = bh / H, h = bh % H, hk = h / rep;
             const int64_t i0 = blk * chunk, i1 = i0 + chunk < N ? i0 + chunk : N, c = i1 - i0, cp = PAD32(c);
-            const int64_t ke = causal ? (q_start + i1 < nk ? q_start + i1 : nk) : nk, kp = PAD32(ke);
-            const int64_t diag = causal ? q_start + i0 : -1;
+            /* keys [k0, k0 + ke), the maps' columns [0, ke) */
+            const int64_t k0 = attn_block_first(window, q_start, i0);
+            const int64_t ke = attn_visible(causal, window, q_start, i1 - 1, nk) - k0, kp = PAD32(ke);
+            const int64_t diag = causal ? q_start + i0 - k0 : -1;
             for (int64_t m = 0; m < M; m++) {
                 const int64_t s = (b * MK + m % MK) * Hk + hk; /* K's slice: its own per map, or one shared */
                 copy_rows_bf16(q + (((b * M + m) * H + h) * N + i0) * d, d, c, cp, d, Qb);
-                bf16_gemm(cp, kp, d, Qb, d, kt + s * kpad_all * d, d / 32, S + m * cpad * kp, kp, 0, -1, diag);
+                bf16_gemm(cp, kp, d, Qb, d, kt + s * kpad_all * d + k0 / 16 * (d / 32) * TILE, d / 32,
+                          S + m * cpad * kp, kp, 0, -1, diag);
             }
             for (int64_t i = 0; i < cp; i++) {
                 uint16_t *prow = Pb + i * kp;
@@ -1815,22 +1844,26 @@ int difftx_attn_forward_bf16(DIFFTX_ATTN_FORWARD_BF16_ARGS) {
                     memset(prow, 0, (size_t)kp * 2);
                     continue;
                 }
-                const int64_t n = attn_visible(causal, q_start, i0 + i, nk);
+                const int64_t n = attn_visible(causal, window, q_start, i0 + i, nk) - k0;
+                const int64_t lo = attn_first(window, q_start, i0 + i) - k0; /* columns [0, lo): outside the window */
                 float *e0 = S + i * kp, mx;
-                const float sum0 = exp_row_scaled(e0, n, scale, &mx), inv0 = 1.0f / sum0;
+                if (lo) memset(e0, 0, (size_t)lo * sizeof(float));
+                const float sum0 = exp_row_scaled(e0 + lo, n - lo, scale, &mx), inv0 = 1.0f / sum0;
                 const int64_t row = (b * M * H + h) * N + i0 + i;
                 if (lse) lse[row] = mx + logf(sum0);
                 if (M == 1) {
                     row_to_bf16(e0, inv0, NULL, 0.0f, prow, n, kp);
                 } else {
                     float *e1 = S + (cpad + i) * kp, mx1;
-                    const float sum1 = exp_row_scaled(e1, n, scale, &mx1), inv1 = 1.0f / sum1;
+                    if (lo) memset(e1, 0, (size_t)lo * sizeof(float));
+                    const float sum1 = exp_row_scaled(e1 + lo, n - lo, scale, &mx1), inv1 = 1.0f / sum1;
                     if (lse) lse[row + H * N] = mx1 + logf(sum1);
                     const float l = lam_rows ? lam_rows[(b * H + h) * N + i0 + i] : lam, w1 = -l * inv1;
                     row_to_bf16(e0, inv0, e1, w1, prow, n, kp);
                 }
             }
-            bf16_gemm(cp, dv, kp, Pb, kp, vn + (b * Hk + hk) * kpad_all * dv, kpad_all / 32, O, dv, 0, diag, -1);
+            bf16_gemm(cp, dv, kp, Pb, kp, vn + (b * Hk + hk) * kpad_all * dv + k0 / 32 * TILE, kpad_all / 32, O, dv, 0,
+                      diag, -1);
             for (int64_t i = 0; i < c; i++) row_to_bf16(O + i * dv, 1.0f, NULL, 0.0f, out + ((b * N + i0 + i) * H + h) * dv, dv, dv);
         }
         free(S);
@@ -1908,22 +1941,29 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
             for (int64_t h = hk * rep; h < (hk + 1) * rep; h++) {
                 for (int64_t blk = 0; blk < nblk; blk++) {
                     const int64_t i0 = blk * chunk, i1 = i0 + chunk < N ? i0 + chunk : N, c = i1 - i0, cp = PAD32(c);
-                    const int64_t ke = causal ? (q_start + i1 < nk ? q_start + i1 : nk) : nk, kp = PAD32(ke);
-                    const int64_t diag = causal ? q_start + i0 : -1;
+                    /* keys [k0, k0 + ke), the maps' columns [0, ke) (the forward's) */
+                    const int64_t k0 = attn_block_first(window, q_start, i0);
+                    const int64_t ke = attn_visible(causal, window, q_start, i1 - 1, nk) - k0, kp = PAD32(ke);
+                    const int64_t diag = causal ? q_start + i0 - k0 : -1;
                     for (int64_t m = 0; m < M; m++) { /* the maps again */
                         copy_rows_bf16(q + (((b * M + m) * H + h) * N + i0) * d, d, c, cp, d, Qb + m * cpad * d);
-                        bf16_gemm(cp, kp, d, Qb + m * cpad * d, d, kt + (m % MK) * kpa * d, d / 32, S + m * cpad * kp, kp,
-                                  0, -1, diag);
+                        bf16_gemm(cp, kp, d, Qb + m * cpad * d, d, kt + (m % MK) * kpa * d + k0 / 16 * (d / 32) * TILE,
+                                  d / 32, S + m * cpad * kp, kp, 0, -1, diag);
                     }
                     float lrow[2] = {0.0f, 0.0f};
                     for (int64_t i = 0; i < cp; i++) { /* P1 (and P2) from the saved log-sum-exp */
                         float *p0 = S + i * kp, *p1 = S + (cpad + i) * kp;
-                        const int64_t n = i < c ? attn_visible(causal, q_start, i0 + i, nk) : 0;
+                        const int64_t n = i < c ? attn_visible(causal, window, q_start, i0 + i, nk) - k0 : 0;
+                        const int64_t lo = i < c ? attn_first(window, q_start, i0 + i) - k0 : 0; /* outside: [0, lo) */
                         lrow[i & 1] = M == 2 && n ? (lam_rows ? lam_rows[(b * H + h) * N + i0 + i] : lam) : 0.0f;
                         if (n) {
                             const int64_t row = (b * M * H + h) * N + i0 + i;
-                            exp_lse_row_scaled(p0, n, scale, lse[row]);
-                            if (M == 2) exp_lse_row_scaled(p1, n, scale, lse[row + H * N]);
+                            if (lo) {
+                                memset(p0, 0, (size_t)lo * sizeof(float));
+                                if (M == 2) memset(p1, 0, (size_t)lo * sizeof(float));
+                            }
+                            exp_lse_row_scaled(p0 + lo, n - lo, scale, lse[row]);
+                            if (M == 2) exp_lse_row_scaled(p1 + lo, n - lo, scale, lse[row + H * N]);
                         }
                         memset(p0 + n, 0, (size_t)(kp - n) * sizeof(float));
                         if (M == 2) memset(p1 + n, 0, (size_t)(kp - n) * sizeof(float));
@@ -1942,19 +1982,19 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
                     copy_rows_bf16(dout + ((b * N + i0) * H + h) * dv, H * dv, c, cp, dv, dOb);
                     if (at) { /* dV += G^T dO */
                         pack_bn(dOb, 0, dv, cp, cp, dv, dOT);
-                        DOT_GEMM_AT(kp, dv, Bv, dOT, cp / 32, dVT, dv, diag);
+                        DOT_GEMM_AT(kp, dv, Bv, dOT, cp / 32, dVT + k0 * dv, dv, diag);
                     } else { /* dV^T += dO^T G */
                         transpose_bf16(dOb, dv, cp, cp, dv, dOT);
-                        bf16_gemm(dv, kp, cp, dOT, cp, Bv, cp / 32, dVT, kpa, 1, -1, -1);
+                        bf16_gemm(dv, kp, cp, dOT, cp, Bv, cp / 32, dVT + k0, kpa, 1, -1, -1);
                     }
                     /* dP = dO V^T */
-                    bf16_gemm(cp, kp, dv, dOb, dv, vt, dv / 32, G, kp, 0, -1, diag);
+                    bf16_gemm(cp, kp, dv, dOb, dv, vt + k0 / 16 * (dv / 32) * TILE, dv / 32, G, kp, 0, -1, diag);
                     for (int64_t i = 0; i < cp; i++) { /* dS_m = w_m P_m (dP - rowsum(P_m dP)), w = 1, -lambda: bf16 */
                         if (i >= c) {
                             for (int64_t m = 0; m < M; m++) memset(Ab + (m * cpad + i) * kp, 0, (size_t)kp * 2);
                             continue;
                         }
-                        const int64_t n = attn_visible(causal, q_start, i0 + i, nk);
+                        const int64_t n = attn_visible(causal, window, q_start, i0 + i, nk) - k0;
                         const float *p0 = S + i * kp, *g = G + i * kp;
                         float r0 = 0.0f;
 #pragma omp simd reduction(+ : r0)
@@ -1973,7 +2013,8 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
                     for (int64_t m = 0; m < M; m++) {
                         const uint16_t *Am = Ab + m * cpad * kp;
                         /* dQ = scale dS K */
-                        bf16_gemm(cp, d, kp, Am, kp, kn + (m % MK) * kpa * d, kpa / 32, O, d, 0, diag, -1);
+                        bf16_gemm(cp, d, kp, Am, kp, kn + (m % MK) * kpa * d + k0 / 32 * TILE, kpa / 32, O, d, 0, diag,
+                                  -1);
                         uint16_t *dqm = dq + (((b * M + m) * H + h) * N + i0) * d;
                         for (int64_t i = 0; i < c; i++) row_to_bf16(O + i * d, scale, NULL, 0.0f, dqm + i * d, d, d);
                         /* dK += dS^T Q, or dK^T += Q^T dS (scale at the end); a shared K (MK 1): both maps'
@@ -1981,10 +2022,10 @@ int difftx_attn_backward_bf16(DIFFTX_ATTN_BACKWARD_BF16_ARGS) {
                         pack_bn(Am, 0, kp, cp, cp, kp, Bv);
                         if (at) {
                             pack_bn(Qb + m * cpad * d, 0, d, cp, cp, d, QT);
-                            DOT_GEMM_AT(kp, d, Bv, QT, cp / 32, acc + (m % MK) * d * kpa, d, diag);
+                            DOT_GEMM_AT(kp, d, Bv, QT, cp / 32, acc + (m % MK) * d * kpa + k0 * d, d, diag);
                         } else {
                             transpose_bf16(Qb + m * cpad * d, d, cp, cp, d, QT);
-                            bf16_gemm(d, kp, cp, QT, cp, Bv, cp / 32, acc + (m % MK) * d * kpa, kpa, 1, -1, -1);
+                            bf16_gemm(d, kp, cp, QT, cp, Bv, cp / 32, acc + (m % MK) * d * kpa + k0, kpa, 1, -1, -1);
                         }
                     }
                 }

@@ -77,6 +77,13 @@ NATIVE_CHUNK = 48  # the float32 kernel's blocks: multiples of this (see fused_a
 NATIVE_LONG_KEYS = 2048
 NATIVE_LONG_ROWS = 4 * NATIVE_CHUNK
 NATIVE_SCRATCH = 128 << 20
+# Under a sliding window a native block multiplies the keys from its first query's window to its last query
+# (about window + rows of them), so short blocks skip the most: at most WINDOW_ROWS_FP32 (float32) or
+# WINDOW_ROWS_BF16 rows.  A DIFF layer's forward + backward (8 heads of 32, 2 threads, Zen 5), against the default
+# blocks: 4 x 512 tokens, window 128, 12.2 -> 11.1 ms (fp32), 7.8 -> 6.9 (bf16); 1 x 4096, window 512, 55 -> 50
+# and 36 -> 36 (docs/performance.md, "Sliding windows").
+WINDOW_ROWS_FP32 = NATIVE_CHUNK
+WINDOW_ROWS_BF16 = 2 * 32
 
 
 def native_rows(chunk: int, n_q: int, n_k: int, maps: int, threads: int = 0) -> int:
@@ -356,14 +363,15 @@ class _FusedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, lam, mask: AttnMask, scale: float, chunk: int, native_chunk: int):
         k3 = _batched(k)  # (B*M*Hk, Nk, d), or (B*Hk, Nk, d) for a shared K; q is contiguous (fused_attention)
         # bf16 (on AMX) takes blocks of 32-row tile pairs (see fused_attention's native_chunk)
+        # a sliding window is the kernels' own (each block multiplies the keys from its first query's window on)
         ctx.native_attn = (native.attention_ok(q, k3, v, mask.n_k, mask.key_valid is not None
-                                               or mask.doc_ids is not None or mask.windowed)
+                                               or mask.doc_ids is not None)
                            and (q.dtype == torch.float32 or native_chunk % 32 == 0))
         if ctx.native_attn:  # every block's products and maps in one native call; V read in place
             want = any(ctx.needs_input_grad[:4])
             lam_s, lam_rows = _lam_args(lam, q.shape)
             out, lse = native.attention_forward(q, k3, v, mask.causal, mask.q_start, native_chunk, scale, lam_s,
-                                                lam_rows, want)
+                                                lam_rows, want, _window(mask))
             if want:
                 ctx.save_for_backward(q, k, v, lam, lse)  # the inputs themselves (a second derivative's graph)
                 ctx.mask, ctx.scale, ctx.chunk, ctx.shapes = mask, scale, native_chunk, (k.shape, v.shape)
@@ -419,6 +427,11 @@ def _attention_torch(q, k, v, lam, mask: AttnMask, scale: float) -> torch.Tensor
     return out.transpose(1, 2).to(q.dtype)
 
 
+def _window(mask: AttnMask) -> int:
+    """The native kernels' sliding window: the mask's when it hides a key, else 0 (none)."""
+    return int(mask.window) if mask.windowed else 0
+
+
 def _lam_args(lam: Optional[torch.Tensor], q_shape) -> tuple:
     """(scalar lambda, per-row lambda (B, H, N) float32 or None) for the native kernels."""
     if lam is None:
@@ -436,7 +449,7 @@ def _native_backward(ctx, dout):
     lam_s, lam_rows = _lam_args(lam, q.shape)
     dout = dout.to(q.dtype).contiguous()
     dq, dk, dv, rs2 = native.attention_backward(q, k3, v, dout, lse, ctx.mask.causal, ctx.mask.q_start, ctx.chunk,
-                                                ctx.scale, lam_s, lam_rows)
+                                                ctx.scale, lam_s, lam_rows, _window(ctx.mask))
     dlam = None
     if lam is not None and ctx.needs_input_grad[3]:
         dlam = (-rs2.sum() if lam.dim() == 0 else -rs2.view(lam.shape)).to(lam.dtype)
@@ -592,6 +605,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Att
         # where it is all the queries (one block either way: 100 queries are one block of 128 padded rows, which
         # the kernel pads to anyway), so that no query count keeps bf16 off the native kernel.
         native_chunk = native_rows(chunk, n, nk, m) if q.dtype == torch.float32 else -(-chunk // 32) * 32
+        if mask.windowed:
+            native_chunk = min(native_chunk, WINDOW_ROWS_FP32 if q.dtype == torch.float32 else WINDOW_ROWS_BF16)
     with no_autocast(q.device.type):
         if b == 0:  # an empty batch (the kernels' per-head geometry divides by it): empty maps in torch ops
             return _attention_torch(q, k[:, :, :, : mask.n_k], v[:, :, : mask.n_k], lam, mask, scale)
@@ -619,18 +634,20 @@ def _by_document(q, k, v, lam, mask: AttnMask, scale: float, segments: list, chu
     real query sees a padding key, and the padding queries' outputs are dropped (their output gradients are
     zeros), so the padding changes nothing, gradients included; without causality each length is a batch of its
     own (no padding).  One call per batch (a handful per layer, not one per document); tokens move to and from
-    the batches by gathers, forward and backward (:class:`_ToDocuments`, :class:`_FromDocuments`).  The same
-    values as the masked call, to float rounding."""
+    the batches by gathers, forward and backward (:class:`_ToDocuments`, :class:`_FromDocuments`).  A sliding window
+    stays each call's own.  The same values as the masked call, to float rounding."""
     b, m, h, n, _ = q.shape
     plan = _document_plan(mask, segments, b, q.device)
     if plan is None:  # one document a row: the plain call
-        return fused_attention(q, k, v, AttnMask(causal=mask.causal, n_q=n, n_k=n), scale, lam, chunk)
+        return fused_attention(q, k, v, AttnMask(causal=mask.causal, n_q=n, n_k=n, window=mask.window), scale, lam,
+                               chunk)
     per_row = lam is not None and lam.dim() > 0
     qs = _ToDocuments.apply(q, plan, 3)
     ks = _ToDocuments.apply(k, plan, 3)
     vs = _ToDocuments.apply(v, plan, 2)
     ls = _ToDocuments.apply(lam, plan, 2) if per_row else [lam] * len(qs)
-    outs = [fused_attention(qb, kb, vb, AttnMask(causal=mask.causal, n_q=length, n_k=length), scale, lb, chunk)
+    outs = [fused_attention(qb, kb, vb, AttnMask(causal=mask.causal, n_q=length, n_k=length, window=mask.window), scale,
+                            lb, chunk)
             for qb, kb, vb, lb, (_, length, _) in zip(qs, ks, vs, ls, plan[0])]  # each (D, L, H, dv)
     return _FromDocuments.apply(plan, b, *outs)
 

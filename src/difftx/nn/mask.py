@@ -173,12 +173,13 @@ class AttnMask:
 
     def segments(self) -> Optional[list]:
         """The documents of a packed self-attention call as (start, end) token ranges, one list per ``doc_ids``
-        row, when each document is one contiguous run of tokens and nothing else is masked but causality: then
-        attention over the packed sequence is attention over each document on its own, and a kernel may run
-        them one by one (a plain causal or bidirectional call each).  None otherwise (no ``doc_ids``, padding,
-        queries after a cache, or an id that comes back after another)."""
+        row, when each document is one contiguous run of tokens and nothing else is masked but causality and a
+        sliding window: then attention over the packed sequence is attention over each document on its own, and a
+        kernel may run them one by one (a plain causal or bidirectional call each, under the same window: positions
+        within a run are as far apart as in the packed sequence).  None otherwise (no ``doc_ids``, padding, queries
+        after a cache, or an id that comes back after another)."""
         doc = self.doc_ids
-        if doc is None or self.key_valid is not None or self.windowed or self.q_start != 0 or self.n_q != self.n_k:
+        if doc is None or self.key_valid is not None or self.q_start != 0 or self.n_q != self.n_k:
             return None
         if "segments" not in self._dense:  # once per forward: every layer asks
             self._dense["segments"] = self._segments(doc)

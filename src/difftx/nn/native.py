@@ -217,21 +217,21 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.difftx_gemm_nr.argtypes = []
     lib.difftx_gemm_nr.restype = i
     lib.difftx_attn_forward.argtypes = ([p, p, i64, i64, p, i64, i64, i64, p, p, p, p] + [i64] * 10
-                                        + [i, i64, f, f, p, i])
+                                        + [i, i64, i64, f, f, p, i])
     lib.difftx_attn_forward.restype = i
     lib.difftx_attn_forward.errcheck = _scratch_check
     lib.difftx_attn_backward.argtypes = ([p, p, i64, i64, p, i64, i64, i64, p, p, p, p, p, i64, i64, i64, p, p, p]
-                                         + [i64] * 10 + [i, i64, f, f, p, i])
+                                         + [i64] * 10 + [i, i64, i64, f, f, p, i])
     lib.difftx_attn_backward.restype = i
     lib.difftx_attn_backward.errcheck = _scratch_check
     lib.difftx_amx.argtypes = []
     lib.difftx_amx.restype = i
     lib.difftx_bf16_attention.argtypes = []
     lib.difftx_bf16_attention.restype = i
-    lib.difftx_attn_forward_bf16.argtypes = [p, p, i64, i64, p, i64, i64, i64, p, p] + [i64] * 10 + [i, i64, f, f, p, i]
+    lib.difftx_attn_forward_bf16.argtypes = [p, p, i64, i64, p, i64, i64, i64, p, p] + [i64] * 10 + [i, i64, i64, f, f, p, i]
     lib.difftx_attn_forward_bf16.restype = i
     lib.difftx_attn_backward_bf16.argtypes = ([p, p, i64, i64, p, i64, i64, i64, p, p, p, p, p, i64, i64, i64, p]
-                                              + [i64] * 10 + [i, i64, f, f, p, i])
+                                              + [i64] * 10 + [i, i64, i64, f, f, p, i])
     lib.difftx_attn_backward_bf16.restype = i
     lib.difftx_attn_bwd_form.argtypes = [i]
     lib.difftx_attn_bwd_form.restype = i
@@ -690,7 +690,7 @@ def _key_maps(k3: torch.Tensor, b: int, m: int, hk: int) -> int:
 
 
 def attention_forward(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, causal: bool, q_start: int, chunk: int,
-                      scale: float, lam: float, lam_rows: Optional[torch.Tensor], want_lse: bool):
+                      scale: float, lam: float, lam_rows: Optional[torch.Tensor], want_lse: bool, window: int = 0):
     """The fused attention (one or two maps over one value) in native blocks: (out, lse or None).  float32 on
     the register micro-kernel (``chunk`` a multiple of 6), or bfloat16 on AMX tiles or AVX512-BF16 dot products
     (``chunk`` a multiple of 32; maps, softmax and statistics in float32, products bf16 x bf16 -> float32); see
@@ -698,7 +698,9 @@ def attention_forward(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, causal
 
     ``q`` (B, M, H, N, d) contiguous; ``k3`` (B*M*Hk, nk, d), or (B*Hk, nk, d) for one K that both maps read,
     with contiguous rows; ``v`` (B, Hk, nk, dv) with contiguous rows, read in place (a head view of the value
-    projection); ``lam_rows`` float32 (B, H, N) or None (the scalar ``lam``).  out (B, N, H, dv); lse (B, M, H, N), the rows' log-sum-exp that
+    projection); ``lam_rows`` float32 (B, H, N) or None (the scalar ``lam``); ``window`` > 0: a sliding window (a
+    query sees keys fewer than ``window`` positions away, :class:`~difftx.nn.mask.AttnMask`), whose blocks multiply
+    only the keys from their first query's window on.  out (B, N, H, dv); lse (B, M, H, N), the rows' log-sum-exp that
     :func:`attention_backward` rebuilds the maps from."""
     b, m, h, n, d = q.shape
     hk, nk, dv = v.shape[1], k3.shape[1], v.shape[-1]
@@ -711,8 +713,8 @@ def attention_forward(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, causal
         assert chunk % 32 == 0
         done = library().difftx_attn_forward_bf16(
             q.data_ptr(), k3.data_ptr(), k3.stride(0), k3.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
-            v.stride(2), out.data_ptr(), _ptr(lse), b, m, mk, h, hk, n, nk, d, dv, q_start, int(causal), chunk,
-            float(scale), float(lam), _ptr(lam_rows), torch.get_num_threads())
+            v.stride(2), out.data_ptr(), _ptr(lse), b, m, mk, h, hk, n, nk, d, dv, q_start, int(causal), int(window),
+            chunk, float(scale), float(lam), _ptr(lam_rows), torch.get_num_threads())
         if not done:
             raise MemoryError("the bf16 attention kernel could not allocate its buffers")
         return out, lse
@@ -720,8 +722,8 @@ def attention_forward(q: torch.Tensor, k3: torch.Tensor, v: torch.Tensor, causal
     vpack = _pack("vpack", b * hk * _panels(nk) * dv, q.device)
     library().difftx_attn_forward(q.data_ptr(), k3.data_ptr(), k3.stride(0), k3.stride(1), v.data_ptr(), v.stride(0),
                                   v.stride(1), v.stride(2), out.data_ptr(), _ptr(lse), kpack.data_ptr(),
-                                  vpack.data_ptr(), b, m, mk, h, hk, n, nk, d, dv, q_start, int(causal), chunk,
-                                  float(scale), float(lam), _ptr(lam_rows), torch.get_num_threads())
+                                  vpack.data_ptr(), b, m, mk, h, hk, n, nk, d, dv, q_start, int(causal), int(window),
+                                  chunk, float(scale), float(lam), _ptr(lam_rows), torch.get_num_threads())
     return out, lse
 
 
@@ -742,7 +744,7 @@ def empty_in(layout: Optional[tuple], shape, dtype: torch.dtype, device: torch.d
 
 
 def attention_backward(q, k3, v, dout, lse, causal: bool, q_start: int, chunk: int, scale: float, lam: float,
-                       lam_rows: Optional[torch.Tensor]):
+                       lam_rows: Optional[torch.Tensor], window: int = 0):
     """Gradients of :func:`attention_forward`: dq (like q), dk (like k3, contiguous; a shared K's summed over the
     maps), dv (v's shape, in v's layout when dense, see :func:`dense_layout`), and for two maps rowsum(P2 dP)
     (B, H, N) (lambda's gradient is minus it, summed for a scalar lambda), else None."""
@@ -758,8 +760,8 @@ def attention_backward(q, k3, v, dout, lse, causal: bool, q_start: int, chunk: i
         done = library().difftx_attn_backward_bf16(
             q.data_ptr(), k3.data_ptr(), k3.stride(0), k3.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
             v.stride(2), dout.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dv.stride(0),
-            dv.stride(1), dv.stride(2), _ptr(rs2), b, m, mk, h, hk, n, nk, d, dv_w, q_start, int(causal), chunk,
-            float(scale), float(lam), _ptr(lam_rows), torch.get_num_threads())
+            dv.stride(1), dv.stride(2), _ptr(rs2), b, m, mk, h, hk, n, nk, d, dv_w, q_start, int(causal), int(window),
+            chunk, float(scale), float(lam), _ptr(lam_rows), torch.get_num_threads())
         if not done:
             raise MemoryError("the bf16 attention kernel could not allocate its buffers")
         return dq, dk, dv, rs2
@@ -769,8 +771,8 @@ def attention_backward(q, k3, v, dout, lse, causal: bool, q_start: int, chunk: i
                                    v.stride(0), v.stride(1), v.stride(2), dout.data_ptr(), lse.data_ptr(),
                                    dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dv.stride(0), dv.stride(1),
                                    dv.stride(2), _ptr(rs2), kpack.data_ptr(), vpack.data_ptr(), b, m, mk, h, hk, n, nk,
-                                   d, dv_w, q_start, int(causal), chunk, float(scale), float(lam), _ptr(lam_rows),
-                                   torch.get_num_threads())
+                                   d, dv_w, q_start, int(causal), int(window), chunk, float(scale), float(lam),
+                                   _ptr(lam_rows), torch.get_num_threads())
     return dq, dk, dv, rs2
 
 
