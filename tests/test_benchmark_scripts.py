@@ -73,3 +73,21 @@ def test_document_masking_benchmark_runs_and_writes_its_table(tmp_path, one_thre
     mod.main()
     table = (tmp_path / "document_masking.md").read_text().splitlines()
     assert table[-1].startswith("| diff | fp32 | 8 |") and table[-1].count("|") == 13  # 12 columns
+
+
+def test_sliding_window_benchmark_runs_and_writes_its_table(tmp_path, one_thread, monkeypatch):
+    """benchmarks/sliding_window.py at a toy size: its table with the three arms, and the masked-blocks arm keeps
+    the window off the native attention kernels (which it switches back on after each step)."""
+    import sys
+
+    from difftx.nn import native
+
+    mod = _load("sliding_window.py")
+    real = native.attention_ok
+    monkeypatch.setattr(sys, "argv", ["sliding_window.py", "--preset", "nano", "--attentions", "diff", "--shape",
+                                      "2x64", "--windows", "16", "--dtypes", "fp32", "--repeats", "1", "--threads",
+                                      "1", "--out", str(tmp_path)])
+    mod.main()
+    assert native.attention_ok is real
+    table = (tmp_path / "sliding_window.md").read_text().splitlines()
+    assert table[-1].startswith("| diff | fp32 | 16 |") and table[-1].count("|") == 9  # 8 columns

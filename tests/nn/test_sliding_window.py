@@ -296,3 +296,35 @@ def test_packed_documents_under_a_window_run_a_call_each_and_match_the_mask(caus
     monkeypatch.setattr(fused, "_by_document", real)
     ref = backends.eager_diff_attention(q[:, 0], q[:, 1], k[:, 0], k[:, 1], v, lam, mask, 0.3).transpose(1, 2)
     assert (got[0].double() - ref).abs().max() <= 2e-6 * ref.abs().max()
+
+
+@pytest.mark.skipif(not native.supports(torch.float32, torch.device("cpu")), reason="no native kernels here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_native_decoding_step_reads_only_the_windows_keys(dtype, padded, monkeypatch):
+    """One DIFF decoding step over a 50-key cache under a window of 9: the kernel gets the window's 9 keys only (as
+    views of the cache), and gives the masked float32 reference's output, with NaN in every key and value before
+    the window; with left padding reaching into the window, its padding keys stay hidden."""
+    if not native.supports(dtype, torch.device("cpu")):
+        pytest.skip("no native kernel for this dtype here")
+    g = torch.Generator().manual_seed(4)
+    b, h, hk, t, d, w = 2, 4, 2, 50, 16, 9
+    q = torch.randn(b, 2, h, 1, d, generator=g).to(dtype)
+    k = torch.randn(b, 2, hk, t, d, generator=g).to(dtype)
+    v = torch.randn(b, hk, t, 2 * d, generator=g).to(dtype)
+    lam = torch.tensor(0.4)
+    valid = None
+    if padded:
+        valid = torch.ones(b, t, dtype=torch.bool)
+        valid[1, :44] = False  # the window's first 3 keys of row 1 are padding
+    mask = AttnMask(causal=True, n_q=1, n_k=t, q_start=t - 1, key_valid=valid, window=w)
+    ref = backends.eager_diff_attention(q[:, 0], q[:, 1], k[:, 0], k[:, 1], v, lam, mask, 0.25).transpose(1, 2)
+    k[:, :, :, : t - w] = float("nan")
+    v[:, :, : t - w] = float("nan")
+    keys = []
+    real = native.diff_decode
+    monkeypatch.setattr(native, "diff_decode", lambda q, k, *a: keys.append(k.shape[3]) or real(q, k, *a))
+    got = backends.native_diff_decode(q, k, v, mask, 0.25, lam, False, None, 1.0, 1e-5, torch.float32)
+    assert keys == [w]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.shape == ref.shape and (got - ref).abs().max() <= tol, (got - ref).abs().max()

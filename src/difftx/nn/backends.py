@@ -267,20 +267,21 @@ def native_diff_decode(q, k, v, mask: AttnMask, scale: float, lam: torch.Tensor,
     and the norm's casts (about a dozen small ops per layer and step) with one pass over K and V."""
     from . import native
 
+    # A sliding window: the cache's last ``window`` keys only, as views (the older keys are not read at all)
+    start = max(0, mask.q_start - mask.window + 1) if mask.windowed else 0
+    if start:
+        k, v = k[..., start:, :], v[..., start:, :]
     valid = None
-    if mask.key_valid is not None or mask.doc_ids is not None or mask.windowed:
+    if mask.key_valid is not None or mask.doc_ids is not None:
         # one row may serve the whole batch (AttnMask.check allows it); the kernel reads one row per sequence.
-        # The one query's document mask and sliding window are key masks: the keys of its document, the last
-        # ``window`` keys.
+        # The one query's document mask is a key mask: the keys of its document.
         valid = torch.ones(1, mask.n_k, dtype=torch.bool, device=q.device)
         if mask.key_valid is not None:
             valid = mask.key_valid[:, : mask.n_k].to(q.device)
         if mask.doc_ids is not None:
             valid = valid & mask.same_document(0, 1, mask.n_k, q.device)[:, 0]
-        if mask.windowed:
-            valid = valid & (torch.arange(mask.n_k, device=q.device) > mask.q_start - mask.window)[None]
-        valid = valid.expand(q.shape[0], -1).clone()
-        valid[:, mask.q_start] = True  # a query always sees itself
+        valid = valid[:, start:].expand(q.shape[0], -1).clone()
+        valid[:, mask.q_start - start] = True  # a query always sees itself
     wg = None if weight is None else weight.to(torch.float32) * gain
     return native.diff_decode(q, k, v, valid, lam, scale, norm, wg, gain, eps, out_dtype)
 
