@@ -91,3 +91,9 @@ def test_sliding_window_benchmark_runs_and_writes_its_table(tmp_path, one_thread
     assert native.attention_ok is real
     table = (tmp_path / "sliding_window.md").read_text().splitlines()
     assert table[-1].startswith("| diff | fp32 | 16 |") and table[-1].count("|") == 9  # 8 columns
+    monkeypatch.setattr(sys, "argv", ["sliding_window.py", "--attention-only", "--shape", "1x64", "--windows", "16",
+                                      "--dtypes", "fp32", "--repeats", "1", "--threads", "1", "--out", str(tmp_path)])
+    mod.main()
+    assert native.attention_ok is real
+    table = (tmp_path / "sliding_window_attention.md").read_text().splitlines()
+    assert table[-1].startswith("| fp32 | 16 |") and table[-1].count("|") == 8  # 7 columns

@@ -145,3 +145,23 @@ def test_bench_decode_flops_match_a_counted_decode(monkeypatch):
         arm.decode(torch.randint(0, cfg.vocab_size, (1, 11)), 5, timer)
     assert len(calls) == 2
     assert per_token * 5 == fc.get_total_flops()
+
+
+@pytest.mark.parametrize("window", [1, 5, 40, 64, 100])
+def test_a_sliding_window_counts_only_the_keys_each_query_sees(window):
+    """Under a sliding window the attention term counts each query's visible keys, min(t + 1, window) for the query
+    at t, summed by a loop here: within the half-key convention of the causal count (N / 2 for N + 1 / 2); a
+    decoding step's keys are the window's; a window as long as the sequence counts as none."""
+    from difftx.accounting import attention_flops_per_token
+
+    n = 64
+    cfg = ModelConfig.from_preset("nano", attention="diff", max_seq_len=n)
+    windowed = cfg.replace(sliding_window=window)
+    per_key = attention_flops_per_token(cfg, 1.0)
+    exact = sum(min(t + 1, window) for t in range(n)) / n  # mean visible keys
+    base = flops_per_token(cfg, n, causal=True) - attention_flops_per_token(cfg, n / 2)
+    got = (flops_per_token(windowed, n, causal=True) - base) / per_key
+    assert exact - 0.5 - 1e-6 <= got <= exact + 1e-6, (got, exact)
+    step = flops_per_token(windowed, 200, causal=False) - flops_per_token(cfg, 200, causal=False)
+    assert abs(step - (attention_flops_per_token(cfg, window) - attention_flops_per_token(cfg, 200))) <= 1
+    assert flops_per_token(cfg.replace(sliding_window=n), n, causal=True) == flops_per_token(cfg, n, causal=True)

@@ -20,7 +20,10 @@ FLOPs count multiply-adds as 2 and include:
   reference do exactly the counted DIFF attention.
 
 ``context`` defaults to the sequence length (non-causal count, as in the
-PaLM/Chinchilla convention); ``causal=True`` halves the attention term.
+PaLM/Chinchilla convention); ``causal=True`` halves the attention term.  Under a
+sliding window (``sliding_window`` W < N) a query has at most W keys: the causal
+context is W - W^2 / (2N) (the same continuous count, which gives N / 2 at W = N),
+the non-causal one (a decoding step's keys) W.
 Training FLOPs = 3 x forward.
 
 A vision model's FLOPs per token are its image's over its tokens (the patches,
@@ -91,7 +94,11 @@ def flops_per_token(cfg, seq_len: int | None = None, causal: bool = False, train
     tokens, the default)."""
     if seq_len is None:
         seq_len = cfg.max_seq_len if cfg.domain == "lm" else cfg.n_patches + (cfg.pooling == "cls")
-    context = seq_len / 2 if causal else seq_len  # not rounded: an odd length's half counts too
+    window = cfg.sliding_window if cfg.domain == "lm" else None
+    if window is not None and window < seq_len:  # each query's keys: at most the window's
+        context = window - window * window / (2 * seq_len) if causal else window
+    else:
+        context = seq_len / 2 if causal else seq_len  # not rounded: an odd length's half counts too
     weights = matmul_parameters(cfg)
     if cfg.domain == "vision":  # per image: the patch embedding on the patches, the classifier once
         patch, head = cfg.in_channels * cfg.patch_size ** 2 * cfg.d_model, cfg.d_model * cfg.num_classes

@@ -79,9 +79,10 @@ NATIVE_LONG_ROWS = 4 * NATIVE_CHUNK
 NATIVE_SCRATCH = 128 << 20
 # Under a sliding window a native block multiplies the keys from its first query's window to its last query
 # (about window + rows of them), so short blocks skip the most: at most WINDOW_ROWS_FP32 (float32) or
-# WINDOW_ROWS_BF16 rows.  A DIFF layer's forward + backward (8 heads of 32, 2 threads, Zen 5), against the default
-# blocks: 4 x 512 tokens, window 128, 12.2 -> 11.1 ms (fp32), 7.8 -> 6.9 (bf16); 1 x 4096, window 512, 55 -> 50
-# and 36 -> 36 (docs/performance.md, "Sliding windows").
+# WINDOW_ROWS_BF16 rows.  A one-off sweep of block heights, a DIFF layer's forward + backward (8 heads of 32, 2
+# threads, Zen 5), against the default blocks: 4 x 512 tokens, window 128, 12.2 -> 11.1 ms (fp32), 7.8 -> 6.9
+# (bf16); 1 x 4096, window 512, 55 -> 50 and 36 -> 36; fp32 blocks of 48-96 rows and bf16 of 32-64 were within
+# 10% of each other in every case (docs/performance.md, "Sliding windows").
 WINDOW_ROWS_FP32 = NATIVE_CHUNK
 WINDOW_ROWS_BF16 = 2 * 32
 
