@@ -328,3 +328,104 @@ def test_a_native_decoding_step_reads_only_the_windows_keys(dtype, padded, monke
     assert keys == [w]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert got.shape == ref.shape and (got - ref).abs().max() <= tol, (got - ref).abs().max()
+
+
+# ----------------------------------------------------------------------------- decoding past the cache's length
+def _windowed_model(kind, dtype=torch.float32, positions="rope", max_seq_len=64):
+    cfg = ModelConfig(attention=kind, d_model=64, n_heads=2, n_layers=2, vocab_size=50, max_seq_len=max_seq_len,
+                      sliding_window=6, positions=positions)
+    torch.manual_seed(0)
+    return build_model(cfg).to(dtype).eval()
+
+
+@pytest.mark.parametrize("kind", ["softmax", "diff", "diff2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_windowed_model_decodes_past_its_caches_length(kind, dtype):
+    """A cache of 10 positions under a window of 6: a prompt of 8 (one row left-padded by 3), then 52 one-token
+    steps and calls of 3 tokens: every call's logits are the full forward's (the model drops the keys no later
+    token sees whenever the cache fills), and the cache never grows."""
+    model = _windowed_model(kind, dtype)
+    x = torch.randint(0, 50, (2, 60), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 60, dtype=torch.long)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        full = model(x, attention_mask=mask).logits.float()
+        cache = model.new_cache(2, 10)
+        got = [model(x[:, :8], attention_mask=mask[:, :8], cache=cache).logits]
+        t = 8
+        while t < 60:
+            step = 1 if t < 40 else 3  # 3 tokens: the 5 positions the first sees, + 3 <= 10
+            got.append(model(x[:, t:t + step], cache=cache).logits)
+            t += step
+    got = torch.cat(got, 1).float()
+    tol = 1e-5 if dtype == torch.float32 else 6e-2
+    real = mask.bool()
+    assert (got - full)[real].abs().max() <= tol, (got - full)[real].abs().max()
+    assert cache.max_len == 10 and cache.length <= 10 and cache.dropped + cache.length == 60
+    assert all(t.shape[2] == 10 for t in cache.k + cache.v)
+
+
+def test_a_call_that_cannot_fit_under_the_window_is_refused_and_the_cache_kept():
+    model = _windowed_model("diff")
+    x = torch.randint(0, 50, (1, 20))
+    with torch.no_grad():
+        cache = model.new_cache(1, 7)
+        model(x[:, :7], cache=cache)
+        k0 = cache.k[0].clone()
+        with pytest.raises(ValueError, match=r"needs room for 8 positions, the cache has 7; make the cache with "
+                                             r"max_len >= 8"):
+            model(x[:, 7:10], cache=cache)  # keeps 5 + 3
+        assert cache.length == 7 and cache.dropped == 0 and torch.equal(cache.k[0], k0)
+        model(x[:, 7:9], cache=cache)  # 5 + 2 fit
+        assert cache.length == 7 and cache.dropped == 2
+    plain = build_model(model.config.replace(sliding_window=None)).eval()
+    with torch.no_grad(), pytest.raises(ValueError, match="KV cache full: 8 positions needed, room for 7"):
+        c = plain.new_cache(1, 7)
+        plain(x[:, :7], cache=c)
+        plain(x[:, 7:8], cache=c)
+
+
+def test_learned_positions_still_end_at_max_seq_len_and_the_cache_is_kept():
+    from difftx.errors import DifftxError
+
+    model = _windowed_model("softmax", positions="learned", max_seq_len=12)
+    x = torch.randint(0, 50, (1, 13))
+    with torch.no_grad():
+        cache = model.new_cache(1, 8)
+        model(x[:, :8], cache=cache)
+        for t in range(8, 12):  # past the cache's 8, within max_seq_len's 12
+            model(x[:, t:t + 1], cache=cache)
+        assert cache.dropped + cache.length == 12
+        before = (cache.length, cache.dropped)
+        with pytest.raises(DifftxError, match="sequence of 13 tokens is longer than max_seq_len=12"):
+            model(x[:, 12:13], cache=cache)
+        assert (cache.length, cache.dropped) == before
+
+
+def test_generate_under_a_window_holds_two_windows_and_matches_decoding_without_a_cache(monkeypatch):
+    model = _windowed_model("diff")
+    sizes = []
+    real = model.new_cache
+    monkeypatch.setattr(model, "new_cache", lambda b, n, **kw: sizes.append(n) or real(b, n, **kw))
+    x = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(2))
+    got = model.generate(x, max_new_tokens=40, temperature=0)
+    assert sizes == [12]  # max(prompt 9, 2 x window 6), not 9 + 40
+    assert torch.equal(got, model.generate(x, max_new_tokens=40, temperature=0, use_cache=False))
+
+
+def test_drop_oldest_moves_the_rest_to_the_front_and_reset_forgets_it():
+    from difftx.nn import KVCache
+
+    c = KVCache(1, 2, 6)
+    k = torch.arange(2 * 1 * 5 * 2, dtype=torch.float32).view(2, 1, 5, 2)
+    c.update(0, k, k + 100)
+    c.advance(5, torch.tensor([[False, True, True, True, True], [True] * 5]))
+    assert c.padded
+    c.drop_oldest(2)
+    assert c.length == 3 and c.dropped == 2 and not c.padded  # the padding position went
+    assert torch.equal(c.k[0][:, :, :3], k[:, :, 2:]) and torch.equal(c.v[0][:, :, :3], k[:, :, 2:] + 100)
+    assert c.next_position.tolist() == [4, 5]  # the numbering goes on
+    with pytest.raises(ValueError, match="can drop 0..3 positions; got 4"):
+        c.drop_oldest(4)
+    c.reset()
+    assert c.length == 0 and c.dropped == 0

@@ -155,6 +155,7 @@ def _repeat_cache(cache, rows: int, new_cache):
             out.k[i] = k.expand(rows, *k.shape[1:]).clone()
             out.v[i] = v.expand(rows, *v.shape[1:]).clone()
     out.length = cache.length
+    out.dropped = cache.dropped
     out.padded = cache.padded
     out.key_valid = cache.key_valid.expand(rows, -1).clone()
     out.next_position = cache.next_position.expand(rows).clone()

@@ -87,8 +87,13 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, temperatu
             empty = (mask == 0).all(-1).nonzero().flatten().tolist()
             raise DifftxError(f"attention_mask: row(s) {empty} have no tokens (an empty prompt); give each row at "
                               f"least one token")
-        # on the inputs' device: an offloaded model's weights sit on the meta device between calls
-        cache = model.new_cache(b, n + max_new_tokens, device=input_ids.device) if use_cache else None
+        # on the inputs' device: an offloaded model's weights sit on the meta device between calls.  Under a sliding
+        # window the cache holds the prompt or two windows, whichever is longer: the model drops the keys no later
+        # token sees whenever it fills (KVCache.drop_oldest), about once a window
+        room = n + max_new_tokens
+        if getattr(cfg, "sliding_window", None) is not None:
+            room = min(room, max(n, 2 * cfg.sliding_window))
+        cache = model.new_cache(b, room, device=input_ids.device) if use_cache else None
         hidden = model.features(input_ids, mask, cache=cache)
         last = n - 1  # the prompt's last logits only: each row's last token (before its padding if right-padded)
         if mask is not None:

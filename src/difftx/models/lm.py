@@ -34,6 +34,18 @@ class LMOutput:
     cache: Optional[KVCache] = None
 
 
+def _make_room(cache: KVCache, n: int, window: int) -> None:
+    """Drop a full cache's positions that no query of a sliding-window model will see again, so that a call of ``n``
+    tokens fits: the first of them sees the ``window - 1`` positions before it, and the rest only positions after
+    those (:meth:`KVCache.drop_oldest`)."""
+    keep = min(cache.length, window - 1)
+    if keep + n > cache.max_len:
+        raise ValueError(f"KV cache full: a call of {n} tokens under a sliding window of {window} needs room for "
+                         f"{keep + n} positions, the cache has {cache.max_len}; make the cache with max_len >= "
+                         f"{keep + n} (model.new_cache(batch_size, max_len)), or pass fewer tokens per call")
+    cache.drop_oldest(cache.length - keep)
+
+
 def _with_packed(cache, fn, *args):
     """fn(*args), inside :func:`difftx.nn.linear.packed_weights` over a difftx KVCache's store when ``cache`` is
     one (bf16 decoding on weights packed once; not under torch.compile)."""
@@ -148,6 +160,14 @@ class DecoderLM(ModelMixin, nn.Module):
         if rows != b:  # else its buffers broadcast: one row's keys written into every row
             raise ValueError(f"KV cache made for {rows} sequences, but input_ids has a batch of {b}; make the "
                              f"cache with model.new_cache({b}, max_len)")
+        seen = n + ((cache.length + getattr(cache, "dropped", 0)) if cache is not None else 0)  # positions so far
+        if cfg.positions in ("learned", "sinusoidal") and seen > cfg.max_seq_len:
+            raise DifftxError(
+                f"sequence of {seen} tokens is longer than max_seq_len={cfg.max_seq_len} "
+                f"allowed by positions={cfg.positions!r}; shorten the input or raise max_seq_len"
+            )
+        if isinstance(cache, KVCache) and cfg.sliding_window is not None and cache.length + n > cache.max_len:
+            _make_room(cache, n, cfg.sliding_window)
         q_start = cache.length if cache is not None else 0
         step_valid = None
         if attention_mask is not None:
@@ -171,11 +191,6 @@ class DecoderLM(ModelMixin, nn.Module):
             if cache is not None:
                 position_ids = position_ids + cache.next_position.to(device)[:, None]
             position_ids = position_ids.clamp_min(0)
-        if cfg.positions in ("learned", "sinusoidal") and q_start + n > cfg.max_seq_len:
-            raise DifftxError(
-                f"sequence of {q_start + n} tokens is longer than max_seq_len={cfg.max_seq_len} "
-                f"allowed by positions={cfg.positions!r}; shorten the input or raise max_seq_len"
-            )
 
         x = self.embed(input_ids)
         if cfg.positions == "learned":

@@ -13,6 +13,10 @@ next rotary position of every row.
 To decode another prompt (same batch size, up to ``max_len`` positions), call
 :meth:`KVCache.reset` rather than building a new cache: it then behaves exactly as
 a fresh one (bitwise the same logits) in the buffers it already holds.
+
+Under a sliding window (``sliding_window``) a model drops the keys no later query can
+see when a call would overflow the cache (:meth:`KVCache.drop_oldest`): decoding goes on
+past ``max_len`` positions with the cache's memory bounded by ``max_len``.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class KVCache:
         self.v: list[Optional[torch.Tensor]] = [None] * n_layers
         self._recycled = [False] * n_layers  # buffers kept by reset(): reused at the next write when they fit
         self.length = 0
+        self.dropped = 0  # positions dropped from the front (drop_oldest): the cache holds positions dropped.. on
         self.padded = False  # some committed position is padding (then masks carry key_valid)
         self.key_valid = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -112,6 +117,25 @@ class KVCache:
             self.next_position += n
         self.length += n
 
+    def drop_oldest(self, n: int) -> None:
+        """Forget the ``n`` oldest positions: the rest move to the front of the buffers (keys, values and which are
+        real tokens), and the positions' rotary numbering goes on (``next_position`` is unchanged).  A model under
+        a sliding window calls it when a call would overflow the cache, keeping the ``window - 1`` keys the next
+        query still sees; the later keys' distances, all a window looks at, stay as they were."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"KVCache.drop_oldest: can drop 0..{self.length} positions; got {n}")
+        if n == 0:
+            return
+        keep = self.length - n
+        for buf in self.k + self.v:
+            if buf is not None and keep:
+                buf[:, :, :keep] = buf[:, :, n:self.length].clone()  # overlapping ranges: through a copy
+        self.key_valid[:, :keep] = self.key_valid[:, n:self.length].clone()
+        self.key_valid[:, keep:].fill_(True)
+        self.length = keep
+        self.dropped += n
+        self.padded = not bool(self.key_valid[:, :keep].all())
+
     def reset(self) -> None:
         """Empty the cache for a new prompt: it then behaves exactly as a freshly built one (no positions, no
         padding, every row's next position 0) while keeping its K/V buffers, zeroed in place (no reallocation, the
@@ -135,6 +159,7 @@ class KVCache:
                     t.zero_()
                 self._recycled[layer] = True
         self.length = 0
+        self.dropped = 0
         self.padded = False
         self.key_valid.fill_(True)
         self.next_position.zero_()
