@@ -60,7 +60,7 @@ class KVCache:
         self.v: list[Optional[torch.Tensor]] = [None] * n_layers
         self._recycled = [False] * n_layers  # buffers kept by reset(): reused at the next write when they fit
         self.length = 0
-        self.dropped = 0  # positions dropped from the front (drop_oldest): the cache holds positions dropped.. on
+        self.dropped = 0  # positions dropped from the front (drop_oldest): buffer index i holds position dropped + i
         self.padded = False  # some committed position is padding (then masks carry key_valid)
         self.key_valid = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
