@@ -22,19 +22,16 @@ of live tensor bytes).  Prints a markdown table and writes ``OUT/document_maskin
 from __future__ import annotations
 
 import argparse
+import functools
 import math
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from difftx.benchmarking.memory import measured_training_memory
+from difftx.benchmarking.steps import adamw_step, interleaved_medians, switched, trainer_model
 from difftx.config import ModelConfig
-from difftx.models import build_model
 from difftx.nn.mask import AttnMask
-from difftx.optim import build_optimizer
-from difftx.train.trainer import training_attention_backend
 
 
 def packed_documents(b: int, n: int, mean: float, seed: int) -> torch.Tensor:
@@ -76,43 +73,20 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     b, n = (int(v) for v in args.shape.split("x"))
     rows = []
-    segments = AttnMask.segments
     for attention in args.attentions.split(","):
         for dtype in args.dtypes.split(","):
             bf16 = dtype == "bf16"
             cfg = ModelConfig.from_preset(args.preset, attention=attention, max_seq_len=n)
-            torch.manual_seed(0)
-            model = build_model(cfg)
-            backend = training_attention_backend(cfg, torch.device("cpu"), torch.bfloat16 if bf16 else None, n)
-            if backend is not None:
-                model.set_attention_backend(backend)
-            opt = build_optimizer(model, "adamw", lr=1e-4, weight_decay=0.1)
+            model, opt = trainer_model(cfg, bf16, n)
             x, y = torch.randint(0, cfg.vocab_size, (b, n)), torch.randint(0, cfg.vocab_size, (b, n))
-
-            def step(doc, blocks: bool) -> float:
-                AttnMask.segments = (lambda self: None) if blocks else segments
-                try:
-                    t0 = time.perf_counter()
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                        loss = model(x, targets=y, document_ids=doc).loss
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    return time.perf_counter() - t0
-                finally:
-                    AttnMask.segments = segments
-
+            step = functools.partial(adamw_step, model, opt, x, y, bf16)
             for mean in (int(v) for v in args.doc_lengths.split(",")):
                 doc = packed_documents(b, n, mean, seed=mean)
-                arms = {"causal": (None, False), "documents": (doc, False), "masked blocks": (doc, True)}
-                for arm in arms.values():  # warm-up
-                    step(*arm)
-                times = {k: [] for k in arms}
-                order = list(arms)
-                for r in range(args.repeats):
-                    for k in (order if r % 2 == 0 else order[::-1]):
-                        times[k].append(step(*arms[k]))
-                med = {k: statistics.median(v) for k, v in times.items()}
+                arms = {"causal": functools.partial(step, document_ids=None),
+                        "documents": functools.partial(step, document_ids=doc),
+                        "masked blocks": switched(functools.partial(step, document_ids=doc), AttnMask, "segments",
+                                                  lambda self: None)}
+                med = interleaved_medians(arms, args.repeats)
                 docs = int((doc[:, 1:] != doc[:, :-1]).sum()) + b
                 mem = {}
                 if args.memory:

@@ -21,18 +21,16 @@ alone (``difftx.nn.fused.fused_attention``, 8 heads of 32, forward + backward, r
 from __future__ import annotations
 
 import argparse
-import statistics
+import functools
 import time
 from pathlib import Path
 
 import torch
 
+from difftx.benchmarking.steps import adamw_step, interleaved_medians, switched, trainer_model
 from difftx.config import ModelConfig
-from difftx.models import build_model
 from difftx.nn import fused, native
 from difftx.nn.mask import AttnMask
-from difftx.optim import build_optimizer
-from difftx.train.trainer import training_attention_backend
 
 
 def main() -> None:
@@ -49,46 +47,20 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     b, n = (int(v) for v in args.shape.split("x"))
-    attention_ok = native.attention_ok
     rows = []
     for attention in ([] if args.attention_only else args.attentions.split(",")):
         for dtype in args.dtypes.split(","):
             bf16 = dtype == "bf16"
             for window in (int(v) for v in args.windows.split(",")):
                 cfg = ModelConfig.from_preset(args.preset, attention=attention, max_seq_len=n)
-                models = {}
-                for arm, w in (("causal", None), ("window", window), ("masked blocks", window)):
-                    torch.manual_seed(0)
-                    model = build_model(cfg.replace(sliding_window=w))
-                    backend = training_attention_backend(cfg, torch.device("cpu"), torch.bfloat16 if bf16 else None, n)
-                    if backend is not None:
-                        model.set_attention_backend(backend)
-                    models[arm] = (model, build_optimizer(model, "adamw", lr=1e-4, weight_decay=0.1))
                 g = torch.Generator().manual_seed(1)
                 x, y = (torch.randint(0, cfg.vocab_size, (b, n), generator=g) for _ in range(2))
-
-                def step(arm: str) -> float:
-                    model, opt = models[arm]
-                    native.attention_ok = (lambda *a, **k: False) if arm == "masked blocks" else attention_ok
-                    try:
-                        t0 = time.perf_counter()
-                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                            loss = model(x, targets=y).loss
-                        loss.backward()
-                        opt.step()
-                        opt.zero_grad(set_to_none=True)
-                        return time.perf_counter() - t0
-                    finally:
-                        native.attention_ok = attention_ok
-
-                order = list(models)
-                for arm in order:  # warm-up
-                    step(arm)
-                times = {k: [] for k in order}
-                for r in range(args.repeats):
-                    for arm in (order if r % 2 == 0 else order[::-1]):
-                        times[arm].append(step(arm))
-                med = {k: statistics.median(v) for k, v in times.items()}
+                arms = {}
+                for arm, w in (("causal", None), ("window", window), ("masked blocks", window)):
+                    model, opt = trainer_model(cfg.replace(sliding_window=w), bf16, n)
+                    arms[arm] = functools.partial(adamw_step, model, opt, x, y, bf16)
+                arms["masked blocks"] = switched(arms["masked blocks"], native, "attention_ok", lambda *a, **k: False)
+                med = interleaved_medians(arms, args.repeats)
                 rows.append((attention, dtype, window, med))
                 print(f"{attention} {dtype} window {window}: "
                       + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in med.items()), flush=True)
@@ -115,7 +87,6 @@ def main() -> None:
 
 
 def _attention_only(args, b: int, n: int) -> None:
-    attention_ok = native.attention_ok
     g = torch.Generator().manual_seed(0)
     h, d = 8, 32
     lines = [f"# Sliding window: one DIFF layer's attention, forward + backward ({b} x {n} tokens, {h} heads of {d}, "
@@ -132,27 +103,18 @@ def _attention_only(args, b: int, n: int) -> None:
         v = torch.randn(b, h, n, 2 * d, generator=g).to(dt).requires_grad_()
         lam = torch.tensor(0.3, requires_grad=True)
         for window in (int(w) for w in args.windows.split(",")):
-            masks = {"causal": AttnMask(causal=True, n_q=n, n_k=n), "window": AttnMask(causal=True, n_q=n, n_k=n,
-                                                                                        window=window)}
-            masks["masked blocks"] = masks["window"]
 
-            def run(arm: str) -> float:
-                native.attention_ok = (lambda *a, **kw: False) if arm == "masked blocks" else attention_ok
-                try:
-                    t0 = time.perf_counter()
-                    fused.fused_attention(q, k, v, masks[arm], d ** -0.5, lam).sum().backward()
-                    return time.perf_counter() - t0
-                finally:
-                    native.attention_ok = attention_ok
+            def run(mask: AttnMask) -> float:
+                t0 = time.perf_counter()
+                fused.fused_attention(q, k, v, mask, d ** -0.5, lam).sum().backward()
+                return time.perf_counter() - t0
 
-            order = list(masks)
-            for arm in order:
-                run(arm)
-            times = {k: [] for k in order}
-            for r in range(args.repeats):
-                for arm in (order if r % 2 == 0 else order[::-1]):
-                    times[arm].append(run(arm))
-            med = {k: statistics.median(t) * 1e3 for k, t in times.items()}
+            windowed = AttnMask(causal=True, n_q=n, n_k=n, window=window)
+            arms = {"causal": functools.partial(run, AttnMask(causal=True, n_q=n, n_k=n)),
+                    "window": functools.partial(run, windowed),
+                    "masked blocks": switched(functools.partial(run, windowed), native, "attention_ok",
+                                              lambda *a, **kw: False)}
+            med = {name: t * 1e3 for name, t in interleaved_medians(arms, args.repeats).items()}
             c = med["causal"]
             lines.append(f"| {dtype} | {window} | {c:.1f} | {med['window']:.1f} | {med['window'] / c:.2f} | "
                          f"{med['masked blocks']:.1f} | {med['masked blocks'] / c:.2f} |")

@@ -97,3 +97,27 @@ def test_sliding_window_benchmark_runs_and_writes_its_table(tmp_path, one_thread
     assert native.attention_ok is real
     table = (tmp_path / "sliding_window_attention.md").read_text().splitlines()
     assert table[-1].startswith("| fp32 | 16 |") and table[-1].count("|") == 8  # 7 columns
+
+
+def test_interleaved_medians_alternate_the_order_and_a_switched_arm_puts_the_attribute_back():
+    import types
+
+    import pytest
+
+    from difftx.benchmarking.steps import interleaved_medians, switched
+
+    calls = []
+    arms = {name: (lambda name=name, t=t: calls.append(name) or t) for name, t in (("a", 1.0), ("b", 2.0), ("c", 3.0))}
+    assert interleaved_medians(arms, 3) == {"a": 1.0, "b": 2.0, "c": 3.0}
+    assert "".join(calls) == "abc" + "abc" + "cba" + "abc"  # the warm-up, then alternating rounds
+    obj = types.SimpleNamespace(flag=1)
+    seen = []
+    assert switched(lambda: seen.append(obj.flag) or 0.5, obj, "flag", 2)() == 0.5
+    assert seen == [2] and obj.flag == 1
+
+    def boom():
+        raise RuntimeError("x")
+
+    with pytest.raises(RuntimeError):
+        switched(boom, obj, "flag", 3)()
+    assert obj.flag == 1
