@@ -30,8 +30,9 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def hf_llama(kind: str = "llama", heads: int = 4, kv: int = 2, tie: bool = False, eps: float = 1e-6,
-             bias: bool = False, seed: int = 0):
-    """A random transformers LlamaForCausalLM / DiffLlamaForCausalLM (eager attention), built locally."""
+             bias: bool = False, seed: int = 0, window=None):
+    """A random transformers LlamaForCausalLM / DiffLlamaForCausalLM / MistralForCausalLM (``kind`` "mistral",
+    ``window`` its sliding window; eager attention), built locally."""
     transformers = pytest.importorskip("transformers")
     common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                   num_attention_heads=heads, num_key_value_heads=kv, head_dim=16, max_position_embeddings=128,
@@ -40,6 +41,10 @@ def hf_llama(kind: str = "llama", heads: int = 4, kv: int = 2, tie: bool = False
     if kind == "llama":
         cfg = transformers.LlamaConfig(mlp_bias=bias, **common)
         model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "mistral":
+        del common["attention_bias"]  # Mistral has no biases
+        cfg = transformers.MistralConfig(sliding_window=window, **common)
+        model = transformers.MistralForCausalLM(cfg)
     else:
         cfg = transformers.DiffLlamaConfig(**common)
         model = transformers.DiffLlamaForCausalLM(cfg)

@@ -1,4 +1,4 @@
-"""transformers Llama / DiffLlama <-> difftx: exact round trips on random local models, GQA included."""
+"""transformers Llama / DiffLlama / Mistral <-> difftx: exact round trips on random local models, GQA included."""
 
 from __future__ import annotations
 
@@ -102,6 +102,58 @@ def test_export_refuses_what_the_target_cannot_hold():
         model = difftx_model(attention=attention, n_heads=2, head_norm_weight=False, norm_eps=1e-5, sliding_window=8)
         with pytest.raises(ConfigError, match=f"sliding_window: cannot export to {fmt}: {fmt} attends over the whole"):
             save_hf(model, "/nonexistent", fmt)
+    with pytest.raises(ConfigError, match="or to hf-mistral"):
+        save_hf(difftx_model(attention="softmax", n_heads=2, sliding_window=8), "/nonexistent", "hf-llama")
+    with pytest.raises(ConfigError, match="bias: cannot export to hf-mistral: Mistral's projections have no biases"):
+        save_hf(difftx_model(attention="softmax", n_heads=2, bias=True), "/nonexistent", "hf-mistral")
+    with pytest.raises(ConfigError, match="attention: cannot export to hf-mistral: hf-mistral holds attention='softmax'"):
+        save_hf(difftx_model(attention="diff", n_heads=2, sliding_window=8), "/nonexistent", "hf-mistral")
+
+
+@pytest.mark.parametrize("window,kv", [(5, 2), (None, 4), (5, 1)])
+def test_mistral_to_difftx_and_back_keeps_the_sliding_window(tmp_path, window, kv):
+    """transformers' MistralForCausalLM (a Llama with a sliding window) <-> difftx's Transformer with
+    ``sliding_window``: the same logits over 13 tokens (a window of 5 hides keys), the same tensors back; the window
+    is what makes them equal (the same weights without it differ)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_llama("mistral", heads=4, kv=kv, window=window)
+    hf.save_pretrained(tmp_path / "hf")
+    x = tokens(97)
+    with torch.no_grad():
+        ref = hf(x).logits
+    convert(tmp_path / "hf", tmp_path / "dx")
+    model = difftx.load_model(tmp_path / "dx")
+    assert model.config.attention == "softmax" and model.config.sliding_window == window and not model.config.bias
+    with torch.no_grad():
+        assert max_diff(model(x).logits, ref) < TOL
+        if window is not None:
+            whole = difftx.build_model(model.config.replace(sliding_window=None)).eval()
+            whole.load_state_dict(model.state_dict())
+            assert max_diff(whole(x).logits, ref) > 1e-2
+    convert(tmp_path / "dx", tmp_path / "hf2", dst_format="hf-mistral")
+    for impl in ("eager", "sdpa"):
+        back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation=impl).eval()
+        assert type(back).__name__ == "MistralForCausalLM" and back.config.sliding_window == window
+        with torch.no_grad():
+            assert max_diff(back(x).logits, ref) < TOL
+    for name, t in hf.state_dict().items():
+        assert torch.equal(t, back.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, "4096", True])
+def test_a_mistral_config_with_a_bad_sliding_window_is_refused(tmp_path, bad):
+    import json
+
+    hf = hf_llama("mistral", heads=4, kv=2, window=5)
+    hf.save_pretrained(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    data = json.loads(path.read_text())
+    data["sliding_window"] = bad
+    path.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match="'sliding_window' must be a positive integer or null"):
+        convert(tmp_path / "hf", tmp_path / "dx")
+    assert not (tmp_path / "dx").exists()
 
 
 def test_shape_mismatch_names_the_tensor(tmp_path):

@@ -5,6 +5,9 @@ Formats (``--from`` / ``--to`` of ``difftx convert``):
 * ``difftx``: a difftx model directory (``config.json`` with ``difftx_format`` + ``model.safetensors``).
 * ``hf-llama``: transformers' ``LlamaForCausalLM`` <-> the difftx softmax Transformer
   (pre-norm ``S1``, RMSNorm, SwiGLU, RoPE; GQA kept as is).
+* ``hf-mistral``: transformers' ``MistralForCausalLM``, Llama's blocks without biases and with
+  an optional ``sliding_window`` <-> the same Transformer with difftx's ``sliding_window`` (the
+  same keys: a query sees itself and the ``window - 1`` before it).
 * ``hf-diffllama``: transformers' ``DiffLlamaForCausalLM`` <-> difftx DIFF.  DiffLlama's
   conventions are expressed as config fields, so its weights load unpermuted:
   ``num_attention_heads`` counts component heads (difftx ``n_heads`` = half of it),
@@ -35,11 +38,12 @@ from ..io import (CONFIG_FILE, WEIGHTS_FILE, atomic_copyfile, cast_model, cast_s
 from . import hf_io
 from .layouts import relayout
 
-HF_FORMATS = ("hf-llama", "hf-diffllama", "hf-difftx")
+HF_FORMATS = ("hf-llama", "hf-diffllama", "hf-mistral", "hf-difftx")
+LLAMA_LIKE = ("hf-llama", "hf-diffllama", "hf-mistral")  # Llama's tensor names and blocks
 FORMATS = ("difftx",) + HF_FORMATS
-MODEL_TYPES = {"llama": "hf-llama", "diffllama": "hf-diffllama", "difftx": "hf-difftx"}
+MODEL_TYPES = {"llama": "hf-llama", "diffllama": "hf-diffllama", "mistral": "hf-mistral", "difftx": "hf-difftx"}
 ARCHITECTURES = {"hf-llama": "LlamaForCausalLM", "hf-diffllama": "DiffLlamaForCausalLM",
-                 "hf-difftx": "DifftxForCausalLM"}
+                 "hf-mistral": "MistralForCausalLM", "hf-difftx": "DifftxForCausalLM"}
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 TOKEN_IDS_KEY = "hf_token_ids"  # where a difftx model directory keeps a Hugging Face source's token ids
 HF_DIFFTX_PREFIX = "model."  # DifftxForCausalLM holds the DecoderLM as ``.model``
@@ -47,8 +51,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some old 
 
 
 # ---------------------------------------------------------------------- configs
-def _llama_like_config(hf: dict, src: str, diff: bool) -> ModelConfig:
-    """difftx config for a Llama / DiffLlama ``config.json`` (``src`` names it in errors)."""
+def _llama_like_config(hf: dict, src: str, diff: bool, mistral: bool = False) -> ModelConfig:
+    """difftx config for a Llama / DiffLlama / Mistral ``config.json`` (``src`` names it in errors)."""
 
     def need(key):
         if hf.get(key) is None:
@@ -81,7 +85,7 @@ def _llama_like_config(hf: dict, src: str, diff: bool) -> ModelConfig:
         raise CheckpointError(f"{src}: RoPE scaling {rope_type!r} is not supported by difftx (only plain RoPE)")
     theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or hf.get("rope_theta", 10000.0)
     theta = number("rope_theta", theta)
-    attn_bias, mlp_bias = flag("attention_bias"), flag("mlp_bias")
+    attn_bias, mlp_bias = (False, False) if mistral else (flag("attention_bias"), flag("mlp_bias"))  # Mistral: none
     if diff and attn_bias:  # DiffLlama's FFN has no bias option: its biases would be attention-only
         raise CheckpointError(f"{src}: attention_bias=True is not supported for DiffLlama (its MLP has no bias, "
                               "and difftx has one 'bias' switch for attention and FFN)")
@@ -97,6 +101,11 @@ def _llama_like_config(hf: dict, src: str, diff: bool) -> ModelConfig:
         rope_theta=theta, tie_embeddings=flag("tie_word_embeddings"), bias=attn_bias,
         init_std=number("initializer_range", hf.get("initializer_range", 0.02)),
     )
+    window = hf.get("sliding_window") if mistral else None
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise CheckpointError(f"{src}: 'sliding_window' must be a positive integer or null; got {window!r}")
+        fields["sliding_window"] = window
     if not diff:
         fields.update(attention="softmax", n_heads=heads, n_kv_heads=kv)
     else:
@@ -119,7 +128,7 @@ def _require(cfg: ModelConfig, fmt: str, field: str, ok: bool, why: str) -> None
 
 
 def _check_llama_like(cfg: ModelConfig, fmt: str) -> None:
-    want = "softmax" if fmt == "hf-llama" else "diff"
+    want = "diff" if fmt == "hf-diffllama" else "softmax"
     _require(cfg, fmt, "domain", cfg.domain == "lm", "only language models")
     _require(cfg, fmt, "attention", cfg.attention == want, f"{fmt} holds attention={want!r}")
     s1 = {f: bool(NORM_PRESETS["S1"].get(f, False)) for f in NORM_FLAGS}
@@ -129,8 +138,12 @@ def _check_llama_like(cfg: ModelConfig, fmt: str) -> None:
     _require(cfg, fmt, "norm", cfg.norm == "rms", "Llama uses RMSNorm")
     _require(cfg, fmt, "ffn", cfg.ffn == "swiglu", "Llama uses a SwiGLU FFN")
     _require(cfg, fmt, "positions", cfg.positions == "rope", "Llama uses rotary positions")
-    _require(cfg, fmt, "sliding_window", cfg.sliding_window is None,
-             f"{fmt} attends over the whole context (no sliding window); export to hf-difftx")
+    if fmt == "hf-mistral":
+        _require(cfg, fmt, "bias", not cfg.bias, "Mistral's projections have no biases")
+    else:
+        _require(cfg, fmt, "sliding_window", cfg.sliding_window is None,
+                 f"{fmt} attends over the whole context (no sliding window); export to hf-difftx"
+                 + (", or to hf-mistral (a Llama with a sliding window)" if fmt == "hf-llama" else ""))
     if fmt == "hf-diffllama":
         _require(cfg, fmt, "bias", not cfg.bias, "DiffLlama's FFN has no bias")
         _require(cfg, fmt, "head_norm", cfg.head_norm, "DiffLlama always applies the per-head RMSNorm")
@@ -141,11 +154,13 @@ def _check_llama_like(cfg: ModelConfig, fmt: str) -> None:
 
 
 def llama_config_dict(cfg: ModelConfig, fmt: str) -> dict:
-    """The transformers ``config.json`` for ``cfg`` as LlamaForCausalLM or DiffLlamaForCausalLM."""
+    """The transformers ``config.json`` for ``cfg`` as LlamaForCausalLM, DiffLlamaForCausalLM or
+    MistralForCausalLM."""
     diff = fmt == "hf-diffllama"
     heads, kv = (2 * cfg.n_heads, 2 * cfg.n_kv_heads) if diff else (cfg.n_heads, cfg.n_kv_heads)
+    model_type = next(t for t, f in MODEL_TYPES.items() if f == fmt)
     out = dict(
-        architectures=[ARCHITECTURES[fmt]], model_type="diffllama" if diff else "llama",
+        architectures=[ARCHITECTURES[fmt]], model_type=model_type,
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=heads, num_key_value_heads=kv,
         head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
@@ -158,6 +173,9 @@ def llama_config_dict(cfg: ModelConfig, fmt: str) -> dict:
     )
     if diff:
         out["lambda_std_dev"] = cfg.lambda_std
+    elif fmt == "hf-mistral":  # no bias options: Mistral's projections have none
+        del out["attention_bias"]
+        out["sliding_window"] = cfg.sliding_window
     else:
         out["mlp_bias"] = cfg.bias
     return out
@@ -221,7 +239,7 @@ def map_and_check(state: dict, pairs: list[tuple[str, str]], shapes: dict, sourc
 
 # ---------------------------------------------------------------------- reading
 def detect_format(path) -> str:
-    """``difftx``, ``hf-llama``, ``hf-diffllama``, ``hf-difftx`` or ``unilm`` (a weights file)."""
+    """``difftx``, ``hf-llama``, ``hf-diffllama``, ``hf-mistral``, ``hf-difftx`` or ``unilm`` (a weights file)."""
     path = Path(path)
     if path.is_file():
         return "unilm"
@@ -250,7 +268,7 @@ def _is_difftx_run(path: Path) -> bool:
 
 
 def read_hf_as_difftx(path) -> tuple[ModelConfig, dict]:
-    """(difftx config, difftx state dict) of a Hugging Face llama / diffllama / difftx directory."""
+    """(difftx config, difftx state dict) of a Hugging Face llama / diffllama / mistral / difftx directory."""
     path = Path(path)
     hf = hf_io.read_hf_config(path)
     src = str(path / hf_io.CONFIG_FILE)
@@ -264,7 +282,7 @@ def read_hf_as_difftx(path) -> tuple[ModelConfig, dict]:
         state = {k[len(HF_DIFFTX_PREFIX):] if k.startswith(HF_DIFFTX_PREFIX) else k: v for k, v in raw.items()}
         shapes = expected_shapes(cfg)
         return cfg, map_and_check(state, [(k, k) for k in shapes], shapes, str(path))
-    cfg = _llama_like_config(hf, src, diff=fmt == "hf-diffllama")
+    cfg = _llama_like_config(hf, src, diff=fmt == "hf-diffllama", mistral=fmt == "hf-mistral")
     raw = hf_io.read_hf_weights(path)
     head, embed = raw.get("lm_head.weight"), raw.get("model.embed_tokens.weight")
     if cfg.tie_embeddings and head is not None and embed is not None and head.shape == embed.shape \
@@ -316,7 +334,7 @@ def load_hf_model(path, device: Optional[str] = None, dtype: Optional[torch.dtyp
 
 
 def resolve_hf_dir(path: Path, device: Optional[str] = None):
-    """``difftx.io`` resolver: Hugging Face llama / diffllama / difftx directories, else None."""
+    """``difftx.io`` resolver: Hugging Face llama / diffllama / mistral / difftx directories, else None."""
     if not hf_io.is_hf_dir(path):
         return None
     if hf_io.read_hf_config(path).get("model_type") not in MODEL_TYPES:
@@ -331,7 +349,7 @@ def difftx_to_hf(cfg: ModelConfig, state: dict, fmt: str) -> tuple[dict, dict]:
     if fmt == "hf-difftx":  # DifftxConfig refuses another domain: transformers could not load the directory
         _require(cfg, fmt, "domain", cfg.domain == "lm", "DifftxForCausalLM holds language models only")
         return hf_config_dict(cfg), {HF_DIFFTX_PREFIX + k: v for k, v in state.items()}
-    if fmt not in ("hf-llama", "hf-diffllama"):
+    if fmt not in LLAMA_LIKE:
         raise DifftxError(f"unknown Hugging Face format {fmt!r}; one of {', '.join(HF_FORMATS)}")
     _check_llama_like(cfg, fmt)
     if fmt == "hf-diffllama":
@@ -445,7 +463,7 @@ def check_options(dst_format: Optional[str], *, pairing: Optional[str] = None, r
                   diff_init: Optional[str] = None) -> None:
     """Refuse the options that contradict one another whatever the source is (``difftx convert`` calls this
     before it looks at DST, so a wrong option is named before a full destination directory)."""
-    if dst_format in ("hf-llama", "hf-diffllama") and (pairing or rope_style):
+    if dst_format in LLAMA_LIKE and (pairing or rope_style):
         raise DifftxError(f"--{'pairing' if pairing else 'rope-style'}: --to {dst_format} has a fixed layout (DIFF "
                           "heads paired by halves, RoPE half); drop it (or keep a layout with --to difftx or "
                           "hf-difftx)")
@@ -461,7 +479,7 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
     """Convert the model at ``src`` into directory ``dst`` (the library side of ``difftx convert``).
 
     ``pairing`` / ``rope_style`` re-lay a difftx or hf-difftx output out (function unchanged;
-    hf-llama / hf-diffllama fix their own layout); ``diff_init`` turns a softmax (Llama) model
+    hf-llama / hf-diffllama / hf-mistral fix their own layout); ``diff_init`` turns a softmax (Llama) model
     into DIFF for continued training (see :mod:`.llama_to_diff`).  ``depth`` / ``variant``
     (default ``flash``) apply to unilm weight files only (see :mod:`.unilm`).  An option the
     conversion would not use is refused, not ignored.  Weights keep the source's dtype unless
@@ -493,7 +511,8 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
             raise DifftxError(f"{flag} applies to a unilm weights file, and {src} is a {detected} model; drop it")
     if dst_format is None:
         if detected == "difftx" and not (diff_init or pairing or rope_style):
-            raise DifftxError("converting a difftx model needs --to (hf-llama, hf-diffllama or hf-difftx), "
+            raise DifftxError("converting a difftx model needs --to (hf-llama, hf-diffllama, hf-mistral or "
+                              "hf-difftx), "
                               "or --diff-init / --pairing / --rope-style")
         dst_format = "difftx"
     if dst_format not in FORMATS:
