@@ -236,21 +236,22 @@ def test_native_bf16_attention_under_a_window_is_as_close_to_float64_as_the_torc
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_attention_never_reads_the_keys_left_of_a_blocks_window(dtype, monkeypatch):
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch blocks"])
+def test_attention_never_reads_the_keys_left_of_a_blocks_window(dtype, use_native, monkeypatch):
     """NaN in the first 32 keys and values: the queries of every block whose first query's window starts past them
-    get the same outputs as with finite keys there (a masked product would give 0 x NaN = NaN: the kernels neither
-    multiply nor read those keys), the earlier queries NaN."""
+    get the same outputs as with finite keys there (a masked product would give 0 x NaN = NaN: neither the native
+    kernels nor the torch blocks multiply or read those keys), the earlier queries NaN."""
     ok = native.supports(dtype, torch.device("cpu")) and (dtype == torch.float32 or native.bf16_attention())
-    if not ok:
+    if use_native and not ok:
         pytest.skip("no native attention kernel for this dtype here")
     (q, k, v, lam), mask = _native_case(2, 4, 2, 200, 0, "scalar", True, 40)
     chunk = 48 if dtype == torch.float32 else 32
-    clean, calls = _fused_run((q, k, v, lam), mask, dtype, True, monkeypatch, chunk)
-    assert calls == ["f", "b"]
+    clean, calls = _fused_run((q, k, v, lam), mask, dtype, use_native, monkeypatch, chunk)
+    assert calls == (["f", "b"] if use_native else [])
     k, v = k.clone(), v.clone()
     k[:, :, :, :32] = float("nan")
     v[:, :, :32] = float("nan")
-    dirty, _ = _fused_run((q, k, v, lam), mask, dtype, True, monkeypatch, chunk)
+    dirty, _ = _fused_run((q, k, v, lam), mask, dtype, use_native, monkeypatch, chunk)
     first = next(i0 for i0 in range(0, 200, chunk) if i0 - 40 + 1 >= 32)  # 96 (fp32) or 96 (bf16)
     assert torch.equal(dirty[0][:, first:], clean[0][:, first:])
     assert dirty[0][:, :32].isnan().all()

@@ -131,13 +131,21 @@ def chunk_size(b: int, m: int, h: int, n_q: int, n_k: int, element_size: int = 4
 
 
 def _key_end(mask: AttnMask, i1: int) -> int:
-    """Keys a block of queries ending (exclusive) at ``i1`` can see: the causal prefix, or all."""
-    return min(mask.n_k, mask.q_start + i1) if mask.causal else mask.n_k
+    """Keys a block of queries ending (exclusive) at ``i1`` can see end here: the causal prefix, the last query's
+    window (bidirectional), or all."""
+    if mask.causal:
+        return min(mask.n_k, mask.q_start + i1)
+    return min(mask.n_k, mask.q_start + i1 - 1 + mask.window) if mask.windowed else mask.n_k
 
 
-def _block_mask(mask: AttnMask, i0: int, i1: int, ke: int, device) -> Optional[torch.Tensor]:
-    """With padding, documents or a sliding window: boolean (B, 1, 1, 1, C, ke), True = attend, over key columns
-    [0, ke).
+def _key_start(mask: AttnMask, i0: int) -> int:
+    """The first key a block of queries starting at ``i0`` can see: its first query's window's, or 0."""
+    return max(0, mask.q_start + i0 - mask.window + 1) if mask.windowed else 0
+
+
+def _block_mask(mask: AttnMask, i0: int, i1: int, ke: int, device, ks: int = 0) -> Optional[torch.Tensor]:
+    """With padding, documents or a sliding window: boolean (B, 1, 1, 1, C, ke - ks), True = attend, over key
+    columns [ks, ke).
 
     Without any of them the mask is causal only and handled by :meth:`_Blocks.probs` with an
     additive triangle on the diagonal block; this returns None then.
@@ -145,12 +153,12 @@ def _block_mask(mask: AttnMask, i0: int, i1: int, ke: int, device) -> Optional[t
     if mask.key_valid is None and mask.doc_ids is None and not mask.windowed:
         return None
     qpos = torch.arange(mask.q_start + i0, mask.q_start + i1, device=device)[:, None]
-    kpos = torch.arange(ke, device=device)[None]
-    allowed = torch.ones(1, 1, ke, dtype=torch.bool, device=device)
+    kpos = torch.arange(ks, ke, device=device)[None]
+    allowed = torch.ones(1, 1, ke - ks, dtype=torch.bool, device=device)
     if mask.key_valid is not None:
-        allowed = mask.key_valid[:, None, :ke].to(device)  # (B, 1, ke)
+        allowed = mask.key_valid[:, None, ks:ke].to(device)  # (B, 1, ke - ks)
     if mask.doc_ids is not None:
-        allowed = allowed & mask.same_document(i0, i1, ke, device)  # (B, C, ke)
+        allowed = allowed & mask.same_document(i0, i1, ke, device)[:, :, ks:]  # (B, C, ke - ks)
     if mask.causal:
         allowed = allowed & (kpos <= qpos)[None]
     if mask.windowed:
@@ -261,10 +269,12 @@ class _Blocks:
             self._tri = torch.full((c, c), float("-inf"), dtype=self.md, device=dev).triu_(1)
 
     def blocks(self, reverse: bool = False):
+        """(i0, i1, ks, ke) per block: its queries [i0, i1) and the keys [ks, ke) they can see (under a sliding
+        window the keys left of its first query's window are left out)."""
         starts = range(0, self.n, self.chunk)
         for i0 in (reversed(starts) if reverse else starts):
             i1 = min(self.n, i0 + self.chunk)
-            yield i0, i1, _key_end(self.mask, i1)
+            yield i0, i1, _key_start(self.mask, i0), _key_end(self.mask, i1)
 
     @staticmethod
     def _take(buf: torch.Tensor, *shape: int) -> torch.Tensor:
@@ -278,43 +288,44 @@ class _Blocks:
         qc = self.q[:, :, :, i0:i1].reshape(self.b * self.m * self.hk, self.rep * (i1 - i0), self.d)
         return _compact(qc, self.dtype)
 
-    def keys(self, ke: int) -> torch.Tensor:
-        return _compact(self.k3[:, :ke], self.dtype)
+    def keys(self, ks: int, ke: int) -> torch.Tensor:
+        return _compact(self.k3[:, ks:ke], self.dtype)
 
-    def values(self, ke: int) -> torch.Tensor:
-        return _compact(self.v3[:, :ke], self.dtype)
+    def values(self, ks: int, ke: int) -> torch.Tensor:
+        return _compact(self.v3[:, ks:ke], self.dtype)
 
-    def logits(self, qc: torch.Tensor, kk: torch.Tensor, i0: int, i1: int, ke: int) -> torch.Tensor:
-        """Q K^T scale of the block in the maps' dtype, (B, M, Hk, rep*C, ke); padding masked with -inf.
+    def logits(self, qc: torch.Tensor, kk: torch.Tensor, i0: int, i1: int, ks: int, ke: int) -> torch.Tensor:
+        """Q K^T scale of the block's keys [ks, ke) in the maps' dtype, (B, M, Hk, rep*C, ke - ks); padding masked
+        with -inf.
 
         The causal triangle of a mask without padding is left to the caller (:meth:`probs`, or the
         native kernel, which never reads the keys past a row's query)."""
-        b, m, hk, rep, c = self.b, self.m, self.hk, self.rep, i1 - i0
+        b, m, hk, rep, c, w = self.b, self.m, self.hk, self.rep, i1 - i0, ke - ks
         kt = kk.transpose(1, 2)
-        s = self._take(self._s, b * m * hk, rep * c, ke)
+        s = self._take(self._s, b * m * hk, rep * c, w)
         if self._low is not None:
-            low = self._take(self._low, b * m * hk, rep * c, ke)
+            low = self._take(self._low, b * m * hk, rep * c, w)
             torch.baddbmm(self._zero, qc, kt, beta=0, alpha=self.scale, out=low)
             s.copy_(low)
         else:
             torch.baddbmm(self._zero, qc, kt, beta=0, alpha=self.scale, out=s)
         if not self.plain_causal:
-            allowed = _block_mask(self.mask, i0, i1, ke, qc.device)
+            allowed = _block_mask(self.mask, i0, i1, ke, qc.device, ks)
             if allowed is not None:
-                s.view(b, m, hk, rep, c, ke).masked_fill_(~allowed, float("-inf"))
-        return s.view(b, m, hk, rep * c, ke)
+                s.view(b, m, hk, rep, c, w).masked_fill_(~allowed, float("-inf"))
+        return s.view(b, m, hk, rep * c, w)
 
-    def probs(self, qc: torch.Tensor, kk: torch.Tensor, i0: int, i1: int, ke: int) -> torch.Tensor:
-        """softmax(Q K^T scale) of the block, masked, in the maps' dtype: (B, M, Hk, rep*C, ke).
+    def probs(self, qc: torch.Tensor, kk: torch.Tensor, i0: int, i1: int, ks: int, ke: int) -> torch.Tensor:
+        """softmax(Q K^T scale) of the block, masked, in the maps' dtype: (B, M, Hk, rep*C, ke - ks).
 
-        ``kk`` is :meth:`keys` (ke), which the backward reuses for dQ."""
+        ``kk`` is :meth:`keys` (ks, ke), which the backward reuses for dQ."""
         b, m, hk, rep, c = self.b, self.m, self.hk, self.rep, i1 - i0
-        s = self.logits(qc, kk, i0, i1, ke)
-        if self._tri is not None:
+        s = self.logits(qc, kk, i0, i1, ks, ke)
+        if self._tri is not None:  # plain causal: ks is 0
             k0 = self.mask.q_start + i0  # keys left of the block's first query are all visible
             if ke - k0 > 1:
                 s.view(b * m * hk * rep, c, ke)[:, :, k0:].add_(self._tri[:c, : ke - k0])
-        p = self._take(self._p, b, m, hk, rep * c, ke)
+        p = self._take(self._p, b, m, hk, rep * c, ke - ks)
         torch.ops.aten._softmax.out(s, -1, False, out=p)
         return p
 
@@ -322,21 +333,21 @@ class _Blocks:
         """The native kernels' causal offset: the block's first query among the keys, or -1 (none)."""
         return self.mask.q_start + i0 if self.plain_causal else -1
 
-    def maps(self, qc: torch.Tensor, kk: torch.Tensor, i0: int, i1: int, ke: int, lam_c, want_p: bool):
-        """(probs or None, combined map) of the block: :meth:`probs` and :meth:`combine` in one native pass
-        per row when available."""
+    def maps(self, qc: torch.Tensor, kk: torch.Tensor, i0: int, i1: int, ks: int, ke: int, lam_c, want_p: bool):
+        """(probs or None, combined map) of the block's keys [ks, ke): :meth:`probs` and :meth:`combine` in one
+        native pass per row when available."""
         if not self.native:
-            p = self.probs(qc, kk, i0, i1, ke)
+            p = self.probs(qc, kk, i0, i1, ks, ke)
             return p, self.combine(p, lam_c)
-        b, m, hk, r = self.b, self.m, self.hk, self.rep * (i1 - i0)
-        s = self.logits(qc, kk, i0, i1, ke)
-        p = self._take(self._p, b, m, hk, r, ke) if (want_p or m == 1) else None
-        comb = None if m == 1 else self._take(self._comb, b, hk, r, ke)
+        b, m, hk, r, w = self.b, self.m, self.hk, self.rep * (i1 - i0), ke - ks
+        s = self.logits(qc, kk, i0, i1, ks, ke)
+        p = self._take(self._p, b, m, hk, r, w) if (want_p or m == 1) else None
+        comb = None if m == 1 else self._take(self._comb, b, hk, r, w)
         lam_rows = None if lam_c is None else lam_c.reshape(b, hk * r).contiguous()
         native.softmax_combine(s, p, comb, m, hk * r, i1 - i0, self._diag0(i0), self.lam_s or 0.0, lam_rows)
         if m == 1:
-            comb = p.view(b, hk, r, ke)
-        return p, comb.view(b * hk, r, ke)
+            comb = p.view(b, hk, r, w)
+        return p, comb.view(b * hk, r, w)
 
     def lam_block(self, i0: int, i1: int) -> Optional[torch.Tensor]:
         """Per-token lambda of the block as (B, Hk, rep*C, 1), or None."""
@@ -381,9 +392,9 @@ class _FusedAttention(torch.autograd.Function):
         v3 = _batched(v)  # (B*Hk, Nk, dv)
         g = _Blocks(q, k3, v3, lam, mask, scale, chunk)
         out = q.new_empty(g.b, g.n, g.h, v.shape[-1])
-        for i0, i1, ke in g.blocks():
-            _, comb = g.maps(g.q_block(i0, i1), g.keys(ke), i0, i1, ke, g.lam_block(i0, i1), want_p=False)
-            o = torch.bmm(comb, g.values(ke))  # (B*Hk, rep*C, dv)
+        for i0, i1, ks, ke in g.blocks():
+            _, comb = g.maps(g.q_block(i0, i1), g.keys(ks, ke), i0, i1, ks, ke, g.lam_block(i0, i1), want_p=False)
+            o = torch.bmm(comb, g.values(ks, ke))  # (B*Hk, rep*C, dv)
             out[:, i0:i1] = o.view(g.b, g.h, i1 - i0, -1).transpose(1, 2)
         if any(ctx.needs_input_grad[:4]):
             ctx.save_for_backward(q, k, v, lam)
@@ -480,40 +491,45 @@ def _backward(ctx, dout):
         dlam = torch.empty(g.lam_rows.shape, dtype=cd, device=q.device)
     dout = dout.to(g.dtype)  # the products' dtype (float16: float32)
     # Blocks run last to first: with a causal mask the first sees every key it will ever see, so it
-    # writes the sums and later blocks add to prefixes of them (no zero-filling).
+    # writes the sums and later blocks add to prefixes of them (no zero-filling).  Under a sliding window
+    # the blocks' keys are windows, not prefixes: the sums start from zero.
     seen = 0  # keys [0, seen) hold a partial sum
-    for i0, i1, ke in g.blocks(reverse=True):
+    if ctx.mask.windowed:
+        dk.zero_()
+        dv.zero_()
+        seen = nk
+    for i0, i1, ks, ke in g.blocks(reverse=True):
         fresh = seen == 0
         if not fresh and ke > seen:  # only with unusual masks: a block sees keys no earlier block saw
             dk[:, seen:ke].zero_()
             dv[:, seen:ke].zero_()
         seen = max(seen, ke)
-        c = i1 - i0
+        c, w = i1 - i0, ke - ks
         r = rep * c
-        qc, kk, vv = g.q_block(i0, i1), g.keys(ke), g.values(ke)
+        qc, kk, vv = g.q_block(i0, i1), g.keys(ks, ke), g.values(ks, ke)
         lam_c = g.lam_block(i0, i1)
-        p, comb = g.maps(qc, kk, i0, i1, ke, lam_c, want_p=True)  # recomputed: (B, M, Hk, R, ke)
+        p, comb = g.maps(qc, kk, i0, i1, ks, ke, lam_c, want_p=True)  # recomputed: (B, M, Hk, R, w)
         doc = dout[:, i0:i1].transpose(1, 2).reshape(b * hk, r, -1)
-        _acc(dv[:, :ke], comb.transpose(1, 2), doc, fresh)
-        dp = g._take(g._comb, b * hk, r, ke)  # the combined map is consumed: reuse its buffer
+        _acc(dv[:, ks:ke], comb.transpose(1, 2), doc, fresh)
+        dp = g._take(g._comb, b * hk, r, w)  # the combined map is consumed: reuse its buffer
         torch.bmm(doc, vv.transpose(1, 2), out=dp)
         if g.native:  # softmax backward p_m (dP - r_m) and the row sums r_m in one pass per row
-            ds = g._take(g._s, b, m, hk, r, ke)
+            ds = g._take(g._s, b, m, hk, r, w)
             rs = torch.empty(b, m, hk, r, 1, dtype=torch.float32, device=q.device)
             native.softmax_backward(p, dp, ds, rs, m, hk * r, c, g._diag0(i0))
         else:
-            t = g._take(g._s, b, m, hk, r, ke)
-            torch.mul(p, dp.view(b, 1, hk, r, ke), out=t)  # p_m * dP
+            t = g._take(g._s, b, m, hk, r, w)
+            torch.mul(p, dp.view(b, 1, hk, r, w), out=t)  # p_m * dP
             # rowsum(p_m * dP) accumulated and kept in the compute dtype (lambda's gradient sums it, as the native
             # kernel's float32 row sums); the maps' elementwise math reads a copy in their dtype
             rs = t.sum(-1, keepdim=True, dtype=cd)
             rsm = rs.to(t.dtype)
             if g._low is not None:  # softmax backward p_m (dP - r_m), rounded once for the matmuls
-                ds = torch.addcmul(t, p, rsm, value=-1.0, out=g._take(g._low, b, m, hk, r, ke))
+                ds = torch.addcmul(t, p, rsm, value=-1.0, out=g._take(g._low, b, m, hk, r, w))
             else:
                 ds = t.addcmul_(p, rsm, value=-1.0)
         rs = rs.to(cd)
-        ds = ds.view(b * m * hk, r, ke)
+        ds = ds.view(b * m * hk, r, w)
         dqc = torch.bmm(ds, kk).view(b, m, hk, r, d)
         if m == 2:  # map 2 enters with weight -lambda: scale its small products, not the map
             if lam_c is None:
@@ -526,7 +542,7 @@ def _backward(ctx, dout):
                 qc[:, 1].mul_(-lam_c.to(qc.dtype))
                 qc = qc.view(b * m * hk, r, d)
         dq[:, :, i0:i1] = dqc.view(b * m * hk, rep, c, d)
-        _acc(dk[:, :ke], ds.transpose(1, 2), qc, fresh)
+        _acc(dk[:, ks:ke], ds.transpose(1, 2), qc, fresh)
     if seen < nk:  # keys no query could see
         dk[:, seen:].zero_()
         dv[:, seen:].zero_()
