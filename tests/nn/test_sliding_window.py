@@ -430,3 +430,21 @@ def test_drop_oldest_moves_the_rest_to_the_front_and_reset_forgets_it():
         c.drop_oldest(4)
     c.reset()
     assert c.length == 0 and c.dropped == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_few_queries_after_a_cache_read_only_their_windows_keys(dtype):
+    """Three queries after 47 cached keys under a window of 9 (fused_attention's few-query path, no autograd): the
+    masked float64 reference's output, with NaN in every key and value left of the first query's window."""
+    from difftx.nn import fused
+
+    (q, k, v, lam), mask = _native_case(2, 4, 2, 3, 47, "scalar", True, 9)
+    with torch.no_grad():
+        ref = fused._attention_torch(q, k, v, lam, mask, 0.3)
+        k, v = k.clone(), v.clone()
+        first = 47 - 9 + 1
+        k[:, :, :, :first] = float("nan")
+        v[:, :, :first] = float("nan")
+        got = fused.fused_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, 0.3, lam.float())
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (got.double() - ref).abs().max() <= tol * ref.abs().max()

@@ -782,11 +782,12 @@ def _few_queries(q, k, v, lam, mask: AttnMask, scale: float) -> torch.Tensor:
     k3, v3 = _batched(k), _batched(v)
     if q.dtype == torch.float16:  # float16 products would round the logits and overflow past 65504
         return _few_queries(q.float(), k.float(), v.float(), lam, mask, scale).to(q.dtype)
+    ks = _key_start(mask, 0)  # a sliding window: the keys from the first query's window on only
     width = ke
-    if k3.shape[1] > ke and q.dtype not in (torch.float32, torch.float64) and k3.is_contiguous() \
+    if ks == 0 and k3.shape[1] > ke and q.dtype not in (torch.float32, torch.float64) and k3.is_contiguous() \
             and v3.is_contiguous() and k3.shape[1] <= 2 * ke:
         width = k3.shape[1]  # the whole buffer; keys [ke, width) are masked below
-    k3, v3 = k3[:, :width], v3[:, :width]
+    k3, v3 = k3[:, ks:width], v3[:, ks:width]
     if q.dtype in (torch.float32, torch.float64):  # MKL: Q K^T streams K, ~3x faster than K Q^T here
         s = torch.bmm(q.reshape(b * m * hk, r, d) * scale, k3.transpose(1, 2))  # (BMH, r, width)
     else:
@@ -794,15 +795,16 @@ def _few_queries(q, k, v, lam, mask: AttnMask, scale: float) -> torch.Tensor:
         s = torch.baddbmm(_zero(q), k3, qt, beta=0, alpha=scale).transpose(1, 2)  # (BMH, r, width)
     if s.dtype != md:
         s = s.to(md)
+    width -= ks
     s = s.reshape(b, m, hk, h // hk, n, width)
-    allowed = _block_mask(mask, 0, n, ke, q.device)
+    allowed = _block_mask(mask, 0, n, ke, q.device, ks)
     if allowed is None and mask.causal and n > 1:  # causal rows within the block
         qpos = torch.arange(mask.q_start, mask.q_start + n, device=q.device)[:, None]
         allowed = (torch.arange(ke, device=q.device)[None] <= qpos)[None, None, None, None]
-    if width > ke:
+    if width > ke:  # (ks is 0)
         s[..., ke:].fill_(float("-inf"))
     if allowed is not None:
-        s[..., :ke] = s[..., :ke].masked_fill(~allowed, float("-inf"))
+        s[..., :ke - ks] = s[..., :ke - ks].masked_fill(~allowed, float("-inf"))
     # two maps: their softmax and combine in the compute dtype (float32 under bf16), as the native decoding kernel
     # does; in bf16, torch.add rounds its alpha (lambda) to bf16 too: a bias of up to 2^-9 lambda on every key
     p = torch.softmax(s, dim=-1, dtype=_compute_dtype(s.dtype) if m == 2 else None).reshape(b, m, hk, r, width)
