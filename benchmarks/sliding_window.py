@@ -17,7 +17,9 @@ For each attention kind, dtype and window: the preset's model and one AdamW trai
 
 Prints a markdown table and writes ``OUT/sliding_window.md``.  With ``--attention-only``: one DIFF layer's attention
 alone (``difftx.nn.fused.fused_attention``, 8 heads of 32, forward + backward, random inputs) for the same arms, in
-``OUT/sliding_window_attention.md``.
+``OUT/sliding_window_attention.md``.  With ``--inference``: one softmax layer's attention without autograd (8 heads of
+64), ``--queries`` queries after the rest of ``--shape``'s keys (1: a decoding step), through SDPA (the window as a
+dense mask) and the fused path (the window's keys only), in ``OUT/sliding_window_inference.md``.
 """
 
 from __future__ import annotations
@@ -45,11 +47,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--attention-only", action="store_true", help="one DIFF layer's attention alone, not the model")
+    ap.add_argument("--inference", action="store_true", help="one softmax layer's attention without autograd: SDPA "
+                    "against the fused path")
+    ap.add_argument("--queries", default="1,3,512", help="--inference: queries after the cached keys")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     b, n = (int(v) for v in args.shape.split("x"))
     rows = []
+    if args.inference:
+        return _inference(args, b, n)
     for attention in ([] if args.attention_only else args.attentions.split(",")):
         for dtype in args.dtypes.split(","):
             bf16 = dtype == "bf16"
@@ -126,6 +133,47 @@ def _attention_only(args, b: int, n: int) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sliding_window_attention.md").write_text(text)
+
+
+def _inference(args, b: int, n: int) -> None:
+    from difftx.nn import backends
+
+    g = torch.Generator().manual_seed(0)
+    h, d = 8, 64
+    lines = [f"# Sliding window: one softmax layer's attention without autograd ({b} x {n} keys, {h} heads of {d}, "
+             f"{args.threads} threads)", "",
+             f"Machine: {native.cpuinfo_value('model name') or 'unknown CPU'}, torch {torch.__version__}.", "",
+             f"Command: `python benchmarks/sliding_window.py --inference --shape {args.shape} --windows {args.windows} "
+             f"--queries {args.queries} --dtypes {args.dtypes} --repeats {args.repeats} --threads {args.threads}`", "",
+             "Median milliseconds over interleaved repeats (SDPA's dense mask built in each call, as in a model's first "
+             "layer); speed-up = SDPA / fused.", "",
+             "| dtype | window | queries | SDPA ms | fused ms | speed-up |", "|---|---|---|---|---|---|"]
+    for dtype in args.dtypes.split(","):
+        dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+        k, v = (torch.randn(b, h, n, d, generator=g).to(dt) for _ in range(2))
+        for window in (int(w) for w in args.windows.split(",")):
+            for nq in (int(x) for x in args.queries.split(",")):
+                q = torch.randn(b, h, nq, d, generator=g).to(dt)
+
+                def run(path: str) -> float:
+                    mask = AttnMask(causal=True, n_q=nq, n_k=n, q_start=n - nq, window=window)
+                    t0 = time.perf_counter()
+                    with torch.no_grad():
+                        if path == "sdpa":
+                            backends.sdpa(q, k, v, mask, d ** -0.5)
+                        else:
+                            fused.fused_attention(q[:, None], k[:, None], v, mask, d ** -0.5)
+                    return time.perf_counter() - t0
+
+                med = interleaved_medians({p: functools.partial(run, p) for p in ("sdpa", "fused")}, args.repeats)
+                lines.append(f"| {dtype} | {window} | {nq} | {med['sdpa'] * 1e3:.2f} | {med['fused'] * 1e3:.2f} | "
+                             f"{med['sdpa'] / med['fused']:.1f} |")
+                print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sliding_window_inference.md").write_text(text)
 
 
 if __name__ == "__main__":

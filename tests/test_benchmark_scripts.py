@@ -97,6 +97,12 @@ def test_sliding_window_benchmark_runs_and_writes_its_table(tmp_path, one_thread
     assert native.attention_ok is real
     table = (tmp_path / "sliding_window_attention.md").read_text().splitlines()
     assert table[-1].startswith("| fp32 | 16 |") and table[-1].count("|") == 8  # 7 columns
+    monkeypatch.setattr(sys, "argv", ["sliding_window.py", "--inference", "--shape", "1x64", "--windows", "16",
+                                      "--queries", "1,5", "--dtypes", "fp32", "--repeats", "1", "--threads", "1",
+                                      "--out", str(tmp_path)])
+    mod.main()
+    table = (tmp_path / "sliding_window_inference.md").read_text().splitlines()
+    assert table[-1].startswith("| fp32 | 16 | 5 |") and table[-1].count("|") == 7  # 6 columns
 
 
 def test_interleaved_medians_alternate_the_order_and_a_switched_arm_puts_the_attribute_back():

@@ -274,6 +274,10 @@ def test_variant_choice(amx, monkeypatch):
             assert resolve("auto", prompt.bfloat16()) == ("sdpa" if amx else "fused")
             assert resolve("auto", q.detach().bfloat16()) == ("sdpa" if amx else "fused")
             assert resolve("auto", prompt, dropout_p=0.1) == "sdpa"
+            # a sliding window: the fused path, which multiplies only the window's keys (SDPA: a dense mask)
+            for x in (q.detach(), prompt.bfloat16(), q.detach().bfloat16()):
+                assert resolve("auto", x, windowed=True) == "fused"
+            assert resolve("auto", prompt, dropout_p=0.1, windowed=True) == "sdpa"
         assert resolve("fused", q.detach()) == "fused"
         with pytest.raises(ValueError):
             resolve("bogus", q)

@@ -448,3 +448,23 @@ def test_a_few_queries_after_a_cache_read_only_their_windows_keys(dtype):
         got = fused.fused_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, 0.3, lam.float())
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert (got.double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["softmax", "diff2"])
+def test_windowed_inference_takes_the_fused_path_where_sdpa_would_be_chosen(kind, monkeypatch):
+    """bf16 inference on an AMX CPU takes SDPA (CPU flash) without a window; under a window the fused path, which
+    multiplies only the window's keys, where SDPA would mask a dense N x N map."""
+    monkeypatch.setattr(backends, "CPU_HAS_AMX", True)
+    calls = []
+    real = backends.fused_attention
+    monkeypatch.setattr(backends, "fused_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x = torch.randint(0, 50, (2, 20))
+    for window, want in ((None, False), (6, True)):
+        cfg = ModelConfig(attention=kind, d_model=64, n_heads=2, n_layers=1, vocab_size=50, max_seq_len=64,
+                          sliding_window=window)
+        torch.manual_seed(0)
+        model = build_model(cfg).bfloat16().eval()
+        calls.clear()
+        with torch.no_grad():
+            model(x)
+        assert bool(calls) == want, (window, calls)

@@ -119,7 +119,7 @@ class AttentionBase(nn.Module):
             return backends.eager_attention(q, k, v, mask, self.scale, p, self.probe, self.layer)
         if backend == "flex":
             return backends.flex(q, k, v, mask, self.scale)
-        if not compiled_step and backends.resolve_softmax_variant(self.diff_variant, q, p) == "fused":
+        if not compiled_step and backends.resolve_softmax_variant(self.diff_variant, q, p, mask.windowed) == "fused":
             return backends.fused_attention(q[:, None], k[:, None], v, mask, self.scale).transpose(1, 2)
         return backends.sdpa(q, k, v, mask, self.scale, p)
 
@@ -461,7 +461,7 @@ class DiffV2Attention(AttentionBase):
                                             None, 1.0, 0.0, _out_dtype(x))
             return self.out_proj(o.reshape(b, n, -1))
         lam = lam.transpose(1, 2)[..., None]  # (B, h, N, 1)
-        if (backend == "sdpa" and backends.resolve_v2_variant(self.diff_variant, qs, p) == "fused"
+        if (backend == "sdpa" and backends.resolve_v2_variant(self.diff_variant, qs, p, mask.windowed) == "fused"
                 and not _compiled_step(cache, n)):
             o = backends.fused_attention(qs, k[:, None], v, mask, self.scale, lam)  # (B, N, h, d); K read by both maps
             return self.out_proj(o.reshape(b, n, -1).to(_out_dtype(x)))

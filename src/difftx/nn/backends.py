@@ -167,7 +167,7 @@ FUSED_INFERENCE_MIN_QUERIES = 5  # fp32 inference with fewer queries (decoding s
 CPU_HAS_AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
-def _cpu_fused_wins(q: torch.Tensor, dropout_p: float) -> bool:
+def _cpu_fused_wins(q: torch.Tensor, dropout_p: float, windowed: bool = False) -> bool:
     """Where the fused kernel beats SDPA for softmax attention and DIFF V2 (``auto``), as measured on the
     CPU (docs/performance.md): training in every dtype (CPU flash's backward is slow: a layer's
     forward + backward 5% faster in fp32, 10% in bf16), and fp32/fp64 inference over a prompt (small
@@ -177,17 +177,21 @@ def _cpu_fused_wins(q: torch.Tensor, dropout_p: float) -> bool:
     the fused path wins bf16 inference, decoding steps included (small preset, 4 x 512: Transformer prefill
     1.13-1.16x, decoding 1.39-1.40x; V2 1.34x and 2.29x).  CUDA keeps SDPA.  On the CPU, one-query decoding
     steps over a KV cache take the native decoding kernel before this choice (:func:`native_diff_decode`;
-    softmax attention: 1.13x CPU flash in fp32, 1.41x the fused path in bf16, on an AMD Zen 5)."""
+    softmax attention: 1.13x CPU flash in fp32, 1.41x the fused path in bf16, on an AMD Zen 5).  Under a
+    sliding window (``windowed``) the fused path everywhere on the CPU: it multiplies only each block's window of
+    keys, where SDPA takes the window as a dense N x N mask over every key (4 x 4096 keys, a window of 512, 8 heads
+    of 64, Zen 5: 1, 3 and 512 queries 5.0x, 6.2x and 11.5x faster in fp32, 13x, 5.3x and 19x in bf16;
+    ``benchmarks/sliding_window.py --inference``; CPU flash's AMX bf16 kernel not measured)."""
     if dropout_p > 0 or q.device.type != "cpu":
         return False
-    if torch.is_grad_enabled() and q.requires_grad:
+    if windowed or (torch.is_grad_enabled() and q.requires_grad):
         return True
     if q.dtype == torch.bfloat16:
         return not CPU_HAS_AMX
     return q.dtype in (torch.float32, torch.float64) and q.shape[-2] >= FUSED_INFERENCE_MIN_QUERIES
 
 
-def resolve_softmax_variant(variant: str, q: torch.Tensor, dropout_p: float = 0.0) -> str:
+def resolve_softmax_variant(variant: str, q: torch.Tensor, dropout_p: float = 0.0, windowed: bool = False) -> str:
     """Softmax attention: ``sdpa`` or ``fused`` (the one-map case of the fused kernel); ``auto``:
     fused where it was measured faster (:func:`_cpu_fused_wins`).  With attention dropout: ``sdpa``
     (the fused kernel has no dropout)."""
@@ -195,10 +199,10 @@ def resolve_softmax_variant(variant: str, q: torch.Tensor, dropout_p: float = 0.
         return "sdpa" if dropout_p > 0 else variant
     if variant not in ("auto", "2call", "4call"):
         raise ValueError(f"unknown softmax attention variant {variant!r}; one of auto, fused, sdpa")
-    return "fused" if _cpu_fused_wins(q, dropout_p) else "sdpa"
+    return "fused" if _cpu_fused_wins(q, dropout_p, windowed) else "sdpa"
 
 
-def resolve_v2_variant(variant: str, q: torch.Tensor, dropout_p: float = 0.0) -> str:
+def resolve_v2_variant(variant: str, q: torch.Tensor, dropout_p: float = 0.0, windowed: bool = False) -> str:
     """DIFF V2: ``fused`` (the per-token lambda combines the two maps before one d-wide value
     product) or ``sdpa`` (one call over the 2h query heads, then the combine); ``auto``: fused where
     it was measured faster (:func:`_cpu_fused_wins`).  With attention dropout: ``sdpa`` (the fused
@@ -207,7 +211,7 @@ def resolve_v2_variant(variant: str, q: torch.Tensor, dropout_p: float = 0.0) ->
         return "sdpa" if dropout_p > 0 else variant
     if variant not in ("auto", "2call", "4call"):
         raise ValueError(f"unknown DIFF V2 variant {variant!r}; one of auto, fused, sdpa")
-    return "fused" if _cpu_fused_wins(q, dropout_p) else "sdpa"
+    return "fused" if _cpu_fused_wins(q, dropout_p, windowed) else "sdpa"
 
 
 def fused_attention(q, k, v, mask: AttnMask, scale: float, lam: Optional[torch.Tensor] = None) -> torch.Tensor:
