@@ -50,7 +50,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, temperatu
     (1 = token); right padding works too (a row continues from its own last
     token, and its new tokens follow its padding).  A row that emits one of
     ``stop_tokens`` is finished: later positions hold ``pad_token_id``;
-    decoding ends when every row is finished.
+    decoding ends when every row is finished.  A sliding-window model's cache holds the prompt or two windows,
+    whichever is longer, however many tokens are asked for (the keys no later token sees are dropped).
     Returns (B, N + generated).
     """
     cfg = model.config
