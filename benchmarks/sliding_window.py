@@ -75,36 +75,30 @@ def main() -> None:
                       + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in med.items()), flush=True)
     if args.attention_only:
         return _attention_only(args, b, n)
-    lines = [f"# Sliding window: training step time ({args.preset}, {b} x {n} tokens, {args.threads} threads)", "",
-             f"Machine: {native.cpuinfo_value('model name') or 'unknown CPU'}, torch {torch.__version__}.", "",
-             f"Command: `python benchmarks/sliding_window.py --preset {args.preset} --attentions {args.attentions} "
-             f"--shape {args.shape} --windows {args.windows} --dtypes {args.dtypes} --repeats {args.repeats} "
-             f"--threads {args.threads}`", "",
-             "Median seconds per AdamW step (forward, backward, optimizer) over interleaved repeats; ratios to the "
-             "causal arm (below 1: faster).", "",
-             "| attention | dtype | window | causal ms | window ms | ratio | torch blocks ms | ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = _header(f"# Sliding window: training step time ({args.preset}, {b} x {n} tokens, {args.threads} threads)",
+                    f"python benchmarks/sliding_window.py --preset {args.preset} --attentions {args.attentions} "
+                    f"--shape {args.shape} --windows {args.windows} --dtypes {args.dtypes} --repeats {args.repeats} "
+                    f"--threads {args.threads}",
+                    "Median seconds per AdamW step (forward, backward, optimizer) over interleaved repeats; ratios to "
+                    "the causal arm (below 1: faster).")
+    lines += ["| attention | dtype | window | causal ms | window ms | ratio | torch blocks ms | ratio |",
+              "|---|---|---|---|---|---|---|---|"]
     for attention, dtype, window, med in rows:
         c = med["causal"]
         lines.append(f"| {attention} | {dtype} | {window} | {c * 1e3:.0f} | {med['window'] * 1e3:.0f} | "
                      f"{med['window'] / c:.2f} | {med['torch blocks'] * 1e3:.0f} | {med['torch blocks'] / c:.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sliding_window.md").write_text(text)
+    _write(lines, args.out, "sliding_window.md")
 
 
 def _attention_only(args, b: int, n: int) -> None:
     g = torch.Generator().manual_seed(0)
     h, d = 8, 32
-    lines = [f"# Sliding window: one DIFF layer's attention, forward + backward ({b} x {n} tokens, {h} heads of {d}, "
-             f"{args.threads} threads)", "",
-             f"Machine: {native.cpuinfo_value('model name') or 'unknown CPU'}, torch {torch.__version__}.", "",
-             f"Command: `python benchmarks/sliding_window.py --attention-only --shape {args.shape} --windows "
-             f"{args.windows} --dtypes {args.dtypes} --repeats {args.repeats} --threads {args.threads}`", "",
-             "Median milliseconds over interleaved repeats; ratios to the causal arm.", "",
-             "| dtype | window | causal ms | window ms | ratio | torch blocks ms | ratio |", "|---|---|---|---|---|---|---|"]
+    lines = _header(f"# Sliding window: one DIFF layer's attention, forward + backward ({b} x {n} tokens, {h} heads "
+                    f"of {d}, {args.threads} threads)",
+                    f"python benchmarks/sliding_window.py --attention-only --shape {args.shape} --windows "
+                    f"{args.windows} --dtypes {args.dtypes} --repeats {args.repeats} --threads {args.threads}",
+                    "Median milliseconds over interleaved repeats; ratios to the causal arm.")
+    lines += ["| dtype | window | causal ms | window ms | ratio | torch blocks ms | ratio |", "|---|---|---|---|---|---|---|"]
     for dtype in args.dtypes.split(","):
         dt = torch.bfloat16 if dtype == "bf16" else torch.float32
         q = torch.randn(b, 2, h, n, d, generator=g).to(dt).requires_grad_()
@@ -128,11 +122,7 @@ def _attention_only(args, b: int, n: int) -> None:
             lines.append(f"| {dtype} | {window} | {c:.1f} | {med['window']:.1f} | {med['window'] / c:.2f} | "
                          f"{med['torch blocks']:.1f} | {med['torch blocks'] / c:.2f} |")
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sliding_window_attention.md").write_text(text)
+    _write(lines, args.out, "sliding_window_attention.md")
 
 
 def _inference(args, b: int, n: int) -> None:
@@ -140,14 +130,13 @@ def _inference(args, b: int, n: int) -> None:
 
     g = torch.Generator().manual_seed(0)
     h, d = 8, 64
-    lines = [f"# Sliding window: one softmax layer's attention without autograd ({b} x {n} keys, {h} heads of {d}, "
-             f"{args.threads} threads)", "",
-             f"Machine: {native.cpuinfo_value('model name') or 'unknown CPU'}, torch {torch.__version__}.", "",
-             f"Command: `python benchmarks/sliding_window.py --inference --shape {args.shape} --windows {args.windows} "
-             f"--queries {args.queries} --dtypes {args.dtypes} --repeats {args.repeats} --threads {args.threads}`", "",
-             "Median milliseconds over interleaved repeats (SDPA's dense mask built in each call, as in a model's first "
-             "layer); speed-up = SDPA / fused.", "",
-             "| dtype | window | queries | SDPA ms | fused ms | speed-up |", "|---|---|---|---|---|---|"]
+    lines = _header(f"# Sliding window: one softmax layer's attention without autograd ({b} x {n} keys, {h} heads of "
+                    f"{d}, {args.threads} threads)",
+                    f"python benchmarks/sliding_window.py --inference --shape {args.shape} --windows {args.windows} "
+                    f"--queries {args.queries} --dtypes {args.dtypes} --repeats {args.repeats} --threads {args.threads}",
+                    "Median milliseconds over interleaved repeats (SDPA's dense mask built in each call, as in a "
+                    "model's first layer); speed-up = SDPA / fused.")
+    lines += ["| dtype | window | queries | SDPA ms | fused ms | speed-up |", "|---|---|---|---|---|---|"]
     for dtype in args.dtypes.split(","):
         dt = torch.bfloat16 if dtype == "bf16" else torch.float32
         k, v = (torch.randn(b, h, n, d, generator=g).to(dt) for _ in range(2))
@@ -169,11 +158,20 @@ def _inference(args, b: int, n: int) -> None:
                 lines.append(f"| {dtype} | {window} | {nq} | {med['sdpa'] * 1e3:.2f} | {med['fused'] * 1e3:.2f} | "
                              f"{med['sdpa'] / med['fused']:.1f} |")
                 print(lines[-1], flush=True)
+    _write(lines, args.out, "sliding_window_inference.md")
+
+
+def _header(title: str, command: str, what: str) -> list:
+    """A table's first lines: its title, this machine, the command that makes it, what its cells are."""
+    return [title, "", f"Machine: {native.cpuinfo_value('model name') or 'unknown CPU'}, torch {torch.__version__}.", "",
+            f"Command: `{command}`", "", what, ""]
+
+
+def _write(lines: list, out: str, name: str) -> None:
     text = "\n".join(lines) + "\n"
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sliding_window_inference.md").write_text(text)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / name).write_text(text)
 
 
 if __name__ == "__main__":
