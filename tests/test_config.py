@@ -83,6 +83,29 @@ def test_replace_with_a_field_at_its_current_value_keeps_the_derived_ones():
     assert cfg.replace(n_heads=2).n_kv_heads == 2
 
 
+def test_qkv_bias_follows_bias_unless_given():
+    """qkv_bias (Qwen2's biases on q, k and v alone) defaults to bias, and replace(bias=...) carries it along; given,
+    it puts biases on the three projections and nowhere else (the parameter count says so, in every kind)."""
+    import difftx
+
+    assert ModelConfig().qkv_bias is False and ModelConfig(bias=True).qkv_bias is True
+    qwen2 = ModelConfig(d_model=64, n_heads=4, n_kv_heads=2, qkv_bias=True)
+    assert qwen2.bias is False and qwen2.replace(n_layers=3).qkv_bias is True
+    assert qwen2.replace(bias=True).qkv_bias is True and qwen2.replace(bias=True).replace(bias=False).qkv_bias is False
+    assert ModelConfig.from_dict({k: v for k, v in qwen2.to_dict().items() if k != "qkv_bias"}).qkv_bias is False
+    with pytest.raises(ConfigError, match="qkv_bias: must be true or false"):
+        ModelConfig(qkv_bias="yes")
+    for kind in ("softmax", "diff", "diff2"):
+        cfg = qwen2.twin(kind)
+        assert cfg.qkv_bias and not cfg.bias
+        model = difftx.build_model(cfg)
+        biases = sorted(name.split(".")[-2] for name, _ in model.named_parameters() if name.endswith(".bias"))
+        assert biases == sorted(["q_proj", "k_proj", "v_proj"] * cfg.n_layers), kind
+        q, kv = cfg.n_q_components * cfg.head_dim, cfg.n_kv_components * cfg.head_dim  # V as wide as K in each kind
+        extra = cfg.n_layers * (q + 2 * kv)
+        assert count_parameters(cfg) == count_parameters(cfg.replace(qkv_bias=False)) + extra, kind
+
+
 def test_roundtrip_dict():
     cfg = ModelConfig.from_preset("small", attention="diff", norms="dnt")
     again = ModelConfig.from_dict(cfg.to_dict())

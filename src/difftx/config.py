@@ -161,6 +161,7 @@ class ModelConfig:
     positions: str = "rope"
     tie_embeddings: bool = False
     bias: bool = False
+    qkv_bias: Optional[bool] = None  # biases on the query / key / value projections (Qwen2's); None: as ``bias``
     init: str = "normal"
     init_std: float = 0.02
     dropout: float = 0.0
@@ -215,6 +216,10 @@ class ModelConfig:
         for name in ("head_norm", "head_norm_weight", "tie_embeddings", "bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false; got {getattr(self, name)!r}")
+        if self.qkv_bias is None:
+            self.qkv_bias = self.bias
+        elif not isinstance(self.qkv_bias, bool):
+            raise ConfigError("qkv_bias", f"must be true or false (or null: as 'bias'); got {self.qkv_bias!r}")
         if self.preset is not None and not isinstance(self.preset, str):
             raise ConfigError("preset", f"is the name of the preset a config came from (a string); got "
                                         f"{self.preset!r}: pick a preset by name (--preset NAME), not with --set")
@@ -343,7 +348,7 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         """A copy with ``changes`` applied and re-validated.
 
-        Derived fields (head_dim, n_kv_heads, ffn_dim) are re-derived unless given,
+        Derived fields (head_dim, n_kv_heads, ffn_dim, qkv_bias) are re-derived unless given,
         when the fields they derive from change value: a field given its current
         value changes nothing (``replace(attention="softmax")`` of a softmax GQA model
         keeps its K/V heads and head_dim).  The norm flags follow ``norms`` whenever
@@ -354,6 +359,7 @@ class ModelConfig:
             "head_dim": ("d_model", "n_heads", "attention"),
             "n_kv_heads": ("n_heads", "attention"),
             "ffn_dim": ("d_model", "ffn", "ffn_multiple_of"),
+            "qkv_bias": ("bias",),
         }
         for derived, sources in derived_from.items():
             if derived not in changes and any(s in changes and changes[s] != base[s] for s in sources):
@@ -394,7 +400,7 @@ class ModelConfig:
             # whose parameters match this V2 model's, its extra query rows and lambda projection given back
             mats = 3 if self.ffn == "swiglu" else 2
             unit = mats * self.d_model + (mats - 1 if self.bias else 0)
-            extra = self.n_heads * self.head_dim * (self.d_model + int(self.bias)) + self.d_model * self.n_heads
+            extra = self.n_heads * self.head_dim * (self.d_model + int(self.qkv_bias)) + self.d_model * self.n_heads
             base = base.replace(ffn_dim=self.ffn_dim + int(round(extra / unit)))
         if attention == "softmax":
             return base
@@ -422,7 +428,7 @@ class ModelConfig:
             target = count_parameters(base)
 
             def off(width: int) -> int:
-                return cfg.n_layers * (q_rows * (cfg.d_model + int(cfg.bias)) + cfg.d_model * cfg.n_heads
+                return cfg.n_layers * (q_rows * (cfg.d_model + int(cfg.qkv_bias)) + cfg.d_model * cfg.n_heads
                                        - (base.ffn_dim - width) * unit)
 
             lo = exact - exact % GEMM_MULTIPLE

@@ -270,7 +270,7 @@ def peers_match(cfg: ModelConfig) -> bool:
     RMSNorm, SwiGLU, rotary positions rotating halves, no biases).  GPT-2-style presets (GELU MLP, learned
     positions) get no peers: theirs would be other models, not the same shapes."""
     return (cfg.ffn == "swiglu" and cfg.positions == "rope" and cfg.rope_style == "half" and cfg.norm == "rms"
-            and cfg.norms == "S1" and not cfg.bias)
+            and cfg.norms == "S1" and not cfg.bias and not cfg.qkv_bias)
 
 
 def build_arms(bc: BenchConfig, device: torch.device, log: Callable[[str], None] = print) -> list[Arm]:

@@ -1,8 +1,9 @@
-"""``difftx convert SRC DST``: checkpoints between difftx, transformers (Llama, DiffLlama, Mistral, difftx) and unilm.
+"""``difftx convert SRC DST``: checkpoints between difftx, transformers (Llama, DiffLlama, Mistral, Qwen2,
+Qwen3, difftx) and unilm.
 
 A thin layer over :func:`difftx.interop.convert.convert`.  ``--verify`` reads the
 source and the result back, each with its own library (transformers for a Llama /
-DiffLlama / Mistral directory when it is installed, difftx otherwise), and prints the largest
+DiffLlama / Mistral / Qwen2 / Qwen3 directory when it is installed, difftx otherwise), and prints the largest
 logit difference on a fixed random batch (and the KL divergence for ``--diff-init``).
 """
 
@@ -24,9 +25,9 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser(
         "convert", help="convert checkpoints between difftx and Hugging Face / official layouts",
-        description="Convert SRC (a difftx model dir, a Hugging Face llama / diffllama / mistral / difftx dir, or a "
-                    "weights "
-                    "file of official unilm attention modules) into DST. Loading never runs code from SRC.")
+        description="Convert SRC (a difftx model dir, a Hugging Face llama / diffllama / mistral / qwen2 / qwen3 / "
+                    "difftx dir, or a weights file of official unilm attention modules) into DST. Loading never runs "
+                    "code from SRC.")
     p.add_argument("src", metavar="SRC", help="source directory (or unilm weights file)")
     p.add_argument("dst", metavar="DST", help="destination directory")
     p.add_argument("--from", dest="src_format", default="auto", choices=("auto",) + FORMATS + ("unilm",),
@@ -36,10 +37,10 @@ def add_parser(sub) -> None:
                         "given --diff-init)")
     p.add_argument("--pairing", choices=("adjacent", "halves"),
                    help="DIFF head pairing of a difftx or hf-difftx result (rows re-laid out; the function is "
-                        "unchanged; hf-llama / hf-diffllama / hf-mistral fix their own)")
+                        "unchanged; the other hf- formats but hf-difftx fix their own)")
     p.add_argument("--rope-style", choices=("half", "interleaved"),
                    help="RoPE channel order of a difftx or hf-difftx result (rows re-laid out; the function is "
-                        "unchanged; hf-llama / hf-diffllama / hf-mistral fix their own)")
+                        "unchanged; the other hf- formats but hf-difftx fix their own)")
     p.add_argument("--diff-init", choices=DIFF_INIT_MODES,
                    help="turn a softmax (Llama) model into DIFF for continued training: exact (same function, "
                         "2x attention), twin-zero (matched size, half of each head exact), twin (the paper's DIFF)")
@@ -48,7 +49,8 @@ def add_parser(sub) -> None:
     p.add_argument("--unilm-variant", choices=("flash", "naive"), default=None,
                    help="unilm: which official file's GQA pairing the weights were trained with (default flash)")
     p.add_argument("--verify", action="store_true",
-                   help="read source and result back (Llama / DiffLlama / Mistral with transformers when installed), "
+                   help="read source and result back (Llama / DiffLlama / Mistral / Qwen with transformers when "
+                        "installed), "
                         "print their max logit difference on random tokens and exit 1 when a conversion that "
                         "keeps the function and the precision misses it by more than 1e-3 of the largest logit")
     p.add_argument("--force", action="store_true", help="overwrite a DST that already holds a model")
@@ -57,11 +59,11 @@ def add_parser(sub) -> None:
 
 def _read_back(path: Path):
     """(model in float32, "transformers" or "difftx"): ``path`` read by the library that owns its format."""
-    from ..interop.convert import detect_format
+    from ..interop.convert import LLAMA_LIKE, detect_format
     from ..io import load_model
 
     fmt = detect_format(path)
-    if fmt in ("hf-llama", "hf-diffllama", "hf-mistral"):
+    if fmt in LLAMA_LIKE:
         try:
             import transformers
         except ImportError:

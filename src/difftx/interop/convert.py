@@ -8,6 +8,11 @@ Formats (``--from`` / ``--to`` of ``difftx convert``):
 * ``hf-mistral``: transformers' ``MistralForCausalLM``, Llama's blocks without biases and with
   an optional ``sliding_window`` <-> the same Transformer with difftx's ``sliding_window`` (the
   same keys: a query sees itself and the ``window - 1`` before it).
+* ``hf-qwen2``: transformers' ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5): Llama's blocks with biases on the q, k and v
+  projections only <-> the Transformer with ``qkv_bias`` (and no other bias).
+* ``hf-qwen3``: transformers' ``Qwen3ForCausalLM``: Llama's blocks with a per-head RMSNorm of q and k (over
+  ``head_dim``, with a gain, before RoPE) <-> the Transformer with norms ``S2`` (difftx's QK norm is that norm).
+  A Qwen sliding window must cover every layer or none (``layer_types``).
 * ``hf-diffllama``: transformers' ``DiffLlamaForCausalLM`` <-> difftx DIFF.  DiffLlama's
   conventions are expressed as config fields, so its weights load unpermuted:
   ``num_attention_heads`` counts component heads (difftx ``n_heads`` = half of it),
@@ -38,12 +43,14 @@ from ..io import (CONFIG_FILE, WEIGHTS_FILE, atomic_copyfile, cast_model, cast_s
 from . import hf_io
 from .layouts import relayout
 
-HF_FORMATS = ("hf-llama", "hf-diffllama", "hf-mistral", "hf-difftx")
-LLAMA_LIKE = ("hf-llama", "hf-diffllama", "hf-mistral")  # Llama's tensor names and blocks
+HF_FORMATS = ("hf-llama", "hf-diffllama", "hf-mistral", "hf-qwen2", "hf-qwen3", "hf-difftx")
+LLAMA_LIKE = ("hf-llama", "hf-diffllama", "hf-mistral", "hf-qwen2", "hf-qwen3")  # Llama's tensor names and blocks
 FORMATS = ("difftx",) + HF_FORMATS
-MODEL_TYPES = {"llama": "hf-llama", "diffllama": "hf-diffllama", "mistral": "hf-mistral", "difftx": "hf-difftx"}
+MODEL_TYPES = {"llama": "hf-llama", "diffllama": "hf-diffllama", "mistral": "hf-mistral", "qwen2": "hf-qwen2",
+               "qwen3": "hf-qwen3", "difftx": "hf-difftx"}
 ARCHITECTURES = {"hf-llama": "LlamaForCausalLM", "hf-diffllama": "DiffLlamaForCausalLM",
-                 "hf-mistral": "MistralForCausalLM", "hf-difftx": "DifftxForCausalLM"}
+                 "hf-mistral": "MistralForCausalLM", "hf-qwen2": "Qwen2ForCausalLM", "hf-qwen3": "Qwen3ForCausalLM",
+                 "hf-difftx": "DifftxForCausalLM"}
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 TOKEN_IDS_KEY = "hf_token_ids"  # where a difftx model directory keeps a Hugging Face source's token ids
 HF_DIFFTX_PREFIX = "model."  # DifftxForCausalLM holds the DecoderLM as ``.model``
@@ -51,8 +58,51 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some old 
 
 
 # ---------------------------------------------------------------------- configs
-def _llama_like_config(hf: dict, src: str, diff: bool, mistral: bool = False) -> ModelConfig:
-    """difftx config for a Llama / DiffLlama / Mistral ``config.json`` (``src`` names it in errors)."""
+QWEN = ("hf-qwen2", "hf-qwen3")
+WINDOWED = ("hf-mistral",) + QWEN  # the formats with a sliding window field
+
+
+def _hf_window(hf: dict, src: str, fmt: str, n_layers: int) -> Optional[int]:
+    """difftx's ``sliding_window`` for a Mistral / Qwen2 / Qwen3 ``config.json`` (None elsewhere).
+
+    Mistral's window covers every layer.  Qwen's covers the layers ``layer_types`` names ``sliding_attention``
+    (without it: layers from ``max_window_layers`` on, when ``use_sliding_window``), as transformers reads it;
+    difftx has one window for all layers, so a mix of windowed and whole layers is refused."""
+    if fmt not in WINDOWED:
+        return None
+    window = hf.get("sliding_window")
+    if fmt in QWEN:
+        use = hf.get("use_sliding_window", False)
+        if not isinstance(use, bool):
+            raise CheckpointError(f"{src}: 'use_sliding_window' must be true or false; got {use!r}")
+        window = window if use else None  # transformers drops the window unless use_sliding_window
+        types = hf.get("layer_types")
+        if types is None:
+            first = hf.get("max_window_layers", 28)
+            if isinstance(first, bool) or not isinstance(first, int):
+                raise CheckpointError(f"{src}: 'max_window_layers' must be an integer; got {first!r}")
+            types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                     for i in range(n_layers)]
+        if not isinstance(types, list) or len(types) != n_layers \
+                or any(t not in ("full_attention", "sliding_attention") for t in types):
+            raise CheckpointError(f"{src}: 'layer_types' must list 'full_attention' or 'sliding_attention' for each "
+                                  f"of the {n_layers} layers; got {types!r}")
+        sliding = types.count("sliding_attention")
+        if sliding == 0:
+            return None
+        if sliding < n_layers:
+            raise CheckpointError(f"{src}: {sliding} of the {n_layers} layers use a sliding window and the others "
+                                  "attend over the whole context; difftx applies one window to every layer, so this "
+                                  "checkpoint cannot be expressed (its layer_types, or max_window_layers, mix them)")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise CheckpointError(f"{src}: 'sliding_window' must be a positive integer or null; got {window!r}")
+    return window
+
+
+def _llama_like_config(hf: dict, src: str, fmt: str) -> ModelConfig:
+    """difftx config for a Llama / DiffLlama / Mistral / Qwen2 / Qwen3 ``config.json`` (``src`` names it in
+    errors)."""
+    diff = fmt == "hf-diffllama"
 
     def need(key):
         if hf.get(key) is None:
@@ -85,26 +135,39 @@ def _llama_like_config(hf: dict, src: str, diff: bool, mistral: bool = False) ->
         raise CheckpointError(f"{src}: RoPE scaling {rope_type!r} is not supported by difftx (only plain RoPE)")
     theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or hf.get("rope_theta", 10000.0)
     theta = number("rope_theta", theta)
-    attn_bias, mlp_bias = (False, False) if mistral else (flag("attention_bias"), flag("mlp_bias"))  # Mistral: none
-    if diff and attn_bias:  # DiffLlama's FFN has no bias option: its biases would be attention-only
-        raise CheckpointError(f"{src}: attention_bias=True is not supported for DiffLlama (its MLP has no bias, "
-                              "and difftx has one 'bias' switch for attention and FFN)")
-    if attn_bias != mlp_bias:
-        raise CheckpointError(f"{src}: attention_bias={attn_bias} but mlp_bias={mlp_bias}; difftx has one "
-                              "'bias' switch for attention and FFN")
+    if fmt == "hf-mistral":  # no bias options: Mistral's projections have none
+        bias = qkv_bias = False
+    elif fmt == "hf-qwen2":  # no bias options: Qwen2's q, k and v projections always have biases, o and the MLP none
+        bias, qkv_bias = False, True
+    elif fmt == "hf-qwen3":  # attention_bias: q, k, v and o; its MLP has none
+        if flag("attention_bias"):
+            raise CheckpointError(f"{src}: attention_bias=True is not supported for Qwen3 (biases on q, k, v and o "
+                                  "but not the MLP; difftx's 'bias' covers attention and FFN together, "
+                                  "'qkv_bias' q, k and v)")
+        bias = qkv_bias = False
+    else:
+        attn_bias, mlp_bias = flag("attention_bias"), flag("mlp_bias")
+        if diff and attn_bias:  # DiffLlama's FFN has no bias option: its biases would be attention-only
+            raise CheckpointError(f"{src}: attention_bias=True is not supported for DiffLlama (its MLP has no bias, "
+                                  "and difftx has one 'bias' switch for attention and FFN)")
+        if attn_bias != mlp_bias:
+            raise CheckpointError(f"{src}: attention_bias={attn_bias} but mlp_bias={mlp_bias}; difftx has one "
+                                  "'bias' switch for attention and FFN")
+        bias = qkv_bias = attn_bias
     fields = dict(
         domain="lm", d_model=d_model, n_layers=need("num_hidden_layers"), head_dim=head_dim,
         ffn_dim=need("intermediate_size"), vocab_size=need("vocab_size"),
-        max_seq_len=hf.get("max_position_embeddings", 2048), norms="S1", norm="rms",
+        max_seq_len=hf.get("max_position_embeddings", 2048), norms="S2" if fmt == "hf-qwen3" else "S1", norm="rms",
         norm_eps=number("rms_norm_eps", hf.get("rms_norm_eps", 1e-5 if diff else 1e-6)),  # transformers' defaults
         ffn="swiglu", positions="rope", rope_style="half",
-        rope_theta=theta, tie_embeddings=flag("tie_word_embeddings"), bias=attn_bias,
+        rope_theta=theta, tie_embeddings=flag("tie_word_embeddings"), bias=bias, qkv_bias=qkv_bias,
         init_std=number("initializer_range", hf.get("initializer_range", 0.02)),
     )
-    window = hf.get("sliding_window") if mistral else None
+    n_layers = fields["n_layers"]
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
+        raise CheckpointError(f"{src}: 'num_hidden_layers' must be a positive integer; got {n_layers!r}")
+    window = _hf_window(hf, src, fmt, n_layers)
     if window is not None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise CheckpointError(f"{src}: 'sliding_window' must be a positive integer or null; got {window!r}")
         fields["sliding_window"] = window
     if not diff:
         fields.update(attention="softmax", n_heads=heads, n_kv_heads=kv)
@@ -131,21 +194,35 @@ def _check_llama_like(cfg: ModelConfig, fmt: str) -> None:
     want = "diff" if fmt == "hf-diffllama" else "softmax"
     _require(cfg, fmt, "domain", cfg.domain == "lm", "only language models")
     _require(cfg, fmt, "attention", cfg.attention == want, f"{fmt} holds attention={want!r}")
-    s1 = {f: bool(NORM_PRESETS["S1"].get(f, False)) for f in NORM_FLAGS}
+    placement = "S2" if fmt == "hf-qwen3" else "S1"
+    want_flags = {f: bool(NORM_PRESETS[placement].get(f, False)) for f in NORM_FLAGS}
     for flag in NORM_FLAGS:
-        _require(cfg, fmt, flag, getattr(cfg, flag) == s1[flag],
-                 "Llama-style blocks are pre-norm (norms='S1') with a final norm")
+        _require(cfg, fmt, flag, getattr(cfg, flag) == want_flags[flag],
+                 "Qwen3's blocks are pre-norm with a per-head QK norm and a final norm (norms='S2')"
+                 if fmt == "hf-qwen3" else "Llama-style blocks are pre-norm (norms='S1') with a final norm"
+                 + ("; Qwen3's add a per-head QK norm: export to hf-qwen3" if flag == "qk_norm" else ""))
     _require(cfg, fmt, "norm", cfg.norm == "rms", "Llama uses RMSNorm")
     _require(cfg, fmt, "ffn", cfg.ffn == "swiglu", "Llama uses a SwiGLU FFN")
     _require(cfg, fmt, "positions", cfg.positions == "rope", "Llama uses rotary positions")
-    if fmt == "hf-mistral":
-        _require(cfg, fmt, "bias", not cfg.bias, "Mistral's projections have no biases")
-    else:
+    if fmt == "hf-qwen2":
+        _require(cfg, fmt, "qkv_bias", cfg.qkv_bias, "Qwen2's q, k and v projections always have biases; export "
+                 "to hf-llama or hf-mistral")
+        _require(cfg, fmt, "bias", not cfg.bias, "Qwen2's output projection and MLP have no biases")
+    elif fmt in ("hf-mistral", "hf-qwen3", "hf-diffllama"):
+        why = {"hf-mistral": "Mistral's projections have no biases",
+               "hf-qwen3": "difftx's biases cannot be expressed as Qwen3's (q, k, v and o, not the MLP)",
+               "hf-diffllama": "DiffLlama's FFN has no bias"}[fmt]
+        _require(cfg, fmt, "bias", not cfg.bias, why)
+        _require(cfg, fmt, "qkv_bias", not cfg.qkv_bias,
+                 why + ("; export to hf-qwen2 (biases on q, k and v)" if fmt == "hf-mistral" else ""))
+    else:  # Llama's attention_bias covers q, k, v and o, mlp_bias the MLP: difftx's one 'bias' is both
+        _require(cfg, fmt, "qkv_bias", cfg.qkv_bias == cfg.bias,
+                 "Llama's biases are on every projection or none; export to hf-qwen2 (biases on q, k and v only)")
+    if fmt not in WINDOWED:
         _require(cfg, fmt, "sliding_window", cfg.sliding_window is None,
                  f"{fmt} attends over the whole context (no sliding window); export to hf-difftx"
                  + (", or to hf-mistral (a Llama with a sliding window)" if fmt == "hf-llama" else ""))
     if fmt == "hf-diffllama":
-        _require(cfg, fmt, "bias", not cfg.bias, "DiffLlama's FFN has no bias")
         _require(cfg, fmt, "head_norm", cfg.head_norm, "DiffLlama always applies the per-head RMSNorm")
         _require(cfg, fmt, "lambda_init", cfg.lambda_init == "schedule",
                  "DiffLlama always uses the depth schedule 0.8 - 0.6 exp(-0.3 (l-1))")
@@ -154,8 +231,8 @@ def _check_llama_like(cfg: ModelConfig, fmt: str) -> None:
 
 
 def llama_config_dict(cfg: ModelConfig, fmt: str) -> dict:
-    """The transformers ``config.json`` for ``cfg`` as LlamaForCausalLM, DiffLlamaForCausalLM or
-    MistralForCausalLM."""
+    """The transformers ``config.json`` for ``cfg`` as LlamaForCausalLM, DiffLlamaForCausalLM, MistralForCausalLM,
+    Qwen2ForCausalLM or Qwen3ForCausalLM."""
     diff = fmt == "hf-diffllama"
     heads, kv = (2 * cfg.n_heads, 2 * cfg.n_kv_heads) if diff else (cfg.n_heads, cfg.n_kv_heads)
     model_type = next(t for t, f in MODEL_TYPES.items() if f == fmt)
@@ -176,6 +253,13 @@ def llama_config_dict(cfg: ModelConfig, fmt: str) -> dict:
     elif fmt == "hf-mistral":  # no bias options: Mistral's projections have none
         del out["attention_bias"]
         out["sliding_window"] = cfg.sliding_window
+    elif fmt in QWEN:  # the window on every layer (max_window_layers 0), or on none
+        if fmt == "hf-qwen2":  # no bias options: q, k and v always have them
+            del out["attention_bias"]
+        window = cfg.sliding_window
+        out.update(use_sliding_window=window is not None, sliding_window=window,
+                   max_window_layers=0 if window is not None else cfg.n_layers,
+                   layer_types=["sliding_attention" if window is not None else "full_attention"] * cfg.n_layers)
     else:
         out["mlp_bias"] = cfg.bias
     return out
@@ -183,16 +267,20 @@ def llama_config_dict(cfg: ModelConfig, fmt: str) -> dict:
 
 # ---------------------------------------------------------------------- tensor names
 def llama_key_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
-    """(transformers name, difftx name) for every tensor of a Llama / DiffLlama-shaped difftx model."""
+    """(transformers name, difftx name) for every tensor of a Llama / DiffLlama / Qwen-shaped difftx model."""
     pairs = [("model.embed_tokens.weight", "embed.weight")]
     suffixes = ("weight", "bias") if cfg.bias else ("weight",)
+    qkv_suffixes = ("weight", "bias") if cfg.qkv_bias else ("weight",)
     for i in range(cfg.n_layers):
         a, b = f"model.layers.{i}.", f"layers.{i}."
         pairs += [(a + "input_layernorm.weight", b + "attn_norm.weight"),
                   (a + "post_attention_layernorm.weight", b + "ffn_norm.weight")]
         for hf_name, dx_name in (("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"),
                                  ("o_proj", "out_proj")):
-            pairs += [(a + f"self_attn.{hf_name}.{s}", b + f"attn.{dx_name}.{s}") for s in suffixes]
+            pairs += [(a + f"self_attn.{hf_name}.{s}", b + f"attn.{dx_name}.{s}")
+                      for s in (suffixes if hf_name == "o_proj" else qkv_suffixes)]
+        if cfg.qk_norm:  # Qwen3's per-head RMSNorm of q and k (over head_dim, before RoPE)
+            pairs += [(a + f"self_attn.{n}.weight", b + f"attn.{n}.weight") for n in ("q_norm", "k_norm")]
         for hf_name, dx_name in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
             pairs += [(a + f"mlp.{hf_name}.{s}", b + f"ffn.{dx_name}.{s}") for s in suffixes]
         if cfg.attention == "diff":
@@ -239,7 +327,7 @@ def map_and_check(state: dict, pairs: list[tuple[str, str]], shapes: dict, sourc
 
 # ---------------------------------------------------------------------- reading
 def detect_format(path) -> str:
-    """``difftx``, ``hf-llama``, ``hf-diffllama``, ``hf-mistral``, ``hf-difftx`` or ``unilm`` (a weights file)."""
+    """``difftx``, one of :data:`HF_FORMATS` or ``unilm`` (a weights file)."""
     path = Path(path)
     if path.is_file():
         return "unilm"
@@ -268,7 +356,7 @@ def _is_difftx_run(path: Path) -> bool:
 
 
 def read_hf_as_difftx(path) -> tuple[ModelConfig, dict]:
-    """(difftx config, difftx state dict) of a Hugging Face llama / diffllama / mistral / difftx directory."""
+    """(difftx config, difftx state dict) of a Hugging Face directory of one of :data:`HF_FORMATS`."""
     path = Path(path)
     hf = hf_io.read_hf_config(path)
     src = str(path / hf_io.CONFIG_FILE)
@@ -282,7 +370,7 @@ def read_hf_as_difftx(path) -> tuple[ModelConfig, dict]:
         state = {k[len(HF_DIFFTX_PREFIX):] if k.startswith(HF_DIFFTX_PREFIX) else k: v for k, v in raw.items()}
         shapes = expected_shapes(cfg)
         return cfg, map_and_check(state, [(k, k) for k in shapes], shapes, str(path))
-    cfg = _llama_like_config(hf, src, diff=fmt == "hf-diffllama", mistral=fmt == "hf-mistral")
+    cfg = _llama_like_config(hf, src, fmt)
     raw = hf_io.read_hf_weights(path)
     head, embed = raw.get("lm_head.weight"), raw.get("model.embed_tokens.weight")
     if cfg.tie_embeddings and head is not None and embed is not None and head.shape == embed.shape \
@@ -334,7 +422,7 @@ def load_hf_model(path, device: Optional[str] = None, dtype: Optional[torch.dtyp
 
 
 def resolve_hf_dir(path: Path, device: Optional[str] = None):
-    """``difftx.io`` resolver: Hugging Face llama / diffllama / mistral / difftx directories, else None."""
+    """``difftx.io`` resolver: Hugging Face directories of :data:`HF_FORMATS`, else None."""
     if not hf_io.is_hf_dir(path):
         return None
     if hf_io.read_hf_config(path).get("model_type") not in MODEL_TYPES:
@@ -479,7 +567,7 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
     """Convert the model at ``src`` into directory ``dst`` (the library side of ``difftx convert``).
 
     ``pairing`` / ``rope_style`` re-lay a difftx or hf-difftx output out (function unchanged;
-    hf-llama / hf-diffllama / hf-mistral fix their own layout); ``diff_init`` turns a softmax (Llama) model
+    the other Hugging Face formats fix their own layout); ``diff_init`` turns a softmax (Llama) model
     into DIFF for continued training (see :mod:`.llama_to_diff`).  ``depth`` / ``variant``
     (default ``flash``) apply to unilm weight files only (see :mod:`.unilm`).  An option the
     conversion would not use is refused, not ignored.  Weights keep the source's dtype unless
@@ -511,8 +599,7 @@ def convert(src, dst, src_format: str = "auto", dst_format: Optional[str] = None
             raise DifftxError(f"{flag} applies to a unilm weights file, and {src} is a {detected} model; drop it")
     if dst_format is None:
         if detected == "difftx" and not (diff_init or pairing or rope_style):
-            raise DifftxError("converting a difftx model needs --to (hf-llama, hf-diffllama, hf-mistral or "
-                              "hf-difftx), "
+            raise DifftxError(f"converting a difftx model needs --to ({', '.join(HF_FORMATS)}), "
                               "or --diff-init / --pairing / --rope-style")
         dst_format = "difftx"
     if dst_format not in FORMATS:

@@ -189,9 +189,9 @@ class SoftmaxAttention(AttentionBase):
     def __init__(self, cfg, layer: int):
         super().__init__(cfg, layer)
         d, h, hk = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-        self.q_proj = Linear(cfg.d_model, h * d, bias=cfg.bias)
-        self.k_proj = Linear(cfg.d_model, hk * d, bias=cfg.bias)
-        self.v_proj = Linear(cfg.d_model, hk * d, bias=cfg.bias)
+        self.q_proj = Linear(cfg.d_model, h * d, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.d_model, hk * d, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.d_model, hk * d, bias=cfg.qkv_bias)
         self.out_proj = Linear(h * d, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x, rope, mask: AttnMask, cache=None) -> torch.Tensor:
@@ -236,9 +236,9 @@ class DifferentialAttention(AttentionBase):
         d, h, hk = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         self.pairing = cfg.pairing
         self.lambda_init = cfg.lambda_init_for(layer)
-        self.q_proj = Linear(cfg.d_model, 2 * h * d, bias=cfg.bias)
-        self.k_proj = Linear(cfg.d_model, 2 * hk * d, bias=cfg.bias)
-        self.v_proj = Linear(cfg.d_model, 2 * hk * d, bias=cfg.bias)
+        self.q_proj = Linear(cfg.d_model, 2 * h * d, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.d_model, 2 * hk * d, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.d_model, 2 * hk * d, bias=cfg.qkv_bias)
         self.out_proj = Linear(2 * h * d, cfg.d_model, bias=cfg.bias)
         std = cfg.lambda_std
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
@@ -407,9 +407,9 @@ class DiffV2Attention(AttentionBase):
     def __init__(self, cfg, layer: int):
         super().__init__(cfg, layer)
         d, h, hk = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-        self.q_proj = Linear(cfg.d_model, 2 * h * d, bias=cfg.bias)
-        self.k_proj = Linear(cfg.d_model, hk * d, bias=cfg.bias)
-        self.v_proj = Linear(cfg.d_model, hk * d, bias=cfg.bias)
+        self.q_proj = Linear(cfg.d_model, 2 * h * d, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.d_model, hk * d, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.d_model, hk * d, bias=cfg.qkv_bias)
         self.out_proj = Linear(h * d, cfg.d_model, bias=cfg.bias)
         self.lambda_proj = nn.Linear(cfg.d_model, h, bias=False)
         self._last_lam: Optional[torch.Tensor] = None  # the last forward's sigmoid(W x), detached
