@@ -165,3 +165,23 @@ def test_a_sliding_window_counts_only_the_keys_each_query_sees(window):
     step = flops_per_token(windowed, 200, causal=False) - flops_per_token(cfg, 200, causal=False)
     assert abs(step - (attention_flops_per_token(cfg, window) - attention_flops_per_token(cfg, 200))) <= 1
     assert flops_per_token(cfg.replace(sliding_window=n), n, causal=True) == flops_per_token(cfg, n, causal=True)
+
+
+def test_full_attention_layers_count_the_whole_context():
+    """Local and global layers: each layer's visible keys summed by a loop over the layers and the queries."""
+    from difftx.accounting import attention_flops_per_token
+
+    n, window = 64, 8
+    cfg = ModelConfig.from_preset("nano", attention="diff", max_seq_len=n)
+    mixed = cfg.replace(sliding_window=window, full_attention_layers=[1, cfg.n_layers])
+    per_key = attention_flops_per_token(cfg, 1.0) / cfg.n_layers  # one layer's FLOPs per key
+    base = flops_per_token(cfg, n, causal=False) - attention_flops_per_token(cfg, n)
+    keys = sum(n if mixed.layer_window(i) is None else window
+               for i in range(1, cfg.n_layers + 1))  # a decoding step after n tokens: each layer's keys
+    got = (flops_per_token(mixed, n, causal=False) - base) / per_key
+    assert abs(got - keys) < 1e-6, (got, keys)
+    causal = (flops_per_token(mixed, n, causal=True) - base) / per_key
+    exact = sum(min(t + 1, n if mixed.layer_window(i) is None else window)
+                for i in range(1, cfg.n_layers + 1) for t in range(n)) / n
+    assert exact - 0.5 * cfg.n_layers - 1e-6 <= causal <= exact + 1e-6, (causal, exact)
+    assert mixed.layer_window(1) is None and mixed.layer_window(2) == window  # the loops above use both

@@ -23,7 +23,8 @@ FLOPs count multiply-adds as 2 and include:
 PaLM/Chinchilla convention); ``causal=True`` halves the attention term.  Under a
 sliding window (``sliding_window`` W < N) a query has at most W keys: the causal
 context is W - W^2 / (2N) (the same continuous count, which gives N / 2 at W = N),
-the non-causal one (a decoding step's keys) W.
+the non-causal one (a decoding step's keys) W; the layers of ``full_attention_layers`` count the
+whole context.
 Training FLOPs = 3 x forward.
 
 A vision model's FLOPs per token are its image's over its tokens (the patches,
@@ -60,7 +61,8 @@ def _counts(cfg) -> tuple[int, int, int]:
     second's.  Building all n took ~20 ms a block (``difftx info --set n_layers=5000``: 116 s)."""
     if cfg.n_layers <= 2:
         return _built_counts(cfg)
-    one, two = _built_counts(cfg.replace(n_layers=1)), _built_counts(cfg.replace(n_layers=2))
+    # (which layers skip a sliding window changes no shape: not carried to the shorter builds)
+    one, two = (_built_counts(cfg.replace(n_layers=k, full_attention_layers=None)) for k in (1, 2))
     return tuple(a + (cfg.n_layers - 1) * (b - a) for a, b in zip(one, two))
 
 
@@ -95,10 +97,13 @@ def flops_per_token(cfg, seq_len: int | None = None, causal: bool = False, train
     if seq_len is None:
         seq_len = cfg.max_seq_len if cfg.domain == "lm" else cfg.n_patches + (cfg.pooling == "cls")
     window = cfg.sliding_window if cfg.domain == "lm" else None
+    whole = seq_len / 2 if causal else seq_len  # not rounded: an odd length's half counts too
     if window is not None and window < seq_len:  # each query's keys: at most the window's
-        context = window - window * window / (2 * seq_len) if causal else window
+        local = window - window * window / (2 * seq_len) if causal else window
+        full = len(cfg.full_attention_layers or ())  # layers that attend over the whole context regardless
+        context = (local * (cfg.n_layers - full) + whole * full) / cfg.n_layers
     else:
-        context = seq_len / 2 if causal else seq_len  # not rounded: an odd length's half counts too
+        context = whole
     weights = matmul_parameters(cfg)
     if cfg.domain == "vision":  # per image: the patch embedding on the patches, the classifier once
         patch, head = cfg.in_channels * cfg.patch_size ** 2 * cfg.d_model, cfg.d_model * cfg.num_classes

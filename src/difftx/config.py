@@ -167,6 +167,9 @@ class ModelConfig:
     dropout: float = 0.0
     attn_backend: str = "auto"
     sliding_window: Optional[int] = None  # each query sees itself and the window - 1 tokens before it; None: all
+    # under a sliding window, the layers (1-based) that attend over the whole context instead (local / global
+    # layers, as Gemma's or a Qwen's max_window_layers); None: every layer uses the window
+    full_attention_layers: Optional[tuple] = None
 
     # vision domain
     image_size: int = 32
@@ -283,6 +286,29 @@ class ModelConfig:
             elif not isinstance(value, bool):
                 raise ConfigError(flag, f"must be true or false; got {value!r}")
 
+        # layers that skip the sliding window
+        full = self.full_attention_layers
+        if full is not None:
+            if isinstance(full, (str, bytes)) or not isinstance(full, (list, tuple)) \
+                    or any(isinstance(i, bool) or not isinstance(i, int) for i in full):
+                raise ConfigError("full_attention_layers", f"must be a list of 1-based layer numbers (e.g. [4, 8]); "
+                                                           f"got {full!r}")
+            layers = tuple(sorted(set(full)))
+            if len(layers) != len(full):
+                raise ConfigError("full_attention_layers", f"lists a layer twice; got {list(full)}")
+            if layers and (layers[0] < 1 or layers[-1] > self.n_layers):
+                raise ConfigError("full_attention_layers", f"layer numbers run from 1 to n_layers = {self.n_layers}; "
+                                                           f"got {list(full)}")
+            if layers and self.sliding_window is None:
+                raise ConfigError("full_attention_layers", "names the layers that attend over the whole context "
+                                  "under a sliding window, and sliding_window is null: set sliding_window, or drop "
+                                  "full_attention_layers")
+            if len(layers) == self.n_layers:
+                raise ConfigError("full_attention_layers", f"lists all {self.n_layers} layers, so no layer uses the "
+                                  "sliding window: drop sliding_window and full_attention_layers (or list fewer "
+                                  "layers)")
+            self.full_attention_layers = layers or None
+
         # domain
         if self.domain == "vision":
             positive("image_size")
@@ -330,6 +356,19 @@ class ModelConfig:
     def norm_placement(self) -> dict[str, bool]:
         return {flag: bool(getattr(self, flag)) for flag in NORM_FLAGS}
 
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The sliding window of 1-based layer ``layer``: ``sliding_window``, or None (the whole context) when
+        there is none or the layer is one of ``full_attention_layers``."""
+        if self.sliding_window is None or layer in (self.full_attention_layers or ()):
+            return None
+        return self.sliding_window
+
+    @property
+    def uniform_window(self) -> Optional[int]:
+        """The sliding window when every layer uses it (then a KV cache may drop the keys no later token sees),
+        else None."""
+        return None if self.full_attention_layers else self.sliding_window
+
     def lambda_init_for(self, layer: int) -> float:
         """lambda_init of 1-based layer ``layer`` under this config."""
         return lambda_init_for_layer(layer, self.lambda_init)
@@ -352,7 +391,8 @@ class ModelConfig:
         when the fields they derive from change value: a field given its current
         value changes nothing (``replace(attention="softmax")`` of a softmax GQA model
         keeps its K/V heads and head_dim).  The norm flags follow ``norms`` whenever
-        it is given (a study's arm names its whole placement).
+        it is given (a study's arm names its whole placement); ``sliding_window=None`` drops
+        ``full_attention_layers`` too.
         """
         base = self.to_dict()
         derived_from = {
@@ -364,6 +404,8 @@ class ModelConfig:
         for derived, sources in derived_from.items():
             if derived not in changes and any(s in changes and changes[s] != base[s] for s in sources):
                 base[derived] = None
+        if changes.get("sliding_window", base["sliding_window"]) is None and "full_attention_layers" not in changes:
+            base["full_attention_layers"] = None  # no window: no layer to except from it
         if "norms" in changes:
             for flag in NORM_FLAGS:
                 if flag not in changes:

@@ -127,3 +127,16 @@ def test_the_seed_bridge_refuses_dropout():
     assert bridge.seed_config(difftx.build_model(cfg)).d_model == 16
     with pytest.raises(ValueError, match="no dropout"):
         bridge.seed_config(difftx.build_model(cfg.replace(dropout=0.1)))
+
+
+def test_the_seed_bridge_refuses_a_sliding_window_and_missing_qkv_biases():
+    """The seed reference attends over the whole causal context and has biases on every projection: a windowed
+    model, or one with bias=True but qkv_bias=False, would be compared against another function."""
+    import difftx
+
+    cfg = difftx.ModelConfig.from_preset("nano", d_model=16, n_layers=1, n_heads=2, vocab_size=17, max_seq_len=16,
+                                         norms="post", norm="layer", ffn="relu", bias=True, positions="learned",
+                                         tie_embeddings=False, final_norm=False)
+    for change in (dict(sliding_window=4), dict(qkv_bias=False)):
+        with pytest.raises(ValueError, match=r"qkv_bias too\).* no sliding window"):
+            bridge.seed_config(difftx.build_model(cfg.replace(**change)))

@@ -114,13 +114,35 @@ def test_diff_init_exact_from_qwen_keeps_the_function(tmp_path, kind):
         assert max_diff(model(x).logits, hf(x).logits) < TOL
 
 
-def test_a_qwen_mixing_windowed_and_whole_layers_is_refused(tmp_path):
-    hf = hf_qwen("qwen2", window=5, first_windowed=1)  # layer 0 whole, layers 1-2 windowed
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_a_qwen_mixing_windowed_and_whole_layers_reads_as_full_attention_layers(tmp_path, kind):
+    """Layer 1 over the whole context, layers 2-3 windowed (max_window_layers 1): difftx's full_attention_layers
+    [1]; transformers' logits and greedy tokens (the cache keeps every key for layer 1), and the same layer_types
+    back."""
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_qwen(kind, window=4, first_windowed=1)
+    assert hf.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
     hf.save_pretrained(tmp_path / "hf")
-    with pytest.raises(CheckpointError, match="2 of the 3 layers use a sliding window and the others attend over the "
-                                              "whole context; difftx applies one window to every layer"):
-        convert(tmp_path / "hf", tmp_path / "dx")
-    assert not (tmp_path / "dx").exists()
+    convert(tmp_path / "hf", tmp_path / "dx")
+    model = difftx.load_model(tmp_path / "dx")
+    assert model.config.sliding_window == 4 and model.config.full_attention_layers == (1,)
+    x = tokens(97, n=15)
+    with torch.no_grad():
+        ref = hf(x).logits
+        assert max_diff(model(x).logits, ref) < TOL
+        for change in (dict(full_attention_layers=None), dict(full_attention_layers=[2])):
+            other = difftx.build_model(model.config.replace(**change)).eval()
+            other.load_state_dict(model.state_dict())
+            assert max_diff(other(x).logits, ref) > 1e-2, change
+        prompt = x[:1, :5]
+        theirs = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, max_new_tokens=12, temperature=0), theirs)
+    convert(tmp_path / "dx", tmp_path / "hf2", dst_format=f"hf-{kind}")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation="sdpa").eval()
+    assert back.config.layer_types == hf.config.layer_types and back.config.max_window_layers == 1
+    with torch.no_grad():
+        assert max_diff(back(x).logits, ref) < TOL
 
 
 @pytest.mark.parametrize("edit,needle", [
@@ -131,6 +153,8 @@ def test_a_qwen_mixing_windowed_and_whole_layers_is_refused(tmp_path):
     (dict(layer_types=["sliding_attention"] * 3, use_sliding_window=True, sliding_window=0),
      "'sliding_window' must be a positive integer or null"),
     (dict(attention_bias=True), "attention_bias=True is not supported for Qwen3"),
+    (dict(layer_types=["sliding_attention"] * 3, use_sliding_window=False), "names sliding_attention layers but "
+                                                                            "there is no sliding window"),
 ])
 def test_a_malformed_qwen_config_is_refused(tmp_path, edit, needle):
     hf = hf_qwen("qwen3")

@@ -3,6 +3,9 @@ kind against SPEC's equations under an explicitly built mask, decoding with a ca
 
 from __future__ import annotations
 
+import copy
+import json
+
 import pytest
 import torch
 
@@ -468,3 +471,89 @@ def test_windowed_inference_takes_the_fused_path_where_sdpa_would_be_chosen(kind
         with torch.no_grad():
             model(x)
         assert bool(calls) == want, (window, calls)
+
+
+# ---------------------------------------------------------------------- local and global layers
+
+
+def _mixed_model(kind, dtype=torch.float32, n_layers=3, full=(2,), window=4):
+    cfg = ModelConfig(attention=kind, d_model=64, n_heads=2, n_layers=n_layers, vocab_size=50, max_seq_len=64,
+                      sliding_window=window, full_attention_layers=full)
+    torch.manual_seed(0)
+    return build_model(cfg).to(dtype).eval()
+
+
+def _by_hand(model, x):
+    """The model's forward written out, each block given a mask built here: the window on the layers outside
+    full_attention_layers, none on theirs."""
+    cfg, n = model.config, x.shape[1]
+    h = model.embed(x)
+    rope = model.rope.cos_sin(torch.arange(n)[None].expand(x.shape[0], n), h.dtype)
+    for i, block in enumerate(model.layers, start=1):
+        window = None if i in cfg.full_attention_layers else cfg.sliding_window
+        h = block(h, rope, AttnMask(causal=True, n_q=n, n_k=n, window=window))
+    return model.head(model.final_norm(h))
+
+
+def test_full_attention_layers_are_checked():
+    for bad, needle in (("2", "must be a list of 1-based layer numbers"), ([1.0], "must be a list"),
+                        ([True], "must be a list"), ([2, 2], "lists a layer twice"),
+                        ([0], "layer numbers run from 1 to n_layers = 3"), ([4], "layer numbers run from 1 to n_layers = 3"),
+                        ([1, 2, 3], "lists all 3 layers, so no layer uses the sliding window")):
+        with pytest.raises(ConfigError, match=f"full_attention_layers: {needle}"):
+            ModelConfig(n_layers=3, sliding_window=4, full_attention_layers=bad)
+    with pytest.raises(ConfigError, match="full_attention_layers: names the layers .* sliding_window is null"):
+        ModelConfig(n_layers=3, full_attention_layers=[1])
+    cfg = ModelConfig(n_layers=3, sliding_window=4, full_attention_layers=[3, 1])
+    assert cfg.full_attention_layers == (1, 3) and [cfg.layer_window(i) for i in (1, 2, 3)] == [None, 4, None]
+    assert cfg.uniform_window is None and cfg.replace(full_attention_layers=[]).uniform_window == 4
+    assert cfg.replace(sliding_window=None).full_attention_layers is None  # no window: no exception to it
+    assert ModelConfig.from_dict(json.loads(cfg.to_json())) == cfg
+
+
+@pytest.mark.parametrize("kind", ["softmax", "diff", "diff2"])
+@pytest.mark.parametrize("backend,variant", [("auto", None), ("eager", None), ("sdpa", "fused"), ("sdpa", "sdpa")])
+def test_local_and_global_layers_match_the_forward_written_out(kind, backend, variant):
+    """Logits and gradients of a 3-layer model whose layer 2 attends over the whole context (layers 1 and 3: a
+    window of 4 over 20 tokens) against the same blocks run one by one with masks built by hand (float64, eager)."""
+    model = _mixed_model(kind)
+    x = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(1))
+    ref_model = copy.deepcopy(model).double()
+    ref_model.set_attention_backend("eager")
+    ref = _by_hand(ref_model, x)
+    ref.square().mean().backward()
+    model.set_attention_backend(backend, variant)
+    got = model(x).logits
+    got.square().mean().backward()
+    assert (got.double() - ref).abs().max() < 1e-5
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert (p.grad.double() - q.grad).abs().max() < 1e-5 * max(1.0, q.grad.abs().max().item()), name
+    with torch.no_grad():  # the window on layer 2 too, or on no layer: other logits
+        for change in (dict(full_attention_layers=None), dict(sliding_window=None)):
+            other = build_model(model.config.replace(**change)).eval()
+            other.load_state_dict(model.state_dict())
+            assert (other(x).logits - got).abs().max() > 1e-3, change
+
+
+@pytest.mark.parametrize("kind", ["softmax", "diff", "diff2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_local_and_global_layers_decode_with_a_cache_as_the_full_forward(kind, dtype):
+    """Prefill then one-token steps: the global layer reads every cached key, the local ones their window; a
+    cache that fills is refused (the global layer needs every key) and generate sizes it for the whole text."""
+    model = _mixed_model(kind, dtype)
+    x = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(x).logits.float()
+        cache = model.new_cache(2, 20, dtype=dtype)
+        steps = [model(x[:, :10], cache=cache).logits[:, -1]]
+        for t in range(10, 20):
+            steps.append(model(x[:, t:t + 1], cache=cache).logits[:, -1])
+        with pytest.raises(ValueError, match="KV cache full"):
+            model(x[:, :1], cache=cache)
+    got = torch.stack(steps, dim=1).float()
+    tol = 1e-4 if dtype == torch.float32 else 6e-2
+    assert (got - full[:, 9:]).abs().max() <= tol
+    assert cache.dropped == 0
+    if dtype == torch.float32:
+        y = model.generate(x[:, :5], max_new_tokens=30, temperature=0)
+        assert torch.equal(y, model.generate(x[:, :5], max_new_tokens=30, temperature=0, use_cache=False))

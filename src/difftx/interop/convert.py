@@ -12,7 +12,8 @@ Formats (``--from`` / ``--to`` of ``difftx convert``):
   projections only <-> the Transformer with ``qkv_bias`` (and no other bias).
 * ``hf-qwen3``: transformers' ``Qwen3ForCausalLM``: Llama's blocks with a per-head RMSNorm of q and k (over
   ``head_dim``, with a gain, before RoPE) <-> the Transformer with norms ``S2`` (difftx's QK norm is that norm).
-  A Qwen sliding window must cover every layer or none (``layer_types``).
+  A Qwen sliding window covers the layers ``layer_types`` names; the others are difftx's
+  ``full_attention_layers``.
 * ``hf-diffllama``: transformers' ``DiffLlamaForCausalLM`` <-> difftx DIFF.  DiffLlama's
   conventions are expressed as config fields, so its weights load unpermuted:
   ``num_attention_heads`` counts component heads (difftx ``n_heads`` = half of it),
@@ -62,15 +63,16 @@ QWEN = ("hf-qwen2", "hf-qwen3")
 WINDOWED = ("hf-mistral",) + QWEN  # the formats with a sliding window field
 
 
-def _hf_window(hf: dict, src: str, fmt: str, n_layers: int) -> Optional[int]:
-    """difftx's ``sliding_window`` for a Mistral / Qwen2 / Qwen3 ``config.json`` (None elsewhere).
+def _hf_window(hf: dict, src: str, fmt: str, n_layers: int) -> tuple[Optional[int], Optional[list]]:
+    """(``sliding_window``, ``full_attention_layers``) of difftx for a Mistral / Qwen2 / Qwen3 ``config.json``
+    ((None, None) elsewhere).
 
     Mistral's window covers every layer.  Qwen's covers the layers ``layer_types`` names ``sliding_attention``
-    (without it: layers from ``max_window_layers`` on, when ``use_sliding_window``), as transformers reads it;
-    difftx has one window for all layers, so a mix of windowed and whole layers is refused."""
+    (without it: the layers from ``max_window_layers`` on, when ``use_sliding_window``), as transformers reads it;
+    the others are difftx's ``full_attention_layers`` (1-based)."""
     if fmt not in WINDOWED:
-        return None
-    window = hf.get("sliding_window")
+        return None, None
+    window, full = hf.get("sliding_window"), None
     if fmt in QWEN:
         use = hf.get("use_sliding_window", False)
         if not isinstance(use, bool):
@@ -87,16 +89,15 @@ def _hf_window(hf: dict, src: str, fmt: str, n_layers: int) -> Optional[int]:
                 or any(t not in ("full_attention", "sliding_attention") for t in types):
             raise CheckpointError(f"{src}: 'layer_types' must list 'full_attention' or 'sliding_attention' for each "
                                   f"of the {n_layers} layers; got {types!r}")
-        sliding = types.count("sliding_attention")
-        if sliding == 0:
-            return None
-        if sliding < n_layers:
-            raise CheckpointError(f"{src}: {sliding} of the {n_layers} layers use a sliding window and the others "
-                                  "attend over the whole context; difftx applies one window to every layer, so this "
-                                  "checkpoint cannot be expressed (its layer_types, or max_window_layers, mix them)")
+        if "sliding_attention" not in types:
+            return None, None
+        if window is None:
+            raise CheckpointError(f"{src}: 'layer_types' names sliding_attention layers but there is no sliding "
+                                  "window (use_sliding_window false, or sliding_window null); the config is malformed")
+        full = [i + 1 for i, t in enumerate(types) if t == "full_attention"] or None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise CheckpointError(f"{src}: 'sliding_window' must be a positive integer or null; got {window!r}")
-    return window
+    return window, full
 
 
 def _llama_like_config(hf: dict, src: str, fmt: str) -> ModelConfig:
@@ -166,9 +167,9 @@ def _llama_like_config(hf: dict, src: str, fmt: str) -> ModelConfig:
     n_layers = fields["n_layers"]
     if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
         raise CheckpointError(f"{src}: 'num_hidden_layers' must be a positive integer; got {n_layers!r}")
-    window = _hf_window(hf, src, fmt, n_layers)
+    window, full = _hf_window(hf, src, fmt, n_layers)
     if window is not None:
-        fields["sliding_window"] = window
+        fields.update(sliding_window=window, full_attention_layers=full)
     if not diff:
         fields.update(attention="softmax", n_heads=heads, n_kv_heads=kv)
     else:
@@ -218,6 +219,9 @@ def _check_llama_like(cfg: ModelConfig, fmt: str) -> None:
     else:  # Llama's attention_bias covers q, k, v and o, mlp_bias the MLP: difftx's one 'bias' is both
         _require(cfg, fmt, "qkv_bias", cfg.qkv_bias == cfg.bias,
                  "Llama's biases are on every projection or none; export to hf-qwen2 (biases on q, k and v only)")
+    if fmt == "hf-mistral":
+        _require(cfg, fmt, "full_attention_layers", not cfg.full_attention_layers,
+                 "Mistral's sliding window covers every layer; export to hf-difftx")
     if fmt not in WINDOWED:
         _require(cfg, fmt, "sliding_window", cfg.sliding_window is None,
                  f"{fmt} attends over the whole context (no sliding window); export to hf-difftx"
@@ -253,13 +257,14 @@ def llama_config_dict(cfg: ModelConfig, fmt: str) -> dict:
     elif fmt == "hf-mistral":  # no bias options: Mistral's projections have none
         del out["attention_bias"]
         out["sliding_window"] = cfg.sliding_window
-    elif fmt in QWEN:  # the window on every layer (max_window_layers 0), or on none
+    elif fmt in QWEN:  # layer_types says which layers the window covers (max_window_layers: for older readers)
         if fmt == "hf-qwen2":  # no bias options: q, k and v always have them
             del out["attention_bias"]
-        window = cfg.sliding_window
-        out.update(use_sliding_window=window is not None, sliding_window=window,
-                   max_window_layers=0 if window is not None else cfg.n_layers,
-                   layer_types=["sliding_attention" if window is not None else "full_attention"] * cfg.n_layers)
+        types = ["full_attention" if cfg.layer_window(i) is None else "sliding_attention"
+                 for i in range(1, cfg.n_layers + 1)]
+        first = next((i for i, t in enumerate(types) if t == "sliding_attention"), cfg.n_layers)
+        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+                   max_window_layers=first, layer_types=types)
     else:
         out["mlp_bias"] = cfg.bias
     return out

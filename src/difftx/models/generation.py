@@ -51,7 +51,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, temperatu
     token, and its new tokens follow its padding).  A row that emits one of
     ``stop_tokens`` is finished: later positions hold ``pad_token_id``;
     decoding ends when every row is finished.  A sliding-window model's cache holds the prompt or two windows,
-    whichever is longer, however many tokens are asked for (the keys no later token sees are dropped).
+    whichever is longer, however many tokens are asked for (the keys no later token sees are dropped); with
+    ``full_attention_layers`` it holds every token, as those layers read them all.
     Returns (B, N + generated).
     """
     cfg = model.config
@@ -92,8 +93,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, temperatu
         # window the cache holds the prompt or two windows, whichever is longer: the model drops the keys no later
         # token sees whenever it fills (KVCache.drop_oldest), about once a window
         room = n + max_new_tokens
-        if getattr(cfg, "sliding_window", None) is not None:
-            room = min(room, max(n, 2 * cfg.sliding_window))
+        if getattr(cfg, "uniform_window", None) is not None:  # every layer windowed: the cache drops old keys
+            room = min(room, max(n, 2 * cfg.uniform_window))
         cache = model.new_cache(b, room, device=input_ids.device) if use_cache else None
         hidden = model.features(input_ids, mask, cache=cache)
         last = n - 1  # the prompt's last logits only: each row's last token (before its padding if right-padded)

@@ -166,8 +166,8 @@ class DecoderLM(ModelMixin, nn.Module):
                 f"sequence of {seen} tokens is longer than max_seq_len={cfg.max_seq_len} "
                 f"allowed by positions={cfg.positions!r}; shorten the input or raise max_seq_len"
             )
-        if isinstance(cache, KVCache) and cfg.sliding_window is not None and cache.length + n > cache.max_len:
-            _make_room(cache, n, cfg.sliding_window)
+        if isinstance(cache, KVCache) and cfg.uniform_window is not None and cache.length + n > cache.max_len:
+            _make_room(cache, n, cfg.uniform_window)  # (a layer of full_attention_layers keeps every key)
         q_start = cache.length if cache is not None else 0
         step_valid = None
         if attention_mask is not None:
@@ -204,6 +204,10 @@ class DecoderLM(ModelMixin, nn.Module):
         rope = self.rope.cos_sin(position_ids, x.dtype) if self.rope is not None else None
         mask = AttnMask(causal=True, n_q=n, n_k=q_start + n, q_start=q_start, key_valid=key_valid, doc_ids=doc,
                         window=cfg.sliding_window)
+        if cfg.full_attention_layers:  # local and global layers: each block its mask (each AttnMask its own dense
+            # forms, built once per forward for the layers that share it)
+            whole = AttnMask(causal=True, n_q=n, n_k=q_start + n, q_start=q_start, key_valid=key_valid, doc_ids=doc)
+            mask = [mask if cfg.layer_window(i + 1) is not None else whole for i in range(len(self.layers))]
         x = _with_packed(cache, run_blocks, self.layers, x, rope, mask, cache, self.final_norm)
         if cache is not None:
             cache.advance(n, step_valid)

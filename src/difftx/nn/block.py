@@ -150,11 +150,15 @@ def run_blocks(blocks, x: torch.Tensor, rope, mask, cache=None, final_norm=None)
     :meth:`Block.chains` (training-sized CPU inputs, or any size without autograd: decoding); otherwise block by
     block.  A block with ``gradient_checkpointing`` set keeps only its inputs for backward (:func:`_checkpoint`;
     a chained one here, else in :meth:`Block.forward`): the same values and gradients, bit for bit (torch's
-    checkpoint restores the RNG state for dropout)."""
+    checkpoint restores the RNG state for dropout).  ``mask``: one :class:`~difftx.nn.mask.AttnMask` for every
+    block, or a list of one per block (local and global layers)."""
+    masks = mask if isinstance(mask, (list, tuple)) else [mask] * len(blocks)
+    if len(masks) != len(blocks):
+        raise ValueError(f"run_blocks: {len(masks)} masks for {len(blocks)} blocks; give one mask, or one per block")
     if ((x.numel() > SMALL_NORM or not torch.is_grad_enabled()) and len(blocks) > 0
             and all(isinstance(b, Block) and b.chains(x, i == 0) for i, b in enumerate(blocks))):
         pending = None
-        for block in blocks:
+        for block, mask in zip(blocks, masks):
             ckpt = _checkpoint(block, cache)
             if ckpt is None:
                 x, f = block.forward_parts(x, pending, rope, mask, cache)
@@ -165,6 +169,6 @@ def run_blocks(blocks, x: torch.Tensor, rope, mask, cache=None, final_norm=None)
             return add_rms_norm(x, pending, final_norm.weight, final_norm.eps, x.dtype)[1]
         x = x + pending
     else:
-        for block in blocks:
+        for block, mask in zip(blocks, masks):
             x = block(x, rope, mask, cache)
     return x if final_norm is None else final_norm(x)

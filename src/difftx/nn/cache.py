@@ -14,9 +14,10 @@ To decode another prompt (same batch size, up to ``max_len`` positions), call
 :meth:`KVCache.reset` rather than building a new cache: it then behaves exactly as
 a fresh one (bitwise the same logits) in the buffers it already holds.
 
-Under a sliding window (``sliding_window``) a model drops the keys no later query can
-see when a call would overflow the cache (:meth:`KVCache.drop_oldest`): decoding goes on
-past ``max_len`` positions with the cache's memory bounded by ``max_len``.
+Under a sliding window (``sliding_window``) on every layer a model drops the keys no later
+query can see when a call would overflow the cache (:meth:`KVCache.drop_oldest`): decoding
+goes on past ``max_len`` positions with the cache's memory bounded by ``max_len``.  A model
+with ``full_attention_layers`` drops none (those layers read every key).
 """
 
 from __future__ import annotations

@@ -95,12 +95,13 @@ def seed_config(model) -> SeedConfig:
     """The reference config of a difftx ``DecoderLM`` in the seed's layout (post-LayerNorm, ReLU MLP with biases)."""
     c = model.config
     ok = (c.attention == "softmax" and c.post_norm and c.norm == "layer" and c.ffn == "relu" and c.bias
-          and c.positions in ("learned", "sinusoidal") and not c.tie_embeddings and not c.final_norm
+          and c.qkv_bias and c.sliding_window is None and c.positions in ("learned", "sinusoidal") and not c.tie_embeddings and not c.final_norm
           and not c.input_norm and not c.pre_norm_attn and not c.pre_norm_ffn and not c.qk_norm
           and not c.mid_norm_attn and not c.mid_norm_ffn and c.n_kv_heads == c.n_heads and c.dropout == 0)
     if not ok:
-        raise ValueError("the seed layout is softmax attention, norms='post', norm='layer', ffn='relu', bias=True, "
-                         "learned or sinusoidal positions, untied embeddings, no GQA, no dropout")
+        raise ValueError("the seed layout is softmax attention, norms='post', norm='layer', ffn='relu', bias=True "
+                         "(qkv_bias too), learned or sinusoidal positions, untied embeddings, no GQA, no dropout, no "
+                         "sliding window")
     return SeedConfig(vocab_size=c.vocab_size, d_model=c.d_model, n_heads=c.n_heads, head_dim=c.head_dim,
                       ffn_dim=c.ffn_dim, n_layers=c.n_layers, max_len=c.max_seq_len,
                       positions="learned" if c.positions == "learned" else "fixed", causal=True, eps=c.norm_eps)
