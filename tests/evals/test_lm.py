@@ -164,16 +164,17 @@ def test_document_masking_scores_each_windows_documents_apart(kind):
     assert abs(r["loss"] - masked) < 5e-6 and abs(masked - plain) > 1e-4
 
 
-def test_document_masking_needs_an_end_of_text_token(tmp_path, capsys):
+@pytest.mark.parametrize("name", ["lm", "outliers"])
+def test_document_masking_needs_an_end_of_text_token(tmp_path, capsys, name):
     import difftx
     from difftx.cli import main
     from difftx.data import ByteTokenizer
 
     difftx.save_model(tiny_model("diff"), tmp_path / "ck")
     ByteTokenizer().save(tmp_path / "ck")
-    code = main(["eval", "lm", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "out"),
+    code = main(["eval", name, "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "out"),
                  "--document-masking", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--document-masking: needs the documents ended by an end-of-text" \
         " token, and the checkpoint's byte tokenizer has none" in err, err
-    assert not (tmp_path / "out" / "lm.json").exists()
+    assert not (tmp_path / "out" / f"{name}.json").exists()

@@ -178,3 +178,24 @@ def test_histogram_counts_inf_as_overflow():
     h.update(torch.tensor([float("inf")] * 3 + [1.0, 2.0]))
     assert h.counts[0] == 0 and h.counts[-1] == 3
     assert h.median() == float("inf")
+
+
+@pytest.mark.parametrize("kind", ["softmax", "diff"])
+def test_document_masking_counts_the_logits_of_each_document_alone(kind):
+    """document_eos: each window's documents attend only to themselves, so the logits counted are each
+    document's own causal triangle, and the hidden states are those of each document run alone (positions from
+    0 at every document)."""
+    model = tiny_model(kind)
+    tokens = torch.randint(1, 256, (2 * 32,), generator=torch.Generator().manual_seed(3))
+    eos = [9, 20, 40]  # window 0: documents of 10, 11 and 11 tokens; window 1: 9 (to 40), then 23
+    tokens[eos] = 0
+    r = evaluate_outliers(model, tokens, seq_len=32, max_tokens=64, document_eos=0)
+    plain = evaluate_outliers(model, tokens, seq_len=32, max_tokens=64)
+    docs = [tokens[0:10], tokens[10:21], tokens[21:32], tokens[32:41], tokens[41:64]]
+    per_token = model.config.n_heads * (2 if kind == "diff" else 1) * model.config.n_layers
+    assert r["attention_logits"]["count"] == per_token * sum(len(d) * (len(d) + 1) // 2 for d in docs)
+    assert plain["attention_logits"]["count"] == per_token * 2 * 32 * 33 // 2
+    alone = [evaluate_outliers(model, d, seq_len=len(d), max_tokens=len(d)) for d in docs]
+    top = max(a["hidden_states"]["top1"] for a in alone)
+    assert abs(r["hidden_states"]["top1"] - top) <= 1e-5 * top
+    assert sum(a["hidden_states"]["count"] for a in alone) == r["hidden_states"]["count"]

@@ -159,9 +159,17 @@ def copy_matching(src: torch.nn.Module, dst: torch.nn.Module) -> int:
 # ----------------------------------------------------------------------------- training
 
 
-def loss_backward(model, x, y) -> float:
+def model_kwargs(batches, x: torch.Tensor) -> dict:
+    """What the model takes beside a batch's tokens: ``batches.model_kwargs(x)`` where the source has it (a
+    training domain's document ids under document masking, :class:`difftx.compare.measure.DomainBatches`), else
+    nothing."""
+    fn = getattr(batches, "model_kwargs", None)
+    return fn(x) if fn is not None else {}
+
+
+def loss_backward(model, x, y, **kwargs) -> float:
     model.zero_grad(set_to_none=True)
-    loss = model(x, targets=y).loss
+    loss = model(x, targets=y, **kwargs).loss
     loss.backward()
     return float(loss.detach())
 
@@ -176,7 +184,7 @@ def train(model, optimizer, batches: Batches, steps: int, clip: float = 1.0, sta
     model.train()
     for step in range(start, start + steps):
         x, y = batches.batch(step)
-        loss = loss_backward(model, x, y)
+        loss = loss_backward(model, x, y, **model_kwargs(batches, x))
         losses.append(loss)
         if on_grads is not None:
             on_grads(step, model)

@@ -26,7 +26,7 @@ import torch
 
 from ..optim import build_optimizer
 from . import tails
-from .common import MATRIX_KINDS, Batches, loss_backward, matrix_kind, train
+from .common import MATRIX_KINDS, Batches, loss_backward, matrix_kind, model_kwargs, train
 
 KIND_ORDER = tuple(MATRIX_KINDS.values())
 DEFAULT_LRS = {"adamw": 1e-3, "msgdw": 0.1, "sgd": 0.1, "muon": 1e-3}
@@ -51,7 +51,7 @@ def sample_gradients(model, batches: Batches, start: int, n_batches: int, max_en
     model.train()
     for b in range(n_batches):
         x, y = batches.batch(start + b)
-        loss_backward(model, x, y)
+        loss_backward(model, x, y, **model_kwargs(batches, x))
         for kind in kinds:
             flat = torch.cat([p.grad.detach().reshape(-1) for _, p, _, k in mats if k == kind])
             rows[kind].append(flat[subsets[kind].to(flat.device)].double().cpu().numpy())

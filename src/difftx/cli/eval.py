@@ -107,6 +107,22 @@ def _niah_like(p) -> None:
                         "'short' ({city}: {number}.) or your own with {city} and {number}")
 
 
+def _document_masking(p) -> None:
+    p.add_argument("--document-masking", action="store_true",
+                   help="each window's documents (ended by the tokenizer's end-of-text token in the text) attend "
+                        "only to themselves, as difftx train --document-masking trains")
+
+
+def _document_eos(args, tok, settings: dict) -> dict:
+    """``settings`` with ``document_eos`` (the tokenizer's end-of-text id) under --document-masking."""
+    if args.document_masking:
+        if tok.eos_id is None:
+            raise ConfigError("document_masking", f"needs the documents ended by an end-of-text token, and the "
+                                                  f"checkpoint's {tok.kind} tokenizer has none; drop it")
+        settings["document_eos"] = tok.eos_id
+    return settings
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="run one of the papers' evaluations on a checkpoint",
                        description="Run one of the papers' evaluations on a checkpoint; writes NAME.json "
@@ -120,9 +136,7 @@ def add_parser(sub) -> None:
     q.add_argument("--max-tokens", type=_positive, default=8192, help="token budget (default: 8192)")
     q.add_argument("--ar-max-freq", type=_positive, default=None,
                    help="AR-Hit only for bigrams seen at most this often in the evaluated text (default: any)")
-    q.add_argument("--document-masking", action="store_true",
-                   help="each window's documents (ended by the tokenizer's end-of-text token in the text) attend "
-                        "only to themselves, as difftx train --document-masking trains")
+    _document_masking(q)
 
     q = ev.add_parser("niah", help=EVALS["niah"], description=EVALS["niah"])
     _common(q)
@@ -163,6 +177,7 @@ def add_parser(sub) -> None:
     _common(q)
     q.add_argument("--seq-len", type=_positive, default=None, help="window length (default: max_seq_len, <= 1024)")
     q.add_argument("--max-tokens", type=_positive, default=8192, help="token budget (default: 8192; paper: 400000)")
+    _document_masking(q)
 
     q = ev.add_parser("quant", help=EVALS["quant"], description=EVALS["quant"])
     _common(q)
@@ -226,12 +241,8 @@ def _run_eval(args, model, tok) -> tuple[dict, dict]:
     seed = 0 if args.seed is None else args.seed
     if name == "lm":
         from ..evals.lm import evaluate_lm_text
-        s = dict(data=args.data, seq_len=args.seq_len, max_tokens=args.max_tokens, ar_max_freq=args.ar_max_freq, **bs)
-        if args.document_masking:
-            if tok.eos_id is None:
-                raise ConfigError("document_masking", f"needs the documents ended by an end-of-text token, and the "
-                                                      f"checkpoint's {tok.kind} tokenizer has none; drop it")
-            s["document_eos"] = tok.eos_id
+        s = _document_eos(args, tok, dict(data=args.data, seq_len=args.seq_len, max_tokens=args.max_tokens,
+                                          ar_max_freq=args.ar_max_freq, **bs))
         return evaluate_lm_text(model, tok, progress=prog, **s), s
     if name == "niah":
         from ..evals.niah import evaluate_niah
@@ -252,7 +263,7 @@ def _run_eval(args, model, tok) -> tuple[dict, dict]:
         return evaluate_attention(model, tok, progress=prog, **s), s
     if name == "outliers":
         from ..evals.outliers import evaluate_outliers_text
-        s = dict(data=args.data, seq_len=args.seq_len, max_tokens=args.max_tokens, **bs)
+        s = _document_eos(args, tok, dict(data=args.data, seq_len=args.seq_len, max_tokens=args.max_tokens, **bs))
         return evaluate_outliers_text(model, tok, progress=prog, **s), s
     if name == "quant":
         from ..evals.quant import evaluate_quant

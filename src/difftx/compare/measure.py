@@ -59,10 +59,19 @@ def peak_step_memory(model, optimizer, loss_fn, autocast) -> dict:
 
 # ----------------------------------------------------------------------------- gradients
 class DomainBatches:
-    """``batch(step) -> (x, y)`` from a prepared training domain (the run's own data), as the analysis expects."""
+    """``batch(step) -> (x, y)`` from a prepared training domain (the run's own data), as the analysis expects;
+    ``model_kwargs(x)``: the document ids when the run trains with document masking, so the gradients measured
+    are those of the loss it trains."""
 
     def __init__(self, domain, device):
         self.domain, self.device = domain, device
+
+    def model_kwargs(self, x: torch.Tensor) -> dict:
+        if not getattr(self.domain.cfg, "document_masking", False):
+            return {}
+        from ..nn.mask import document_ids
+
+        return {"document_ids": document_ids(x, self.domain.tokenizer.eos_id)}
 
     def batch(self, step: int):
         b = self.domain.train_batches(step, 1)[0]

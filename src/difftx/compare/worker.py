@@ -235,7 +235,8 @@ def measurements(study: StudyConfig, job: Job, run_dir: Path, tcfg, rows: list[d
             from ..evals.outliers import evaluate_outliers_text
 
             r = evaluate_outliers_text(model, tok, data=study.data, max_tokens=study.outlier_tokens,
-                                       seq_len=tcfg.seq_len)
+                                       seq_len=tcfg.seq_len,  # documents apart, as the run trained
+                                       document_eos=tok.eos_id if tcfg.document_masking else None)
             out["outliers"] = {k: {s: r[k][s] for s in ("top1", "top10", "median")}
                                for k in ("attention_logits", "hidden_states")}
         out["tails"] = measure.gradient_tails(model, measure.DomainBatches(domain, device), study.tail_batches,

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from ..errors import DataError
+from ..nn.mask import document_ids
 from ..nn.probe import AttentionProbe
 from .common import LogHistogram, TopK, attach, check_count, check_token_ids, map_batch_size, model_device, \
     text_tokens, valid_values, window_length
@@ -96,8 +97,13 @@ class OutlierCollector:
 
 @torch.no_grad()
 def evaluate_outliers(model, tokens, seq_len: Optional[int] = None, max_tokens: int = 16384,
-                      batch_size: Optional[int] = None, progress: bool = False) -> dict:
-    """Table 5 statistics over ``max_tokens`` tokens of the 1-D stream ``tokens`` (windows of ``seq_len``)."""
+                      batch_size: Optional[int] = None, progress: bool = False,
+                      document_eos: Optional[int] = None) -> dict:
+    """Table 5 statistics over ``max_tokens`` tokens of the 1-D stream ``tokens`` (windows of ``seq_len``).
+
+    ``document_eos``: the end-of-text token id that ends each document of the stream; a window's documents then
+    attend only to themselves (document masking, as ``difftx train --document-masking`` trains), and the logits
+    counted are those a query may attend to under that mask."""
     tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
     seq_len = window_length(model, seq_len)
     max_tokens = check_count("max_tokens", max_tokens)
@@ -114,7 +120,8 @@ def evaluate_outliers(model, tokens, seq_len: Optional[int] = None, max_tokens: 
         for start in range(0, n_windows, bs):
             n = min(bs, n_windows - start)
             x = tokens[start * seq_len:(start + n) * seq_len].view(n, seq_len).to(device)
-            model.features(x)  # the blocks' hooks and probes see everything; the LM head is not needed
+            kw = {} if document_eos is None else {"document_ids": document_ids(x, document_eos)}
+            model.features(x, **kw)  # the blocks' hooks and probes see everything; the LM head is not needed
             if progress:
                 print(f"  outliers: {(start + n) * seq_len} / {n_windows * seq_len} tokens", flush=True)
     return {"tokens": n_windows * seq_len, "seq_len": seq_len, "attention_logits": col.logits.summary(),
