@@ -412,7 +412,17 @@ def test_matmul_peak_size_stops_growing_when_a_matmul_gets_slow():
         == pytest.approx(2 * 1024 ** 3 / fast)
 
 
-def test_matmul_peak_is_the_fastest_size_not_the_largest():
+@pytest.fixture
+def _torchs_gemm_only(monkeypatch):
+    """The peak read from torch's matmul alone (as everywhere but float32 where difftx runs it on oneDNN)."""
+    import torch
+
+    from difftx.benchmarking import speed
+
+    monkeypatch.setattr(speed, "_peak_products", lambda dtype, device: [torch.matmul])
+
+
+def test_matmul_peak_is_the_fastest_size_not_the_largest(_torchs_gemm_only):
     """Every size is timed and the best rate counts: a (fake) clock on which 512^3 is the fastest size."""
     import torch
 
@@ -433,7 +443,7 @@ def test_matmul_peak_is_the_fastest_size_not_the_largest():
     assert peak == pytest.approx(2 * 512 ** 3 / 1e-3)  # 512's best; 1024's best is 2 * 1024^3 / 1e-2, lower
 
 
-def test_matmul_peak_counts_one_thread_matmuls_run_at_once(monkeypatch):
+def test_matmul_peak_counts_one_thread_matmuls_run_at_once(monkeypatch, _torchs_gemm_only):
     """With workers > 1 every size reached is also timed as that many one-thread matmuls at once, and the
     better rate counts (the concurrent timing faked here; the single matmuls on a fake clock)."""
     import torch
@@ -442,7 +452,7 @@ def test_matmul_peak_counts_one_thread_matmuls_run_at_once(monkeypatch):
 
     sizes = []
 
-    def concurrent(dtype, size, workers, repeats, timer, per_round):
+    def concurrent(dtype, size, workers, repeats, timer, per_round, product):
         sizes.append(size)
         return 1e-3 if size == 512 else 1.0  # per matmul: 512 at once is the best rate
 
@@ -460,6 +470,47 @@ def test_matmul_peak_counts_one_thread_matmuls_run_at_once(monkeypatch):
     sizes.clear()
     slow = speed.matmul_peak(torch.float32, torch.device("cpu"), n=1024, repeats=2, timer=clock, workers=1)
     assert sizes == [] and slow == pytest.approx(2 * 1024 ** 3 / step)  # one worker: single matmuls only
+
+
+def test_a_float32_peak_on_a_onednn_cpu_is_the_best_of_both_gemms(monkeypatch):
+    """Where difftx runs float32 products on oneDNN, the float32 peak times torch's matmul and oneDNN's product at
+    every size (a fake clock: torch's take 4 ms, oneDNN's 1 ms), and the faster counts; bf16 times torch's only."""
+    import operator
+
+    import torch
+
+    from difftx.benchmarking import speed
+    from difftx.nn import linear
+
+    monkeypatch.setattr(linear, "ONEDNN_FP32", True)
+    monkeypatch.setattr(linear, "_onednn", lambda a, w, b=None, add=None: ("dnn", a, w))
+    real = torch.matmul
+    current = ["torch"]
+
+    def fake_torch(a, b):
+        current[0] = "torch"
+        return real(a[:1, :1], b[:1, :1])
+
+    def fake_dnn_product(a, b):
+        current[0] = "dnn"
+
+    products = speed._peak_products(torch.float32, torch.device("cpu"))
+    assert len(products) == 2 and products[0] is operator.matmul
+    assert products[1](torch.ones(2, 2), torch.ones(2, 2))[0] == "dnn"
+    assert speed._peak_products(torch.bfloat16, torch.device("cpu")) == [operator.matmul]
+    monkeypatch.setattr(speed, "_peak_products", lambda dtype, device: [fake_torch, fake_dnn_product])
+    t, start = [0.0], [None]
+
+    def clock():  # readings in (start, end) pairs; the span is that of the product last called
+        if start[0] is None:
+            start[0] = t[0]
+        else:
+            t[0] += 4e-3 if current[0] == "torch" else 1e-3
+            start[0] = None
+        return t[0]
+
+    peak = speed.matmul_peak(torch.float32, torch.device("cpu"), n=512, repeats=2, timer=clock, workers=1)
+    assert peak == pytest.approx(2 * 512 ** 3 / 1e-3)
 
 
 def test_concurrent_matmul_time_rounds_and_threads():

@@ -40,7 +40,12 @@ def counter() -> FlopCounterMode:
 
 @pytest.fixture(autouse=True)
 def _torch_only(monkeypatch):
+    """torch's own ops, which FlopCounterMode counts: no native kernels, and float32 products on torch's GEMM (a
+    oneDNN product is not counted)."""
+    from difftx.nn import linear
+
     monkeypatch.setattr(native, "ENABLED", False)
+    monkeypatch.setattr(linear, "ONEDNN_FP32", False)
 
 
 def counted(cfg, training: bool, variant: str | None = None) -> int:

@@ -16,6 +16,13 @@ from difftx.nn import native
 from .test_native import needs_amx, needs_bf16_linear, needs_native
 
 
+@pytest.fixture(autouse=True)
+def _torchs_float32_gemm(monkeypatch):
+    """These tests compare float32 bits with F.linear: torch's GEMM for the float32 products (ONEDNN_FP32 off, as
+    on CPUs other than AMD's with AVX-512); the oneDNN tests at the end turn it on themselves."""
+    monkeypatch.setattr(L, "ONEDNN_FP32", False)
+
+
 def _layers(widths, d_in, bias, seed=0):
     torch.manual_seed(seed)
     return [L.Linear(d_in, w, bias=bias) for w in widths]
@@ -807,3 +814,123 @@ def test_a_forward_patched_on_the_instance_is_called():
         m.forward = lambda *a, _orig=orig, _m=m, **k: calls.append(type(_m).__name__) or _orig(*a, **k)
     model(ids, targets=ids).loss.backward()
     assert sorted(calls) == ["Linear", "Linear", "RMSNorm"]
+
+
+# ---------------------------------------------------------------------- float32 products on oneDNN
+
+needs_onednn = pytest.mark.skipif(not (torch.backends.mkldnn.is_available()
+                                       and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
+                                  reason="this torch has no oneDNN linear op")
+
+
+def _counting(monkeypatch):
+    calls = []
+    real = L._onednn
+    monkeypatch.setattr(L, "_onednn", lambda *a, **kw: calls.append(kw.get("add") is not None) or real(*a, **kw))
+    return calls
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows,widths", [(14, [48]), (14, [48, 16, 32]), (200, [96, 40]), (200, [8])])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_products_on_onednn_match_float64(rows, widths, bias, monkeypatch):
+    """Where ONEDNN_FP32 holds, a float32 training call's every product runs on oneDNN: n forwards, n dx products
+    (the ones after the first summed in the add post-op) and n weight gradients (200 rows: from one x^T shared by
+    the projections; 14 rows, or one narrow projection: from each dY's copy); outputs and gradients within float32
+    rounding of float64, as torch's path is."""
+    monkeypatch.setattr(L, "ONEDNN_FP32", True)
+    calls = _counting(monkeypatch)
+    layers = _layers(widths, 24, bias)
+    x = torch.randn(rows // 2, 2, 24)
+    ys, g = _ours(x, layers, autocast=False)
+    n = len(widths)
+    assert len(calls) == 3 * n and sum(calls) == n - 1
+    g64 = _f64_grads(x, layers)
+    with torch.no_grad():
+        for y, m in zip(ys, layers):
+            ref = F.linear(x.double(), m.weight.double(), None if m.bias is None else m.bias.double())
+            torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g, g64):
+        assert a.dtype == torch.float32 and a.shape == b.shape and a.is_contiguous()
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_float32_inference_and_the_lm_head_on_onednn(monkeypatch):
+    """linear(): float32 past FEW_ROWS rows without a gradient runs oneDNN; a training call (the LM head) runs
+    _Linear's products (its weight gradient too); autocast, bfloat16, torch.func and ONEDNN_FP32 off are
+    F.linear itself."""
+    monkeypatch.setattr(L, "ONEDNN_FP32", True)
+    calls = _counting(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(40, 96, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(3, 12, 96, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(L.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1
+    wg = w.clone().requires_grad_(True)
+    xg = x.clone().requires_grad_(True)
+    L.linear(xg, wg).pow(2).sum().backward()
+    assert len(calls) == 4  # forward, dx, dW
+    w64, x64 = w.double().requires_grad_(True), x.double().requires_grad_(True)
+    F.linear(x64, w64).pow(2).sum().backward()
+    torch.testing.assert_close(wg.grad.double(), w64.grad, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(xg.grad.double(), x64.grad, rtol=1e-5, atol=1e-4)
+    calls.clear()
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(L.linear(x, w, b), F.linear(x, w, b))
+        assert torch.equal(L.linear(x.bfloat16(), w.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
+    assert torch.equal(torch.func.grad(lambda ww: L.linear(x, ww).sum())(w), torch.func.grad(
+        lambda ww: F.linear(x, ww).sum())(w))
+    monkeypatch.setattr(L, "ONEDNN_FP32", False)
+    with torch.no_grad():
+        assert torch.equal(L.linear(x, w, b), F.linear(x, w, b))
+    assert calls == []
+
+
+def test_onednn_float32_default_is_zen5_or_the_environments_choice(monkeypatch):
+    """On by default on AMD CPUs of family 26 (Zen 5) or later with AVX-512 (measured there), off elsewhere (Zen
+    4, AVX2-only AMD, Intel, an unreadable family); DIFFTX_FP32_GEMM=torch / onednn decides instead, and nothing
+    turns it on where torch has no oneDNN."""
+    monkeypatch.delenv(L.FP32_GEMM_ENV, raising=False)
+    have = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    for vendor, family, flags, want in (("AuthenticAMD", "26", "fpu avx2 avx512f avx512bw", True),
+                                        ("AuthenticAMD", "27", "fpu avx512f", True),
+                                        ("AuthenticAMD", "25", "fpu avx2 avx512f avx512bw", False),
+                                        ("AuthenticAMD", "26", "fpu avx2", False),
+                                        ("AuthenticAMD", "", "fpu avx512f", False),
+                                        ("GenuineIntel", "6", "fpu avx512f", False)):
+        monkeypatch.setattr(native, "cpu_vendor", lambda v=vendor: v)
+        info = {"cpu family": family, "flags": flags}
+        monkeypatch.setattr(native, "cpuinfo_value", lambda *k, i=info: i.get(k[0], ""))
+        assert L._default_onednn_fp32() == (want and have), (vendor, family, flags)
+        for choice, on in (("torch", False), ("onednn", True), (" ONEDNN ", True)):
+            monkeypatch.setenv(L.FP32_GEMM_ENV, choice)
+            assert L._default_onednn_fp32() == (on and have)
+        monkeypatch.delenv(L.FP32_GEMM_ENV)
+    monkeypatch.setenv(L.FP32_GEMM_ENV, "onednn")
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert L._default_onednn_fp32() is False
+
+
+@needs_onednn
+@pytest.mark.parametrize("attention", ["softmax", "diff"])
+def test_a_float32_training_step_on_onednn_matches_torchs_gemm(attention, monkeypatch):
+    """A model's float32 loss and every gradient with the products on oneDNN and on torch's GEMM: equal to float32
+    rounding (the same sums in another order)."""
+    import difftx
+
+    cfg = difftx.ModelConfig(attention=attention, d_model=64, n_heads=2, n_layers=2, vocab_size=97, max_seq_len=64)
+    x = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for on in (True, False):
+        monkeypatch.setattr(L, "ONEDNN_FP32", on)
+        torch.manual_seed(0)
+        model = difftx.build_model(cfg)
+        loss = model(x, targets=x).loss
+        loss.backward()
+        out[on] = (loss.item(), {n: p.grad for n, p in model.named_parameters()})
+    assert abs(out[True][0] - out[False][0]) < 1e-5
+    for name, grad in out[False][1].items():
+        torch.testing.assert_close(out[True][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -826,8 +826,9 @@ def test_a_decoding_step_with_autograd_on_keeps_its_gradients(attention, monkeyp
     got = step_grads(True)
     q_proj = next(n for n in ref if "attn" in n and ("q_proj" in n or "qkv" in n))
     assert set(got) == set(ref), sorted(set(ref) ^ set(got))
-    for n in ref:
-        torch.testing.assert_close(got[n], ref[n], atol=1e-5 * ref[n].abs().max().item(), rtol=1e-5, msg=n)
+    for n in ref:  # float32 rounding: DIFF's lambda gradients (a difference of two near terms) sit 1-4e-5 of their
+        # largest entry from float64's on either path (torch's GEMM or oneDNN for the projections)
+        torch.testing.assert_close(got[n], ref[n], atol=1e-4 * ref[n].abs().max().item(), rtol=1e-5, msg=n)
     assert ref[q_proj].abs().max() > 0
 
 

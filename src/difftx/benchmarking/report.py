@@ -36,7 +36,9 @@ def markdown(results: dict) -> str:
                   + ("2048" if str(env.get("device", "cpu")).startswith("cpu") else "8192")
                   + (f", one {env['threads']}-thread matmul or {env['threads']} one-thread ones at once"
                      if env.get("threads", 1) > 1 and str(env.get("device", "cpu")).startswith("cpu")
-                     and bc.get("timer") == "wall" else "") + ")"
+                     and bc.get("timer") == "wall" else "")
+                  + ("; torch's and oneDNN's, difftx's float32 GEMM here" if dt == "fp32"
+                     and env.get("fp32_gemm") == "onednn" else "") + ")"
                   + _repeat_peaks(results, dt) + "."
                   + (" This device has no bf16 matmul hardware: torch's fallback kernels differ by op, so the "
                      "share of this peak means little." if slow else ""), "",

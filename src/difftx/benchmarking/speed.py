@@ -31,6 +31,7 @@ optimiser state already held (on CUDA: ``torch.cuda.max_memory_allocated``).
 from __future__ import annotations
 
 import inspect
+import operator
 import os
 import platform
 import statistics
@@ -322,7 +323,8 @@ def matmul_peak(dtype: torch.dtype, device: torch.device, n: Optional[int] = Non
     matmul peak); n defaults to 2048 on a CPU and 8192 on a GPU, where each timed sample is CUDA_INNER
     products back to back (one product of 2048^3 takes ~20 us on an H100: shorter than a synchronisation).
 
-    Every size is timed (its best of ``repeats``, after one untimed call) and the fastest size counts: which
+    Every size is timed (its best of ``repeats``, after one untimed call, with each GEMM of
+    :func:`_peak_products`) and the fastest size counts: which
     size that is depends on the machine and the thread count.  Measured on a 2-core Xeon with AMX in bf16: on
     one thread 1024^3 ran at 1.38-1.46 TFLOP/s against 1.22-1.27 for 2048^3, on two threads 2048^3 at
     2.25-2.47 against 1.50 for 1024^3 (about its one-thread rate).  A peak read at one size only
@@ -345,17 +347,19 @@ def matmul_peak(dtype: torch.dtype, device: torch.device, n: Optional[int] = Non
     gpu = device.type != "cpu"
     n = n or (8192 if gpu else 2048)
     inner = CUDA_INNER if gpu else 1
+    mm = _peak_products(dtype, device)
     size, rate, seconds = 256, 0.0, {}
     while True:
         a = torch.randn(size, size, device=device).to(dtype)
         b = torch.randn(size, size, device=device).to(dtype)
-        a @ b
         best = float("inf")
-        for _ in range(max(1, repeats)):
-            t0 = timer()
-            for _ in range(inner):
-                a @ b
-            best = min(best, (timer() - t0) / inner)
+        for product in mm:
+            product(a, b)
+            for _ in range(max(1, repeats)):
+                t0 = timer()
+                for _ in range(inner):
+                    product(a, b)
+                best = min(best, (timer() - t0) / inner)
         rate, seconds[size] = max(rate, 2 * size ** 3 / max(best, 1e-9)), best
         if size >= n or 8 * best > PEAK_BUDGET_S:  # one matmul of the next size: 8x the work
             break
@@ -365,13 +369,27 @@ def matmul_peak(dtype: torch.dtype, device: torch.device, n: Optional[int] = Non
             if 8 * best > PEAK_BUDGET_S:  # a slow size (the last one reached): k one-thread ones take ~k x as long
                 continue
             per_round = max(1, min(1000, int(0.005 / max(best, 1e-9))))  # rounds of >= ~5 ms
-            each = _concurrent_matmul_time(dtype, size, workers, repeats, timer, per_round)
-            rate = max(rate, workers * 2 * size ** 3 / max(each, 1e-9))
+            for product in mm:
+                each = _concurrent_matmul_time(dtype, size, workers, repeats, timer, per_round, product)
+                rate = max(rate, workers * 2 * size ** 3 / max(each, 1e-9))
     return rate
 
 
+def _peak_products(dtype: torch.dtype, device: torch.device) -> list:
+    """The GEMMs a peak is read from: torch's ``a @ b``, and in float32 on a CPU where difftx runs its float32
+    products on oneDNN (:data:`difftx.nn.linear.ONEDNN_FP32`) that product too, a @ b as x W^T with W = b^T: the
+    peak is the best the machine gives either, so a step on the faster one is not read against the slower's."""
+    from ..nn import linear
+
+    products = [operator.matmul]  # a @ b
+    if dtype == torch.float32 and device.type == "cpu" and linear.ONEDNN_FP32:
+        products.append(lambda a, b: linear._onednn(a, b.t()))
+    return products
+
+
 def _concurrent_matmul_time(dtype: torch.dtype, size: int, workers: int, repeats: int,
-                            timer: Callable[[], float], per_round: int = 1) -> float:
+                            timer: Callable[[], float], per_round: int = 1,
+                            product: Callable = operator.matmul) -> float:
     """Best time per matmul of ``workers`` size^3 CPU matmuls run at once, each on its own Python thread with
     torch on one intra-op thread (torch's thread count is set to 1 for the measurement and restored after).
 
@@ -393,7 +411,7 @@ def _concurrent_matmul_time(dtype: torch.dtype, size: int, workers: int, repeats
             for _ in range(rounds):
                 go.wait()
                 for _ in range(per_round):
-                    a @ b
+                    product(a, b)
                 done.wait()
         except threading.BrokenBarrierError:
             pass
@@ -708,7 +726,10 @@ def environment(device: torch.device) -> dict:
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     else:
+        from ..nn import linear
+
         env["native_kernels"] = native.status()
+        env["fp32_gemm"] = "onednn" if linear.ONEDNN_FP32 else "torch"
     try:
         import transformers
 

@@ -31,6 +31,14 @@ Three things torch leaves on the table there:
   registers from one projection's product to the next and are written once: the bits of the chain of
   products, Q/K/V's backward 1.04x faster (``results/amd-zen4/session49/``).
 
+* float32 on an AMD Zen 5 (or later) CPU: torch's float32 GEMM (MKL) takes a path there that runs at less than
+  half the cores' AVX-512 rate, while oneDNN, which torch ships too, runs AVX-512 kernels: on a 2-core Zen 5
+  (one core's FMA peak 266 GFLOP/s) MKL reached 92-106 GFLOP/s a thread at the ``small`` preset's shapes and
+  oneDNN 184-243 (``benchmarks/performance/fp32_gemm.py``).  There every float32 product of this module (the
+  forward, dx -- the projections of one input summed in oneDNN's add post-op -- and the weight gradients), and
+  float32 inference calls of :func:`linear` past :data:`FEW_ROWS` rows, run on oneDNN
+  (``torch.ops.mkldnn._linear_pointwise``; :data:`ONEDNN_FP32`).
+
 Every product is the same GEMM in the same dtype as torch's (bfloat16 with float32 accumulation under
 autocast, float32 otherwise); weight gradients come back in the weight's dtype, as autocast's cast would
 hand them.  Everywhere else (inference, no grad for the weight, float16/float64, CUDA, bfloat16 without
@@ -41,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import weakref
 from typing import Optional
 
@@ -53,6 +62,45 @@ from . import native
 
 _BF16 = torch.bfloat16
 _TAKEN = (torch.float32, torch.bfloat16)
+_FP32 = torch.float32
+FP32_GEMM_ENV = "DIFFTX_FP32_GEMM"  # "onednn" or "torch": overrides the choice below (benchmarks, A/B runs)
+
+
+def _default_onednn_fp32() -> bool:
+    """Whether float32 products run on oneDNN (see the module docstring): on AMD CPUs of family 26 (Zen 5) or
+    later with AVX-512, whose FMA units are 512 bits wide, where torch has oneDNN's linear op; unless
+    ``DIFFTX_FP32_GEMM`` says ``torch`` (or ``onednn``: anywhere torch has it).  Not measured with oneDNN on
+    Zen 4 (512-bit instructions on 256-bit units: MKL's path reached ~86% of its FMA peak there, little to
+    gain), on AMD CPUs without AVX-512, or on Intel CPUs, where MKL takes its own AVX-512 paths."""
+    have = (torch.backends.mkldnn.is_available() and hasattr(torch.ops, "mkldnn")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    choice = os.environ.get(FP32_GEMM_ENV, "").strip().lower()
+    if choice in ("onednn", "torch"):
+        return have and choice == "onednn"
+    try:
+        family = int(native.cpuinfo_value("cpu family"))
+    except ValueError:
+        return False
+    return (have and native.cpu_vendor() == "AuthenticAMD" and family >= 26
+            and "avx512f" in native.cpuinfo_value("flags").split())
+
+
+# Float32 products on oneDNN instead of torch's GEMM (MKL); a module-level switch, as FEW_ROWS.
+ONEDNN_FP32 = _default_onednn_fp32()
+
+
+def _onednn(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
+            add: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ w^T (+ b) (+ add) in float32 on oneDNN: x (..., k) and w (n, k) may be strided views (a transposed
+    operand is read as it lies); ``add`` (x's rows, n) is summed in the product's add post-op."""
+    if add is not None:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, add, w, b, "add")
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def _onednn_ok(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a float32 product of these CPU tensors (None: an absent bias) runs on oneDNN here."""
+    return ONEDNN_FP32 and all(t is None or (t.dtype == _FP32 and t.device.type == "cpu") for t in tensors)
 
 
 class _Linear(torch.autograd.Function):
@@ -79,8 +127,13 @@ class _Linear(torch.autograd.Function):
         grads: list = [None] * (2 * n)
         dx = None
         if need[0]:
-            for dy2, w in zip(dy2s, ws):
-                dx = dy2 @ w if dx is None else dx.addmm_(dy2, w)
+            if _onednn_ok(xc) and not torch.is_grad_enabled():  # (create_graph: torch's ops, which have a
+                # derivative) w^T read as it lies; each further projection's product added in its post-op
+                for dy2, w in zip(dy2s, ws):
+                    dx = _onednn(dy2, w.t(), add=dx)
+            else:
+                for dy2, w in zip(dy2s, ws):
+                    dx = dy2 @ w if dx is None else dx.addmm_(dy2, w)
             dx = dx.view(xc.shape).to(x_dtype)
         wanted = [i for i in range(n) if need[3 + 2 * i]]
         if wanted:
@@ -88,8 +141,11 @@ class _Linear(torch.autograd.Function):
             xt = None
             if dtype == _BF16 and x2.shape[1] < sum(dy2s[i].shape[1] for i in wanted):
                 xt = native.transpose_bf16(x2, pad=32)
-            for i in wanted:
-                grads[2 * i] = _weight_grad(x2, xt, dy2s[i], dtypes[2 * i])
+            if _onednn_ok(x2) and not torch.is_grad_enabled():
+                _onednn_weight_grads(x2, dy2s, wanted, dtypes, grads)
+            else:
+                for i in wanted:
+                    grads[2 * i] = _weight_grad(x2, xt, dy2s[i], dtypes[2 * i])
         for i in range(n):
             if dtypes[2 * i + 1] is not None and need[4 + 2 * i]:
                 grads[2 * i + 1] = dy2s[i].sum(0).to(dtypes[2 * i + 1])
@@ -210,6 +266,25 @@ def _linear_fn(dtype: torch.dtype, x: torch.Tensor, modules):
     return _DotLinear if dtype == _BF16 and _dot_ok(x, modules) else _Linear
 
 
+def _onednn_weight_grads(x2: torch.Tensor, dy2s: list, wanted: list, dtypes: list, grads: list) -> None:
+    """grads[2 i] = dY_i^T x (in the weight's dtype) for i in ``wanted``, float32 on oneDNN.  Its linear op reads
+    a transposed weight operand as it lies but copies a transposed input first, and both operands of a weight
+    gradient run over the tokens: either dW_i = linear(dY_i^T, x^T) (a copy of each dY_i, M x N_i) or, with x
+    transposed once for all of them, dW_i^T = linear(x^T, dY_i^T), transposed back (M x K, then K x N_i each).
+    The fewer elements moved wins: Q/K/V's and gate/up's weight gradients share one x^T, a lone projection
+    (out, down, the LM head) copies its dY.  Both are the same float32 sums over the tokens."""
+    m, k = x2.shape
+    widths = [dy2s[i].shape[1] for i in wanted]
+    if m * k + k * sum(widths) < m * sum(widths):
+        xt = x2.t().contiguous()
+        for i in wanted:
+            dwt = _onednn(xt, dy2s[i].t())  # (K, N_i), written back transposed in the weight's dtype
+            grads[2 * i] = torch.empty(dwt.shape[1], k, dtype=dtypes[2 * i]).copy_(dwt.t())
+    else:
+        for i in wanted:
+            grads[2 * i] = _onednn(dy2s[i].t().contiguous(), x2.t()).to(dtypes[2 * i])
+
+
 def _weight_grad(x2: torch.Tensor, xt: Optional[torch.Tensor], dy2: torch.Tensor,
                  dtype: torch.dtype) -> torch.Tensor:
     """dy2^T x2 in ``dtype``: from x's transpose ``xt`` when given; else, in bfloat16, from dy2's."""
@@ -233,6 +308,8 @@ _WGRAD_COLUMN_HALVES = {(512, 2048, 1408)}  # a row-major weight gradient: gate/
 def _forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
     """F.linear(x, w, b); on two or more threads a bfloat16 product listed in ``_FORWARD_COLUMN_HALVES`` runs
     as two halves of w's rows, each writing its columns of one output."""
+    if _onednn_ok(x, w, b):
+        return _onednn(x, w, b)
     n, k = w.shape
     m = x.numel() // k if k else 0
     if (x.dtype != _BF16 or torch.get_num_threads() < 2 or (m, k, n) not in _FORWARD_COLUMN_HALVES
@@ -411,7 +488,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """``F.linear(x, weight, bias)``; float32 on the CPU with at most :data:`FEW_ROWS` rows (8 on AMD CPUs, else
     off) and no gradient wanted (decoding) runs :func:`difftx.nn.native.few_rows_linear` (same values up to
     summation order); bf16 inference within :func:`packed_weights` (a KV cache's decoding) on AVX512-BF16 CPUs
-    without AMX the dot-product kernels on packed weights (:func:`_dot_inference`)."""
+    without AMX the dot-product kernels on packed weights (:func:`_dot_inference`); float32 past that where
+    :data:`ONEDNN_FP32` holds on oneDNN, a training call (the LM head) through :class:`_Linear`."""
     y = _dot_inference(x, weight, bias)
     if y is not None:
         return y
@@ -424,6 +502,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
             and (bias is None or bias.is_contiguous()) and not torch.is_autocast_enabled("cpu")
             and native.supports(torch.float32, x.device)):
         return native.few_rows_linear(x, weight, bias)
+    if ONEDNN_FP32 and not traced() and not torch.is_autocast_enabled("cpu") and weight.dim() == 2 \
+            and x.dim() >= 2 and x.shape[-1] == k and _onednn_ok(x, weight, bias):
+        if _training_dtype(x, weight) == _FP32:  # a float32 training call (the LM head): _Linear's products
+            return _Linear.apply(x, _FP32, 1, weight, bias)[0]
+        if not grad_wanted(x, weight, bias):
+            return _onednn(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
