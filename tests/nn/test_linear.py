@@ -889,6 +889,20 @@ def test_float32_inference_and_the_lm_head_on_onednn(monkeypatch):
     assert calls == []
 
 
+@needs_onednn
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0, 8)])
+def test_an_empty_float32_input_trains_and_infers_where_onednn_runs(shape, monkeypatch):
+    """oneDNN has no primitive for an empty product: such calls keep torch's (an empty output, zero gradients)."""
+    monkeypatch.setattr(L, "ONEDNN_FP32", True)
+    m = L.Linear(8, 4)
+    x = torch.randn(*shape, requires_grad=True)
+    y = m(x)
+    y.sum().backward()
+    assert y.shape == (*shape[:-1], 4) and torch.equal(m.weight.grad, torch.zeros(4, 8))
+    with torch.no_grad():
+        assert L.linear(x, m.weight, m.bias).shape == y.shape
+
+
 def test_onednn_float32_default_is_zen5_or_the_environments_choice(monkeypatch):
     """On by default on AMD CPUs of family 26 (Zen 5) or later with AVX-512 (measured there), off elsewhere (Zen
     4, AVX2-only AMD, Intel, an unreadable family); DIFFTX_FP32_GEMM=torch / onednn decides instead, and nothing

@@ -99,8 +99,10 @@ def _onednn(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
 
 
 def _onednn_ok(*tensors: Optional[torch.Tensor]) -> bool:
-    """Whether a float32 product of these CPU tensors (None: an absent bias) runs on oneDNN here."""
-    return ONEDNN_FP32 and all(t is None or (t.dtype == _FP32 and t.device.type == "cpu") for t in tensors)
+    """Whether a float32 product of these CPU tensors (None: an absent bias) runs on oneDNN here (not an empty
+    one: oneDNN has no primitive for it)."""
+    return ONEDNN_FP32 and all(t is None or (t.dtype == _FP32 and t.device.type == "cpu" and t.numel() > 0)
+                               for t in tensors)
 
 
 class _Linear(torch.autograd.Function):
