@@ -948,3 +948,41 @@ def test_a_float32_training_step_on_onednn_matches_torchs_gemm(attention, monkey
     assert abs(out[True][0] - out[False][0]) < 1e-5
     for name, grad in out[False][1].items():
         torch.testing.assert_close(out[True][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@needs_onednn
+def test_a_compiled_float32_step_runs_onednn_too_and_matches_eager(monkeypatch):
+    """Under torch.compile the float32 products enter the graph as the opaque ``difftx::onednn_linear`` op (inductor
+    has no lowering for oneDNN's linear op on a weight it did not pack), so a compiled step is not back on torch's
+    slower GEMM: every product of the forward and backward runs it, and loss and gradients match eager's."""
+    import torch._dynamo
+
+    monkeypatch.setattr(L, "ONEDNN_FP32", True)
+    calls = []
+    real = L._onednn_eager
+    monkeypatch.setattr(L, "_onednn_eager", lambda *a: calls.append(1) or real(*a))
+    layers = _layers([48, 16], 24, True)
+    head = L.Linear(64, 8)
+    x = torch.randn(2, 7, 24)
+
+    def loss_of(x):
+        q, k = L.project(x, layers)
+        return head(torch.cat((q, k), -1)).pow(2).mean()
+
+    def grads(fn):
+        for p in (*head.parameters(), *(p for m in layers for p in m.parameters())):
+            p.grad = None
+        loss = fn(x)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for m in (*layers, head) for p in m.parameters()]
+
+    eager = grads(loss_of)
+    assert len(calls) == 3 + 1 + 3  # three forwards (q, k, the head), the head's dx (x wants none), three dW
+    torch._dynamo.reset()
+    calls.clear()
+    compiled = grads(torch.compile(loss_of, backend="inductor", fullgraph=False))
+    torch._dynamo.reset()
+    assert len(calls) == 3 + 1 + 3
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

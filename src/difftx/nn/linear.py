@@ -37,12 +37,13 @@ Three things torch leaves on the table there:
   oneDNN 184-243 (``benchmarks/performance/fp32_gemm.py``).  There every float32 product of this module (the
   forward, dx -- the projections of one input summed in oneDNN's add post-op -- and the weight gradients), and
   float32 inference calls of :func:`linear` past :data:`FEW_ROWS` rows, run on oneDNN
-  (``torch.ops.mkldnn._linear_pointwise``; :data:`ONEDNN_FP32`).
+  (``torch.ops.mkldnn._linear_pointwise``; :data:`ONEDNN_FP32`), compiled graphs' too (``difftx::onednn_linear``).
 
-Every product is the same GEMM in the same dtype as torch's (bfloat16 with float32 accumulation under
-autocast, float32 otherwise); weight gradients come back in the weight's dtype, as autocast's cast would
-hand them.  Everywhere else (inference, no grad for the weight, float16/float64, CUDA, bfloat16 without
-AMX or AVX512-BF16) the layer is ``F.linear`` unchanged, and :func:`project` calls the modules one by one.
+Every product is a GEMM in the same dtype as torch's (bfloat16 with float32 accumulation under autocast,
+float32 otherwise; on oneDNN above, the same float32 sums in another order); weight gradients come back in
+the weight's dtype, as autocast's cast would hand them.  Everywhere else (inference but for the two cases of
+:func:`linear`, no grad for the weight, float16/float64, CUDA, bfloat16 without AMX or AVX512-BF16) the layer
+is ``F.linear`` unchanged, and :func:`project` calls the modules one by one.
 """
 
 from __future__ import annotations
@@ -89,13 +90,34 @@ def _default_onednn_fp32() -> bool:
 ONEDNN_FP32 = _default_onednn_fp32()
 
 
-def _onednn(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
-            add: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ w^T (+ b) (+ add) in float32 on oneDNN: x (..., k) and w (n, k) may be strided views (a transposed
-    operand is read as it lies); ``add`` (x's rows, n) is summed in the product's add post-op."""
+def _onednn_eager(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+                  add: Optional[torch.Tensor]) -> torch.Tensor:
     if add is not None:
         return torch.ops.mkldnn._linear_pointwise.binary(x, add, w, b, "add")
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+@torch.library.custom_op("difftx::onednn_linear", mutates_args=())
+def _onednn_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+               add: Optional[torch.Tensor]) -> torch.Tensor:
+    """:func:`_onednn` as an op that compiled graphs call as it is (inductor has no lowering for oneDNN's
+    linear op on a weight it did not pack itself)."""
+    return _onednn_eager(x, w, b, add)
+
+
+@_onednn_op.register_fake
+def _(x, w, b, add):
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+def _onednn(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
+            add: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ w^T (+ b) (+ add) in float32 on oneDNN: x (..., k) and w (n, k) may be strided views (a transposed
+    operand is read as it lies); ``add`` (x's rows, n) is summed in the product's add post-op.  Eager calls go
+    straight to oneDNN's op (the custom op's dispatch costs ~25 us a call), compiled ones through ``difftx::``."""
+    if torch.compiler.is_compiling():
+        return _onednn_op(x, w, b, add)
+    return _onednn_eager(x, w, b, add)
 
 
 def _onednn_ok(*tensors: Optional[torch.Tensor]) -> bool:
@@ -394,8 +416,11 @@ def _training_dtype(x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.dty
     AVX512-BF16, or float32 without autocast; else None."""
     if not (weight.requires_grad and torch.is_grad_enabled()) or x.device.type != "cpu":
         return None
-    if traced():  # compiled graphs and torch.func see F.linear
+    if functorch_active():  # torch.func sees F.linear
         return None
+    if torch.compiler.is_compiling():  # compiled graphs see F.linear, but for float32 products on oneDNN
+        ok = (ONEDNN_FP32 and x.dtype == weight.dtype == _FP32 and not torch.is_autocast_enabled("cpu"))
+        return _FP32 if ok else None
     if x.dtype not in _TAKEN or weight.dtype not in _TAKEN:  # autocast leaves float64 as it is
         return None
     if torch.is_autocast_enabled("cpu"):
@@ -504,7 +529,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
             and (bias is None or bias.is_contiguous()) and not torch.is_autocast_enabled("cpu")
             and native.supports(torch.float32, x.device)):
         return native.few_rows_linear(x, weight, bias)
-    if ONEDNN_FP32 and not traced() and not torch.is_autocast_enabled("cpu") and weight.dim() == 2 \
+    if ONEDNN_FP32 and not functorch_active() and not torch.is_autocast_enabled("cpu") and weight.dim() == 2 \
             and x.dim() >= 2 and x.shape[-1] == k and _onednn_ok(x, weight, bias):
         if _training_dtype(x, weight) == _FP32:  # a float32 training call (the LM head): _Linear's products
             return _Linear.apply(x, _FP32, 1, weight, bias)[0]
