@@ -114,3 +114,37 @@ def test_a_hooked_or_swapped_lm_head_is_called_under_loss_chunk():
     chunked.loss.backward()
     assert abs(float(chunked.loss) - float(model(x, targets=y).loss)) < 1e-5
     assert model.lm_head.extra.weight.grad is not None
+
+
+@pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
+                    reason="this torch has no oneDNN linear op")
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_float32_chunks_on_onednn_match_float64(chunk, monkeypatch):
+    """Where float32 products run on oneDNN the chunks' three products do (the weight's gradient summed
+    transposed): loss and both gradients within float32 rounding of float64's full-logits loss, the weight's
+    gradient contiguous; one input without a gradient, and no chunk at all, too."""
+    from difftx.nn import linear as L
+
+    monkeypatch.setattr(L, "ONEDNN_FP32", True)
+    calls = []
+    real = L._onednn
+    monkeypatch.setattr(L, "_onednn", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(30, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (30,), generator=g)
+    targets[[3, 11]] = -100
+    h64, w64 = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    ref = _reference(h64, w64, targets)
+    gh, gw = torch.autograd.grad(ref, (h64, w64))
+    got = linear_cross_entropy(hidden, weight, targets, chunk)
+    ch, cw = torch.autograd.grad(got, (hidden, weight))
+    assert len(calls) == 3 * -(-30 // chunk)
+    assert abs(got.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    assert cw.is_contiguous() and cw.dtype == torch.float32
+    torch.testing.assert_close(ch.double(), gh, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cw.double(), gw, rtol=1e-5, atol=1e-5)
+    only_w = linear_cross_entropy(hidden.detach(), weight, targets, chunk)
+    torch.testing.assert_close(torch.autograd.grad(only_w, weight)[0].double(), gw, rtol=1e-5, atol=1e-5)
+    empty = linear_cross_entropy(hidden[:0], weight, targets[:0], chunk)
+    assert empty.item() == 0 and torch.equal(torch.autograd.grad(empty, weight)[0], torch.zeros_like(weight))

@@ -20,13 +20,22 @@ IGNORE_INDEX = -100
 
 
 def _chunked(hidden, weight, targets, chunk: int, want_h: bool, want_w: bool):
-    """(summed loss, gradient of hidden or None, gradient of weight or None), ``chunk`` tokens at a time."""
+    """(summed loss, gradient of hidden or None, gradient of weight or None), ``chunk`` tokens at a time.
+
+    Where difftx runs float32 products on oneDNN (:data:`difftx.nn.linear.ONEDNN_FP32`; float32, no autocast)
+    the three products do too: the weight's gradient is summed transposed, W^T += h^T P (oneDNN reads P^T as a
+    weight, as it lies, and copies only h^T, a chunk x d_model), and transposed back once at the end."""
+    from . import linear as L
+
+    dnn = not torch.is_autocast_enabled(hidden.device.type) and L._onednn_ok(hidden, weight)
     grad_h = torch.empty_like(hidden) if want_h else None
-    grad_w = torch.zeros_like(weight, dtype=upcast(weight[:0]).dtype) if want_w else None
+    grad_w = torch.zeros_like(weight, dtype=upcast(weight[:0]).dtype) if want_w and not dnn else None
+    grad_wt = None  # oneDNN's transposed sum (d_model, vocab)
     total = torch.zeros((), dtype=upcast(hidden[:0]).dtype, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk):
         h, t = hidden[start:start + chunk], targets[start:start + chunk]
-        logits = upcast(h @ weight.t())  # under autocast the matmul runs in its dtype, as the usual head's
+        # under autocast the matmul runs in its dtype, as the usual head's
+        logits = L._onednn(h, weight) if dnn else upcast(h @ weight.t())
         valid = t != IGNORE_INDEX
         tt = torch.where(valid, t, 0)
         lse = torch.logsumexp(logits, dim=-1)
@@ -38,9 +47,15 @@ def _chunked(hidden, weight, targets, chunk: int, want_h: bool, want_w: bool):
             p.mul_(valid[:, None].to(p.dtype))
             p = p.to(hidden.dtype)
             if want_h:
-                grad_h[start:start + chunk] = p @ weight
-            if want_w:
+                grad_h[start:start + chunk] = L._onednn(p, weight.t()) if dnn else p @ weight
+            if want_w and dnn:
+                grad_wt = L._onednn(h.t().contiguous(), p.t(), add=grad_wt)
+            elif want_w:
                 grad_w += upcast(p.t() @ h)
+    if grad_wt is not None:
+        grad_w = grad_wt.t().contiguous()
+    elif want_w and dnn:  # no chunk (no tokens): a zero gradient
+        grad_w = torch.zeros_like(weight)
     return total, grad_h, None if grad_w is None else grad_w.to(weight.dtype)
 
 
