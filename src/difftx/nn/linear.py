@@ -74,7 +74,8 @@ def _default_onednn_fp32() -> bool:
     Zen 4 (512-bit instructions on 256-bit units: MKL's path reached ~86% of its FMA peak there, little to
     gain), on AMD CPUs without AVX-512, or on Intel CPUs, where MKL takes its own AVX-512 paths."""
     have = (torch.backends.mkldnn.is_available() and hasattr(torch.ops, "mkldnn")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn._linear_pointwise, "binary"))  # (the add post-op: dx of a project)
     choice = os.environ.get(FP32_GEMM_ENV, "").strip().lower()
     if choice in ("onednn", "torch"):
         return have and choice == "onednn"
