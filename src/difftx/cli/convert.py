@@ -1,9 +1,9 @@
 """``difftx convert SRC DST``: checkpoints between difftx, transformers (Llama, DiffLlama, Mistral, Qwen2,
-Qwen3, difftx) and unilm.
+Qwen3, Phi-3, difftx) and unilm.
 
 A thin layer over :func:`difftx.interop.convert.convert`.  ``--verify`` reads the
 source and the result back, each with its own library (transformers for a Llama /
-DiffLlama / Mistral / Qwen2 / Qwen3 directory when it is installed, difftx otherwise), and prints the largest
+DiffLlama / Mistral / Qwen2 / Qwen3 / Phi-3 directory when it is installed, difftx otherwise), and prints the largest
 logit difference on a fixed random batch (and the KL divergence for ``--diff-init``).
 """
 
@@ -26,8 +26,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "convert", help="convert checkpoints between difftx and Hugging Face / official layouts",
         description="Convert SRC (a difftx model dir, a Hugging Face llama / diffllama / mistral / qwen2 / qwen3 / "
-                    "difftx dir, or a weights file of official unilm attention modules) into DST. Loading never runs "
-                    "code from SRC.")
+                    "phi3 / difftx dir, or a weights file of official unilm attention modules) into DST. Loading "
+                    "never runs code from SRC.")
     p.add_argument("src", metavar="SRC", help="source directory (or unilm weights file)")
     p.add_argument("dst", metavar="DST", help="destination directory")
     p.add_argument("--from", dest="src_format", default="auto", choices=("auto",) + FORMATS + ("unilm",),
@@ -49,8 +49,8 @@ def add_parser(sub) -> None:
     p.add_argument("--unilm-variant", choices=("flash", "naive"), default=None,
                    help="unilm: which official file's GQA pairing the weights were trained with (default flash)")
     p.add_argument("--verify", action="store_true",
-                   help="read source and result back (Llama / DiffLlama / Mistral / Qwen with transformers when "
-                        "installed), "
+                   help="read source and result back (Llama / DiffLlama / Mistral / Qwen / Phi-3 with transformers "
+                        "when installed), "
                         "print their max logit difference on random tokens and exit 1 when a conversion that "
                         "keeps the function and the precision misses it by more than 1e-3 of the largest logit")
     p.add_argument("--force", action="store_true", help="overwrite a DST that already holds a model")

@@ -14,6 +14,9 @@ Formats (``--from`` / ``--to`` of ``difftx convert``):
   ``head_dim``, with a gain, before RoPE) <-> the Transformer with norms ``S2`` (difftx's QK norm is that norm).
   A Qwen sliding window covers the layers ``layer_types`` names; the others are difftx's
   ``full_attention_layers``.
+* ``hf-phi3``: transformers' ``Phi3ForCausalLM`` (Phi-3, Phi-3.5-mini, Phi-4): Llama's blocks with Q/K/V in one
+  ``qkv_proj`` and gate/up in one ``gate_up_proj`` (split on reading, joined on writing), no biases, an optional
+  ``sliding_window`` on every layer; a ``partial_rotary_factor`` under 1 (Phi-4-mini) or LongRoPE is refused.
 * ``hf-diffllama``: transformers' ``DiffLlamaForCausalLM`` <-> difftx DIFF.  DiffLlama's
   conventions are expressed as config fields, so its weights load unpermuted:
   ``num_attention_heads`` counts component heads (difftx ``n_heads`` = half of it),
@@ -44,14 +47,15 @@ from ..io import (CONFIG_FILE, WEIGHTS_FILE, atomic_copyfile, cast_model, cast_s
 from . import hf_io
 from .layouts import relayout
 
-HF_FORMATS = ("hf-llama", "hf-diffllama", "hf-mistral", "hf-qwen2", "hf-qwen3", "hf-difftx")
-LLAMA_LIKE = ("hf-llama", "hf-diffllama", "hf-mistral", "hf-qwen2", "hf-qwen3")  # Llama's tensor names and blocks
+HF_FORMATS = ("hf-llama", "hf-diffllama", "hf-mistral", "hf-qwen2", "hf-qwen3", "hf-phi3", "hf-difftx")
+# Llama's blocks (Phi-3's with its fused Q/K/V and gate/up tensors: :func:`_unfuse_phi3` / :func:`_fuse_phi3`)
+LLAMA_LIKE = ("hf-llama", "hf-diffllama", "hf-mistral", "hf-qwen2", "hf-qwen3", "hf-phi3")
 FORMATS = ("difftx",) + HF_FORMATS
 MODEL_TYPES = {"llama": "hf-llama", "diffllama": "hf-diffllama", "mistral": "hf-mistral", "qwen2": "hf-qwen2",
-               "qwen3": "hf-qwen3", "difftx": "hf-difftx"}
+               "qwen3": "hf-qwen3", "phi3": "hf-phi3", "difftx": "hf-difftx"}
 ARCHITECTURES = {"hf-llama": "LlamaForCausalLM", "hf-diffllama": "DiffLlamaForCausalLM",
                  "hf-mistral": "MistralForCausalLM", "hf-qwen2": "Qwen2ForCausalLM", "hf-qwen3": "Qwen3ForCausalLM",
-                 "hf-difftx": "DifftxForCausalLM"}
+                 "hf-phi3": "Phi3ForCausalLM", "hf-difftx": "DifftxForCausalLM"}
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 TOKEN_IDS_KEY = "hf_token_ids"  # where a difftx model directory keeps a Hugging Face source's token ids
 HF_DIFFTX_PREFIX = "model."  # DifftxForCausalLM holds the DecoderLM as ``.model``
@@ -60,7 +64,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some old 
 
 # ---------------------------------------------------------------------- configs
 QWEN = ("hf-qwen2", "hf-qwen3")
-WINDOWED = ("hf-mistral",) + QWEN  # the formats with a sliding window field
+WINDOWED = ("hf-mistral", "hf-phi3") + QWEN  # the formats with a sliding window field
+NO_BIAS = ("hf-mistral", "hf-phi3")  # formats whose projections have no biases (and no option for them)
 
 
 def _hf_window(hf: dict, src: str, fmt: str, n_layers: int) -> tuple[Optional[int], Optional[list]]:
@@ -136,7 +141,12 @@ def _llama_like_config(hf: dict, src: str, fmt: str) -> ModelConfig:
         raise CheckpointError(f"{src}: RoPE scaling {rope_type!r} is not supported by difftx (only plain RoPE)")
     theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or hf.get("rope_theta", 10000.0)
     theta = number("rope_theta", theta)
-    if fmt == "hf-mistral":  # no bias options: Mistral's projections have none
+    partial = (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) \
+        or hf.get("partial_rotary_factor", 1.0)
+    if number("partial_rotary_factor", partial) != 1.0:  # Phi-4-mini's 0.75: RoPE on part of each head
+        raise CheckpointError(f"{src}: partial_rotary_factor={partial} is not supported by difftx (RoPE rotates "
+                              "every channel of a head)")
+    if fmt in NO_BIAS:  # no bias options: Mistral's and Phi-3's projections have none
         bias = qkv_bias = False
     elif fmt == "hf-qwen2":  # no bias options: Qwen2's q, k and v projections always have biases, o and the MLP none
         bias, qkv_bias = False, True
@@ -209,19 +219,20 @@ def _check_llama_like(cfg: ModelConfig, fmt: str) -> None:
         _require(cfg, fmt, "qkv_bias", cfg.qkv_bias, "Qwen2's q, k and v projections always have biases; export "
                  "to hf-llama or hf-mistral")
         _require(cfg, fmt, "bias", not cfg.bias, "Qwen2's output projection and MLP have no biases")
-    elif fmt in ("hf-mistral", "hf-qwen3", "hf-diffllama"):
-        why = {"hf-mistral": "Mistral's projections have no biases",
+    elif fmt in ("hf-mistral", "hf-phi3", "hf-qwen3", "hf-diffllama"):
+        why = {"hf-mistral": "Mistral's projections have no biases", "hf-phi3": "Phi-3's projections have no biases",
                "hf-qwen3": "difftx's biases cannot be expressed as Qwen3's (q, k, v and o, not the MLP)",
                "hf-diffllama": "DiffLlama's FFN has no bias"}[fmt]
         _require(cfg, fmt, "bias", not cfg.bias, why)
         _require(cfg, fmt, "qkv_bias", not cfg.qkv_bias,
-                 why + ("; export to hf-qwen2 (biases on q, k and v)" if fmt == "hf-mistral" else ""))
+                 why + ("; export to hf-qwen2 (biases on q, k and v)" if fmt in NO_BIAS else ""))
     else:  # Llama's attention_bias covers q, k, v and o, mlp_bias the MLP: difftx's one 'bias' is both
         _require(cfg, fmt, "qkv_bias", cfg.qkv_bias == cfg.bias,
                  "Llama's biases are on every projection or none; export to hf-qwen2 (biases on q, k and v only)")
-    if fmt == "hf-mistral":
+    if fmt in NO_BIAS:
         _require(cfg, fmt, "full_attention_layers", not cfg.full_attention_layers,
-                 "Mistral's sliding window covers every layer; export to hf-difftx")
+                 f"{'Mistral' if fmt == 'hf-mistral' else 'Phi-3'}'s sliding window covers every layer; export to "
+                 "hf-difftx (or a Qwen format)")
     if fmt not in WINDOWED:
         _require(cfg, fmt, "sliding_window", cfg.sliding_window is None,
                  f"{fmt} attends over the whole context (no sliding window); export to hf-difftx"
@@ -254,9 +265,11 @@ def llama_config_dict(cfg: ModelConfig, fmt: str) -> dict:
     )
     if diff:
         out["lambda_std_dev"] = cfg.lambda_std
-    elif fmt == "hf-mistral":  # no bias options: Mistral's projections have none
+    elif fmt in NO_BIAS:  # no bias options: Mistral's and Phi-3's projections have none
         del out["attention_bias"]
         out["sliding_window"] = cfg.sliding_window
+        if fmt == "hf-phi3":  # its fields with Llama's meaning, and its dropouts (training settings) off
+            out.update(original_max_position_embeddings=cfg.max_seq_len, resid_pdrop=0.0, embd_pdrop=0.0)
     elif fmt in QWEN:  # layer_types says which layers the window covers (max_window_layers: for older readers)
         if fmt == "hf-qwen2":  # no bias options: q, k and v always have them
             del out["attention_bias"]
@@ -295,6 +308,43 @@ def llama_key_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
     if not cfg.tie_embeddings:
         pairs.append(("lm_head.weight", "lm_head.weight"))
     return pairs
+
+
+def _phi3_fused(cfg: ModelConfig, i: int) -> tuple:
+    """Layer ``i``'s two fused Phi-3 tensors: (name, [(Llama name, rows)]) each, in their row order."""
+    a, d = f"model.layers.{i}.", cfg.head_dim
+    q, kv = cfg.n_heads * d, cfg.n_kv_heads * d
+    return ((a + "self_attn.qkv_proj.weight", [(a + "self_attn.q_proj.weight", q), (a + "self_attn.k_proj.weight", kv),
+                                                (a + "self_attn.v_proj.weight", kv)]),
+            (a + "mlp.gate_up_proj.weight", [(a + "mlp.gate_proj.weight", cfg.ffn_dim),  # gate first: up * silu(gate)
+                                             (a + "mlp.up_proj.weight", cfg.ffn_dim)]))
+
+
+def _unfuse_phi3(raw: dict, cfg: ModelConfig, source: str) -> dict:
+    """A Phi-3 state dict under Llama's names: qkv_proj split into q/k/v_proj, gate_up_proj into gate/up_proj (row
+    blocks, views); a fused tensor missing or of the wrong shape is named."""
+    out = dict(raw)
+    for i in range(cfg.n_layers):
+        for fused, parts in _phi3_fused(cfg, i):
+            t = out.pop(fused, None)
+            want = (sum(rows for _, rows in parts), cfg.d_model)
+            if t is None:
+                raise CheckpointError(f"{source}: tensor '{fused}' is missing; the weights do not match the config")
+            if tuple(t.shape) != want:
+                raise CheckpointError(f"{source}: tensor '{fused}' has shape {tuple(t.shape)}, the config implies "
+                                      f"{want}; the weights do not match the config")
+            for (name, _), piece in zip(parts, t.split([rows for _, rows in parts])):
+                out[name] = piece
+    return out
+
+
+def _fuse_phi3(tensors: dict, cfg: ModelConfig) -> dict:
+    """The reverse of :func:`_unfuse_phi3`: Llama-named tensors into Phi-3's fused ones."""
+    out = dict(tensors)
+    for i in range(cfg.n_layers):
+        for fused, parts in _phi3_fused(cfg, i):
+            out[fused] = torch.cat([out.pop(name) for name, _ in parts])
+    return out
 
 
 def expected_shapes(cfg: ModelConfig) -> dict:
@@ -377,6 +427,8 @@ def read_hf_as_difftx(path) -> tuple[ModelConfig, dict]:
         return cfg, map_and_check(state, [(k, k) for k in shapes], shapes, str(path))
     cfg = _llama_like_config(hf, src, fmt)
     raw = hf_io.read_hf_weights(path)
+    if fmt == "hf-phi3":
+        raw = _unfuse_phi3(raw, cfg, str(path))
     head, embed = raw.get("lm_head.weight"), raw.get("model.embed_tokens.weight")
     if cfg.tie_embeddings and head is not None and embed is not None and head.shape == embed.shape \
             and not torch.equal(head, embed):  # a head of its own despite the config: transformers keeps it untied
@@ -455,7 +507,8 @@ def difftx_to_hf(cfg: ModelConfig, state: dict, fmt: str) -> tuple[dict, dict]:
         cfg = cfg.replace(head_norm_weight=False)
     cfg, state = relayout(state, cfg, pairing="halves" if fmt == "hf-diffllama" else None, rope_style="half")
     dx_to_hf = {dst: src for src, dst in llama_key_pairs(cfg)}
-    return llama_config_dict(cfg, fmt), {dx_to_hf[k]: v for k, v in state.items()}
+    tensors = {dx_to_hf[k]: v for k, v in state.items()}
+    return llama_config_dict(cfg, fmt), _fuse_phi3(tensors, cfg) if fmt == "hf-phi3" else tensors
 
 
 def save_hf(model_or_state, path, fmt: str, cfg: Optional[ModelConfig] = None,
