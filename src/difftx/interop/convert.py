@@ -142,7 +142,7 @@ def _llama_like_config(hf: dict, src: str, fmt: str) -> ModelConfig:
     theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or hf.get("rope_theta", 10000.0)
     theta = number("rope_theta", theta)
     partial = (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) \
-        or hf.get("partial_rotary_factor", 1.0)
+        or hf.get("partial_rotary_factor") or 1.0  # absent or null: every channel
     if number("partial_rotary_factor", partial) != 1.0:  # Phi-4-mini's 0.75: RoPE on part of each head
         raise CheckpointError(f"{src}: partial_rotary_factor={partial} is not supported by difftx (RoPE rotates "
                               "every channel of a head)")
