@@ -57,3 +57,53 @@ def difftx_model(seed: int = 0, **fields) -> torch.nn.Module:
     base.update(fields)
     torch.manual_seed(seed)
     return randomize_(difftx.build_model(difftx.ModelConfig(**base)), seed=seed).eval()
+
+
+def hf_to_difftx(hf, tmp_path):
+    """(tokens, transformers' logits on them, the difftx model) after ``hf`` is saved to ``tmp_path / "hf"`` and
+    converted to ``tmp_path / "dx"``."""
+    from difftx.interop.convert import convert
+
+    hf.save_pretrained(tmp_path / "hf")
+    x = tokens(97)
+    with torch.no_grad():
+        ref = hf(x).logits
+    convert(tmp_path / "hf", tmp_path / "dx")
+    return x, ref, difftx.load_model(tmp_path / "dx")
+
+
+def assert_exports_back(tmp_path, fmt: str, hf, x, ref, window, tol: float = 1e-5):
+    """``tmp_path / "dx"`` exported to ``fmt`` reads back in transformers (eager and SDPA) as ``hf``'s class with its
+    sliding window and logits within ``tol``, every tensor of ``hf`` equal; returns the last model read."""
+    from transformers import AutoModelForCausalLM
+
+    from difftx.interop.convert import convert
+
+    convert(tmp_path / "dx", tmp_path / "hf2", dst_format=fmt)
+    for impl in ("eager", "sdpa"):
+        back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation=impl).eval()
+        assert type(back).__name__ == type(hf).__name__ and back.config.sliding_window == window
+        with torch.no_grad():
+            assert max_diff(back(x).logits, ref) < tol
+    for name, t in hf.state_dict().items():
+        assert torch.equal(t, back.state_dict()[name]), name
+    return back
+
+
+def assert_edited_config_refused(hf, tmp_path, edit: dict, needle: str) -> None:
+    """``hf`` saved with ``edit`` merged into its config.json: converting it raises a CheckpointError containing
+    ``needle`` and writes no destination."""
+    import json
+    import re
+
+    from difftx.errors import CheckpointError
+    from difftx.interop.convert import convert
+
+    hf.save_pretrained(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    data = json.loads(path.read_text())
+    data.update(edit)
+    path.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        convert(tmp_path / "hf", tmp_path / "dx")
+    assert not (tmp_path / "dx").exists()

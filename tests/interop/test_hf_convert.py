@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 import difftx  # noqa: E402
 from difftx.errors import CheckpointError, ConfigError  # noqa: E402
 from difftx.interop.convert import convert, save_hf  # noqa: E402
-from .hf_helpers import difftx_model, hf_llama, max_diff, tokens  # noqa: E402
+from .hf_helpers import assert_exports_back, difftx_model, hf_llama, hf_to_difftx, max_diff, tokens  # noqa: E402
 
 TOL = 1e-5
 
@@ -115,15 +115,8 @@ def test_mistral_to_difftx_and_back_keeps_the_sliding_window(tmp_path, window, k
     """transformers' MistralForCausalLM (a Llama with a sliding window) <-> difftx's Transformer with
     ``sliding_window``: the same logits over 13 tokens (a window of 5 hides keys), the same tensors back; the window
     is what makes them equal (the same weights without it differ)."""
-    from transformers import AutoModelForCausalLM
-
     hf = hf_llama("mistral", heads=4, kv=kv, window=window)
-    hf.save_pretrained(tmp_path / "hf")
-    x = tokens(97)
-    with torch.no_grad():
-        ref = hf(x).logits
-    convert(tmp_path / "hf", tmp_path / "dx")
-    model = difftx.load_model(tmp_path / "dx")
+    x, ref, model = hf_to_difftx(hf, tmp_path)
     assert model.config.attention == "softmax" and model.config.sliding_window == window and not model.config.bias
     with torch.no_grad():
         assert max_diff(model(x).logits, ref) < TOL
@@ -131,14 +124,8 @@ def test_mistral_to_difftx_and_back_keeps_the_sliding_window(tmp_path, window, k
             whole = difftx.build_model(model.config.replace(sliding_window=None)).eval()
             whole.load_state_dict(model.state_dict())
             assert max_diff(whole(x).logits, ref) > 1e-2
-    convert(tmp_path / "dx", tmp_path / "hf2", dst_format="hf-mistral")
-    for impl in ("eager", "sdpa"):
-        back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation=impl).eval()
-        assert type(back).__name__ == "MistralForCausalLM" and back.config.sliding_window == window
-        with torch.no_grad():
-            assert max_diff(back(x).logits, ref) < TOL
-    for name, t in hf.state_dict().items():
-        assert torch.equal(t, back.state_dict()[name]), name
+    back = assert_exports_back(tmp_path, "hf-mistral", hf, x, ref, window, TOL)
+    assert type(back).__name__ == "MistralForCausalLM"
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.5, "4096", True])

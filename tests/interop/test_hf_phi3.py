@@ -3,7 +3,6 @@ generation, a DIFF initialisation from it, and what cannot be expressed refused 
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -14,7 +13,8 @@ transformers = pytest.importorskip("transformers")
 import difftx  # noqa: E402
 from difftx.errors import CheckpointError, ConfigError  # noqa: E402
 from difftx.interop.convert import convert, save_hf  # noqa: E402
-from .hf_helpers import difftx_model, max_diff, randomize_, tokens  # noqa: E402
+from .hf_helpers import (assert_edited_config_refused, assert_exports_back, difftx_model,  # noqa: E402
+                         hf_to_difftx, max_diff, randomize_, tokens)
 
 TOL = 1e-5
 
@@ -35,30 +35,15 @@ def hf_phi3(kv: int = 2, window=None, tie: bool = False, seed: int = 0):
 def test_phi3_to_difftx_and_back(tmp_path, kv, window, tie):
     """Phi-3's qkv_proj and gate_up_proj read as difftx's separate projections give transformers' logits, and an
     export joins them again: the same class, every tensor bit-identical."""
-    from transformers import AutoModelForCausalLM
-
     hf = hf_phi3(kv=kv, window=window, tie=tie)
-    hf.save_pretrained(tmp_path / "hf")
-    x = tokens(97)
-    with torch.no_grad():
-        ref = hf(x).logits
-    convert(tmp_path / "hf", tmp_path / "dx")
-    model = difftx.load_model(tmp_path / "dx")
+    x, ref, model = hf_to_difftx(hf, tmp_path)
     cfg = model.config
     assert (cfg.attention, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim) == ("softmax", 4, kv, 16, 96)
     assert cfg.sliding_window == window and cfg.tie_embeddings == tie and not (cfg.bias or cfg.qkv_bias)
     with torch.no_grad():
         assert max_diff(model(x).logits, ref) < TOL
-    convert(tmp_path / "dx", tmp_path / "hf2", dst_format="hf-phi3")
-    for impl in ("eager", "sdpa"):
-        back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation=impl).eval()
-        assert type(back).__name__ == "Phi3ForCausalLM" and back.config.sliding_window == window
-        with torch.no_grad():
-            assert max_diff(back(x).logits, ref) < TOL
-    sd = back.state_dict()
-    assert sd.keys() == hf.state_dict().keys()
-    for name, t in hf.state_dict().items():
-        assert torch.equal(t, sd[name]), name
+    back = assert_exports_back(tmp_path, "hf-phi3", hf, x, ref, window, TOL)
+    assert type(back).__name__ == "Phi3ForCausalLM" and back.state_dict().keys() == hf.state_dict().keys()
 
 
 def test_the_split_order_and_the_window_matter(tmp_path):
@@ -109,14 +94,7 @@ def test_greedy_generation_and_a_diff_initialisation_from_phi3(tmp_path):
     (dict(sliding_window=0), "'sliding_window' must be a positive integer or null"),
 ])
 def test_a_phi3_config_difftx_cannot_express_is_refused(tmp_path, edit, needle):
-    hf_phi3().save_pretrained(tmp_path / "hf")
-    path = tmp_path / "hf" / "config.json"
-    data = json.loads(path.read_text())
-    data.update(edit)
-    path.write_text(json.dumps(data))
-    with pytest.raises(CheckpointError, match=re.escape(needle)):
-        convert(tmp_path / "hf", tmp_path / "dx")
-    assert not (tmp_path / "dx").exists()
+    assert_edited_config_refused(hf_phi3(), tmp_path, edit, needle)
 
 
 @pytest.mark.parametrize("fused", ["self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"])

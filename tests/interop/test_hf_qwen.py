@@ -12,9 +12,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import difftx  # noqa: E402
-from difftx.errors import CheckpointError, ConfigError  # noqa: E402
+from difftx.errors import ConfigError  # noqa: E402
 from difftx.interop.convert import convert, save_hf  # noqa: E402
-from .hf_helpers import difftx_model, max_diff, randomize_, tokens  # noqa: E402
+from .hf_helpers import (assert_edited_config_refused, assert_exports_back, difftx_model,  # noqa: E402
+                         hf_to_difftx, max_diff, randomize_, tokens)
 
 TOL = 1e-5
 
@@ -39,15 +40,8 @@ def hf_qwen(kind: str, kv: int = 2, window=None, first_windowed: int = 0, tie: b
 def test_qwen_to_difftx_and_back(tmp_path, kind, kv, window, tie):
     """Qwen2 (biases on q, k, v only) and Qwen3 (a per-head RMSNorm of q and k) read as difftx's Transformer
     (qkv_bias; norms S2) give transformers' logits, and export back to the same class and the same tensors."""
-    from transformers import AutoModelForCausalLM
-
     hf = hf_qwen(kind, kv=kv, window=window, tie=tie)
-    hf.save_pretrained(tmp_path / "hf")
-    x = tokens(97)
-    with torch.no_grad():
-        ref = hf(x).logits
-    convert(tmp_path / "hf", tmp_path / "dx")
-    model = difftx.load_model(tmp_path / "dx")
+    x, ref, model = hf_to_difftx(hf, tmp_path)
     cfg = model.config
     assert (cfg.attention, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == ("softmax", 4, kv, 16)
     assert (cfg.qkv_bias, cfg.bias, cfg.qk_norm) == ((True, False, False) if kind == "qwen2" else (False, False, True))
@@ -57,16 +51,8 @@ def test_qwen_to_difftx_and_back(tmp_path, kind, kv, window, tie):
     assert ("layers.0.attn.q_norm.weight" in names) == (kind == "qwen3")
     with torch.no_grad():
         assert max_diff(model(x).logits, ref) < TOL
-    convert(tmp_path / "dx", tmp_path / "hf2", dst_format=f"hf-{kind}")
-    for impl in ("eager", "sdpa"):
-        back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation=impl).eval()
-        assert type(back).__name__ == type(hf).__name__ and back.config.sliding_window == window
-        with torch.no_grad():
-            assert max_diff(back(x).logits, ref) < TOL
-    sd = back.state_dict()
-    assert sd.keys() == hf.state_dict().keys()
-    for name, t in hf.state_dict().items():
-        assert torch.equal(t, sd[name]), name
+    back = assert_exports_back(tmp_path, f"hf-{kind}", hf, x, ref, window, TOL)
+    assert back.state_dict().keys() == hf.state_dict().keys()
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
@@ -157,15 +143,7 @@ def test_a_qwen_mixing_windowed_and_whole_layers_reads_as_full_attention_layers(
                                                                             "there is no sliding window"),
 ])
 def test_a_malformed_qwen_config_is_refused(tmp_path, edit, needle):
-    hf = hf_qwen("qwen3")
-    hf.save_pretrained(tmp_path / "hf")
-    path = tmp_path / "hf" / "config.json"
-    data = json.loads(path.read_text())
-    data.update(edit)
-    path.write_text(json.dumps(data))
-    with pytest.raises(CheckpointError, match=re.escape(needle)):
-        convert(tmp_path / "hf", tmp_path / "dx")
-    assert not (tmp_path / "dx").exists()
+    assert_edited_config_refused(hf_qwen("qwen3"), tmp_path, edit, needle)
 
 
 def test_a_qwen_config_without_layer_types_reads_as_transformers_does(tmp_path):

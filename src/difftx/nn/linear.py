@@ -151,9 +151,10 @@ class _Linear(torch.autograd.Function):
         dy2s = [dy.to(dtype).reshape(-1, dy.shape[-1]) for dy in dys]
         grads: list = [None] * (2 * n)
         dx = None
+        # float32 on oneDNN, but under create_graph (torch's ops, which have a derivative)
+        dnn = _onednn_ok(xc) and not torch.is_grad_enabled()
         if need[0]:
-            if _onednn_ok(xc) and not torch.is_grad_enabled():  # (create_graph: torch's ops, which have a
-                # derivative) w^T read as it lies; each further projection's product added in its post-op
+            if dnn:  # w^T read as it lies; each further projection's product added in its post-op
                 for dy2, w in zip(dy2s, ws):
                     dx = _onednn(dy2, w.t(), add=dx)
             else:
@@ -166,7 +167,7 @@ class _Linear(torch.autograd.Function):
             xt = None
             if dtype == _BF16 and x2.shape[1] < sum(dy2s[i].shape[1] for i in wanted):
                 xt = native.transpose_bf16(x2, pad=32)
-            if _onednn_ok(x2) and not torch.is_grad_enabled():
+            if dnn:
                 _onednn_weight_grads(x2, dy2s, wanted, dtypes, grads)
             else:
                 for i in wanted:
