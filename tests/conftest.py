@@ -25,7 +25,7 @@ def _cpu_only(request, monkeypatch):
     what tests measure (a study's workers and threads, eval's native-kernel line, a compare pool's jobs: four
     failures in a run on an H200).  tests/test_cuda.py is the GPU's; subprocesses get CUDA_VISIBLE_DEVICES=""
     from cli_env."""
-    if request.path.name != "test_cuda.py" and torch.cuda.is_available():
+    if request.path.name not in ("test_cuda.py", "test_triton_diff.py") and torch.cuda.is_available():
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 

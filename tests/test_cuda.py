@@ -24,7 +24,8 @@ DEV = torch.device(os.environ.get("DIFFTX_TEST_DEVICE", "cuda"))
 pytestmark = pytest.mark.skipif(DEV.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # (backend, diff_variant): every way a layer reaches its kernel on the GPU
-PATHS = [("eager", None), ("sdpa", "auto"), ("sdpa", "2call"), ("sdpa", "4call"), ("sdpa", "fused"), ("flex", None)]
+PATHS = [("eager", None), ("sdpa", "auto"), ("sdpa", "2call"), ("sdpa", "4call"), ("sdpa", "fused"), ("sdpa", "triton"),
+         ("flex", None)]
 KINDS = [("softmax", {}), ("diff", {}), ("diff", {"n_kv_heads": 1, "pairing": "halves"}), ("diff2", {}),
          ("diff", {"norms": "dnt"})]
 
@@ -77,7 +78,7 @@ def _check_fp32_path(cfg, backend: str, variant, lambda_slack: float = 1.0) -> N
 
 
 @pytest.mark.parametrize("attention,extra", KINDS[:4], ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())))
-@pytest.mark.parametrize("variant", ["auto", "2call", "4call", "fused"])
+@pytest.mark.parametrize("variant", ["auto", "2call", "4call", "fused", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_autocast_paths_track_float64(attention, extra, variant, dtype):
     """bf16 and fp16 autocast (fp16: the fused formulation's products in float32, past float16's range)."""

@@ -7,6 +7,8 @@
 #   benchmarks/performance/cuda_session.sh OUT_DIR [STEPS]
 #
 # STEPS: a comma list of tests,host,ops,bench,bench-large,variants,variants-flex,host-bench,host-share (default: all),
+# triton (tests/nn/test_triton_diff.py), triton-ops (benchmarks/performance/triton_diff.py: the kernels' block shapes
+# against 2call and the twin), bench-pair (transformer and diff, DIFF on the kernels then with DIFFTX_TRITON=0),
 # and bench-compile (not in the default): transformer and diff at 4 x 512, training and prefill, torch.compile'd
 # against eager in the same call (eager first), bench-compile-large the same at 16 x 2048; host-share-compile:
 # the host's bf16 training share on 2 pinned cores, eager then compiled.
@@ -42,6 +44,14 @@ want tests && TAIL=40 step tests 240 $py -m pytest tests/test_cuda.py -q -p no:c
 want host && TAIL=15 DIFFTX_CACHE_DIR=/tmp/difftx-host-cache step host 120 $py -m pytest tests/nn/test_native.py \
     tests/nn/test_second_derivatives.py tests/nn/test_reduced_precision.py -q -p no:cacheprovider -o addopts="" \
     --timeout 100 -rfE
+want triton && TAIL=30 step triton 200 $py -m pytest tests/nn/test_triton_diff.py -q -p no:cacheprovider -o addopts="" \
+    --timeout 150 -rfE
+want triton-ops && TAIL=40 step triton-ops 240 $py benchmarks/performance/triton_diff.py --out "$out/triton-ops.json"
+if want bench-pair; then  # DIFF on the Triton kernels (auto) and on two SDPA calls, the Transformer in both runs
+    pair="--device cuda --arms transformer,diff --no-peers --repeats 5"
+    step bench-pair-triton 120 $py -m difftx bench $pair --out "$out/bench-pair-triton"
+    DIFFTX_TRITON=0 step bench-pair-2call 120 $py -m difftx bench $pair --out "$out/bench-pair-2call"
+fi
 want ops && step ops 60 $py benchmarks/performance/cuda_ops.py --out "$out/cuda-ops.json"
 want bench && step bench 80 $py -m difftx bench --device cuda --out "$out/bench-small" --repeats 5
 if want bench-compile; then  # the same two arms and options, eager then compiled (the warmup compiles, untimed)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import backends
+from . import backends, triton_diff
 from .cache import KVCache
 from .fused import rms_norm
 from .linear import Linear, autocast_on, functorch_active, no_autocast, no_hooks, plain_layer, project, traced
@@ -215,7 +215,7 @@ class SoftmaxAttention(AttentionBase):
     def _native_decode(self, q, k, v, mask: AttnMask, out_dtype: torch.dtype) -> bool:
         """Whether a one-query decoding step takes the native kernel: the sdpa backend (no probe, no dropout)
         with the ``auto`` or ``fused`` variant, no autograd, and a step the kernel serves."""
-        return (self.diff_variant in ("auto", "fused", "2call", "4call") and self._backend(q.device) == "sdpa"
+        return (self.diff_variant in ("auto", "fused", "2call", "4call", "triton") and self._backend(q.device) == "sdpa"
                 and self._dropout_p() == 0 and not torch.is_grad_enabled()
                 and backends.native_diff_decode_ok(q[:, None], k[:, None], v, mask, out_dtype))
 
@@ -354,14 +354,26 @@ class DifferentialAttention(AttentionBase):
                 decode_gqa = t == 1 and kk.shape[1] == hk  # the paired layout: one GQA flash call
             elif fresh is not None:  # prefill into an empty cache: the keys as computed, not strided buffers
                 k, v = fresh
-        lam = self._lambda(cache, decoding)
         backend, p = self._backend(q.device), self._dropout_p()
         variant = backends.resolve_diff_variant(self.diff_variant, q.device, p, q.dtype)
         if variant == "fused" and _compiled_step(cache, t):
             variant = "2call"
         out_dtype = _out_dtype(x)
-        fast = backend == "sdpa" and variant == "fused" and not torch.is_grad_enabled()
         plain_norm = self.head_norm is None or (type(self.head_norm) is RMSNorm and no_hooks(self.head_norm))
+        if variant == "triton":
+            if backend == "sdpa" and plain_norm and not decoding and triton_diff.supports(q, k, v, mask, p):
+                # lambda, both maps, the combine and the head norm in the kernels: no host ops for lambda
+                if cache is not None:  # a new generation (as _lambda does): the next decoding step computes it
+                    self._lambda_memo = None
+                hn = self.head_norm
+                o = triton_diff.diff_attention(
+                    q, k, v, (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2), self.lambda_init,
+                    self.scale, None if hn is None else hn.weight, norm=hn is not None,
+                    eps=0.0 if hn is None else hn.eps, gain=1.0 - self.lambda_init, out_dtype=out_dtype)
+                return self.out_proj(o.reshape(b, t, 2 * h * d))
+            variant = "fused" if q.device.type == "cpu" else "2call"
+        lam = self._lambda(cache, decoding)
+        fast = backend == "sdpa" and variant == "fused" and not torch.is_grad_enabled()
         if fast and decoding and t == 1 and plain_norm and backends.native_diff_decode_ok(q, k, v, mask, out_dtype):
             hn = self.head_norm  # attention and head norm in one call over the cache's prefix views
             o = backends.native_diff_decode(q, k, v, mask, self.scale, lam, hn is not None,
@@ -453,7 +465,8 @@ class DiffV2Attention(AttentionBase):
             self._last_lam = lam.detach() if lam.requires_grad else lam
         backend, p = self._backend(qs.device), self._dropout_p()
         ks = k[:, None].expand(b, 2, *k.shape[1:])  # both maps over the one set of keys (a view)
-        if (backend == "sdpa" and self.diff_variant in ("auto", "fused", "2call", "4call") and n == 1 and p == 0.0
+        if (backend == "sdpa" and self.diff_variant in ("auto", "fused", "2call", "4call", "triton") and n == 1
+                and p == 0.0
                 and cache is not None and cache.length > 0 and not torch.is_grad_enabled()
                 and backends.native_diff_decode_ok(qs, ks, v, mask, _out_dtype(x))):
             # a decoding step: both maps over the cache's keys and the combine in one native pass

@@ -1,0 +1,138 @@
+"""Differential attention on a GPU: the Triton kernels (difftx.nn.triton_diff) against the two-SDPA-call path and
+the Transformer twin's one SDPA call, per layer, forward + backward and forward alone (needs CUDA and Triton).
+
+    python benchmarks/performance/triton_diff.py [--shapes 4x512,16x2048] [--heads 4] [--head-dim 64]
+        [--configs 64,32,4,2;64,64,4,2] [--out FILE.json]
+
+Rows, per shape and dtype (inputs as a DIFF layer of the small preset hands them over: q (B, 2, h, N, d),
+k (B, 2, h, N, d), v (B, h, N, 2d), the four lambda vectors and the head norm's weight, all requiring gradients):
+
+* ``2call``: what the layer ran before: lambda from its vectors (host ops), two SDPA calls with the 2d-wide value,
+  the combine, the per-head RMSNorm times (1 - lambda_init);
+* ``triton BM,BN,W,S``: the kernels with those blocks (BLOCK_M, BLOCK_N, warps, stages);
+* ``transformer``: one SDPA call over 2h heads of d (the twin's attention, no lambda, no norm).
+
+Times are medians of CUDA-synchronised wall clock over ``--repeats`` runs of ``--inner`` calls each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+
+from difftx.nn import triton_diff  # noqa: E402
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _time(fn, repeats: int, inner: int) -> float:
+    for _ in range(3):
+        fn()
+    _sync()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync()
+        out.append((time.perf_counter() - t0) / inner)
+    return sorted(out)[len(out) // 2]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="4x512,16x2048")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--configs", default="default;64,64,4,2;128,32,8,2;64,32,8,3")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--inner", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda", help="cuda; cpu: a dry run of the script under TRITON_INTERPRET=1")
+    a = ap.parse_args(argv)
+    dev = torch.device(a.device)
+    h, d = a.heads, a.head_dim
+    default_blocks = triton_diff._blocks
+    rows = []
+    for shape in a.shapes.split(","):
+        b, n = (int(x) for x in shape.split("x"))
+        for dt_name in a.dtypes.split(","):
+            dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dt_name]
+            g = torch.Generator(device="cpu").manual_seed(0)
+            mk = lambda *s: torch.randn(*s, generator=g).to(dev, dt).requires_grad_()  # noqa: E731
+            q, k, v = mk(b, 2, h, n, d), mk(b, 2, h, n, d), mk(b, h, n, 2 * d)
+            lam = [(torch.randn(d, generator=g) * 0.1).to(dev).requires_grad_() for _ in range(4)]
+            w = torch.ones(2 * d, device=dev, requires_grad=True)
+            dy = torch.randn(b, n, h, 2 * d, generator=g).to(dev, dt)
+            args = (q, k, v, lam, 0.3, d ** -0.5, w)
+            kw = {"norm": True, "eps": 1e-5, "gain": 0.7, "out_dtype": dt}
+            tq = torch.randn(b, 2 * h, n, d, generator=g).to(dev, dt).requires_grad_()
+            tk, tv = torch.randn_like(tq).requires_grad_(), torch.randn_like(tq).requires_grad_()
+            tdy = torch.randn_like(tq)
+
+            def fb(fn):
+                def run():
+                    y = fn()
+                    y.backward(dy if y.shape == dy.shape else tdy)
+                return run
+
+            def fwd(fn):
+                def run():
+                    with torch.no_grad():
+                        fn()
+                return run
+
+            arms = {"2call": lambda: triton_diff.reference(*args, **kw),
+                    "transformer": lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True)}
+            for name, fn in arms.items():
+                rows.append({"shape": shape, "dtype": dt_name, "arm": name,
+                             "fwd_bwd_ms": _time(fb(fn), a.repeats, a.inner) * 1e3,
+                             "fwd_ms": _time(fwd(fn), a.repeats, a.inner) * 1e3})
+                print(rows[-1], flush=True)
+            ref = triton_diff.reference(*args, **kw).float()
+            for cfg in a.configs.split(";"):
+                if cfg == "default":
+                    triton_diff._blocks = default_blocks
+                    label = "triton default " + ",".join(map(str, default_blocks(dt, d)))
+                else:
+                    blocks = tuple(int(x) for x in cfg.split(","))
+                    triton_diff._blocks = lambda dtype, dd, blocks=blocks: blocks
+                    label = "triton " + cfg
+                fn = lambda: triton_diff.diff_attention(*args, **kw)  # noqa: E731
+                try:
+                    with torch.no_grad():
+                        err = float((fn().float() - ref).norm() / ref.norm())
+                    row = {"shape": shape, "dtype": dt_name, "arm": label, "rel_err_vs_2call": err,
+                           "fwd_bwd_ms": _time(fb(fn), a.repeats, a.inner) * 1e3,
+                           "fwd_ms": _time(fwd(fn), a.repeats, a.inner) * 1e3}
+                except Exception as e:  # a block shape this GPU cannot hold
+                    row = {"shape": shape, "dtype": dt_name, "arm": label, "error": f"{type(e).__name__}: {e}"[:200]}
+                rows.append(row)
+                print(row, flush=True)
+            triton_diff._blocks = default_blocks
+    print("\n| shape | dtype | arm | fwd+bwd ms | fwd ms |\n|---|---|---|---:|---:|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['dtype']} | {r['arm']} | {r['error'][:60]} | |")
+        else:
+            print(f"| {r['shape']} | {r['dtype']} | {r['arm']} | {r['fwd_bwd_ms']:.3f} | {r['fwd_ms']:.3f} |")
+    if a.out:
+        name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+        Path(a.out).write_text(json.dumps({"device": name, "torch": torch.__version__, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

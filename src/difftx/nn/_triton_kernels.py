@@ -1,0 +1,272 @@
+"""The Triton kernels of :mod:`difftx.nn.triton_diff` (imported only when Triton is there).
+
+Layouts: q (B, 2, H, N, D) and k (B, 2, HK, N, D) by their strides (the map axis second), v (B, HK, N, 2D) by its
+strides; the output y (B, N, H, 2D) contiguous; the saved pre-norm output, the second map's output and dO
+(B, H, N, 2D) contiguous; per-row statistics (B*H*N,) planes: log2-sum-exp of map 1, of map 2, the norm's
+1/rms.  Logits are kept in log2 units (scale * log2(e) folded into the scale) so that exp2 serves.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _lambda(LQ1, LK1, LQ2, LK2, lambda_init, D: tl.constexpr):
+    """exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init in float32, without inf - inf for two large equal terms."""
+    offs = tl.arange(0, D)
+    a = tl.sum(tl.load(LQ1 + offs).to(tl.float32) * tl.load(LK1 + offs).to(tl.float32), axis=0)
+    b = tl.sum(tl.load(LQ2 + offs).to(tl.float32) * tl.load(LK2 + offs).to(tl.float32), axis=0)
+    m = tl.maximum(a, b)
+    diff = tl.exp(a - m) - tl.exp(b - m)
+    return tl.where(diff == 0.0, 0.0, diff * tl.exp(m)) + lambda_init
+
+
+@triton.jit
+def diff_fwd(Q, K, V, LQ1, LK1, LQ2, LK2, W, Y, OPRE, O2, STATS,
+             s_qb, s_qm, s_qh, s_qn, s_kb, s_km, s_kh, s_kn, s_vb, s_vh, s_vn,
+             N, H, G, qk_scale, lambda_init, eps, gain,
+             D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NORM: tl.constexpr, HAS_W: tl.constexpr,
+             SAVE: tl.constexpr, PREC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    lam = _lambda(LQ1, LK1, LQ2, LK2, lambda_init, D)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    offs_v = tl.arange(0, 2 * D)
+    row_ok = offs_m < N
+    qb = Q + b.to(tl.int64) * s_qb + h * s_qh
+    q1 = tl.load(qb + offs_m[:, None] * s_qn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q2 = tl.load(qb + s_qm + offs_m[:, None] * s_qn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    kb = K + b.to(tl.int64) * s_kb + hk * s_kh
+    vb = V + b.to(tl.int64) * s_vb + hk * s_vh
+    m1 = tl.full([BM], float("-inf"), tl.float32)
+    m2 = tl.full([BM], float("-inf"), tl.float32)
+    l1 = tl.zeros([BM], tl.float32)
+    l2 = tl.zeros([BM], tl.float32)
+    acc1 = tl.zeros([BM, 2 * D], tl.float32)
+    acc2 = tl.zeros([BM, 2 * D], tl.float32)
+    lo = pid_m * BM
+    for start in range(0, lo + BM, BN):  # (keys past N are masked)
+        offs_n = start + tl.arange(0, BN)
+        col_ok = offs_n < N
+        k1 = tl.load(kb + offs_n[None, :] * s_kn + offs_d[:, None], mask=col_ok[None, :], other=0.0)  # (D, BN)
+        k2 = tl.load(kb + s_km + offs_n[None, :] * s_kn + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        vv = tl.load(vb + offs_n[:, None] * s_vn + offs_v[None, :], mask=col_ok[:, None], other=0.0)  # (BN, 2D)
+        s1 = tl.dot(q1, k1, input_precision=PREC) * qk_scale
+        s2 = tl.dot(q2, k2, input_precision=PREC) * qk_scale
+        if start + BN > lo:  # the diagonal blocks: causal and key-count masks
+            ok = (offs_m[:, None] >= offs_n[None, :]) & col_ok[None, :]
+            s1 = tl.where(ok, s1, float("-inf"))
+            s2 = tl.where(ok, s2, float("-inf"))
+        m1n = tl.maximum(m1, tl.max(s1, 1))
+        m2n = tl.maximum(m2, tl.max(s2, 1))
+        p1 = tl.exp2(s1 - m1n[:, None])
+        p2 = tl.exp2(s2 - m2n[:, None])
+        a1 = tl.exp2(m1 - m1n)
+        a2 = tl.exp2(m2 - m2n)
+        l1 = l1 * a1 + tl.sum(p1, 1)
+        l2 = l2 * a2 + tl.sum(p2, 1)
+        acc1 = acc1 * a1[:, None] + tl.dot(p1.to(vv.dtype), vv, input_precision=PREC)
+        acc2 = acc2 * a2[:, None] + tl.dot(p2.to(vv.dtype), vv, input_precision=PREC)
+        m1 = m1n
+        m2 = m2n
+    o2 = acc2 / l2[:, None]
+    o = acc1 / l1[:, None] - lam * o2
+    rows = bh.to(tl.int64) * N + offs_m
+    if SAVE:
+        tl.store(OPRE + rows[:, None] * (2 * D) + offs_v[None, :], o.to(OPRE.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(O2 + rows[:, None] * (2 * D) + offs_v[None, :], o2.to(O2.dtype.element_ty), mask=row_ok[:, None])
+        plane = N * tl.num_programs(1)
+        tl.store(STATS + rows, m1 + tl.log2(l1), mask=row_ok)
+        tl.store(STATS + plane + rows, m2 + tl.log2(l2), mask=row_ok)
+    if NORM:
+        r = 1.0 / tl.sqrt(tl.sum(o * o, 1) / (2 * D) + eps)
+        y = o * r[:, None]
+        if HAS_W:
+            y = y * tl.load(W + offs_v).to(tl.float32)[None, :]
+        y = y * gain
+        if SAVE:
+            tl.store(STATS + 2 * plane + rows, r, mask=row_ok)
+    else:
+        y = o
+    out = ((b.to(tl.int64) * N + offs_m) * H + h) * (2 * D)
+    tl.store(Y + out[:, None] + offs_v[None, :], y.to(Y.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def diff_bwd_rows(DY, OPRE, O2, W, STATS, DO, DELTA, PART, LQ1, LK1, LQ2, LK2,
+                  N, H, lambda_init, gain,
+                  D: tl.constexpr, BM: tl.constexpr, NORM: tl.constexpr, HAS_W: tl.constexpr):
+    """Per query row: dO of the combined output (through the norm), D1 = rowsum(dO * o1), D2 = rowsum(dO * o2);
+    per program: partial sums of the norm weight's gradient and of lambda's (-sum D2)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    lam = _lambda(LQ1, LK1, LQ2, LK2, lambda_init, D)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_v = tl.arange(0, 2 * D)
+    row_ok = offs_m < N
+    plane = N * tl.num_programs(1)
+    rows = bh.to(tl.int64) * N + offs_m
+    out = ((b.to(tl.int64) * N + offs_m) * H + h) * (2 * D)
+    dy = tl.load(DY + out[:, None] + offs_v[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    o = tl.load(OPRE + rows[:, None] * (2 * D) + offs_v[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    o2 = tl.load(O2 + rows[:, None] * (2 * D) + offs_v[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if NORM:
+        r = tl.load(STATS + 2 * plane + rows, mask=row_ok, other=0.0)
+        g = dy * gain
+        if HAS_W:
+            g = g * tl.load(W + offs_v).to(tl.float32)[None, :]
+        c = tl.sum(g * o, 1) * r * r * r / (2 * D)
+        do = r[:, None] * g - o * c[:, None]
+        dw = tl.sum(dy * o * r[:, None], 0) * gain
+    else:
+        do = dy
+        dw = tl.zeros([2 * D], tl.float32)
+    do = do.to(DO.dtype.element_ty)
+    tl.store(DO + rows[:, None] * (2 * D) + offs_v[None, :], do, mask=row_ok[:, None])
+    do = do.to(tl.float32)  # the row terms from the dO the products will read
+    d1 = tl.sum(do * (o + lam * o2), 1)
+    d2 = tl.sum(do * o2, 1)
+    tl.store(DELTA + rows, d1, mask=row_ok)
+    tl.store(DELTA + plane + rows, d2, mask=row_ok)
+    pid = bh * tl.num_programs(0) + pid_m
+    tl.store(PART + pid * (2 * D + 1) + offs_v, dw)
+    tl.store(PART + pid * (2 * D + 1) + 2 * D, -tl.sum(d2, 0))
+
+
+@triton.jit
+def diff_bwd_reduce(PART, P, LQ1, LK1, LQ2, LK2, OUT, D: tl.constexpr, BP: tl.constexpr):
+    """One program: the partials summed in a fixed order; OUT = [dlq1, dlk1, dlq2, dlk2, dw] (6D floats)."""
+    offs_v = tl.arange(0, 2 * D)
+    offs_p = tl.arange(0, BP)
+    acc = tl.zeros([2 * D], tl.float32)
+    accl = tl.zeros([BP], tl.float32)
+    for start in range(0, P, BP):
+        rows = start + offs_p
+        ok = rows < P
+        acc += tl.sum(tl.load(PART + rows[:, None] * (2 * D + 1) + offs_v[None, :], mask=ok[:, None], other=0.0), 0)
+        accl += tl.load(PART + rows * (2 * D + 1) + 2 * D, mask=ok, other=0.0)
+    dlam = tl.sum(accl, 0)
+    offs = tl.arange(0, D)
+    q1 = tl.load(LQ1 + offs).to(tl.float32)
+    k1 = tl.load(LK1 + offs).to(tl.float32)
+    q2 = tl.load(LQ2 + offs).to(tl.float32)
+    k2 = tl.load(LK2 + offs).to(tl.float32)
+    e1 = tl.exp(tl.sum(q1 * k1, 0)) * dlam
+    e2 = tl.exp(tl.sum(q2 * k2, 0)) * dlam
+    tl.store(OUT + offs, e1 * k1)
+    tl.store(OUT + D + offs, e1 * q1)
+    tl.store(OUT + 2 * D + offs, -e2 * k2)
+    tl.store(OUT + 3 * D + offs, -e2 * q2)
+    tl.store(OUT + 4 * D + offs_v, acc)
+
+
+@triton.jit
+def diff_bwd_kv(Q, K, V, DO, STATS, DELTA, DK, DV, LQ1, LK1, LQ2, LK2,
+                s_qb, s_qm, s_qh, s_qn, s_kb, s_km, s_kh, s_kn, s_vb, s_vh, s_vn,
+                N, H, HK, G, qk_scale, sm_scale, lambda_init,
+                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    """dK1, dK2 and dV of one key block, over the G query heads of its K/V head: dV from the combined map."""
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // HK
+    hk = bhk % HK
+    lam = _lambda(LQ1, LK1, LQ2, LK2, lambda_init, D)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    offs_v = tl.arange(0, 2 * D)
+    col_ok = offs_n < N
+    kb = K + b.to(tl.int64) * s_kb + hk * s_kh
+    vb = V + b.to(tl.int64) * s_vb + hk * s_vh
+    k1 = tl.load(kb + offs_n[:, None] * s_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)  # (BN, D)
+    k2 = tl.load(kb + s_km + offs_n[:, None] * s_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    vv = tl.load(vb + offs_n[:, None] * s_vn + offs_v[None, :], mask=col_ok[:, None], other=0.0)  # (BN, 2D)
+    dk1 = tl.zeros([BN, D], tl.float32)
+    dk2 = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, 2 * D], tl.float32)
+    plane = N * H * (tl.num_programs(1) // HK)
+    for j in range(G):
+        h = hk * G + j
+        bh = b * H + h
+        qb = Q + b.to(tl.int64) * s_qb + h * s_qh
+        for start in range(pid_n * BN, N, BM):
+            offs_m = start + tl.arange(0, BM)
+            row_ok = offs_m < N
+            rows = bh.to(tl.int64) * N + offs_m
+            q1 = tl.load(qb + offs_m[:, None] * s_qn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            q2 = tl.load(qb + s_qm + offs_m[:, None] * s_qn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            do = tl.load(DO + rows[:, None] * (2 * D) + offs_v[None, :], mask=row_ok[:, None], other=0.0)
+            lse1 = tl.load(STATS + rows, mask=row_ok, other=0.0)
+            lse2 = tl.load(STATS + plane + rows, mask=row_ok, other=0.0)
+            dd1 = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+            dd2 = tl.load(DELTA + plane + rows, mask=row_ok, other=0.0)
+            ok = (offs_m[None, :] >= offs_n[:, None]) & row_ok[None, :]
+            p1 = tl.where(ok, tl.exp2(tl.dot(k1, tl.trans(q1), input_precision=PREC) * qk_scale - lse1[None, :]), 0.0)
+            p2 = tl.where(ok, tl.exp2(tl.dot(k2, tl.trans(q2), input_precision=PREC) * qk_scale - lse2[None, :]), 0.0)
+            dv += tl.dot((p1 - lam * p2).to(do.dtype), do, input_precision=PREC)
+            dp = tl.dot(vv, tl.trans(do), input_precision=PREC)  # (BN, BM)
+            ds1 = p1 * (dp - dd1[None, :])
+            ds2 = (-lam) * p2 * (dp - dd2[None, :])
+            dk1 += tl.dot(ds1.to(q1.dtype), q1, input_precision=PREC)
+            dk2 += tl.dot(ds2.to(q2.dtype), q2, input_precision=PREC)
+    kout = (b.to(tl.int64) * 2 * HK + hk) * N + offs_n  # DK (B, 2, HK, N, D) contiguous
+    tl.store(DK + kout[:, None] * D + offs_d[None, :], (dk1 * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DK + (kout + HK * N)[:, None] * D + offs_d[None, :], (dk2 * sm_scale).to(DK.dtype.element_ty),
+             mask=col_ok[:, None])
+    vout = bhk.to(tl.int64) * N + offs_n  # DV (B, HK, N, 2D) contiguous
+    tl.store(DV + vout[:, None] * (2 * D) + offs_v[None, :], dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.jit
+def diff_bwd_q(Q, K, V, DO, STATS, DELTA, DQ, LQ1, LK1, LQ2, LK2,
+               s_qb, s_qm, s_qh, s_qn, s_kb, s_km, s_kh, s_kn, s_vb, s_vh, s_vn,
+               N, H, G, qk_scale, sm_scale, lambda_init,
+               D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    """dQ1 and dQ2 of one query block: one dO V^T product serves both maps."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    lam = _lambda(LQ1, LK1, LQ2, LK2, lambda_init, D)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    offs_v = tl.arange(0, 2 * D)
+    row_ok = offs_m < N
+    plane = N * tl.num_programs(1)
+    rows = bh.to(tl.int64) * N + offs_m
+    qb = Q + b.to(tl.int64) * s_qb + h * s_qh
+    q1 = tl.load(qb + offs_m[:, None] * s_qn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q2 = tl.load(qb + s_qm + offs_m[:, None] * s_qn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + rows[:, None] * (2 * D) + offs_v[None, :], mask=row_ok[:, None], other=0.0)
+    lse1 = tl.load(STATS + rows, mask=row_ok, other=0.0)
+    lse2 = tl.load(STATS + plane + rows, mask=row_ok, other=0.0)
+    dd1 = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+    dd2 = tl.load(DELTA + plane + rows, mask=row_ok, other=0.0)
+    kb = K + b.to(tl.int64) * s_kb + hk * s_kh
+    vb = V + b.to(tl.int64) * s_vb + hk * s_vh
+    dq1 = tl.zeros([BM, D], tl.float32)
+    dq2 = tl.zeros([BM, D], tl.float32)
+    for start in range(0, pid_m * BM + BM, BN):  # (keys past N are masked)
+        offs_n = start + tl.arange(0, BN)
+        col_ok = offs_n < N
+        k1 = tl.load(kb + offs_n[:, None] * s_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)  # (BN, D)
+        k2 = tl.load(kb + s_km + offs_n[:, None] * s_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        vv = tl.load(vb + offs_n[:, None] * s_vn + offs_v[None, :], mask=col_ok[:, None], other=0.0)
+        ok = (offs_m[:, None] >= offs_n[None, :]) & col_ok[None, :]
+        p1 = tl.where(ok, tl.exp2(tl.dot(q1, tl.trans(k1), input_precision=PREC) * qk_scale - lse1[:, None]), 0.0)
+        p2 = tl.where(ok, tl.exp2(tl.dot(q2, tl.trans(k2), input_precision=PREC) * qk_scale - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(vv), input_precision=PREC)  # (BM, BN)
+        ds1 = p1 * (dp - dd1[:, None])
+        ds2 = (-lam) * p2 * (dp - dd2[:, None])
+        dq1 += tl.dot(ds1.to(k1.dtype), k1, input_precision=PREC)
+        dq2 += tl.dot(ds2.to(k2.dtype), k2, input_precision=PREC)
+    qout = (b.to(tl.int64) * 2 * H + h) * N + offs_m  # DQ (B, 2, H, N, D) contiguous
+    tl.store(DQ + qout[:, None] * D + offs_d[None, :], (dq1 * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(DQ + (qout + H * N)[:, None] * D + offs_d[None, :], (dq2 * sm_scale).to(DQ.dtype.element_ty),
+             mask=row_ok[:, None])

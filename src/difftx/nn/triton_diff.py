@@ -1,0 +1,230 @@
+"""Differential attention as Triton kernels: the GPU's form of the fused formulation.
+
+One forward kernel computes, per differential head and query block, the layer's lambda (from the four lambda
+vectors: no host ops), both maps' online softmaxes over one pass of K1, K2 and V, the combine
+o = A1 V - lambda A2 V in float32, and the per-head RMSNorm times ``weight * (1 - lambda_init)``.  The backward
+is four launches: a row pass (the norm's backward, the two softmaxes' row terms, partial sums of the norm weight's
+and lambda's gradients), a one-program pass reducing those partials in a fixed order (deterministic) into the
+norm weight's and the four lambda vectors' gradients, and the flash-attention pair of K/V and Q passes, in which
+the combined map (A1 - lambda A2) meets ONE value gradient product and ONE dO V^T product, so that the backward
+does the attention FLOPs of the Transformer twin (2h heads of d); the forward does 1.5x (two value products).
+
+Against the two-SDPA-call path (``2call``) it replaces about 45 launches a layer and step (lambda's ~25 host ops,
+the second SDPA call, the combine's, the norm's and their casts) with 6: at the small preset's 4 x 512 tokens a GPU
+step waits on launches, not arithmetic (docs/performance.md).
+
+Serves: CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``, Triton's interpreter, for tests), float32 /
+bfloat16 / float16, a plain causal mask over square Q/K (training, a prompt without a cache), no dropout, head
+dims 16-128 that are powers of two, grouped-query K/V.  Anything else takes ``2call``.  ``create_graph``
+backwards recompute through the ``2call`` ops (differentiable), so second derivatives keep working.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Optional
+
+import torch
+
+
+def _interpret() -> bool:
+    """Triton's interpreter (``TRITON_INTERPRET=1``, read by ``triton.jit`` when the kernels are first built)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton():
+    """The kernels (None without Triton): built on first use, so importing difftx never imports Triton."""
+    try:
+        import triton  # noqa: F401
+        import triton.language as tl  # noqa: F401
+    except Exception:  # not installed (CPU wheels of torch ship without it), or broken
+        return None
+    from . import _triton_kernels
+
+    return _triton_kernels
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels can run on ``device``: CUDA with Triton, or the CPU under Triton's interpreter;
+    ``DIFFTX_TRITON=0`` switches them off (``auto`` then takes ``2call`` on CUDA)."""
+    if os.environ.get("DIFFTX_TRITON", "1") == "0":
+        return False
+    if device.type == "cuda":
+        return _triton() is not None
+    return device.type == "cpu" and _interpret() and _triton() is not None
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float) -> bool:
+    """Whether this call fits the kernels (see the module's docstring); q (B, 2, h, N, d), k (B, 2, h_kv, N, d),
+    v (B, h_kv, N, 2d)."""
+    from .linear import traced
+
+    d = q.shape[-1]
+    return (dropout_p == 0 and mask.is_plain_causal and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and k.dtype == v.dtype == q.dtype and 16 <= d <= 128 and d & (d - 1) == 0 and q.stride(-1) == 1
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and q.shape[2] % k.shape[2] == 0 and q.shape[3] > 0
+            and not traced() and available(q.device))
+
+
+def _blocks(dtype: torch.dtype, d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): two accumulators of 2d columns per query row live in registers."""
+    if dtype == torch.float32:  # the products in IEEE float32 (no tensor cores): small tiles
+        return 32, 32, 4, 2
+    if d >= 128:  # (not measured: half of d=64's accumulator rows a warp)
+        return 64, 32, 8, 2
+    # bf16, d=64 on an H200 (benchmarks/performance/triton_diff.py): 64x64 tiles, 4 warps took a layer's forward +
+    # backward in 1.58 ms at 16 x 2048 (64x32: 1.96; 128x32, 8 warps: 2.21; 64x32, 8 warps, 3 stages: 3.02)
+    return 64, 64, 4, 2
+
+
+def _flat_params(lam_params, d: int) -> list[torch.Tensor]:
+    out = []
+    for p in lam_params:
+        if p.shape != (d,):
+            raise ValueError(f"differential attention: lambda vectors must be (head_dim={d},); got {tuple(p.shape)}")
+        out.append(p.detach().contiguous())
+    return out
+
+
+def _forward(q, k, v, lam_params, weight, lambda_init: float, scale: float, norm: bool, eps: float, gain: float,
+             out_dtype: torch.dtype, save: bool):
+    K = _triton()
+    b, _, h, n, d = q.shape
+    hk = k.shape[2]
+    bm, bn, warps, stages = _blocks(q.dtype, d)
+    y = torch.empty(b, n, h, 2 * d, dtype=out_dtype, device=q.device)
+    if save:
+        opre = torch.empty(b, h, n, 2 * d, dtype=q.dtype, device=q.device)
+        o2 = torch.empty_like(opre)
+        stats = torch.empty(3, b * h * n, dtype=torch.float32, device=q.device)
+    else:  # not read: the kernel skips the stores (SAVE=False)
+        opre = o2 = stats = y
+    lq1, lk1, lq2, lk2 = _flat_params(lam_params, d)
+    w = weight.detach().contiguous() if weight is not None else y
+    grid = (math.ceil(n / bm), b * h)
+    K.diff_fwd[grid](
+        q, k, v, lq1, lk1, lq2, lk2, w, y, opre, o2, stats,
+        q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+        k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+        v.stride(0), v.stride(1), v.stride(2),
+        n, h, h // hk, scale * 1.4426950408889634, float(lambda_init), float(eps), float(gain),
+        D=d, BM=bm, BN=bn, NORM=norm, HAS_W=weight is not None, SAVE=save,
+        PREC="ieee" if q.dtype == torch.float32 else None, num_warps=warps, num_stages=stages)
+    return y, opre, o2, stats
+
+
+def _reference(q, k, v, lam_params, weight, lambda_init: float, scale: float, norm: bool, eps: float, gain: float,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """The same output through differentiable torch ops (the ``2call`` path): (B, N, h, 2d)."""
+    from . import backends
+    from .fused import rms_norm
+    from .mask import AttnMask
+
+    lq1, lk1, lq2, lk2 = lam_params
+    w64 = torch.float64
+    lam = (torch.exp(torch.sum(lq1.to(w64) * lk1.to(w64))) - torch.exp(torch.sum(lq2.to(w64) * lk2.to(w64)))
+           + lambda_init).to(torch.float32)
+    n = q.shape[3]
+    mask = AttnMask(causal=True, n_q=n, n_k=n)
+    o1, o2 = backends.diff_sdpa(q[:, 0], q[:, 1], k[:, 0], k[:, 1], v, mask, scale, 0.0, "2call")
+    o = backends.combine(o1, o2, lam).transpose(1, 2)
+    if norm:
+        return rms_norm(o, weight, eps, gain, out_dtype)
+    return o.to(out_dtype)
+
+
+class _DiffAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, lq1, lk1, lq2, lk2, weight, meta):
+        lambda_init, scale, norm, eps, gain, out_dtype = meta
+        y, opre, o2, stats = _forward(q, k, v, (lq1, lk1, lq2, lk2), weight, lambda_init, scale, norm, eps, gain,
+                                      out_dtype, save=True)
+        ctx.save_for_backward(q, k, v, lq1, lk1, lq2, lk2, weight, opre, o2, stats)
+        ctx.meta = meta
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, lq1, lk1, lq2, lk2, weight, opre, o2, stats = ctx.saved_tensors
+        lambda_init, scale, norm, eps, gain, out_dtype = ctx.meta
+        inputs = (q, k, v, lq1, lk1, lq2, lk2, weight)
+        need = ctx.needs_input_grad[:8]
+        if torch.is_grad_enabled():  # create_graph: a differentiable recomputation through torch's ops, from
+            # the inputs themselves (so that the gradients stay functions of them), on SDPA's math kernel: CUDA's
+            # memory-efficient and flash kernels have no double backward
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.MATH):
+                y = _reference(q, k, v, (lq1, lk1, lq2, lk2), weight, lambda_init, scale, norm, eps, gain,
+                               out_dtype)
+            wanted = [i for i, (t, r) in enumerate(zip(inputs, need)) if r and t is not None]
+            grads = torch.autograd.grad(y, [inputs[i] for i in wanted], dy, create_graph=True, allow_unused=True)
+            out = [None] * 8
+            for i, gr in zip(wanted, grads):
+                out[i] = gr
+            return (*out, None)
+        K = _triton()
+        b, _, h, n, d = q.shape
+        hk = k.shape[2]
+        g = h // hk
+        bm, bn, warps, stages = _blocks(q.dtype, d)
+        dy = dy.contiguous()
+        do = torch.empty(b, h, n, 2 * d, dtype=q.dtype, device=q.device)
+        delta = torch.empty(2, b * h * n, dtype=torch.float32, device=q.device)
+        n_m = math.ceil(n / bm)
+        part = torch.empty(n_m * b * h, 2 * d + 1, dtype=torch.float32, device=q.device)
+        lam_params = _flat_params((lq1, lk1, lq2, lk2), d)
+        w = weight.detach().contiguous() if weight is not None else dy
+        K.diff_bwd_rows[(n_m, b * h)](
+            dy, opre, o2, w, stats, do, delta, part, *lam_params,
+            n, h, float(lambda_init), float(gain),
+            D=d, BM=bm, NORM=norm, HAS_W=weight is not None, num_warps=warps, num_stages=stages)
+        small = torch.empty(6 * d, dtype=torch.float32, device=q.device)  # dq1, dk1, dq2, dk2 (lambda), dw
+        K.diff_bwd_reduce[(1,)](part, part.shape[0], *lam_params, small, D=d, BP=32, num_warps=4)
+        dq = torch.empty(b, 2, h, n, d, dtype=q.dtype, device=q.device)
+        dk = torch.empty(b, 2, hk, n, d, dtype=q.dtype, device=q.device)
+        dv = torch.empty(b, hk, n, 2 * d, dtype=q.dtype, device=q.device)
+        qk_scale = scale * 1.4426950408889634
+        prec = "ieee" if q.dtype == torch.float32 else None
+        strides = (q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+                   k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+                   v.stride(0), v.stride(1), v.stride(2))
+        K.diff_bwd_kv[(math.ceil(n / bn), b * hk)](
+            q, k, v, do, stats, delta, dk, dv, *lam_params, *strides,
+            n, h, hk, g, qk_scale, scale, float(lambda_init), D=d, BM=bm, BN=bn, PREC=prec,
+            num_warps=warps, num_stages=stages)
+        K.diff_bwd_q[(n_m, b * h)](
+            q, k, v, do, stats, delta, dq, *lam_params, *strides,
+            n, h, g, qk_scale, scale, float(lambda_init), D=d, BM=bm, BN=bn, PREC=prec,
+            num_warps=warps, num_stages=stages)
+        lam_grads = [small[i * d:(i + 1) * d] for i in range(4)]
+        lam_grads = [gr.to(p.dtype) if need[3 + i] else None for i, (gr, p) in enumerate(zip(lam_grads, inputs[3:7]))]
+        dw = small[4 * d:].to(weight.dtype) if weight is not None and need[7] else None
+        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, *lam_grads, dw, None)
+
+
+def diff_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam_params, lambda_init: float, scale: float,
+                   weight: Optional[torch.Tensor] = None, norm: bool = True, eps: float = 1e-5, gain: float = 1.0,
+                   out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Causal differential attention, its combine and (``norm``) the per-head RMSNorm: (B, N, h, 2d).
+
+    q (B, 2, h, N, d) (maps first), k (B, 2, h_kv, N, d), v (B, h_kv, N, 2d); ``lam_params`` the four lambda
+    vectors (lq1, lk1, lq2, lk2), each (d,); lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, in float32.
+    With ``norm`` each row of 2d is RMS-normalised (float32 statistics) and scaled by ``weight`` (or 1) times
+    ``gain``; without it the combined output as it is.  ``out_dtype``: default q's dtype."""
+    out_dtype = out_dtype or q.dtype
+    meta = (float(lambda_init), float(scale), bool(norm), float(eps), float(gain), out_dtype)
+    params = tuple(lam_params)
+    tensors = (q, k, v, *params, weight)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return _DiffAttention.apply(q, k, v, *params, weight, meta)
+    return _forward(q, k, v, params, weight, meta[0], meta[1], norm, eps, gain, out_dtype, save=False)[0]
+
+
+def reference(q, k, v, lam_params, lambda_init: float, scale: float, weight=None, norm: bool = True,
+              eps: float = 1e-5, gain: float = 1.0, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """:func:`diff_attention` through torch's ops (``2call``), for tests and second derivatives."""
+    return _reference(q, k, v, lam_params, weight, lambda_init, scale, norm, eps, gain, out_dtype or q.dtype)
