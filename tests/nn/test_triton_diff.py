@@ -28,6 +28,15 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
+@pytest.fixture(autouse=True)
+def _kernels_ran():
+    """Every test here is of the kernels themselves: a failure of theirs would fall back to torch's ops silently
+    (triton_diff._failed), so none may have happened."""
+    triton_diff._FAILED.clear()
+    yield
+    assert triton_diff._FAILED == [], triton_diff._FAILED
+
+
 def _inputs(b, h, hk, n, d, dtype, seed=0, weight=True):
     g = torch.Generator().manual_seed(seed)
     mk = lambda *s, sd=1.0: (torch.randn(*s, generator=g) * sd).to(DEV, dtype)  # noqa: E731
@@ -192,3 +201,37 @@ def test_supports_names_what_the_kernels_take():
     assert not triton_diff.supports(q, k, v, AttnMask(causal=True, n_q=16, n_k=16, window=4), 0.0)
     q24, k24, v24, _, _ = _inputs(1, 2, 2, 16, 24, torch.float32)
     assert not triton_diff.supports(q24, k24, v24, causal, 0.0)  # a head dim that is not a power of two
+
+
+@pytest.mark.parametrize("where", ["_forward", "_backward"])
+def test_a_failure_of_the_kernels_falls_back_to_torch_ops_with_a_warning(where, monkeypatch):
+    """A GPU or Triton version the kernels do not build for: that call's output and gradients through torch's ops
+    (``2call``), one warning, and ``auto`` off the kernels for the rest of the process."""
+    q, k, v, lam, w = _inputs(1, 2, 2, 24, 16, torch.float32, seed=6)
+    _, want, dy = _run(q, k, v, lam, w, True)
+    yr, _ = _reference64(q, k, v, lam, w, True, dy)
+
+    def boom(*a, **k):
+        raise RuntimeError("PTX not supported here")
+
+    monkeypatch.setattr(triton_diff, where, boom)
+    with pytest.warns(RuntimeWarning, match="PTX not supported here"):
+        y, got, _ = _run(q, k, v, lam, w, True)
+    assert _rel(y, yr) < 2e-5 and max(_rel(a, b) for a, b in zip(got, want)) < 1e-4
+    assert not triton_diff.available(DEV)
+    assert backends.resolve_diff_variant("auto", torch.device("cuda"), dtype=torch.bfloat16) == "2call"
+    triton_diff._FAILED.clear()  # (the fixture's check is for the kernels' own runs)
+    assert triton_diff.available(DEV)
+
+
+@pytest.mark.parametrize("capability,hip,want", [((9, 0), None, True), ((8, 0), None, True), ((7, 5), None, False),
+                                                 ((9, 0), "6.2", False)])
+def test_the_kernels_are_for_nvidia_gpus_from_ampere_on(capability, hip, want, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    triton_diff._capable.cache_clear()
+    try:
+        assert triton_diff.available(torch.device("cuda", 0)) is want
+    finally:
+        triton_diff._capable.cache_clear()

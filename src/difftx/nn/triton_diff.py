@@ -47,14 +47,38 @@ def _triton():
     return _triton_kernels
 
 
+_FAILED: list[str] = []  # the first failure of the kernels in this process (they are then left alone)
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(index: int) -> bool:
+    """An NVIDIA GPU of compute capability 8.0 or newer (Ampere on: bf16 tensor-core products; measured on Hopper).
+    ROCm builds report their GPUs as "cuda" too: not measured, left to ``2call``."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (8, 0)
+
+
 def available(device: torch.device) -> bool:
-    """Whether the kernels can run on ``device``: CUDA with Triton, or the CPU under Triton's interpreter;
-    ``DIFFTX_TRITON=0`` switches them off (``auto`` then takes ``2call`` on CUDA)."""
-    if os.environ.get("DIFFTX_TRITON", "1") == "0":
+    """Whether the kernels can run on ``device``: an NVIDIA GPU (compute capability >= 8.0) with Triton, or the CPU
+    under Triton's interpreter; ``DIFFTX_TRITON=0`` switches them off (``auto`` then takes ``2call`` on CUDA), as
+    does a first failure of theirs (a warning says which)."""
+    if os.environ.get("DIFFTX_TRITON", "1") == "0" or _FAILED:
         return False
     if device.type == "cuda":
-        return _triton() is not None
+        if not torch.cuda.is_available() or _triton() is None:
+            return False
+        return _capable(device.index if device.index is not None else torch.cuda.current_device())
     return device.type == "cpu" and _interpret() and _triton() is not None
+
+
+def _failed(err: Exception) -> None:
+    """The kernels failed to build or launch (an unforeseen GPU or Triton version): warn once, and every later
+    call takes ``2call``."""
+    import warnings
+
+    _FAILED.append(f"{type(err).__name__}: {err}"[:300])
+    warnings.warn(f"difftx: the Triton kernels of differential attention failed ({_FAILED[0]}); DIFF attention "
+                  "takes two SDPA calls from here on (DIFFTX_TRITON=0 skips the kernels from the start)",
+                  RuntimeWarning, stacklevel=3)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float) -> bool:
@@ -166,44 +190,63 @@ class _DiffAttention(torch.autograd.Function):
             for i, gr in zip(wanted, grads):
                 out[i] = gr
             return (*out, None)
-        K = _triton()
-        b, _, h, n, d = q.shape
-        hk = k.shape[2]
-        g = h // hk
-        bm, bn, warps, stages = _blocks(q.dtype, d)
-        dy = dy.contiguous()
-        do = torch.empty(b, h, n, 2 * d, dtype=q.dtype, device=q.device)
-        delta = torch.empty(2, b * h * n, dtype=torch.float32, device=q.device)
-        n_m = math.ceil(n / bm)
-        part = torch.empty(n_m * b * h, 2 * d + 1, dtype=torch.float32, device=q.device)
-        lam_params = _flat_params((lq1, lk1, lq2, lk2), d)
-        w = weight.detach().contiguous() if weight is not None else dy
-        K.diff_bwd_rows[(n_m, b * h)](
-            dy, opre, o2, w, stats, do, delta, part, *lam_params,
-            n, h, float(lambda_init), float(gain),
-            D=d, BM=bm, NORM=norm, HAS_W=weight is not None, num_warps=warps, num_stages=stages)
-        small = torch.empty(6 * d, dtype=torch.float32, device=q.device)  # dq1, dk1, dq2, dk2 (lambda), dw
-        K.diff_bwd_reduce[(1,)](part, part.shape[0], *lam_params, small, D=d, BP=32, num_warps=4)
-        dq = torch.empty(b, 2, h, n, d, dtype=q.dtype, device=q.device)
-        dk = torch.empty(b, 2, hk, n, d, dtype=q.dtype, device=q.device)
-        dv = torch.empty(b, hk, n, 2 * d, dtype=q.dtype, device=q.device)
-        qk_scale = scale * 1.4426950408889634
-        prec = "ieee" if q.dtype == torch.float32 else None
-        strides = (q.stride(0), q.stride(1), q.stride(2), q.stride(3),
-                   k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-                   v.stride(0), v.stride(1), v.stride(2))
-        K.diff_bwd_kv[(math.ceil(n / bn), b * hk)](
-            q, k, v, do, stats, delta, dk, dv, *lam_params, *strides,
-            n, h, hk, g, qk_scale, scale, float(lambda_init), D=d, BM=bm, BN=bn, PREC=prec,
-            num_warps=warps, num_stages=stages)
-        K.diff_bwd_q[(n_m, b * h)](
-            q, k, v, do, stats, delta, dq, *lam_params, *strides,
-            n, h, g, qk_scale, scale, float(lambda_init), D=d, BM=bm, BN=bn, PREC=prec,
-            num_warps=warps, num_stages=stages)
-        lam_grads = [small[i * d:(i + 1) * d] for i in range(4)]
-        lam_grads = [gr.to(p.dtype) if need[3 + i] else None for i, (gr, p) in enumerate(zip(lam_grads, inputs[3:7]))]
-        dw = small[4 * d:].to(weight.dtype) if weight is not None and need[7] else None
-        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, *lam_grads, dw, None)
+        try:
+            return _backward(dy, inputs, opre, o2, stats, ctx.meta, need)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # the backward's kernels did not build or launch: the gradients through torch's ops
+            _failed(err)
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_(bool(r)) if t is not None else None for t, r in zip(inputs, need)]
+                y = _reference(leaves[0], leaves[1], leaves[2], leaves[3:7], leaves[7], lambda_init, scale, norm,
+                               eps, gain, out_dtype)
+            wanted = [t for t in leaves if t is not None and t.requires_grad]
+            grads = iter(torch.autograd.grad(y, wanted, dy))
+            return (*[next(grads) if t is not None and t.requires_grad else None for t in leaves], None)
+
+
+def _backward(dy, inputs, opre, o2, stats, meta, need):
+    """The kernels' backward (see the module's docstring)."""
+    q, k, v, lq1, lk1, lq2, lk2, weight = inputs
+    lambda_init, scale, norm, _, gain, _ = meta
+    K = _triton()
+    b, _, h, n, d = q.shape
+    hk = k.shape[2]
+    g = h // hk
+    bm, bn, warps, stages = _blocks(q.dtype, d)
+    dy = dy.contiguous()
+    do = torch.empty(b, h, n, 2 * d, dtype=q.dtype, device=q.device)
+    delta = torch.empty(2, b * h * n, dtype=torch.float32, device=q.device)
+    n_m = math.ceil(n / bm)
+    part = torch.empty(n_m * b * h, 2 * d + 1, dtype=torch.float32, device=q.device)
+    lam_params = _flat_params((lq1, lk1, lq2, lk2), d)
+    w = weight.detach().contiguous() if weight is not None else dy
+    K.diff_bwd_rows[(n_m, b * h)](
+        dy, opre, o2, w, stats, do, delta, part, *lam_params,
+        n, h, float(lambda_init), float(gain),
+        D=d, BM=bm, NORM=norm, HAS_W=weight is not None, num_warps=warps, num_stages=stages)
+    small = torch.empty(6 * d, dtype=torch.float32, device=q.device)  # dq1, dk1, dq2, dk2 (lambda), dw
+    K.diff_bwd_reduce[(1,)](part, part.shape[0], *lam_params, small, D=d, BP=32, num_warps=4)
+    dq = torch.empty(b, 2, h, n, d, dtype=q.dtype, device=q.device)
+    dk = torch.empty(b, 2, hk, n, d, dtype=q.dtype, device=q.device)
+    dv = torch.empty(b, hk, n, 2 * d, dtype=q.dtype, device=q.device)
+    qk_scale = scale * 1.4426950408889634
+    prec = "ieee" if q.dtype == torch.float32 else None
+    strides = (q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+               k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+               v.stride(0), v.stride(1), v.stride(2))
+    K.diff_bwd_kv[(math.ceil(n / bn), b * hk)](
+        q, k, v, do, stats, delta, dk, dv, *lam_params, *strides,
+        n, h, hk, g, qk_scale, scale, float(lambda_init), D=d, BM=bm, BN=bn, PREC=prec,
+        num_warps=warps, num_stages=stages)
+    K.diff_bwd_q[(n_m, b * h)](
+        q, k, v, do, stats, delta, dq, *lam_params, *strides,
+        n, h, g, qk_scale, scale, float(lambda_init), D=d, BM=bm, BN=bn, PREC=prec,
+        num_warps=warps, num_stages=stages)
+    lam_grads = [small[i * d:(i + 1) * d] for i in range(4)]
+    lam_grads = [gr.to(p.dtype) if need[3 + i] else None for i, (gr, p) in enumerate(zip(lam_grads, inputs[3:7]))]
+    dw = small[4 * d:].to(weight.dtype) if weight is not None and need[7] else None
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, *lam_grads, dw, None)
 
 
 def diff_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam_params, lambda_init: float, scale: float,
@@ -219,9 +262,16 @@ def diff_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam_params
     meta = (float(lambda_init), float(scale), bool(norm), float(eps), float(gain), out_dtype)
     params = tuple(lam_params)
     tensors = (q, k, v, *params, weight)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return _DiffAttention.apply(q, k, v, *params, weight, meta)
-    return _forward(q, k, v, params, weight, meta[0], meta[1], norm, eps, gain, out_dtype, save=False)[0]
+    _flat_params(params, q.shape[-1])  # (wrong shapes are the caller's error, raised here, not a kernel failure)
+    try:
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+            return _DiffAttention.apply(q, k, v, *params, weight, meta)
+        return _forward(q, k, v, params, weight, meta[0], meta[1], norm, eps, gain, out_dtype, save=False)[0]
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:  # the kernels did not build or launch here: the same output through torch's ops
+        _failed(err)
+        return _reference(q, k, v, params, weight, *meta[:2], norm, eps, gain, out_dtype)
 
 
 def reference(q, k, v, lam_params, lambda_init: float, scale: float, weight=None, norm: bool = True,
