@@ -6,10 +6,11 @@
 #
 #   benchmarks/performance/cuda_session.sh OUT_DIR [STEPS]
 #
-# STEPS: a comma list of tests,host,ops,bench,bench-large,variants,variants-flex,host-bench,host-share (default: all),
-# triton (tests/nn/test_triton_diff.py), triton-ops (benchmarks/performance/triton_diff.py: the kernels' block shapes
-# against 2call and the twin), bench-pair (transformer and diff, DIFF on the kernels then with DIFFTX_TRITON=0),
-# and bench-compile (not in the default): transformer and diff at 4 x 512, training and prefill, torch.compile'd
+# STEPS: a comma list of tests,triton,host,ops,bench,bench-large,variants,variants-flex,host-bench,host-share (the
+# default; triton: tests/nn/test_triton_diff.py, the Triton kernels of DIFF attention on the GPU), and, not in the
+# default: triton-ops (benchmarks/performance/triton_diff.py: the kernels' block shapes against 2call and the twin),
+# bench-pair (transformer and diff, DIFF on the kernels then with DIFFTX_TRITON=0),
+# bench-compile: transformer and diff at 4 x 512, training and prefill, torch.compile'd
 # against eager in the same call (eager first), bench-compile-large the same at 16 x 2048; host-share-compile:
 # the host's bf16 training share on 2 pinned cores, eager then compiled.
 # host: the native CPU kernels' tests on the GPU machine's own processor (its vector widths, AVX-512 and AMX
@@ -18,7 +19,7 @@
 # imports difftx from this checkout's src/ (nothing installed).  Logs and results go to OUT_DIR.
 set -uo pipefail
 out=${1:?usage: cuda_session.sh OUT_DIR [STEPS]}
-steps=${2:-tests,host,ops,bench,bench-large,variants,variants-flex,host-bench,host-share}
+steps=${2:-tests,triton,host,ops,bench,bench-large,variants,variants-flex,host-bench,host-share}
 cd "$(dirname "$0")/../.."
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

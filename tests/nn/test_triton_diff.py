@@ -188,6 +188,10 @@ def test_auto_picks_the_kernels_on_cuda_only_where_triton_runs(monkeypatch):
     assert backends.resolve_diff_variant("auto", cuda, dropout_p=0.1) == "2call"
     assert backends.resolve_diff_variant("triton", cuda, dropout_p=0.1) == "2call"
     assert backends.resolve_diff_variant("auto", torch.device("cpu")) == "fused"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # a compiled graph: torch's ops
+    assert backends.resolve_diff_variant("auto", cuda, dtype=torch.bfloat16) == "2call"
+    monkeypatch.undo()
+    monkeypatch.setattr(triton_diff, "available", lambda device: True)
     monkeypatch.setattr(triton_diff, "available", lambda device: False)
     assert backends.resolve_diff_variant("auto", cuda, dtype=torch.bfloat16) == "2call"
 

@@ -215,8 +215,8 @@ class SoftmaxAttention(AttentionBase):
     def _native_decode(self, q, k, v, mask: AttnMask, out_dtype: torch.dtype) -> bool:
         """Whether a one-query decoding step takes the native kernel: the sdpa backend (no probe, no dropout)
         with the ``auto`` or ``fused`` variant, no autograd, and a step the kernel serves."""
-        return (self.diff_variant in ("auto", "fused", "2call", "4call", "triton") and self._backend(q.device) == "sdpa"
-                and self._dropout_p() == 0 and not torch.is_grad_enabled()
+        return (self.diff_variant in ("auto", "fused", "2call", "4call", "triton")
+                and self._backend(q.device) == "sdpa" and self._dropout_p() == 0 and not torch.is_grad_enabled()
                 and backends.native_diff_decode_ok(q[:, None], k[:, None], v, mask, out_dtype))
 
 

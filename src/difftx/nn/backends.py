@@ -29,7 +29,8 @@ from .mask import AttnMask
 from .norms import upcast
 
 # How attention reaches its kernel under the sdpa backend (``model.set_attention_backend("sdpa", v)``):
-# auto (the measured winner), fused (difftx.nn.fused), sdpa (SDPA; for DIFF = 2call), 2call, 4call.
+# auto (the measured winner), fused (difftx.nn.fused), sdpa (SDPA; for DIFF = 2call), 2call, 4call, triton
+# (difftx.nn.triton_diff).
 DIFF_SDPA_VARIANTS = ("auto", "fused", "sdpa", "2call", "4call", "triton")
 _FLEX = None
 
@@ -163,10 +164,11 @@ def resolve_diff_variant(variant: str, device: torch.device, dropout_p: float = 
         return variant
     if device.type == "cpu":
         return "fused"
+    if dtype not in (torch.bfloat16, torch.float16) or traced():  # compiled graphs, torch.func: torch's ops
+        return "2call"
     from . import triton_diff
 
-    half = dtype in (torch.bfloat16, torch.float16)
-    return "triton" if half and triton_diff.available(device) else "2call"
+    return "triton" if triton_diff.available(device) else "2call"
 
 
 FUSED_INFERENCE_MIN_QUERIES = 5  # fp32 inference with fewer queries (decoding steps) keeps CPU flash
