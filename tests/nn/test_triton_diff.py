@@ -51,21 +51,22 @@ def _rel(got, ref):
     return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def _run(q, k, v, lam, w, norm, out_dtype=None, lambda_init=0.3, gain=0.7, fn=triton_diff.diff_attention):
+def _run(q, k, v, lam, w, norm, out_dtype=None, lambda_init=0.3, gain=0.7, fn=triton_diff.diff_attention, **masks):
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, *lam)] + \
         ([w.detach().clone().requires_grad_()] if w is not None else [])
     y = fn(leaves[0], leaves[1], leaves[2], leaves[3:7], lambda_init, q.shape[-1] ** -0.5,
-           leaves[7] if w is not None else None, norm=norm, eps=1e-5, gain=gain, out_dtype=out_dtype)
+           leaves[7] if w is not None else None, norm=norm, eps=1e-5, gain=gain, out_dtype=out_dtype, **masks)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(9)).to(y.device, y.dtype)
     return y, torch.autograd.grad(y, leaves, dy), dy
 
 
-def _reference64(q, k, v, lam, w, norm, dy, lambda_init=0.3, gain=0.7):
+def _reference64(q, k, v, lam, w, norm, dy, lambda_init=0.3, gain=0.7, doc_ids=None, window=None):
     c = lambda t: t.detach().double().cpu().requires_grad_()  # noqa: E731
     leaves = [c(t) for t in (q, k, v, *lam)] + ([c(w)] if w is not None else [])
     y = triton_diff.reference(leaves[0], leaves[1], leaves[2], leaves[3:7], lambda_init, q.shape[-1] ** -0.5,
                               leaves[7] if w is not None else None, norm=norm, eps=1e-5, gain=gain,
-                              out_dtype=torch.float64)
+                              out_dtype=torch.float64, doc_ids=None if doc_ids is None else doc_ids.cpu(),
+                              window=window)
     return y, torch.autograd.grad(y, leaves, dy.double().cpu())
 
 
@@ -166,11 +167,12 @@ def test_calls_the_kernels_do_not_serve_take_two_sdpa_calls(monkeypatch):
     model = _model()
     model.set_attention_backend("sdpa", "triton")
     ids = torch.randint(0, 61, (2, 24), generator=torch.Generator().manual_seed(2)).to(DEV)
-    doc = torch.tensor([[0] * 10 + [1] * 14, [0] * 24]).to(DEV)
-    out = model(ids, targets=ids, document_ids=doc)  # document masking: not a plain causal mask
+    pad = torch.ones(2, 24, dtype=torch.long, device=DEV)
+    pad[1, :5] = 0  # left padding: a key mask, which the kernels do not take
+    out = model(ids, targets=ids, attention_mask=pad)
     assert calls == [] and torch.isfinite(out.loss)
     model.set_attention_backend("sdpa", "2call")
-    assert torch.allclose(model(ids, targets=ids, document_ids=doc).loss, out.loss, atol=1e-6)
+    assert torch.allclose(model(ids, targets=ids, attention_mask=pad).loss, out.loss, atol=1e-6)
     model.set_attention_backend("sdpa", "triton")
     with torch.no_grad():  # generation: the prompt's prefill takes the kernels, the decoding steps do not
         before = len(calls)
@@ -202,7 +204,12 @@ def test_supports_names_what_the_kernels_take():
     assert triton_diff.supports(q, k, v, causal, 0.0)
     assert not triton_diff.supports(q, k, v, causal, 0.1)
     assert not triton_diff.supports(q.double(), k.double(), v.double(), causal, 0.0)
-    assert not triton_diff.supports(q, k, v, AttnMask(causal=True, n_q=16, n_k=16, window=4), 0.0)
+    assert triton_diff.supports(q, k, v, AttnMask(causal=True, n_q=16, n_k=16, window=4), 0.0)
+    docs = torch.zeros(1, 16, dtype=torch.long, device=DEV)
+    assert triton_diff.supports(q, k, v, AttnMask(causal=True, n_q=16, n_k=16, doc_ids=docs), 0.0)
+    pad = torch.ones(1, 16, dtype=torch.bool, device=DEV)
+    assert not triton_diff.supports(q, k, v, AttnMask(causal=True, n_q=16, n_k=16, key_valid=pad), 0.0)
+    assert not triton_diff.supports(q, k, v, AttnMask(causal=False, n_q=16, n_k=16), 0.0)
     q24, k24, v24, _, _ = _inputs(1, 2, 2, 16, 24, torch.float32)
     assert not triton_diff.supports(q24, k24, v24, causal, 0.0)  # a head dim that is not a power of two
 
@@ -239,3 +246,58 @@ def test_the_kernels_are_for_nvidia_gpus_from_ampere_on(capability, hip, want, m
         assert triton_diff.available(torch.device("cuda", 0)) is want
     finally:
         triton_diff._capable.cache_clear()
+
+
+def _docs(b, n, cuts, seed=0):
+    """(b, n) document ids: each row's documents end at ``cuts`` (a list per row)."""
+    ids = torch.zeros(b, n, dtype=torch.long)
+    for r, row in enumerate(cuts):
+        for c in row:
+            ids[r, c:] += 1
+    return ids.to(DEV)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("masks", [
+    {"doc_ids": [[9, 40], [70]]},                 # packed documents; a document boundary inside a block
+    {"doc_ids": [[1, 2, 3]]},                     # one row of ids for the whole batch; documents of one token
+    {"window": 7},                                # a sliding window shorter than a block
+    {"window": 40},                               # longer than a block: whole blocks skipped before it
+    {"doc_ids": [[30], [5, 6]], "window": 12},    # both
+], ids=str)
+def test_documents_and_windows_match_float64(dtype, masks):
+    b, h, hk, n, d = 2, 2, 1, 77, 16
+    q, k, v, lam, w = _inputs(b, h, hk, n, d, dtype, seed=7)
+    kw = dict(masks)
+    if "doc_ids" in kw:
+        cuts = kw["doc_ids"]
+        kw["doc_ids"] = _docs(len(cuts), n, cuts)
+    y, grads, dy = _run(q, k, v, lam, w, True, **kw)
+    yr, gr = _reference64(q, k, v, lam, w, True, dy, **kw)
+    names = ["y", "q", "k", "v", "lq1", "lk1", "lq2", "lk2", "w"]
+    errs = {nm: _rel(a, b) for nm, a, b in zip(names, (y, *grads), (yr, *gr))}
+    assert all(e < TOL[dtype] for e in errs.values()), errs
+    # the mask is not the plain causal one: the same inputs without it give another output
+    y0, _, _ = _run(q, k, v, lam, w, True)
+    assert _rel(y0, yr) > 10 * TOL[dtype]
+
+
+def test_a_model_with_documents_takes_the_kernels_only_when_named(monkeypatch):
+    calls = []
+    real = triton_diff._forward
+    monkeypatch.setattr(triton_diff, "_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = _model()
+    ids = torch.randint(0, 61, (2, 24), generator=torch.Generator().manual_seed(2)).to(DEV)
+    doc = torch.tensor([[0] * 10 + [1] * 14, [0] * 24]).to(DEV)
+    model.set_attention_backend("sdpa", "triton")
+    loss, grads = _loss_and_grads(model, ids, document_ids=doc)
+    assert len(calls) == 2
+    model.set_attention_backend("sdpa", "2call")
+    loss_r, grads_r = _loss_and_grads(model, ids, document_ids=doc)
+    assert abs(float(loss - loss_r)) < 1e-5 and max(_rel(grads[n], grads_r[n]) for n in grads_r) < 1e-4
+    monkeypatch.setattr(backends, "resolve_diff_variant", lambda *a, **k: "triton")  # what auto picks on a GPU
+    model.set_attention_backend("sdpa", "auto")
+    model(ids, targets=ids, document_ids=doc)
+    assert len(calls) == 2  # auto: documents stay on two SDPA calls (not measured on a GPU yet)
+    model(ids, targets=ids)
+    assert len(calls) == 4

@@ -361,7 +361,11 @@ class DifferentialAttention(AttentionBase):
         out_dtype = _out_dtype(x)
         plain_norm = self.head_norm is None or (type(self.head_norm) is RMSNorm and no_hooks(self.head_norm))
         if variant == "triton":
-            if backend == "sdpa" and plain_norm and not decoding and triton_diff.supports(q, k, v, mask, p):
+            # documents and windows take the kernels when asked for by name: auto's choice is measured on the plain
+            # causal mask only (docs/performance.md)
+            masked = not mask.is_plain_causal
+            if (backend == "sdpa" and plain_norm and not decoding and (not masked or self.diff_variant == "triton")
+                    and triton_diff.supports(q, k, v, mask, p)):
                 # lambda, both maps, the combine and the head norm in the kernels: no host ops for lambda
                 if cache is not None:  # a new generation (as _lambda does): the next decoding step computes it
                     self._lambda_memo = None
@@ -369,7 +373,9 @@ class DifferentialAttention(AttentionBase):
                 o = triton_diff.diff_attention(
                     q, k, v, (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2), self.lambda_init,
                     self.scale, None if hn is None else hn.weight, norm=hn is not None,
-                    eps=0.0 if hn is None else hn.eps, gain=1.0 - self.lambda_init, out_dtype=out_dtype)
+                    eps=0.0 if hn is None else hn.eps, gain=1.0 - self.lambda_init, out_dtype=out_dtype,
+                    doc_ids=None if mask.doc_ids is None else mask.doc_ids.to(q.device),
+                    window=mask.window if mask.windowed else None)
                 return self.out_proj(o.reshape(b, t, 2 * h * d))
             variant = "fused" if q.device.type == "cpu" else "2call"
         lam = self._lambda(cache, decoding)

@@ -14,8 +14,9 @@ the second SDPA call, the combine's, the norm's and their casts) with 6: at the 
 step waits on launches, not arithmetic (docs/performance.md).
 
 Serves: CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``, Triton's interpreter, for tests), float32 /
-bfloat16 / float16, a plain causal mask over square Q/K (training, a prompt without a cache), no dropout, head
-dims 16-128 that are powers of two, grouped-query K/V.  Anything else takes ``2call``.  ``create_graph``
+bfloat16 / float16, a causal mask over square Q/K (training, a prompt without a cache), within packed documents
+and a sliding window or not (masked in the kernels), no dropout, no padding mask, head dims 16-128 that are
+powers of two, grouped-query K/V.  Anything else takes ``2call``.  ``create_graph``
 backwards recompute through the ``2call`` ops (differentiable), so second derivatives keep working.
 """
 
@@ -83,11 +84,12 @@ def _failed(err: Exception) -> None:
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float) -> bool:
     """Whether this call fits the kernels (see the module's docstring); q (B, 2, h, N, d), k (B, 2, h_kv, N, d),
-    v (B, h_kv, N, 2d)."""
+    v (B, h_kv, N, 2d); the mask causal over square Q/K, with or without documents and a window, no padding."""
     from .linear import traced
 
     d = q.shape[-1]
-    return (dropout_p == 0 and mask.is_plain_causal and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    square = mask.causal and mask.key_valid is None and mask.q_start == 0 and mask.n_q == mask.n_k
+    return (dropout_p == 0 and square and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and k.dtype == v.dtype == q.dtype and 16 <= d <= 128 and d & (d - 1) == 0 and q.stride(-1) == 1
             and k.stride(-1) == 1 and v.stride(-1) == 1 and q.shape[2] % k.shape[2] == 0 and q.shape[3] > 0
             and not traced() and available(q.device))
@@ -113,8 +115,15 @@ def _flat_params(lam_params, d: int) -> list[torch.Tensor]:
     return out
 
 
+def _doc_args(doc: Optional[torch.Tensor], window: int, like: torch.Tensor):
+    """The kernels' document-id pointer and batch stride (0: one row for the whole batch), and the window."""
+    if doc is None:
+        return like, 0, window
+    return doc, (doc.stride(0) if doc.shape[0] > 1 else 0), window
+
+
 def _forward(q, k, v, lam_params, weight, lambda_init: float, scale: float, norm: bool, eps: float, gain: float,
-             out_dtype: torch.dtype, save: bool):
+             out_dtype: torch.dtype, save: bool, doc: Optional[torch.Tensor] = None, window: int = 0):
     K = _triton()
     b, _, h, n, d = q.shape
     hk = k.shape[2]
@@ -128,20 +137,22 @@ def _forward(q, k, v, lam_params, weight, lambda_init: float, scale: float, norm
         opre = o2 = stats = y
     lq1, lk1, lq2, lk2 = _flat_params(lam_params, d)
     w = weight.detach().contiguous() if weight is not None else y
+    dp, s_db, win = _doc_args(doc, window, y)
     grid = (math.ceil(n / bm), b * h)
     K.diff_fwd[grid](
-        q, k, v, lq1, lk1, lq2, lk2, w, y, opre, o2, stats,
+        q, k, v, lq1, lk1, lq2, lk2, w, y, opre, o2, stats, dp,
         q.stride(0), q.stride(1), q.stride(2), q.stride(3),
         k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-        v.stride(0), v.stride(1), v.stride(2),
-        n, h, h // hk, scale * 1.4426950408889634, float(lambda_init), float(eps), float(gain),
+        v.stride(0), v.stride(1), v.stride(2), s_db,
+        n, h, h // hk, scale * 1.4426950408889634, float(lambda_init), float(eps), float(gain), win,
         D=d, BM=bm, BN=bn, NORM=norm, HAS_W=weight is not None, SAVE=save,
-        PREC="ieee" if q.dtype == torch.float32 else None, num_warps=warps, num_stages=stages)
+        PREC="ieee" if q.dtype == torch.float32 else None, HAS_DOC=doc is not None, HAS_WIN=window > 0,
+        num_warps=warps, num_stages=stages)
     return y, opre, o2, stats
 
 
 def _reference(q, k, v, lam_params, weight, lambda_init: float, scale: float, norm: bool, eps: float, gain: float,
-               out_dtype: torch.dtype) -> torch.Tensor:
+               out_dtype: torch.dtype, doc: Optional[torch.Tensor] = None, window: int = 0) -> torch.Tensor:
     """The same output through differentiable torch ops (the ``2call`` path): (B, N, h, 2d)."""
     from . import backends
     from .fused import rms_norm
@@ -152,7 +163,7 @@ def _reference(q, k, v, lam_params, weight, lambda_init: float, scale: float, no
     lam = (torch.exp(torch.sum(lq1.to(w64) * lk1.to(w64))) - torch.exp(torch.sum(lq2.to(w64) * lk2.to(w64)))
            + lambda_init).to(torch.float32)
     n = q.shape[3]
-    mask = AttnMask(causal=True, n_q=n, n_k=n)
+    mask = AttnMask(causal=True, n_q=n, n_k=n, doc_ids=doc, window=window or None)
     o1, o2 = backends.diff_sdpa(q[:, 0], q[:, 1], k[:, 0], k[:, 1], v, mask, scale, 0.0, "2call")
     o = backends.combine(o1, o2, lam).transpose(1, 2)
     if norm:
@@ -162,18 +173,18 @@ def _reference(q, k, v, lam_params, weight, lambda_init: float, scale: float, no
 
 class _DiffAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, lq1, lk1, lq2, lk2, weight, meta):
-        lambda_init, scale, norm, eps, gain, out_dtype = meta
+    def forward(ctx, q, k, v, lq1, lk1, lq2, lk2, weight, doc, meta):
+        lambda_init, scale, norm, eps, gain, out_dtype, window = meta
         y, opre, o2, stats = _forward(q, k, v, (lq1, lk1, lq2, lk2), weight, lambda_init, scale, norm, eps, gain,
-                                      out_dtype, save=True)
-        ctx.save_for_backward(q, k, v, lq1, lk1, lq2, lk2, weight, opre, o2, stats)
+                                      out_dtype, True, doc, window)
+        ctx.save_for_backward(q, k, v, lq1, lk1, lq2, lk2, weight, opre, o2, stats, doc)
         ctx.meta = meta
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        q, k, v, lq1, lk1, lq2, lk2, weight, opre, o2, stats = ctx.saved_tensors
-        lambda_init, scale, norm, eps, gain, out_dtype = ctx.meta
+        q, k, v, lq1, lk1, lq2, lk2, weight, opre, o2, stats, doc = ctx.saved_tensors
+        lambda_init, scale, norm, eps, gain, out_dtype, window = ctx.meta
         inputs = (q, k, v, lq1, lk1, lq2, lk2, weight)
         need = ctx.needs_input_grad[:8]
         if torch.is_grad_enabled():  # create_graph: a differentiable recomputation through torch's ops, from
@@ -183,15 +194,15 @@ class _DiffAttention(torch.autograd.Function):
 
             with sdpa_kernel(SDPBackend.MATH):
                 y = _reference(q, k, v, (lq1, lk1, lq2, lk2), weight, lambda_init, scale, norm, eps, gain,
-                               out_dtype)
+                               out_dtype, doc, window)
             wanted = [i for i, (t, r) in enumerate(zip(inputs, need)) if r and t is not None]
             grads = torch.autograd.grad(y, [inputs[i] for i in wanted], dy, create_graph=True, allow_unused=True)
             out = [None] * 8
             for i, gr in zip(wanted, grads):
                 out[i] = gr
-            return (*out, None)
+            return (*out, None, None)
         try:
-            return _backward(dy, inputs, opre, o2, stats, ctx.meta, need)
+            return (*_backward(dy, inputs, opre, o2, stats, doc, ctx.meta, need), None)
         except torch.OutOfMemoryError:
             raise
         except Exception as err:  # the backward's kernels did not build or launch: the gradients through torch's ops
@@ -199,16 +210,16 @@ class _DiffAttention(torch.autograd.Function):
             with torch.enable_grad():
                 leaves = [t.detach().requires_grad_(bool(r)) if t is not None else None for t, r in zip(inputs, need)]
                 y = _reference(leaves[0], leaves[1], leaves[2], leaves[3:7], leaves[7], lambda_init, scale, norm,
-                               eps, gain, out_dtype)
+                               eps, gain, out_dtype, doc, window)
             wanted = [t for t in leaves if t is not None and t.requires_grad]
             grads = iter(torch.autograd.grad(y, wanted, dy))
-            return (*[next(grads) if t is not None and t.requires_grad else None for t in leaves], None)
+            return (*[next(grads) if t is not None and t.requires_grad else None for t in leaves], None, None)
 
 
-def _backward(dy, inputs, opre, o2, stats, meta, need):
+def _backward(dy, inputs, opre, o2, stats, doc, meta, need):
     """The kernels' backward (see the module's docstring)."""
     q, k, v, lq1, lk1, lq2, lk2, weight = inputs
-    lambda_init, scale, norm, _, gain, _ = meta
+    lambda_init, scale, norm, _, gain, _, window = meta
     K = _triton()
     b, _, h, n, d = q.shape
     hk = k.shape[2]
@@ -232,16 +243,18 @@ def _backward(dy, inputs, opre, o2, stats, meta, need):
     dv = torch.empty(b, hk, n, 2 * d, dtype=q.dtype, device=q.device)
     qk_scale = scale * 1.4426950408889634
     prec = "ieee" if q.dtype == torch.float32 else None
+    dp, s_db, win = _doc_args(doc, window, dy)
     strides = (q.stride(0), q.stride(1), q.stride(2), q.stride(3),
                k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-               v.stride(0), v.stride(1), v.stride(2))
+               v.stride(0), v.stride(1), v.stride(2), s_db)
+    masks = {"HAS_DOC": doc is not None, "HAS_WIN": window > 0}
     K.diff_bwd_kv[(math.ceil(n / bn), b * hk)](
-        q, k, v, do, stats, delta, dk, dv, *lam_params, *strides,
-        n, h, hk, g, qk_scale, scale, float(lambda_init), D=d, BM=bm, BN=bn, PREC=prec,
+        q, k, v, do, stats, delta, dk, dv, *lam_params, dp, *strides,
+        n, h, hk, g, qk_scale, scale, float(lambda_init), win, D=d, BM=bm, BN=bn, PREC=prec, **masks,
         num_warps=warps, num_stages=stages)
     K.diff_bwd_q[(n_m, b * h)](
-        q, k, v, do, stats, delta, dq, *lam_params, *strides,
-        n, h, g, qk_scale, scale, float(lambda_init), D=d, BM=bm, BN=bn, PREC=prec,
+        q, k, v, do, stats, delta, dq, *lam_params, dp, *strides,
+        n, h, g, qk_scale, scale, float(lambda_init), win, D=d, BM=bm, BN=bn, PREC=prec, **masks,
         num_warps=warps, num_stages=stages)
     lam_grads = [small[i * d:(i + 1) * d] for i in range(4)]
     lam_grads = [gr.to(p.dtype) if need[3 + i] else None for i, (gr, p) in enumerate(zip(lam_grads, inputs[3:7]))]
@@ -251,30 +264,37 @@ def _backward(dy, inputs, opre, o2, stats, meta, need):
 
 def diff_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam_params, lambda_init: float, scale: float,
                    weight: Optional[torch.Tensor] = None, norm: bool = True, eps: float = 1e-5, gain: float = 1.0,
-                   out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                   out_dtype: Optional[torch.dtype] = None, doc_ids: Optional[torch.Tensor] = None,
+                   window: Optional[int] = None) -> torch.Tensor:
     """Causal differential attention, its combine and (``norm``) the per-head RMSNorm: (B, N, h, 2d).
 
     q (B, 2, h, N, d) (maps first), k (B, 2, h_kv, N, d), v (B, h_kv, N, 2d); ``lam_params`` the four lambda
     vectors (lq1, lk1, lq2, lk2), each (d,); lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, in float32.
     With ``norm`` each row of 2d is RMS-normalised (float32 statistics) and scaled by ``weight`` (or 1) times
-    ``gain``; without it the combined output as it is.  ``out_dtype``: default q's dtype."""
+    ``gain``; without it the combined output as it is.  ``out_dtype``: default q's dtype.  ``doc_ids`` (B or 1, N)
+    integer: a query sees only the keys of its own document (packed sequences); ``window``: a query sees only the
+    keys less than that many positions before it (itself included), as :class:`~difftx.nn.mask.AttnMask`."""
     out_dtype = out_dtype or q.dtype
-    meta = (float(lambda_init), float(scale), bool(norm), float(eps), float(gain), out_dtype)
+    win = int(window or 0)
+    doc = None if doc_ids is None else doc_ids.contiguous()
+    meta = (float(lambda_init), float(scale), bool(norm), float(eps), float(gain), out_dtype, win)
     params = tuple(lam_params)
     tensors = (q, k, v, *params, weight)
     _flat_params(params, q.shape[-1])  # (wrong shapes are the caller's error, raised here, not a kernel failure)
     try:
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-            return _DiffAttention.apply(q, k, v, *params, weight, meta)
-        return _forward(q, k, v, params, weight, meta[0], meta[1], norm, eps, gain, out_dtype, save=False)[0]
+            return _DiffAttention.apply(q, k, v, *params, weight, doc, meta)
+        return _forward(q, k, v, params, weight, meta[0], meta[1], norm, eps, gain, out_dtype, False, doc, win)[0]
     except torch.OutOfMemoryError:
         raise
     except Exception as err:  # the kernels did not build or launch here: the same output through torch's ops
         _failed(err)
-        return _reference(q, k, v, params, weight, *meta[:2], norm, eps, gain, out_dtype)
+        return _reference(q, k, v, params, weight, *meta[:2], norm, eps, gain, out_dtype, doc, win)
 
 
 def reference(q, k, v, lam_params, lambda_init: float, scale: float, weight=None, norm: bool = True,
-              eps: float = 1e-5, gain: float = 1.0, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+              eps: float = 1e-5, gain: float = 1.0, out_dtype: Optional[torch.dtype] = None,
+              doc_ids: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
     """:func:`diff_attention` through torch's ops (``2call``), for tests and second derivatives."""
-    return _reference(q, k, v, lam_params, weight, lambda_init, scale, norm, eps, gain, out_dtype or q.dtype)
+    return _reference(q, k, v, lam_params, weight, lambda_init, scale, norm, eps, gain, out_dtype or q.dtype,
+                      doc_ids, int(window or 0))
