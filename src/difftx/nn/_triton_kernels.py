@@ -22,11 +22,19 @@ def _lambda(LQ1, LK1, LQ2, LK2, lambda_init, D: tl.constexpr):
 
 
 @triton.jit
+def _rows_pair(base, s_map, s_row, offs_r, offs_d, ok):
+    """Rows ``offs_r`` of both maps' (D wide) tensors at ``base`` (map 2 ``s_map`` further): (R, D) each."""
+    ptr = base + offs_r[:, None] * s_row + offs_d[None, :]
+    return tl.load(ptr, mask=ok[:, None], other=0.0), tl.load(ptr + s_map, mask=ok[:, None], other=0.0)
+
+
+@triton.jit
 def diff_fwd(Q, K, V, LQ1, LK1, LQ2, LK2, W, Y, OPRE, O2, STATS, DOC,
              s_qb, s_qm, s_qh, s_qn, s_kb, s_km, s_kh, s_kn, s_vb, s_vh, s_vn, s_db,
              N, H, G, qk_scale, lambda_init, eps, gain, WINDOW,
              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NORM: tl.constexpr, HAS_W: tl.constexpr,
-             SAVE: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WIN: tl.constexpr):
+             SAVE: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WIN: tl.constexpr,
+             MASKED: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -37,9 +45,7 @@ def diff_fwd(Q, K, V, LQ1, LK1, LQ2, LK2, W, Y, OPRE, O2, STATS, DOC,
     offs_d = tl.arange(0, D)
     offs_v = tl.arange(0, 2 * D)
     row_ok = offs_m < N
-    qb = Q + b.to(tl.int64) * s_qb + h * s_qh
-    q1 = tl.load(qb + offs_m[:, None] * s_qn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    q2 = tl.load(qb + s_qm + offs_m[:, None] * s_qn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q1, q2 = _rows_pair(Q + b.to(tl.int64) * s_qb + h * s_qh, s_qm, s_qn, offs_m, offs_d, row_ok)
     kb = K + b.to(tl.int64) * s_kb + hk * s_kh
     vb = V + b.to(tl.int64) * s_vb + hk * s_vh
     m1 = tl.full([BM], float("-inf"), tl.float32)
@@ -52,42 +58,47 @@ def diff_fwd(Q, K, V, LQ1, LK1, LQ2, LK2, W, Y, OPRE, O2, STATS, DOC,
     if HAS_DOC:
         docb = DOC + b.to(tl.int64) * s_db
         doc_q = tl.load(docb + offs_m, mask=row_ok, other=-1)
-    for start in range(0, lo + BM, BN):  # (keys past N are masked)
-        visit = True
-        if HAS_WIN:  # blocks wholly before every row's window are skipped
-            visit = start + BN > lo - WINDOW + 1
-        if visit:
-            offs_n = start + tl.arange(0, BN)
-            col_ok = offs_n < N
-            k1 = tl.load(kb + offs_n[None, :] * s_kn + offs_d[:, None], mask=col_ok[None, :], other=0.0)  # (D, BN)
-            k2 = tl.load(kb + s_km + offs_n[None, :] * s_kn + offs_d[:, None], mask=col_ok[None, :], other=0.0)
-            vv = tl.load(vb + offs_n[:, None] * s_vn + offs_v[None, :], mask=col_ok[:, None], other=0.0)  # (BN, 2D)
-            s1 = tl.dot(q1, k1, input_precision=PREC) * qk_scale
-            s2 = tl.dot(q2, k2, input_precision=PREC) * qk_scale
-            if HAS_DOC or HAS_WIN or start + BN > lo:  # causal, key-count, document and window masks
+    if HAS_WIN:  # the first key block any row of this block sees
+        first = tl.maximum(lo - WINDOW + 1, 0) // BN * BN
+    else:
+        first = 0
+    for start in range(first, lo + BM, BN):  # (keys past N are masked)
+        offs_n = start + tl.arange(0, BN)
+        col_ok = offs_n < N
+        k1 = tl.load(kb + offs_n[None, :] * s_kn + offs_d[:, None], mask=col_ok[None, :], other=0.0)  # (D, BN)
+        k2 = tl.load(kb + s_km + offs_n[None, :] * s_kn + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        vv = tl.load(vb + offs_n[:, None] * s_vn + offs_v[None, :], mask=col_ok[:, None], other=0.0)  # (BN, 2D)
+        s1 = tl.dot(q1, k1, input_precision=PREC) * qk_scale
+        s2 = tl.dot(q2, k2, input_precision=PREC) * qk_scale
+        if MASKED:  # documents or a window: every block
+            ok = (offs_m[:, None] >= offs_n[None, :]) & col_ok[None, :]
+            if HAS_DOC:
+                doc_k = tl.load(docb + offs_n, mask=col_ok, other=-2)
+                ok = ok & (doc_q[:, None] == doc_k[None, :])
+            if HAS_WIN:
+                ok = ok & (offs_m[:, None] - offs_n[None, :] < WINDOW)
+            s1 = tl.where(ok, s1, float("-inf"))
+            s2 = tl.where(ok, s2, float("-inf"))
+        else:
+            if start + BN > lo:  # the diagonal blocks: causal and key-count masks
                 ok = (offs_m[:, None] >= offs_n[None, :]) & col_ok[None, :]
-                if HAS_DOC:
-                    doc_k = tl.load(docb + offs_n, mask=col_ok, other=-2)
-                    ok = ok & (doc_q[:, None] == doc_k[None, :])
-                if HAS_WIN:
-                    ok = ok & (offs_m[:, None] - offs_n[None, :] < WINDOW)
                 s1 = tl.where(ok, s1, float("-inf"))
                 s2 = tl.where(ok, s2, float("-inf"))
-            m1n = tl.maximum(m1, tl.max(s1, 1))
-            m2n = tl.maximum(m2, tl.max(s2, 1))
-            if HAS_DOC or HAS_WIN:  # a row may have seen no key yet (all -inf): exp2(-inf - -inf) would be NaN
-                m1n = tl.where(m1n == float("-inf"), -1e30, m1n)
-                m2n = tl.where(m2n == float("-inf"), -1e30, m2n)
-            p1 = tl.exp2(s1 - m1n[:, None])
-            p2 = tl.exp2(s2 - m2n[:, None])
-            a1 = tl.exp2(m1 - m1n)
-            a2 = tl.exp2(m2 - m2n)
-            l1 = l1 * a1 + tl.sum(p1, 1)
-            l2 = l2 * a2 + tl.sum(p2, 1)
-            acc1 = acc1 * a1[:, None] + tl.dot(p1.to(vv.dtype), vv, input_precision=PREC)
-            acc2 = acc2 * a2[:, None] + tl.dot(p2.to(vv.dtype), vv, input_precision=PREC)
-            m1 = m1n
-            m2 = m2n
+        m1n = tl.maximum(m1, tl.max(s1, 1))
+        m2n = tl.maximum(m2, tl.max(s2, 1))
+        if MASKED:  # a row may have seen no key yet (all -inf): exp2(-inf - -inf) would be NaN
+            m1n = tl.where(m1n == float("-inf"), -1e30, m1n)
+            m2n = tl.where(m2n == float("-inf"), -1e30, m2n)
+        p1 = tl.exp2(s1 - m1n[:, None])
+        p2 = tl.exp2(s2 - m2n[:, None])
+        a1 = tl.exp2(m1 - m1n)
+        a2 = tl.exp2(m2 - m2n)
+        l1 = l1 * a1 + tl.sum(p1, 1)
+        l2 = l2 * a2 + tl.sum(p2, 1)
+        acc1 = acc1 * a1[:, None] + tl.dot(p1.to(vv.dtype), vv, input_precision=PREC)
+        acc2 = acc2 * a2[:, None] + tl.dot(p2.to(vv.dtype), vv, input_precision=PREC)
+        m1 = m1n
+        m2 = m2n
     o2 = acc2 / l2[:, None]
     o = acc1 / l1[:, None] - lam * o2
     rows = bh.to(tl.int64) * N + offs_m
@@ -186,7 +197,7 @@ def diff_bwd_kv(Q, K, V, DO, STATS, DELTA, DK, DV, LQ1, LK1, LQ2, LK2, DOC,
                 s_qb, s_qm, s_qh, s_qn, s_kb, s_km, s_kh, s_kn, s_vb, s_vh, s_vn, s_db,
                 N, H, HK, G, qk_scale, sm_scale, lambda_init, WINDOW,
                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
-                HAS_WIN: tl.constexpr):
+                HAS_WIN: tl.constexpr, MASKED: tl.constexpr):
     """dK1, dK2 and dV of one key block, over the G query heads of its K/V head: dV from the combined map."""
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -209,41 +220,38 @@ def diff_bwd_kv(Q, K, V, DO, STATS, DELTA, DK, DV, LQ1, LK1, LQ2, LK2, DOC,
     if HAS_DOC:
         docb = DOC + b.to(tl.int64) * s_db
         doc_k = tl.load(docb + offs_n, mask=col_ok, other=-2)
+    if HAS_WIN:  # past the last query that sees a key of this block
+        last = tl.minimum(pid_n * BN + BN - 1 + WINDOW, N)
+    else:
+        last = N
     for j in range(G):
         h = hk * G + j
         bh = b * H + h
         qb = Q + b.to(tl.int64) * s_qb + h * s_qh
-        for start in range(pid_n * BN, N, BM):
-            visit = True
-            if HAS_WIN:  # query blocks wholly past every key's window are skipped
-                visit = start < pid_n * BN + BN - 1 + WINDOW
-            if visit:
-                offs_m = start + tl.arange(0, BM)
-                row_ok = offs_m < N
-                rows = bh.to(tl.int64) * N + offs_m
-                q1 = tl.load(qb + offs_m[:, None] * s_qn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-                q2 = tl.load(qb + s_qm + offs_m[:, None] * s_qn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-                do = tl.load(DO + rows[:, None] * (2 * D) + offs_v[None, :], mask=row_ok[:, None], other=0.0)
-                lse1 = tl.load(STATS + rows, mask=row_ok, other=0.0)
-                lse2 = tl.load(STATS + plane + rows, mask=row_ok, other=0.0)
-                dd1 = tl.load(DELTA + rows, mask=row_ok, other=0.0)
-                dd2 = tl.load(DELTA + plane + rows, mask=row_ok, other=0.0)
-                ok = (offs_m[None, :] >= offs_n[:, None]) & row_ok[None, :]
-                if HAS_DOC:
-                    doc_q = tl.load(docb + offs_m, mask=row_ok, other=-1)
-                    ok = ok & (doc_k[:, None] == doc_q[None, :])
-                if HAS_WIN:
-                    ok = ok & (offs_m[None, :] - offs_n[:, None] < WINDOW)
-                s1 = tl.dot(k1, tl.trans(q1), input_precision=PREC) * qk_scale
-                s2 = tl.dot(k2, tl.trans(q2), input_precision=PREC) * qk_scale
-                p1 = tl.where(ok, tl.exp2(s1 - lse1[None, :]), 0.0)
-                p2 = tl.where(ok, tl.exp2(s2 - lse2[None, :]), 0.0)
-                dv += tl.dot((p1 - lam * p2).to(do.dtype), do, input_precision=PREC)
-                dp = tl.dot(vv, tl.trans(do), input_precision=PREC)  # (BN, BM)
-                ds1 = p1 * (dp - dd1[None, :])
-                ds2 = (-lam) * p2 * (dp - dd2[None, :])
-                dk1 += tl.dot(ds1.to(q1.dtype), q1, input_precision=PREC)
-                dk2 += tl.dot(ds2.to(q2.dtype), q2, input_precision=PREC)
+        for start in range(pid_n * BN, last, BM):
+            offs_m = start + tl.arange(0, BM)
+            row_ok = offs_m < N
+            rows = bh.to(tl.int64) * N + offs_m
+            q1, q2 = _rows_pair(qb, s_qm, s_qn, offs_m, offs_d, row_ok)
+            do = tl.load(DO + rows[:, None] * (2 * D) + offs_v[None, :], mask=row_ok[:, None], other=0.0)
+            lse1 = tl.load(STATS + rows, mask=row_ok, other=0.0)
+            lse2 = tl.load(STATS + plane + rows, mask=row_ok, other=0.0)
+            dd1 = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+            dd2 = tl.load(DELTA + plane + rows, mask=row_ok, other=0.0)
+            ok = (offs_m[None, :] >= offs_n[:, None]) & row_ok[None, :]
+            if HAS_DOC:
+                doc_q = tl.load(docb + offs_m, mask=row_ok, other=-1)
+                ok = ok & (doc_k[:, None] == doc_q[None, :])
+            if HAS_WIN:
+                ok = ok & (offs_m[None, :] - offs_n[:, None] < WINDOW)
+            p1 = tl.where(ok, tl.exp2(tl.dot(k1, tl.trans(q1), input_precision=PREC) * qk_scale - lse1[None, :]), 0.0)
+            p2 = tl.where(ok, tl.exp2(tl.dot(k2, tl.trans(q2), input_precision=PREC) * qk_scale - lse2[None, :]), 0.0)
+            dv += tl.dot((p1 - lam * p2).to(do.dtype), do, input_precision=PREC)
+            dp = tl.dot(vv, tl.trans(do), input_precision=PREC)  # (BN, BM)
+            ds1 = p1 * (dp - dd1[None, :])
+            ds2 = (-lam) * p2 * (dp - dd2[None, :])
+            dk1 += tl.dot(ds1.to(q1.dtype), q1, input_precision=PREC)
+            dk2 += tl.dot(ds2.to(q2.dtype), q2, input_precision=PREC)
     kout = (b.to(tl.int64) * 2 * HK + hk) * N + offs_n  # DK (B, 2, HK, N, D) contiguous
     tl.store(DK + kout[:, None] * D + offs_d[None, :], (dk1 * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DK + (kout + HK * N)[:, None] * D + offs_d[None, :], (dk2 * sm_scale).to(DK.dtype.element_ty),
@@ -257,7 +265,7 @@ def diff_bwd_q(Q, K, V, DO, STATS, DELTA, DQ, LQ1, LK1, LQ2, LK2, DOC,
                s_qb, s_qm, s_qh, s_qn, s_kb, s_km, s_kh, s_kn, s_vb, s_vh, s_vn, s_db,
                N, H, G, qk_scale, sm_scale, lambda_init, WINDOW,
                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
-               HAS_WIN: tl.constexpr):
+               HAS_WIN: tl.constexpr, MASKED: tl.constexpr):
     """dQ1 and dQ2 of one query block: one dO V^T product serves both maps."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -271,9 +279,7 @@ def diff_bwd_q(Q, K, V, DO, STATS, DELTA, DQ, LQ1, LK1, LQ2, LK2, DOC,
     row_ok = offs_m < N
     plane = N * tl.num_programs(1)
     rows = bh.to(tl.int64) * N + offs_m
-    qb = Q + b.to(tl.int64) * s_qb + h * s_qh
-    q1 = tl.load(qb + offs_m[:, None] * s_qn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    q2 = tl.load(qb + s_qm + offs_m[:, None] * s_qn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q1, q2 = _rows_pair(Q + b.to(tl.int64) * s_qb + h * s_qh, s_qm, s_qn, offs_m, offs_d, row_ok)
     do = tl.load(DO + rows[:, None] * (2 * D) + offs_v[None, :], mask=row_ok[:, None], other=0.0)
     lse1 = tl.load(STATS + rows, mask=row_ok, other=0.0)
     lse2 = tl.load(STATS + plane + rows, mask=row_ok, other=0.0)
@@ -286,31 +292,29 @@ def diff_bwd_q(Q, K, V, DO, STATS, DELTA, DQ, LQ1, LK1, LQ2, LK2, DOC,
     if HAS_DOC:
         docb = DOC + b.to(tl.int64) * s_db
         doc_q = tl.load(docb + offs_m, mask=row_ok, other=-1)
-    for start in range(0, pid_m * BM + BM, BN):  # (keys past N are masked)
-        visit = True
-        if HAS_WIN:  # key blocks wholly before every row's window are skipped
-            visit = start + BN > pid_m * BM - WINDOW + 1
-        if visit:
-            offs_n = start + tl.arange(0, BN)
-            col_ok = offs_n < N
-            k1 = tl.load(kb + offs_n[:, None] * s_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)  # (BN, D)
-            k2 = tl.load(kb + s_km + offs_n[:, None] * s_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-            vv = tl.load(vb + offs_n[:, None] * s_vn + offs_v[None, :], mask=col_ok[:, None], other=0.0)
-            ok = (offs_m[:, None] >= offs_n[None, :]) & col_ok[None, :]
-            if HAS_DOC:
-                doc_k = tl.load(docb + offs_n, mask=col_ok, other=-2)
-                ok = ok & (doc_q[:, None] == doc_k[None, :])
-            if HAS_WIN:
-                ok = ok & (offs_m[:, None] - offs_n[None, :] < WINDOW)
-            s1 = tl.dot(q1, tl.trans(k1), input_precision=PREC) * qk_scale
-            s2 = tl.dot(q2, tl.trans(k2), input_precision=PREC) * qk_scale
-            p1 = tl.where(ok, tl.exp2(s1 - lse1[:, None]), 0.0)
-            p2 = tl.where(ok, tl.exp2(s2 - lse2[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(vv), input_precision=PREC)  # (BM, BN)
-            ds1 = p1 * (dp - dd1[:, None])
-            ds2 = (-lam) * p2 * (dp - dd2[:, None])
-            dq1 += tl.dot(ds1.to(k1.dtype), k1, input_precision=PREC)
-            dq2 += tl.dot(ds2.to(k2.dtype), k2, input_precision=PREC)
+    if HAS_WIN:  # the first key block any row of this block sees
+        first = tl.maximum(pid_m * BM - WINDOW + 1, 0) // BN * BN
+    else:
+        first = 0
+    for start in range(first, pid_m * BM + BM, BN):  # (keys past N are masked)
+        offs_n = start + tl.arange(0, BN)
+        col_ok = offs_n < N
+        k1 = tl.load(kb + offs_n[:, None] * s_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)  # (BN, D)
+        k2 = tl.load(kb + s_km + offs_n[:, None] * s_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        vv = tl.load(vb + offs_n[:, None] * s_vn + offs_v[None, :], mask=col_ok[:, None], other=0.0)
+        ok = (offs_m[:, None] >= offs_n[None, :]) & col_ok[None, :]
+        if HAS_DOC:
+            doc_k = tl.load(docb + offs_n, mask=col_ok, other=-2)
+            ok = ok & (doc_q[:, None] == doc_k[None, :])
+        if HAS_WIN:
+            ok = ok & (offs_m[:, None] - offs_n[None, :] < WINDOW)
+        p1 = tl.where(ok, tl.exp2(tl.dot(q1, tl.trans(k1), input_precision=PREC) * qk_scale - lse1[:, None]), 0.0)
+        p2 = tl.where(ok, tl.exp2(tl.dot(q2, tl.trans(k2), input_precision=PREC) * qk_scale - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(vv), input_precision=PREC)  # (BM, BN)
+        ds1 = p1 * (dp - dd1[:, None])
+        ds2 = (-lam) * p2 * (dp - dd2[:, None])
+        dq1 += tl.dot(ds1.to(k1.dtype), k1, input_precision=PREC)
+        dq2 += tl.dot(ds2.to(k2.dtype), k2, input_precision=PREC)
     qout = (b.to(tl.int64) * 2 * H + h) * N + offs_m  # DQ (B, 2, H, N, D) contiguous
     tl.store(DQ + qout[:, None] * D + offs_d[None, :], (dq1 * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
     tl.store(DQ + (qout + H * N)[:, None] * D + offs_d[None, :], (dq2 * sm_scale).to(DQ.dtype.element_ty),

@@ -147,7 +147,7 @@ def _forward(q, k, v, lam_params, weight, lambda_init: float, scale: float, norm
         n, h, h // hk, scale * 1.4426950408889634, float(lambda_init), float(eps), float(gain), win,
         D=d, BM=bm, BN=bn, NORM=norm, HAS_W=weight is not None, SAVE=save,
         PREC="ieee" if q.dtype == torch.float32 else None, HAS_DOC=doc is not None, HAS_WIN=window > 0,
-        num_warps=warps, num_stages=stages)
+        MASKED=doc is not None or window > 0, num_warps=warps, num_stages=stages)
     return y, opre, o2, stats
 
 
@@ -247,7 +247,7 @@ def _backward(dy, inputs, opre, o2, stats, doc, meta, need):
     strides = (q.stride(0), q.stride(1), q.stride(2), q.stride(3),
                k.stride(0), k.stride(1), k.stride(2), k.stride(3),
                v.stride(0), v.stride(1), v.stride(2), s_db)
-    masks = {"HAS_DOC": doc is not None, "HAS_WIN": window > 0}
+    masks = {"HAS_DOC": doc is not None, "HAS_WIN": window > 0, "MASKED": doc is not None or window > 0}
     K.diff_bwd_kv[(math.ceil(n / bn), b * hk)](
         q, k, v, do, stats, delta, dk, dv, *lam_params, dp, *strides,
         n, h, hk, g, qk_scale, scale, float(lambda_init), win, D=d, BM=bm, BN=bn, PREC=prec, **masks,
