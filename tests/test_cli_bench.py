@@ -738,3 +738,26 @@ def test_bench_restores_the_callers_thread_count(tmp_path, monkeypatch):
     assert main(["bench", "--long-context", "--quick", "--lengths", "32", "--threads", "1",
                  "--out", str(tmp_path)]) == 2
     assert seen == [1, 1] and torch.get_num_threads() == 2
+
+
+def test_a_gpu_bench_names_the_diff_formulation_it_ran(monkeypatch):
+    """On CUDA the environment records, per dtype, what DIFF attention took under auto (the Triton kernels or two
+    SDPA calls), and the report's header says it: GPU tables are read against it."""
+    import torch
+
+    from difftx.benchmarking import speed
+    from difftx.benchmarking.report import markdown
+    from difftx.benchmarking.speed import BenchConfig, run_bench
+    from difftx.nn import triton_diff
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "H200 (mocked)")
+    monkeypatch.setattr(triton_diff, "available", lambda device: True)
+    env = speed.environment(torch.device("cuda"))
+    assert env["diff_attention"] == {"fp32": "2call", "bf16": "triton"}
+    res = run_bench(BenchConfig(preset="nano", seq_len=32, batch_size=2, repeats=1, arms=["transformer"],
+                                peers=False, phases=["train"], dtypes=["fp32"], memory=False), log=lambda s: None)
+    assert "DIFF attention" not in markdown(res)  # the CPU: no such line
+    res["environment"] = dict(res["environment"], diff_attention=env["diff_attention"])
+    assert "DIFF attention: 2call (fp32), triton (bf16)." in markdown(res)
+    monkeypatch.setattr(triton_diff, "available", lambda device: False)
+    assert speed.environment(torch.device("cuda"))["diff_attention"]["bf16"] == "2call"

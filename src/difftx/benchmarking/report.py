@@ -25,7 +25,9 @@ def markdown(results: dict) -> str:
              + (f", transformers {env['transformers']}" if "transformers" in env else "")
              + f"; {bc['repeats']} interleaved repeats, medians, `{bc['timer']}` time."
              + (" Compiled (`torch.compile`) for training and prefill; decoding eager." if bc.get("compile") else "")
-             + (f" Native CPU kernels: {_native(env['native_kernels'])}." if "native_kernels" in env else ""),
+             + (f" Native CPU kernels: {_native(env['native_kernels'])}." if "native_kernels" in env else "")
+             + (" DIFF attention: " + ", ".join(f"{v} ({dt})" for dt, v in env["diff_attention"].items()) + "."
+                if "diff_attention" in env else ""),
              ""]
     arms = results["arms"]
     for dt in bc["dtypes"]:

@@ -724,7 +724,12 @@ def environment(device: torch.device) -> dict:
            "native_bf16_matmul": native_bf16_matmul(device),
            "command": " ".join(["difftx"] + sys.argv[1:]) if sys.argv and "difftx" in sys.argv[0] else None}
     if device.type == "cuda":
+        from ..nn import backends
+
         env["gpu"] = torch.cuda.get_device_name(device)
+        # the formulation DIFF attention takes here under auto, per dtype (triton: difftx.nn.triton_diff)
+        env["diff_attention"] = {dt: backends.resolve_diff_variant("auto", device, 0.0, t)
+                                 for dt, t in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     else:
         from ..nn import linear
 
