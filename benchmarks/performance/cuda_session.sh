@@ -9,7 +9,8 @@
 # STEPS: a comma list of tests,triton,host,ops,bench,bench-large,variants,variants-flex,host-bench,host-share (the
 # default; triton: tests/nn/test_triton_diff.py, the Triton kernels of DIFF attention on the GPU), and, not in the
 # default: triton-ops (benchmarks/performance/triton_diff.py: the kernels' block shapes against 2call and the twin),
-# bench-pair (transformer and diff, DIFF on the kernels then with DIFFTX_TRITON=0),
+# bench-pair (transformer and diff, DIFF on the kernels then with DIFFTX_TRITON=0), bench-pair-large (the same at
+# 16 x 2048),
 # bench-compile: transformer and diff at 4 x 512, training and prefill, torch.compile'd
 # against eager in the same call (eager first), bench-compile-large the same at 16 x 2048; host-share-compile:
 # the host's bf16 training share on 2 pinned cores, eager then compiled.
@@ -53,6 +54,11 @@ if want bench-pair; then  # DIFF on the Triton kernels (auto) and on two SDPA ca
     pair="--device cuda --arms transformer,diff --no-peers --repeats 5"
     step bench-pair-triton 120 $py -m difftx bench $pair --out "$out/bench-pair-triton"
     DIFFTX_TRITON=0 step bench-pair-2call 120 $py -m difftx bench $pair --out "$out/bench-pair-2call"
+fi
+if want bench-pair-large; then  # the same at 16 x 2048, where the GPU is busy rather than waiting on launches
+    pair="--device cuda --arms transformer,diff --no-peers --repeats 3 --batch-size 16 --seq-len 2048 --decode-tokens 32"
+    step bench-pair-triton-16x2048 150 $py -m difftx bench $pair --out "$out/bench-pair-triton-16x2048"
+    DIFFTX_TRITON=0 step bench-pair-2call-16x2048 150 $py -m difftx bench $pair --out "$out/bench-pair-2call-16x2048"
 fi
 want ops && step ops 60 $py benchmarks/performance/cuda_ops.py --out "$out/cuda-ops.json"
 want bench && step bench 80 $py -m difftx bench --device cuda --out "$out/bench-small" --repeats 5
