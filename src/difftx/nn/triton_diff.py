@@ -7,10 +7,11 @@ is four launches: a row pass (the norm's backward, the two softmaxes' row terms,
 and lambda's gradients), a one-program pass reducing those partials in a fixed order (deterministic) into the
 norm weight's and the four lambda vectors' gradients, and the flash-attention pair of K/V and Q passes, in which
 the combined map (A1 - lambda A2) meets ONE value gradient product and ONE dO V^T product, so that the backward
-does the attention FLOPs of the Transformer twin (2h heads of d); the forward does 1.5x (two value products).
+does the products of the Transformer twin's (2h heads of d) in the same two-pass form; the forward does 1.5x (two
+value products).
 
 Against the two-SDPA-call path (``2call``) it replaces about 45 launches a layer and step (lambda's ~25 host ops,
-the second SDPA call, the combine's, the norm's and their casts) with 6: at the small preset's 4 x 512 tokens a GPU
+the second SDPA call, the combine's, the norm's and their casts) with 5: at the small preset's 4 x 512 tokens a GPU
 step waits on launches, not arithmetic (docs/performance.md).
 
 Serves: CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``, Triton's interpreter, for tests), float32 /
@@ -39,12 +40,9 @@ def _interpret() -> bool:
 def _triton():
     """The kernels (None without Triton): built on first use, so importing difftx never imports Triton."""
     try:
-        import triton  # noqa: F401
-        import triton.language as tl  # noqa: F401
-    except Exception:  # not installed (CPU wheels of torch ship without it), or broken
+        from . import _triton_kernels  # imports triton
+    except Exception:  # not installed (CPU wheels of torch ship without it), too old, or broken
         return None
-    from . import _triton_kernels
-
     return _triton_kernels
 
 
