@@ -23,8 +23,8 @@ os.environ.setdefault("DIFFTX_FLEX_COMPILE", "0")  # unfused flex in quick tests
 def _cpu_only(request, monkeypatch):
     """The suite runs on the CPU, as CI does, on a GPU machine too: there device "auto" picked the GPU and changed
     what tests measure (a study's workers and threads, eval's native-kernel line, a compare pool's jobs: four
-    failures in a run on an H200).  tests/test_cuda.py is the GPU's; subprocesses get CUDA_VISIBLE_DEVICES=""
-    from cli_env."""
+    failures in a run on an H200).  tests/test_cuda.py and tests/nn/test_triton_diff.py (the Triton kernels) are the
+    GPU's; subprocesses get CUDA_VISIBLE_DEVICES="" from cli_env."""
     if request.path.name not in ("test_cuda.py", "test_triton_diff.py") and torch.cuda.is_available():
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
