@@ -251,11 +251,7 @@ class DifferentialAttention(AttentionBase):
         Computed in float64 whatever the parameters' dtype: each exp overflows float32 from an exponent of
         88.7, so two large equal terms (lq1 . lk1 = lq2 . lk2 = 100, a finite lambda of lambda_init) gave
         inf - inf = NaN in float32, and every output and gradient of the layer with it."""
-        f = torch.float64 if self.lambda_q1.dtype == torch.float64 else torch.float32
-        w = torch.float64
-        l1 = torch.exp(torch.sum(self.lambda_q1.to(w) * self.lambda_k1.to(w)))
-        l2 = torch.exp(torch.sum(self.lambda_q2.to(w) * self.lambda_k2.to(w)))
-        return (l1 - l2 + self.lambda_init).to(f)
+        return backends.diff_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2, self.lambda_init)
 
     def __getstate__(self):
         # the decoding memo holds a weak reference to a cache: not picklable (torch.save(model), deepcopy of a

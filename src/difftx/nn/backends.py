@@ -325,6 +325,17 @@ class _Combine(torch.autograd.Function):
         return d1, d2, dlam
 
 
+def diff_lambda(lq1: torch.Tensor, lk1: torch.Tensor, lq2: torch.Tensor, lk2: torch.Tensor,
+                lambda_init: float) -> torch.Tensor:
+    """exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init (SPEC eq. 2), computed in float64, returned in float32 (float64 for
+    float64 vectors): see :meth:`difftx.nn.attention.DifferentialAttention.lambda_full`."""
+    f = torch.float64 if lq1.dtype == torch.float64 else torch.float32
+    w = torch.float64
+    l1 = torch.exp(torch.sum(lq1.to(w) * lk1.to(w)))
+    l2 = torch.exp(torch.sum(lq2.to(w) * lk2.to(w)))
+    return (l1 - l2 + lambda_init).to(f)
+
+
 def combine(o1: torch.Tensor, o2: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
     """``upcast(o1) - lam * upcast(o2)`` (DIFF's two maps' outputs, SPEC eq. 1), lam a 0-dim tensor.  Without
     autograd (prefill, decoding) the expression itself: an autograd Function costs a decoding step its

@@ -23,6 +23,7 @@ backwards recompute through the ``2call`` ops (differentiable), so second deriva
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -156,10 +157,7 @@ def _reference(q, k, v, lam_params, weight, lambda_init: float, scale: float, no
     from .fused import rms_norm
     from .mask import AttnMask
 
-    lq1, lk1, lq2, lk2 = lam_params
-    w64 = torch.float64
-    lam = (torch.exp(torch.sum(lq1.to(w64) * lk1.to(w64))) - torch.exp(torch.sum(lq2.to(w64) * lk2.to(w64)))
-           + lambda_init).to(torch.float32)
+    lam = backends.diff_lambda(*lam_params, lambda_init)
     n = q.shape[3]
     mask = AttnMask(causal=True, n_q=n, n_k=n, doc_ids=doc, window=window or None)
     o1, o2 = backends.diff_sdpa(q[:, 0], q[:, 1], k[:, 0], k[:, 1], v, mask, scale, 0.0, "2call")
@@ -181,37 +179,36 @@ class _DiffAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        q, k, v, lq1, lk1, lq2, lk2, weight, opre, o2, stats, doc = ctx.saved_tensors
-        lambda_init, scale, norm, eps, gain, out_dtype, window = ctx.meta
-        inputs = (q, k, v, lq1, lk1, lq2, lk2, weight)
+        *inputs, opre, o2, stats, doc = ctx.saved_tensors  # the eight inputs (q, k, v, the lambdas, the weight)
         need = ctx.needs_input_grad[:8]
-        if torch.is_grad_enabled():  # create_graph: a differentiable recomputation through torch's ops, from
-            # the inputs themselves (so that the gradients stay functions of them), on SDPA's math kernel: CUDA's
-            # memory-efficient and flash kernels have no double backward
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            with sdpa_kernel(SDPBackend.MATH):
-                y = _reference(q, k, v, (lq1, lk1, lq2, lk2), weight, lambda_init, scale, norm, eps, gain,
-                               out_dtype, doc, window)
-            wanted = [i for i, (t, r) in enumerate(zip(inputs, need)) if r and t is not None]
-            grads = torch.autograd.grad(y, [inputs[i] for i in wanted], dy, create_graph=True, allow_unused=True)
-            out = [None] * 8
-            for i, gr in zip(wanted, grads):
-                out[i] = gr
-            return (*out, None, None)
+        if torch.is_grad_enabled():  # create_graph: a differentiable recomputation through torch's ops
+            return (*_reference_grads(dy, inputs, doc, ctx.meta, need, create_graph=True), None, None)
         try:
             return (*_backward(dy, inputs, opre, o2, stats, doc, ctx.meta, need), None)
         except torch.OutOfMemoryError:
             raise
         except Exception as err:  # the backward's kernels did not build or launch: the gradients through torch's ops
             _failed(err)
-            with torch.enable_grad():
-                leaves = [t.detach().requires_grad_(bool(r)) if t is not None else None for t, r in zip(inputs, need)]
-                y = _reference(leaves[0], leaves[1], leaves[2], leaves[3:7], leaves[7], lambda_init, scale, norm,
-                               eps, gain, out_dtype, doc, window)
-            wanted = [t for t in leaves if t is not None and t.requires_grad]
-            grads = iter(torch.autograd.grad(y, wanted, dy))
-            return (*[next(grads) if t is not None and t.requires_grad else None for t in leaves], None, None)
+            return (*_reference_grads(dy, inputs, doc, ctx.meta, need, create_graph=False), None, None)
+
+
+def _reference_grads(dy, inputs, doc, meta, need, create_graph: bool) -> list:
+    """The eight inputs' gradients through :func:`_reference`, recomputed from the inputs themselves (so that with
+    ``create_graph`` they stay functions of them, on SDPA's math kernel: CUDA's memory-efficient and flash kernels
+    have no double backward); None where not needed."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, lq1, lk1, lq2, lk2, weight = inputs
+    lambda_init, scale, norm, eps, gain, out_dtype, window = meta
+    with torch.enable_grad(), (sdpa_kernel(SDPBackend.MATH) if create_graph else contextlib.nullcontext()):
+        y = _reference(q, k, v, (lq1, lk1, lq2, lk2), weight, lambda_init, scale, norm, eps, gain, out_dtype, doc,
+                       window)
+    wanted = [i for i, (t, r) in enumerate(zip(inputs, need)) if r and t is not None]
+    grads = torch.autograd.grad(y, [inputs[i] for i in wanted], dy, create_graph=create_graph, allow_unused=True)
+    out = [None] * 8
+    for i, gr in zip(wanted, grads):
+        out[i] = gr
+    return out
 
 
 def _backward(dy, inputs, opre, o2, stats, doc, meta, need):
