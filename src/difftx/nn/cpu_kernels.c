@@ -1622,14 +1622,17 @@ static void pack_bt(const uint16_t *x, int64_t ldx, int64_t n, int64_t npad, int
     for (int64_t j = 0; j < npad / 16; j++) pack_bt_strip(x, 0, ldx, n, w, j, out);
 }
 
-/* Tile kk of pack_bn's output (kt tiles per strip). */
+/* Tile kk of pack_bn's output (kt tiles per strip), one strip after another: each strip's tile is 1 KB written
+ * front to back.  Row pairs outermost wrote 64 bytes to every strip in turn, kt KB apart (4 KB for a 128-row
+ * block of keys, 64 KB for 2048 rows), into one L1 set: the bf16 attention backward 6% slower (DIFF, 4 x 512
+ * tokens, AMD Zen 5) and pack_rows 1.4x slower. */
 static void pack_bn_tile(const void *x, int x_f32, int64_t ldx, int64_t n, int64_t kt, int64_t kk, int64_t w,
                          uint16_t *out) {
     const vu zero = {0};
     const vf zf = {0};
-    for (int64_t r = 0; r < 16; r++) {
-        const int64_t r0 = kk * 32 + 2 * r, r1 = r0 + 1;
-        for (int64_t j = 0; j < w / 16; j++) {
+    for (int64_t j = 0; j < w / 16; j++)
+        for (int64_t r = 0; r < 16; r++) {
+            const int64_t r0 = kk * 32 + 2 * r, r1 = r0 + 1;
             vu *o = (vu *)(out + (j * kt + kk) * TILE + r * 32);
             if (x_f32) {
                 const float *xf = (const float *)x + j * 16;
@@ -1641,7 +1644,6 @@ static void pack_bn_tile(const void *x, int x_f32, int64_t ldx, int64_t n, int64
                 *o = lo | (hi << 16);
             }
         }
-    }
 }
 
 static void pack_bn(const void *x, int x_f32, int64_t ldx, int64_t n, int64_t npad, int64_t w, uint16_t *out) {
