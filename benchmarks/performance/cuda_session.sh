@@ -8,8 +8,10 @@
 #
 # STEPS: a comma list of tests,triton,host,ops,bench,bench-large,variants,variants-flex,host-bench,host-share (the
 # default; triton: tests/nn/test_triton_diff.py, the Triton kernels of DIFF attention on the GPU), and, not in the
-# default: triton-ops (benchmarks/performance/triton_diff.py: the kernels' block shapes against 2call and the twin),
-# bench-pair (transformer and diff, DIFF on the kernels then with DIFFTX_TRITON=0), bench-pair-large (the same at
+# default: triton-ops (benchmarks/performance/triton_diff.py: the kernels' block shapes, dQ from its own pass or by
+# atomics from the K/V pass, against 2call and the twin),
+# bench-pair (transformer and diff, DIFF on the kernels, on them with DIFFTX_TRITON_DQ=atomic, then with
+# DIFFTX_TRITON=0), bench-pair-large (the same at
 # 16 x 2048),
 # bench-compile: transformer and diff at 4 x 512, training and prefill, torch.compile'd
 # against eager in the same call (eager first), bench-compile-large the same at 16 x 2048; host-share-compile:
@@ -48,16 +50,20 @@ want host && TAIL=15 DIFFTX_CACHE_DIR=/tmp/difftx-host-cache step host 120 $py -
     --timeout 100 -rfE
 want triton && TAIL=30 step triton 200 $py -m pytest tests/nn/test_triton_diff.py -q -p no:cacheprovider -o addopts="" \
     --timeout 150 -rfE
-want triton-ops && TAIL=40 step triton-ops 240 $py benchmarks/performance/triton_diff.py --masks plain,docs,window \
-    --out "$out/triton-ops.json"
+want triton-ops && TAIL=40 step triton-ops 300 $py benchmarks/performance/triton_diff.py --masks plain,docs,window \
+    --configs "default;64,32,8,3" --dq pass,atomic --out "$out/triton-ops.json"
 if want bench-pair; then  # DIFF on the Triton kernels (auto) and on two SDPA calls, the Transformer in both runs
     pair="--device cuda --arms transformer,diff --no-peers --repeats 5"
     step bench-pair-triton 120 $py -m difftx bench $pair --out "$out/bench-pair-triton"
+    DIFFTX_TRITON_DQ=atomic step bench-pair-triton-atomic 120 $py -m difftx bench $pair \
+        --out "$out/bench-pair-triton-atomic"
     DIFFTX_TRITON=0 step bench-pair-2call 120 $py -m difftx bench $pair --out "$out/bench-pair-2call"
 fi
 if want bench-pair-large; then  # the same at 16 x 2048, where the GPU is busy rather than waiting on launches
     pair="--device cuda --arms transformer,diff --no-peers --repeats 3 --batch-size 16 --seq-len 2048 --decode-tokens 32"
     step bench-pair-triton-16x2048 150 $py -m difftx bench $pair --out "$out/bench-pair-triton-16x2048"
+    DIFFTX_TRITON_DQ=atomic step bench-pair-triton-atomic-16x2048 150 $py -m difftx bench $pair \
+        --out "$out/bench-pair-triton-atomic-16x2048"
     DIFFTX_TRITON=0 step bench-pair-2call-16x2048 150 $py -m difftx bench $pair --out "$out/bench-pair-2call-16x2048"
 fi
 want ops && step ops 60 $py benchmarks/performance/cuda_ops.py --out "$out/cuda-ops.json"

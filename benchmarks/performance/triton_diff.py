@@ -2,14 +2,15 @@
 the Transformer twin's one SDPA call, per layer, forward + backward and forward alone (needs CUDA and Triton).
 
     python benchmarks/performance/triton_diff.py [--shapes 4x512,16x2048] [--heads 4] [--head-dim 64]
-        [--configs 64,32,4,2;64,64,4,2] [--out FILE.json]
+        [--configs 64,32,4,2;64,64,4,2] [--dq pass,atomic] [--out FILE.json]
 
 Rows, per shape and dtype (inputs as a DIFF layer of the small preset hands them over: q (B, 2, h, N, d),
 k (B, 2, h, N, d), v (B, h, N, 2d), the four lambda vectors and the head norm's weight, all requiring gradients):
 
 * ``2call``: what the layer ran before: lambda from its vectors (host ops), two SDPA calls with the 2d-wide value,
   the combine, the per-head RMSNorm times (1 - lambda_init);
-* ``triton BM,BN,W,S``: the kernels with those blocks (BLOCK_M, BLOCK_N, warps, stages);
+* ``triton BM,BN,W,S dq=pass|atomic``: the kernels with those blocks (BLOCK_M, BLOCK_N, warps, stages), dQ from
+  its own pass or added by the K/V pass with atomics (``DIFFTX_TRITON_DQ``);
 * ``transformer``: one SDPA call over 2h heads of d (the twin's attention, no lambda, no norm).
 
 Times are medians of CUDA-synchronised wall clock over ``--repeats`` runs of ``--inner`` calls each.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -60,6 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--masks", default="plain", help="comma list of plain (causal), docs (causal within documents of "
                     "N/8 tokens), window (causal over the last N/8 keys); the non-plain ones time 2call (SDPA with "
                     "the dense mask) and the kernels' default blocks only")
+    ap.add_argument("--dq", default="pass,atomic", help="comma list of the backward's dQ forms to time (pass: its "
+                    "own pass, the default; atomic: added by the K/V pass)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--inner", type=int, default=10)
     ap.add_argument("--out", default=None)
@@ -121,14 +125,15 @@ def main(argv=None) -> int:
                              "fwd_ms": _time(fwd(fn), a.repeats, a.inner) * 1e3})
                 print(rows[-1], flush=True)
             ref = triton_diff.reference(*args, **kw).float()
-            for cfg in a.configs.split(";"):
+            for cfg, dq in [(c, q_) for c in a.configs.split(";") for q_ in a.dq.split(",")]:
+                os.environ[triton_diff.DQ_ENV] = dq
                 if cfg == "default":
                     triton_diff._blocks = default_blocks
-                    label = "triton default " + ",".join(map(str, default_blocks(dt, d)))
+                    label = "triton default " + ",".join(map(str, default_blocks(dt, d))) + f" dq={dq}"
                 else:
                     blocks = tuple(int(x) for x in cfg.split(","))
                     triton_diff._blocks = lambda dtype, dd, blocks=blocks: blocks
-                    label = "triton " + cfg
+                    label = f"triton {cfg} dq={dq}"
                 fn = lambda: triton_diff.diff_attention(*args, **kw)  # noqa: E731
                 triton_diff._FAILED.clear()
                 with torch.no_grad():
@@ -141,6 +146,7 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(row, flush=True)
             triton_diff._blocks = default_blocks
+            os.environ.pop(triton_diff.DQ_ENV, None)
     print("\n| shape | dtype | arm | fwd+bwd ms | fwd ms |\n|---|---|---|---:|---:|")
     for r in rows:
         if "error" in r:

@@ -76,8 +76,11 @@ def _reference64(q, k, v, lam, w, norm, dy, lambda_init=0.3, gain=0.7, doc_ids=N
     ((1, 4, 2, 70, 16), True, True),      # grouped-query K/V (two query heads a K/V head)
     ((1, 2, 1, 33, 32), False, False),    # no head norm: the combined output as it is
     ((1, 2, 2, 20, 16), True, False),     # a norm without a weight
+    ((1, 1, 1, 192, 16), True, True),     # blocks wholly below the diagonal (3 blocks a side at 64): left unmasked
 ])
-def test_output_and_every_gradient_match_float64(dtype, shape, norm, weight):
+@pytest.mark.parametrize("dq", ["pass", "atomic"])
+def test_output_and_every_gradient_match_float64(dtype, shape, norm, weight, dq, monkeypatch):
+    monkeypatch.setenv(triton_diff.DQ_ENV, dq)
     q, k, v, lam, w = _inputs(*shape, dtype, weight=weight)
     y, grads, dy = _run(q, k, v, lam, w, norm)
     yr, gr = _reference64(q, k, v, lam, w, norm, dy)
@@ -85,6 +88,39 @@ def test_output_and_every_gradient_match_float64(dtype, shape, norm, weight):
     names = ["y", "q", "k", "v", "lq1", "lk1", "lq2", "lk2", "w"]
     errs = {nm: _rel(a, b) for nm, a, b in zip(names, (y, *grads), (yr, *gr))}
     assert all(e < TOL[dtype] for e in errs.values()), errs
+
+
+def test_dq_from_the_kv_pass_is_opt_in_and_off_under_deterministic_algorithms(monkeypatch):
+    """DIFFTX_TRITON_DQ=atomic adds dQ's shares from the K/V pass (the Q pass then does not run); unset, or under
+    torch.use_deterministic_algorithms, dQ has its own pass, whose bits repeat run to run."""
+    q, k, v, lam, w = _inputs(1, 2, 1, 100, 16, torch.float32, seed=11)
+    runs = []
+    real = triton_diff._triton().diff_bwd_q
+
+    class _Count:
+        def __getitem__(self, grid):
+            runs.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(triton_diff._triton(), "diff_bwd_q", _Count())
+    monkeypatch.delenv(triton_diff.DQ_ENV, raising=False)
+    _, g_pass, _ = _run(q, k, v, lam, w, True)
+    _, g_again, _ = _run(q, k, v, lam, w, True)
+    assert len(runs) == 2 and all(torch.equal(a, b) for a, b in zip(g_pass, g_again))
+    monkeypatch.setenv(triton_diff.DQ_ENV, "atomic")
+    _, g_atomic, _ = _run(q, k, v, lam, w, True)
+    assert len(runs) == 2  # no Q pass
+    # the same gradients: dK, dV and lambda's bit for bit (the K/V pass is unchanged), dQ to float32 rounding
+    assert all(torch.equal(a, b) for a, b in zip(g_pass[1:], g_atomic[1:]))
+    assert _rel(g_atomic[0], g_pass[0]) < 1e-6
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not triton_diff.dq_atomic()
+        _run(q, k, v, lam, w, True)
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    assert len(runs) == 3
 
 
 def test_no_grad_forward_is_the_training_forward_and_out_dtype():

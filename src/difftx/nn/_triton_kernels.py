@@ -193,12 +193,14 @@ def diff_bwd_reduce(PART, P, LQ1, LK1, LQ2, LK2, OUT, D: tl.constexpr, BP: tl.co
 
 
 @triton.jit
-def diff_bwd_kv(Q, K, V, DO, STATS, DELTA, DK, DV, LQ1, LK1, LQ2, LK2, DOC,
+def diff_bwd_kv(Q, K, V, DO, STATS, DELTA, DK, DV, DQ32, LQ1, LK1, LQ2, LK2, DOC,
                 s_qb, s_qm, s_qh, s_qn, s_kb, s_km, s_kh, s_kn, s_vb, s_vh, s_vn, s_db,
                 N, H, HK, G, qk_scale, sm_scale, lambda_init, WINDOW,
                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
-                HAS_WIN: tl.constexpr, MASKED: tl.constexpr):
-    """dK1, dK2 and dV of one key block, over the G query heads of its K/V head: dV from the combined map."""
+                HAS_WIN: tl.constexpr, MASKED: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+    """dK1, dK2 and dV of one key block, over the G query heads of its K/V head: dV from the combined map.  With
+    DQ_ATOMIC also each query block's share of dQ1 and dQ2 (dS^T K), added into the float32 DQ32 (B, 2, H, N, D)
+    with atomics: no second pass recomputing both maps (diff_bwd_q), in an order that varies from run to run."""
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // HK
@@ -238,20 +240,32 @@ def diff_bwd_kv(Q, K, V, DO, STATS, DELTA, DK, DV, LQ1, LK1, LQ2, LK2, DOC,
             lse2 = tl.load(STATS + plane + rows, mask=row_ok, other=0.0)
             dd1 = tl.load(DELTA + rows, mask=row_ok, other=0.0)
             dd2 = tl.load(DELTA + plane + rows, mask=row_ok, other=0.0)
-            ok = (offs_m[None, :] >= offs_n[:, None]) & row_ok[None, :]
-            if HAS_DOC:
-                doc_q = tl.load(docb + offs_m, mask=row_ok, other=-1)
-                ok = ok & (doc_k[:, None] == doc_q[None, :])
-            if HAS_WIN:
-                ok = ok & (offs_m[None, :] - offs_n[:, None] < WINDOW)
-            p1 = tl.where(ok, tl.exp2(tl.dot(k1, tl.trans(q1), input_precision=PREC) * qk_scale - lse1[None, :]), 0.0)
-            p2 = tl.where(ok, tl.exp2(tl.dot(k2, tl.trans(q2), input_precision=PREC) * qk_scale - lse2[None, :]), 0.0)
+            p1 = tl.exp2(tl.dot(k1, tl.trans(q1), input_precision=PREC) * qk_scale - lse1[None, :])
+            p2 = tl.exp2(tl.dot(k2, tl.trans(q2), input_precision=PREC) * qk_scale - lse2[None, :])
+            # masked: documents or a window, and the diagonal block; past it every query sees every key of this
+            # block (rows past N load zero dO and row terms: p * (dp - dd) is 0 there, no share of anything)
+            if MASKED or start < pid_n * BN + BN - 1:
+                ok = (offs_m[None, :] >= offs_n[:, None]) & row_ok[None, :]
+                if HAS_DOC:
+                    doc_q = tl.load(docb + offs_m, mask=row_ok, other=-1)
+                    ok = ok & (doc_k[:, None] == doc_q[None, :])
+                if HAS_WIN:
+                    ok = ok & (offs_m[None, :] - offs_n[:, None] < WINDOW)
+                p1 = tl.where(ok, p1, 0.0)
+                p2 = tl.where(ok, p2, 0.0)
             dv += tl.dot((p1 - lam * p2).to(do.dtype), do, input_precision=PREC)
             dp = tl.dot(vv, tl.trans(do), input_precision=PREC)  # (BN, BM)
-            ds1 = p1 * (dp - dd1[None, :])
-            ds2 = (-lam) * p2 * (dp - dd2[None, :])
-            dk1 += tl.dot(ds1.to(q1.dtype), q1, input_precision=PREC)
-            dk2 += tl.dot(ds2.to(q2.dtype), q2, input_precision=PREC)
+            ds1 = (p1 * (dp - dd1[None, :])).to(q1.dtype)
+            ds2 = ((-lam) * p2 * (dp - dd2[None, :])).to(q2.dtype)
+            dk1 += tl.dot(ds1, q1, input_precision=PREC)
+            dk2 += tl.dot(ds2, q2, input_precision=PREC)
+            if DQ_ATOMIC:  # (keys past N are zero rows of K: no share)
+                qo = (b.to(tl.int64) * 2 * H + h) * N + offs_m
+                dq1 = tl.dot(tl.trans(ds1), k1, input_precision=PREC) * sm_scale
+                dq2 = tl.dot(tl.trans(ds2), k2, input_precision=PREC) * sm_scale
+                tl.atomic_add(DQ32 + qo[:, None] * D + offs_d[None, :], dq1, mask=row_ok[:, None], sem="relaxed")
+                tl.atomic_add(DQ32 + (qo + H * N)[:, None] * D + offs_d[None, :], dq2, mask=row_ok[:, None],
+                              sem="relaxed")
     kout = (b.to(tl.int64) * 2 * HK + hk) * N + offs_n  # DK (B, 2, HK, N, D) contiguous
     tl.store(DK + kout[:, None] * D + offs_d[None, :], (dk1 * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DK + (kout + HK * N)[:, None] * D + offs_d[None, :], (dk2 * sm_scale).to(DK.dtype.element_ty),
@@ -302,14 +316,19 @@ def diff_bwd_q(Q, K, V, DO, STATS, DELTA, DQ, LQ1, LK1, LQ2, LK2, DOC,
         k1 = tl.load(kb + offs_n[:, None] * s_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)  # (BN, D)
         k2 = tl.load(kb + s_km + offs_n[:, None] * s_kn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
         vv = tl.load(vb + offs_n[:, None] * s_vn + offs_v[None, :], mask=col_ok[:, None], other=0.0)
-        ok = (offs_m[:, None] >= offs_n[None, :]) & col_ok[None, :]
-        if HAS_DOC:
-            doc_k = tl.load(docb + offs_n, mask=col_ok, other=-2)
-            ok = ok & (doc_q[:, None] == doc_k[None, :])
-        if HAS_WIN:
-            ok = ok & (offs_m[:, None] - offs_n[None, :] < WINDOW)
-        p1 = tl.where(ok, tl.exp2(tl.dot(q1, tl.trans(k1), input_precision=PREC) * qk_scale - lse1[:, None]), 0.0)
-        p2 = tl.where(ok, tl.exp2(tl.dot(q2, tl.trans(k2), input_precision=PREC) * qk_scale - lse2[:, None]), 0.0)
+        p1 = tl.exp2(tl.dot(q1, tl.trans(k1), input_precision=PREC) * qk_scale - lse1[:, None])
+        p2 = tl.exp2(tl.dot(q2, tl.trans(k2), input_precision=PREC) * qk_scale - lse2[:, None])
+        # masked: documents or a window, and the diagonal block; before it every query of this block sees every
+        # key (keys past N load zero rows of K: their dS meets zeros in dS K)
+        if MASKED or start + BN - 1 > pid_m * BM:
+            ok = (offs_m[:, None] >= offs_n[None, :]) & col_ok[None, :]
+            if HAS_DOC:
+                doc_k = tl.load(docb + offs_n, mask=col_ok, other=-2)
+                ok = ok & (doc_q[:, None] == doc_k[None, :])
+            if HAS_WIN:
+                ok = ok & (offs_m[:, None] - offs_n[None, :] < WINDOW)
+            p1 = tl.where(ok, p1, 0.0)
+            p2 = tl.where(ok, p2, 0.0)
         dp = tl.dot(do, tl.trans(vv), input_precision=PREC)  # (BM, BN)
         ds1 = p1 * (dp - dd1[:, None])
         ds2 = (-lam) * p2 * (dp - dd2[:, None])

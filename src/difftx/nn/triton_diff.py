@@ -8,7 +8,8 @@ and lambda's gradients), a one-program pass reducing those partials in a fixed o
 norm weight's and the four lambda vectors' gradients, and the flash-attention pair of K/V and Q passes, in which
 the combined map (A1 - lambda A2) meets ONE value gradient product and ONE dO V^T product, so that the backward
 does the products of the Transformer twin's (2h heads of d) in the same two-pass form; the forward does 1.5x (two
-value products).
+value products).  ``DIFFTX_TRITON_DQ=atomic`` (:func:`dq_atomic`) drops the Q pass: the K/V pass adds each query
+block's share of dQ into a float32 buffer with atomics (as flash-attention 2), in a run-to-run varying order.
 
 Against the two-SDPA-call path (``2call``) it replaces about 45 launches a layer and step (lambda's ~25 host ops,
 the second SDPA call, the combine's, the norm's and their casts) with 5: at the small preset's 4 x 512 tokens a GPU
@@ -103,6 +104,20 @@ def _blocks(dtype: torch.dtype, d: int) -> tuple[int, int, int, int]:
     # bf16, d=64 on an H200 (benchmarks/performance/triton_diff.py): 64x64 tiles, 4 warps took a layer's forward +
     # backward in 1.58 ms at 16 x 2048 (64x32: 1.96; 128x32, 8 warps: 2.21; 64x32, 8 warps, 3 stages: 3.02)
     return 64, 64, 4, 2
+
+
+DQ_ENV = "DIFFTX_TRITON_DQ"  # "atomic": dQ added by the K/V pass; "pass" (the default): its own pass
+
+
+def dq_atomic() -> bool:
+    """Whether the backward adds dQ's shares into a float32 buffer from the K/V pass with atomics (one
+    recomputation of both maps where the Q pass makes a second; float sums in an order that varies from run to
+    run, as SDPA's flash and memory-efficient backwards on CUDA) rather than in a pass of its own (the same bits
+    every run).  Off unless ``DIFFTX_TRITON_DQ=atomic``, and off under
+    ``torch.use_deterministic_algorithms(True)``: not yet timed against the Q pass on a GPU
+    (``benchmarks/performance/triton_diff.py --dq pass,atomic``)."""
+    return (os.environ.get(DQ_ENV, "pass").strip().lower() == "atomic"
+            and not torch.are_deterministic_algorithms_enabled())
 
 
 def _flat_params(lam_params, d: int) -> list[torch.Tensor]:
@@ -233,7 +248,9 @@ def _backward(dy, inputs, opre, o2, stats, doc, meta, need):
         D=d, BM=bm, NORM=norm, HAS_W=weight is not None, num_warps=warps, num_stages=stages)
     small = torch.empty(6 * d, dtype=torch.float32, device=q.device)  # dq1, dk1, dq2, dk2 (lambda), dw
     K.diff_bwd_reduce[(1,)](part, part.shape[0], *lam_params, small, D=d, BP=32, num_warps=4)
-    dq = torch.empty(b, 2, h, n, d, dtype=q.dtype, device=q.device)
+    atomic = dq_atomic()
+    # dQ: its own pass (deterministic), or float32 shares added by the K/V pass (atomic: no second recomputation)
+    dq32 = torch.zeros(b, 2, h, n, d, dtype=torch.float32, device=q.device) if atomic else dy
     dk = torch.empty(b, 2, hk, n, d, dtype=q.dtype, device=q.device)
     dv = torch.empty(b, hk, n, 2 * d, dtype=q.dtype, device=q.device)
     qk_scale = scale * 1.4426950408889634
@@ -244,13 +261,17 @@ def _backward(dy, inputs, opre, o2, stats, doc, meta, need):
                v.stride(0), v.stride(1), v.stride(2), s_db)
     masks = {"HAS_DOC": doc is not None, "HAS_WIN": window > 0, "MASKED": doc is not None or window > 0}
     K.diff_bwd_kv[(math.ceil(n / bn), b * hk)](
-        q, k, v, do, stats, delta, dk, dv, *lam_params, dp, *strides,
+        q, k, v, do, stats, delta, dk, dv, dq32, *lam_params, dp, *strides,
         n, h, hk, g, qk_scale, scale, float(lambda_init), win, D=d, BM=bm, BN=bn, PREC=prec, **masks,
-        num_warps=warps, num_stages=stages)
-    K.diff_bwd_q[(n_m, b * h)](
-        q, k, v, do, stats, delta, dq, *lam_params, dp, *strides,
-        n, h, g, qk_scale, scale, float(lambda_init), win, D=d, BM=bm, BN=bn, PREC=prec, **masks,
-        num_warps=warps, num_stages=stages)
+        DQ_ATOMIC=atomic, num_warps=warps, num_stages=stages)
+    if atomic:
+        dq = dq32.to(q.dtype)
+    else:
+        dq = torch.empty(b, 2, h, n, d, dtype=q.dtype, device=q.device)
+        K.diff_bwd_q[(n_m, b * h)](
+            q, k, v, do, stats, delta, dq, *lam_params, dp, *strides,
+            n, h, g, qk_scale, scale, float(lambda_init), win, D=d, BM=bm, BN=bn, PREC=prec, **masks,
+            num_warps=warps, num_stages=stages)
     lam_grads = [small[i * d:(i + 1) * d] for i in range(4)]
     lam_grads = [gr.to(p.dtype) if need[3 + i] else None for i, (gr, p) in enumerate(zip(lam_grads, inputs[3:7]))]
     dw = small[4 * d:].to(weight.dtype) if weight is not None and need[7] else None
