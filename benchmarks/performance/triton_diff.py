@@ -60,8 +60,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--configs", default="default;64,64,4,2;128,32,8,2;64,32,8,3")
     ap.add_argument("--masks", default="plain", help="comma list of plain (causal), docs (causal within documents of "
-                    "N/8 tokens), window (causal over the last N/8 keys); the non-plain ones time 2call (SDPA with "
-                    "the dense mask) and the kernels' default blocks only")
+                    "N/8 tokens), window (causal over the last N/8 keys), decode (one query after N-1 cached keys, "
+                    "forward only); the non-plain ones time 2call (SDPA with the dense mask) and the kernels' "
+                    "default blocks only")
     ap.add_argument("--dq", default="pass,atomic", help="comma list of the backward's dQ forms to time (pass: its "
                     "own pass, the default; atomic: added by the K/V pass)")
     ap.add_argument("--repeats", type=int, default=7)
@@ -101,7 +102,19 @@ def main(argv=None) -> int:
                         fn()
                 return run
 
-            for case in [c for c in a.masks.split(",") if c != "plain"]:  # masked: 2call against the kernels
+            if "decode" in a.masks.split(","):  # a decoding step: the last position's query over all N keys
+                q1 = q[:, :, :, n - 1:].detach()
+                dargs = (q1, k.detach(), v.detach(), [t.detach() for t in lam], 0.3, d ** -0.5, w.detach())
+                for name, fn in (("decode 2call", lambda: triton_diff.reference(*dargs, **kw)),
+                                 ("decode triton", lambda: triton_diff.diff_attention(*dargs, **kw))):
+                    triton_diff._FAILED.clear()
+                    row = {"shape": shape, "dtype": dt_name, "arm": name, "fwd_bwd_ms": float("nan"),
+                           "fwd_ms": _time(fwd(fn), a.repeats, a.inner) * 1e3}
+                    if triton_diff._FAILED:
+                        row = {"shape": shape, "dtype": dt_name, "arm": name, "error": triton_diff._FAILED[0]}
+                    rows.append(row)
+                    print(row, flush=True)
+            for case in [c for c in a.masks.split(",") if c not in ("plain", "decode")]:  # masked: 2call vs the kernels
                 mkw = dict(kw, **({"doc_ids": (torch.arange(n, device=dev) // max(1, n // 8))[None]}
                                   if case == "docs" else {"window": max(1, n // 8)}))
                 for name, fn in (("2call", lambda: triton_diff.reference(*args, **mkw)),

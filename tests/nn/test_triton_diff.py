@@ -209,11 +209,67 @@ def test_calls_the_kernels_do_not_serve_take_two_sdpa_calls(monkeypatch):
     assert calls == [] and torch.isfinite(out.loss)
     model.set_attention_backend("sdpa", "2call")
     assert torch.allclose(model(ids, targets=ids, attention_mask=pad).loss, out.loss, atol=1e-6)
-    model.set_attention_backend("sdpa", "triton")
-    with torch.no_grad():  # generation: the prompt's prefill takes the kernels, the decoding steps do not
+    model.set_attention_backend("sdpa", "auto")
+    monkeypatch.setattr(backends, "resolve_diff_variant", lambda *a, **k: "triton")  # what auto picks on a GPU
+    with torch.no_grad():  # generation under auto: the prompt's prefill takes the kernels, the decoding steps do not
         before = len(calls)
         model.generate(ids[:, :8], max_new_tokens=3, do_sample=False)
         assert len(calls) - before == 2
+
+
+@pytest.mark.parametrize("n,nk,hk,masks", [(1, 70, 2, {}), (5, 77, 1, {}), (1, 100, 2, {"window": 40}),
+                                           (16, 40, 2, {}), (20, 20, 2, {"window": 7})], ids=str)
+def test_queries_after_a_prefix_match_float64(n, nk, hk, masks):
+    """Without gradients the forward serves the last n of nk positions (decoding steps, a prompt after a cached
+    prefix): causal by position, with a window or not."""
+    q, k, v, lam, w = _inputs(2, 2, hk, nk, 16, torch.float32, seed=13)
+    q = q[:, :, :, nk - n:]  # the queries' own rows, strided views of the longer tensor
+    mask = AttnMask(causal=True, n_q=n, n_k=nk, q_start=nk - n, window=masks.get("window"))
+    assert triton_diff.supports(q, k, v, mask, 0.0)
+    with torch.no_grad():
+        y = triton_diff.diff_attention(q, k, v, lam, 0.3, 0.25, w, norm=True, eps=1e-5, gain=0.7, **masks)
+    c = lambda t: t.double().cpu()  # noqa: E731
+    yr = triton_diff.reference(c(q), c(k), c(v), [c(t) for t in lam], 0.3, 0.25, c(w), norm=True, eps=1e-5, gain=0.7,
+                               **masks)
+    assert y.shape == (2, n, 2, 32) and _rel(y, yr) < TOL[torch.float32]
+    if n < nk:  # the positions matter: the same queries at the start of the sequence see other keys
+        y0 = triton_diff.reference(c(q), c(k[:, :, :, :n]), c(v[:, :, :n]), [c(t) for t in lam], 0.3, 0.25, c(w),
+                                   norm=True, eps=1e-5, gain=0.7, **masks)
+        assert _rel(y0, yr) > 1e-2
+        # with gradients a prefix is not the kernels' (their backward is for square Q/K): torch's ops give them
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        assert not triton_diff.supports(*leaves, mask, 0.0)
+        y1 = triton_diff.diff_attention(*leaves, lam, 0.3, 0.25, w, norm=True, eps=1e-5, gain=0.7, **masks)
+        gk = torch.autograd.grad(y1.sum(), leaves[1])[0]
+        kk = c(k).requires_grad_()
+        yk = triton_diff.reference(c(q), kk, c(v), [c(t) for t in lam], 0.3, 0.25, c(w), norm=True, eps=1e-5, gain=0.7,
+                                   **masks)
+        assert _rel(y1, yr) < TOL[torch.float32] and _rel(gk, torch.autograd.grad(yk.sum(), kk)[0]) < 1e-4
+
+
+@pytest.mark.parametrize("extra", [{}, {"n_kv_heads": 1, "pairing": "halves"}], ids=str)
+def test_decoding_on_the_kernels_when_named_matches_two_sdpa_calls(extra, monkeypatch):
+    """model.set_attention_backend("sdpa", "triton"): a prompt after a cached prefix and each decoding step take the
+    kernels too (lambda, both maps over the cache, the combine and the head norm in one launch a layer)."""
+    calls = []
+    real = triton_diff._forward
+    monkeypatch.setattr(triton_diff, "_forward", lambda *a, **k: calls.append(a[0].shape[3]) or real(*a, **k))
+    model = _model(**extra).eval()
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(4)).to(DEV)
+
+    def run(variant):
+        model.set_attention_backend("sdpa", variant)
+        cache = model.new_cache(2, 32)
+        with torch.no_grad():
+            steps = [model(ids[:, :7], cache=cache).logits, model(ids[:, 7:10], cache=cache).logits]
+            steps += [model(ids[:, i:i + 1], cache=cache).logits for i in (10, 11)]
+        return steps
+
+    got = run("triton")
+    assert calls == [7, 7, 3, 3, 1, 1, 1, 1]  # prefill, a prompt after the prefix, two steps: both layers each
+    ref = run("2call")
+    assert len(calls) == 8
+    assert max(_rel(a, b) for a, b in zip(got, ref)) < 1e-5
 
 
 def test_auto_picks_the_kernels_on_cuda_only_where_triton_runs(monkeypatch):

@@ -31,10 +31,12 @@ def _rows_pair(base, s_map, s_row, offs_r, offs_d, ok):
 @triton.jit
 def diff_fwd(Q, K, V, LQ1, LK1, LQ2, LK2, W, Y, OPRE, O2, STATS, DOC,
              s_qb, s_qm, s_qh, s_qn, s_kb, s_km, s_kh, s_kn, s_vb, s_vh, s_vn, s_db,
-             N, H, G, qk_scale, lambda_init, eps, gain, WINDOW,
+             N, NK, Q0, H, G, qk_scale, lambda_init, eps, gain, WINDOW,
              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NORM: tl.constexpr, HAS_W: tl.constexpr,
              SAVE: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr, HAS_WIN: tl.constexpr,
              MASKED: tl.constexpr):
+    """N queries at positions Q0 .. Q0 + N - 1 over NK keys (Q0 = NK - N: a prompt after a cached prefix, a decoding
+    step; 0 in training); document ids by position."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -45,6 +47,7 @@ def diff_fwd(Q, K, V, LQ1, LK1, LQ2, LK2, W, Y, OPRE, O2, STATS, DOC,
     offs_d = tl.arange(0, D)
     offs_v = tl.arange(0, 2 * D)
     row_ok = offs_m < N
+    pos_m = Q0 + offs_m  # the queries' positions among the keys
     q1, q2 = _rows_pair(Q + b.to(tl.int64) * s_qb + h * s_qh, s_qm, s_qn, offs_m, offs_d, row_ok)
     kb = K + b.to(tl.int64) * s_kb + hk * s_kh
     vb = V + b.to(tl.int64) * s_vb + hk * s_vh
@@ -54,34 +57,34 @@ def diff_fwd(Q, K, V, LQ1, LK1, LQ2, LK2, W, Y, OPRE, O2, STATS, DOC,
     l2 = tl.zeros([BM], tl.float32)
     acc1 = tl.zeros([BM, 2 * D], tl.float32)
     acc2 = tl.zeros([BM, 2 * D], tl.float32)
-    lo = pid_m * BM
+    lo = Q0 + pid_m * BM  # the block's first query position
     if HAS_DOC:
         docb = DOC + b.to(tl.int64) * s_db
-        doc_q = tl.load(docb + offs_m, mask=row_ok, other=-1)
+        doc_q = tl.load(docb + pos_m, mask=row_ok, other=-1)
     if HAS_WIN:  # the first key block any row of this block sees
         first = tl.maximum(lo - WINDOW + 1, 0) // BN * BN
     else:
         first = 0
-    for start in range(first, lo + BM, BN):  # (keys past N are masked)
+    for start in range(first, tl.minimum(lo + BM, NK), BN):  # (keys past NK are masked)
         offs_n = start + tl.arange(0, BN)
-        col_ok = offs_n < N
+        col_ok = offs_n < NK
         k1 = tl.load(kb + offs_n[None, :] * s_kn + offs_d[:, None], mask=col_ok[None, :], other=0.0)  # (D, BN)
         k2 = tl.load(kb + s_km + offs_n[None, :] * s_kn + offs_d[:, None], mask=col_ok[None, :], other=0.0)
         vv = tl.load(vb + offs_n[:, None] * s_vn + offs_v[None, :], mask=col_ok[:, None], other=0.0)  # (BN, 2D)
         s1 = tl.dot(q1, k1, input_precision=PREC) * qk_scale
         s2 = tl.dot(q2, k2, input_precision=PREC) * qk_scale
         if MASKED:  # documents or a window: every block
-            ok = (offs_m[:, None] >= offs_n[None, :]) & col_ok[None, :]
+            ok = (pos_m[:, None] >= offs_n[None, :]) & col_ok[None, :]
             if HAS_DOC:
                 doc_k = tl.load(docb + offs_n, mask=col_ok, other=-2)
                 ok = ok & (doc_q[:, None] == doc_k[None, :])
             if HAS_WIN:
-                ok = ok & (offs_m[:, None] - offs_n[None, :] < WINDOW)
+                ok = ok & (pos_m[:, None] - offs_n[None, :] < WINDOW)
             s1 = tl.where(ok, s1, float("-inf"))
             s2 = tl.where(ok, s2, float("-inf"))
         else:
             if start + BN > lo:  # the diagonal blocks: causal and key-count masks
-                ok = (offs_m[:, None] >= offs_n[None, :]) & col_ok[None, :]
+                ok = (pos_m[:, None] >= offs_n[None, :]) & col_ok[None, :]
                 s1 = tl.where(ok, s1, float("-inf"))
                 s2 = tl.where(ok, s2, float("-inf"))
         m1n = tl.maximum(m1, tl.max(s1, 1))

@@ -357,10 +357,10 @@ class DifferentialAttention(AttentionBase):
         out_dtype = _out_dtype(x)
         plain_norm = self.head_norm is None or (type(self.head_norm) is RMSNorm and no_hooks(self.head_norm))
         if variant == "triton":
-            # documents and windows take the kernels when asked for by name: auto's choice is measured on the plain
-            # causal mask only (docs/performance.md)
+            # documents, windows and a cached prefix (decoding) take the kernels when asked for by name: auto's choice
+            # is measured on the plain causal mask only (docs/performance.md)
             masked = not mask.is_plain_causal
-            if (backend == "sdpa" and plain_norm and not decoding and (not masked or self.diff_variant == "triton")
+            if (backend == "sdpa" and plain_norm and (not masked or self.diff_variant == "triton")
                     and triton_diff.supports(q, k, v, mask, p)):
                 # lambda, both maps, the combine and the head norm in the kernels: no host ops for lambda
                 if cache is not None:  # a new generation (as _lambda does): the next decoding step computes it

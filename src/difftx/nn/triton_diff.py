@@ -16,7 +16,8 @@ the second SDPA call, the combine's, the norm's and their casts) with 5: at the 
 step waits on launches, not arithmetic (docs/performance.md).
 
 Serves: CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``, Triton's interpreter, for tests), float32 /
-bfloat16 / float16, a causal mask over square Q/K (training, a prompt without a cache), within packed documents
+bfloat16 / float16, a causal mask over square Q/K (training, a prompt without a cache) or, without gradients, over
+the last queries of a longer key sequence (a prompt after a cached prefix, decoding steps), within packed documents
 and a sliding window or not (masked in the kernels), no dropout, no padding mask, head dims 16-128 that are
 powers of two, grouped-query K/V.  Anything else takes ``2call``.  ``create_graph``
 backwards recompute through the ``2call`` ops (differentiable), so second derivatives keep working.
@@ -83,13 +84,16 @@ def _failed(err: Exception) -> None:
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float) -> bool:
-    """Whether this call fits the kernels (see the module's docstring); q (B, 2, h, N, d), k (B, 2, h_kv, N, d),
-    v (B, h_kv, N, 2d); the mask causal over square Q/K, with or without documents and a window, no padding."""
-    from .linear import traced
+    """Whether this call fits the kernels (see the module's docstring); q (B, 2, h, N, d), k (B, 2, h_kv, Nk, d),
+    v (B, h_kv, Nk, 2d); the mask causal, with or without documents and a window, no padding: over square Q/K, or,
+    where no gradient is wanted, the last N of Nk positions (a prompt after a cached prefix, a decoding step)."""
+    from .linear import grad_wanted, traced
 
     d = q.shape[-1]
-    square = mask.causal and mask.key_valid is None and mask.q_start == 0 and mask.n_q == mask.n_k
-    return (dropout_p == 0 and square and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    causal = mask.causal and mask.key_valid is None and mask.n_q == q.shape[3] and mask.n_k == k.shape[3] == v.shape[2]
+    square = causal and mask.q_start == 0 and mask.n_q == mask.n_k
+    prefix = causal and mask.q_start + mask.n_q == mask.n_k and not grad_wanted(q, k, v)
+    return (dropout_p == 0 and (square or prefix) and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and k.dtype == v.dtype == q.dtype and 16 <= d <= 128 and d & (d - 1) == 0 and q.stride(-1) == 1
             and k.stride(-1) == 1 and v.stride(-1) == 1 and q.shape[2] % k.shape[2] == 0 and q.shape[3] > 0
             and not traced() and available(q.device))
@@ -140,8 +144,10 @@ def _forward(q, k, v, lam_params, weight, lambda_init: float, scale: float, norm
              out_dtype: torch.dtype, save: bool, doc: Optional[torch.Tensor] = None, window: int = 0):
     K = _triton()
     b, _, h, n, d = q.shape
-    hk = k.shape[2]
+    hk, nk = k.shape[2], k.shape[3]
     bm, bn, warps, stages = _blocks(q.dtype, d)
+    if n <= 16 < bm:  # a decoding step: one 16-row block (the products' least) rather than 64 rows, 63 of them idle
+        bm = 16
     y = torch.empty(b, n, h, 2 * d, dtype=out_dtype, device=q.device)
     if save:
         opre = torch.empty(b, h, n, 2 * d, dtype=q.dtype, device=q.device)
@@ -158,7 +164,7 @@ def _forward(q, k, v, lam_params, weight, lambda_init: float, scale: float, norm
         q.stride(0), q.stride(1), q.stride(2), q.stride(3),
         k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         v.stride(0), v.stride(1), v.stride(2), s_db,
-        n, h, h // hk, scale * 1.4426950408889634, float(lambda_init), float(eps), float(gain), win,
+        n, nk, nk - n, h, h // hk, scale * 1.4426950408889634, float(lambda_init), float(eps), float(gain), win,
         D=d, BM=bm, BN=bn, NORM=norm, HAS_W=weight is not None, SAVE=save,
         PREC="ieee" if q.dtype == torch.float32 else None, HAS_DOC=doc is not None, HAS_WIN=window > 0,
         MASKED=doc is not None or window > 0, num_warps=warps, num_stages=stages)
@@ -173,8 +179,8 @@ def _reference(q, k, v, lam_params, weight, lambda_init: float, scale: float, no
     from .mask import AttnMask
 
     lam = backends.diff_lambda(*lam_params, lambda_init)
-    n = q.shape[3]
-    mask = AttnMask(causal=True, n_q=n, n_k=n, doc_ids=doc, window=window or None)
+    n, nk = q.shape[3], k.shape[3]
+    mask = AttnMask(causal=True, n_q=n, n_k=nk, q_start=nk - n, doc_ids=doc, window=window or None)
     o1, o2 = backends.diff_sdpa(q[:, 0], q[:, 1], k[:, 0], k[:, 1], v, mask, scale, 0.0, "2call")
     o = backends.combine(o1, o2, lam).transpose(1, 2)
     if norm:
@@ -284,12 +290,14 @@ def diff_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam_params
                    window: Optional[int] = None) -> torch.Tensor:
     """Causal differential attention, its combine and (``norm``) the per-head RMSNorm: (B, N, h, 2d).
 
-    q (B, 2, h, N, d) (maps first), k (B, 2, h_kv, N, d), v (B, h_kv, N, 2d); ``lam_params`` the four lambda
+    q (B, 2, h, N, d) (maps first), k (B, 2, h_kv, Nk, d), v (B, h_kv, Nk, 2d), Nk >= N: the queries are the last
+    N of the Nk positions (Nk > N: a prompt after a cached prefix, a decoding step); ``lam_params`` the four lambda
     vectors (lq1, lk1, lq2, lk2), each (d,); lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, in float32.
     With ``norm`` each row of 2d is RMS-normalised (float32 statistics) and scaled by ``weight`` (or 1) times
-    ``gain``; without it the combined output as it is.  ``out_dtype``: default q's dtype.  ``doc_ids`` (B or 1, N)
+    ``gain``; without it the combined output as it is.  ``out_dtype``: default q's dtype.  ``doc_ids`` (B or 1, Nk)
     integer: a query sees only the keys of its own document (packed sequences); ``window``: a query sees only the
-    keys less than that many positions before it (itself included), as :class:`~difftx.nn.mask.AttnMask`."""
+    keys less than that many positions before it (itself included), as :class:`~difftx.nn.mask.AttnMask`.
+    Gradients through the kernels need Nk = N; with Nk > N they come from torch's ops (:func:`reference`)."""
     out_dtype = out_dtype or q.dtype
     win = int(window or 0)
     doc = None if doc_ids is None else doc_ids.contiguous()
@@ -297,8 +305,13 @@ def diff_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam_params
     params = tuple(lam_params)
     tensors = (q, k, v, *params, weight)
     _flat_params(params, q.shape[-1])  # (wrong shapes are the caller's error, raised here, not a kernel failure)
+    if k.shape[3] < q.shape[3] or v.shape[2] != k.shape[3]:
+        raise ValueError(f"differential attention: {q.shape[3]} queries need at least as many keys and one value per "
+                         f"key; got {k.shape[3]} keys and {v.shape[2]} values")
     try:
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+            if k.shape[3] != q.shape[3]:  # the backward's kernels take square Q/K
+                return _reference(q, k, v, params, weight, *meta[:2], norm, eps, gain, out_dtype, doc, win)
             return _DiffAttention.apply(q, k, v, *params, weight, doc, meta)
         return _forward(q, k, v, params, weight, meta[0], meta[1], norm, eps, gain, out_dtype, False, doc, win)[0]
     except torch.OutOfMemoryError:
