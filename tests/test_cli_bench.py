@@ -761,3 +761,38 @@ def test_a_gpu_bench_names_the_diff_formulation_it_ran(monkeypatch):
     assert "DIFF attention: 2call (fp32), triton (bf16)." in markdown(res)
     monkeypatch.setattr(triton_diff, "available", lambda device: False)
     assert speed.environment(torch.device("cuda"))["diff_attention"]["bf16"] == "2call"
+
+
+def test_diff_attention_names_the_diff_arms_formulation(tmp_path, monkeypatch, capsys):
+    """--diff-attention VARIANT: the diff and diff-dnt arms run that formulation (the others keep their own), the
+    results record it, and a name no arm can take is one line and exit 2, before anything is written."""
+    import torch
+
+    from difftx.benchmarking import speed
+    from difftx.cli import main
+    from difftx.nn import backends
+
+    seen = []
+    real = backends.diff_sdpa
+    monkeypatch.setattr(backends, "diff_sdpa", lambda *a, **k: seen.append(a[-1]) or real(*a, **k))
+    assert main(["bench", "--quick", "--arms", "transformer,diff,diff2", "--phases", "prefill", "--dtypes", "fp32",
+                 "--no-peers", "--diff-attention", "4call", "--out", str(tmp_path / "a")]) == 0
+    assert seen and set(seen) == {"4call"}  # DIFF took two 4call SDPA pairs; V2 and the Transformer their own paths
+    res = json.loads((tmp_path / "a" / "bench.json").read_text())
+    assert res["bench_config"]["diff_attention"] == "4call"
+    assert res["environment"]["diff_attention"] == {"fp32": "4call", "bf16": "4call"}
+    assert "DIFF attention (--diff-attention): 4call (fp32), 4call (bf16)." in (tmp_path / "a" / "bench.md").read_text()
+    arms = speed.build_arms(speed.BenchConfig(preset="nano", arms=["transformer", "diff-dnt"], peers=False,
+                                              diff_attention="2call"), torch.device("cpu"))
+    assert [{m.diff_variant for m in a.model.attention_modules()} for a in arms] == [{"auto"}, {"2call"}]
+    seen.clear()
+    assert main(["bench", "--quick", "--arms", "transformer,diff", "--phases", "prefill", "--dtypes", "fp32",
+                 "--no-peers", "--out", str(tmp_path / "b")]) == 0
+    assert seen == []  # auto on the CPU: the fused kernel
+    capsys.readouterr()
+    for bad, what in ((["--diff-attention", "tritn"], "unknown DIFF attention formulation 'tritn'"),
+                      (["--arms", "transformer,dnt", "--diff-attention", "2call"], "has neither")):
+        assert main(["bench", "--quick", *bad, "--out", str(tmp_path / "c")]) == 2
+        err = capsys.readouterr().err
+        assert what in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "c").exists()

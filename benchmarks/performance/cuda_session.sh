@@ -10,8 +10,8 @@
 # default; triton: tests/nn/test_triton_diff.py, the Triton kernels of DIFF attention on the GPU), and, not in the
 # default: triton-ops (benchmarks/performance/triton_diff.py: the kernels' block shapes, dQ from its own pass or by
 # atomics from the K/V pass, against 2call and the twin),
-# bench-pair (transformer and diff, DIFF on the kernels, on them with DIFFTX_TRITON_DQ=atomic, then with
-# DIFFTX_TRITON=0), bench-pair-large (the same at
+# bench-pair (transformer and diff, DIFF on the kernels, on them with DIFFTX_TRITON_DQ=atomic, named with
+# --diff-attention triton (decoding on them too), then with DIFFTX_TRITON=0), bench-pair-large (the same at
 # 16 x 2048),
 # bench-compile: transformer and diff at 4 x 512, training and prefill, torch.compile'd
 # against eager in the same call (eager first), bench-compile-large the same at 16 x 2048; host-share-compile:
@@ -57,6 +57,8 @@ if want bench-pair; then  # DIFF on the Triton kernels (auto) and on two SDPA ca
     step bench-pair-triton 120 $py -m difftx bench $pair --out "$out/bench-pair-triton"
     DIFFTX_TRITON_DQ=atomic step bench-pair-triton-atomic 120 $py -m difftx bench $pair \
         --out "$out/bench-pair-triton-atomic"
+    step bench-pair-triton-named 120 $py -m difftx bench $pair --diff-attention triton \
+        --out "$out/bench-pair-triton-named"  # decoding on the kernels too
     DIFFTX_TRITON=0 step bench-pair-2call 120 $py -m difftx bench $pair --out "$out/bench-pair-2call"
 fi
 if want bench-pair-large; then  # the same at 16 x 2048, where the GPU is busy rather than waiting on launches

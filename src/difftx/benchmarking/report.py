@@ -26,7 +26,8 @@ def markdown(results: dict) -> str:
              + f"; {bc['repeats']} interleaved repeats, medians, `{bc['timer']}` time."
              + (" Compiled (`torch.compile`) for training and prefill; decoding eager." if bc.get("compile") else "")
              + (f" Native CPU kernels: {_native(env['native_kernels'])}." if "native_kernels" in env else "")
-             + (" DIFF attention: " + ", ".join(f"{v} ({dt})" for dt, v in env["diff_attention"].items()) + "."
+             + (" DIFF attention" + (" (--diff-attention)" if env.get("diff_attention_named") else "") + ": "
+                + ", ".join(f"{v} ({dt})" for dt, v in env["diff_attention"].items()) + "."
                 if "diff_attention" in env else ""),
              ""]
     arms = results["arms"]

@@ -82,6 +82,7 @@ class BenchConfig:
     memory: bool = True
     fused_adamw: Optional[bool] = None  # None: build_optimizer's default (fused); False: foreach, for every arm
     compile: bool = False  # torch.compile every arm's forward for training and prefill (decoding stays eager)
+    diff_attention: str = "auto"  # the DIFF arms' (diff, diff-dnt) formulation (nn.backends.DIFF_SDPA_VARIANTS)
     seed: int = 0
 
     def validate(self) -> None:
@@ -102,6 +103,14 @@ class BenchConfig:
             raise ConfigError("arms", f"{twice!r} given twice; give each arm once")
         if "transformer" not in self.arms:
             raise ConfigError("arms", "the arms must include 'transformer' (every ratio is relative to it)")
+        from ..nn.backends import DIFF_SDPA_VARIANTS
+
+        if self.diff_attention not in DIFF_SDPA_VARIANTS:
+            raise ConfigError("diff_attention", f"unknown DIFF attention formulation {self.diff_attention!r}; choose "
+                                                f"from {', '.join(DIFF_SDPA_VARIANTS)}")
+        if self.diff_attention != "auto" and not {"diff", "diff-dnt"} & set(self.arms):
+            raise ConfigError("diff_attention", f"{self.diff_attention!r} is for the diff and diff-dnt arms, and "
+                                                "--arms has neither; add one, or drop the formulation")
         bad = [d for d in self.dtypes if d not in DTYPES and d != "auto"]
         if bad:
             raise ConfigError("dtypes", f"unknown dtype(s) {', '.join(bad)}; choose from auto, {', '.join(DTYPES)}")
@@ -281,8 +290,10 @@ def build_arms(bc: BenchConfig, device: torch.device, log: Callable[[str], None]
     for name in bc.arms:
         torch.manual_seed(bc.seed)
         cfg = ModelConfig.from_preset(bc.preset, max_seq_len=max(base.max_seq_len, bc.seq_len), **ARMS[name])
-        arms.append(Arm(name, build_model(cfg).to(device), cfg, peer=False, fused_adamw=bc.fused_adamw,
-                        compile=bc.compile))
+        model = build_model(cfg).to(device)
+        if cfg.attention == "diff" and bc.diff_attention != "auto":  # DIFF V1 arms; the others keep their own
+            model.set_attention_backend(cfg.attn_backend, bc.diff_attention)
+        arms.append(Arm(name, model, cfg, peer=False, fused_adamw=bc.fused_adamw, compile=bc.compile))
     if bc.peers and transformers_available() and peers_match(base):
         for peer, twin in PEERS.items():
             cfg = ModelConfig.from_preset(bc.preset, max_seq_len=max(base.max_seq_len, bc.seq_len), **ARMS[twin])
@@ -614,7 +625,7 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
                                   for dt in bc.dtypes}
     results["ratios"] = _worst(results["ratios_by_dtype"])
     results["bench_config"] = asdict(bc)
-    results["environment"] = environment(device)
+    results["environment"] = environment(device, bc.diff_attention)
     return results
 
 
@@ -715,7 +726,7 @@ def _worst(by_dtype: dict) -> dict:
     return out
 
 
-def environment(device: torch.device) -> dict:
+def environment(device: torch.device, diff_attention: str = "auto") -> dict:
     from ..nn import native
 
     cpu = native.cpuinfo_value("model name") or platform.processor() or ""
@@ -723,13 +734,17 @@ def environment(device: torch.device) -> dict:
            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "device": str(device),
            "native_bf16_matmul": native_bf16_matmul(device),
            "command": " ".join(["difftx"] + sys.argv[1:]) if sys.argv and "difftx" in sys.argv[0] else None}
-    if device.type == "cuda":
+    if device.type == "cuda" or diff_attention != "auto":
         from ..nn import backends
 
-        env["gpu"] = torch.cuda.get_device_name(device)
-        # the formulation DIFF attention takes here under auto, per dtype (triton: difftx.nn.triton_diff)
-        env["diff_attention"] = {dt: backends.resolve_diff_variant("auto", device, 0.0, t)
+        # the formulation DIFF attention takes here, per dtype: auto's choice on a GPU (triton:
+        # difftx.nn.triton_diff), or the one named (--diff-attention; where a call does not fit it, the layer's
+        # own fallback: 2call on CUDA, fused on the CPU)
+        env["diff_attention"] = {dt: backends.resolve_diff_variant(diff_attention, device, 0.0, t)
                                  for dt, t in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+        env["diff_attention_named"] = diff_attention != "auto"
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
     else:
         from ..nn import linear
 

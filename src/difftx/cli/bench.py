@@ -53,6 +53,9 @@ def add_parser(sub) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every arm's forward (peers' too) for training and prefill, in the untimed "
                         "warmup; decoding stays eager")
+    p.add_argument("--diff-attention", default=None, metavar="VARIANT",
+                   help="the diff and diff-dnt arms' attention formulation: auto (default: the measured winner per "
+                        "device and dtype), fused, 2call, 4call, triton, sdpa (= 2call)")
     p.add_argument("--long-context", action="store_true",
                    help="instead: DIFF attention time and peak memory at --lengths tokens (fused vs 4call vs eager; "
                         "reads --preset, --batch-size (default 1), --dtypes (one), --device, --threads)")
@@ -70,7 +73,7 @@ def add_parser(sub) -> None:
 SPEED_ONLY = (("seq_len", "--seq-len"), ("repeats", "--repeats"), ("warmup", "--warmup"), ("arms", "--arms"),
               ("phases", "--phases"), ("no_peers", "--no-peers"), ("decode_tokens", "--decode-tokens"),
               ("timer", "--timer"), ("no_memory", "--no-memory"), ("fused_adamw", "--fused-adamw/--foreach-adamw"),
-              ("compile", "--compile"))
+              ("compile", "--compile"), ("diff_attention", "--diff-attention"))
 
 
 def _check_mode(args) -> None:
@@ -113,7 +116,8 @@ def run(args) -> int:
     bc = BenchConfig(dtypes=_csv(args.dtypes), arms=_csv(args.arms) if args.arms is not None else list(ARMS),
                      peers=not args.no_peers, phases=_csv(args.phases) if args.phases is not None else list(PHASES),
                      timer=args.timer or "wall", device=args.device, memory=not args.no_memory,
-                     fused_adamw=args.fused_adamw, compile=args.compile, **sizes)
+                     fused_adamw=args.fused_adamw, compile=args.compile,
+                     diff_attention=args.diff_attention or "auto", **sizes)
     default_lengths = "64,256" if args.quick else "1024,2048,4096,8192,16384"
     lengths = _lengths(default_lengths if args.lengths is None else args.lengths) if args.long_context else []
     bc.validate()  # every bad value is one line before anything runs or is written
