@@ -754,6 +754,9 @@ def test_a_gpu_bench_names_the_diff_formulation_it_ran(monkeypatch):
     monkeypatch.setattr(triton_diff, "available", lambda device: True)
     env = speed.environment(torch.device("cuda"))
     assert env["diff_attention"] == {"fp32": "2call", "bf16": "triton"}
+    # float32 takes the kernels at the small preset's 4 x 512 (4 heads), 2call at 16 x 2048
+    assert speed.environment(torch.device("cuda"), work=4 * 4 * 512 * 512)["diff_attention"]["fp32"] == "triton"
+    assert speed.environment(torch.device("cuda"), work=16 * 4 * 2048 * 2048)["diff_attention"]["fp32"] == "2call"
     res = run_bench(BenchConfig(preset="nano", seq_len=32, batch_size=2, repeats=1, arms=["transformer"],
                                 peers=False, phases=["train"], dtypes=["fp32"], memory=False), log=lambda s: None)
     assert "DIFF attention" not in markdown(res)  # the CPU: no such line

@@ -277,7 +277,11 @@ def test_auto_picks_the_kernels_on_cuda_only_where_triton_runs(monkeypatch):
     monkeypatch.setattr(triton_diff, "available", lambda device: True)
     assert backends.resolve_diff_variant("auto", cuda, dtype=torch.bfloat16) == "triton"
     assert backends.resolve_diff_variant("auto", cuda, dtype=torch.float16) == "triton"
-    assert backends.resolve_diff_variant("auto", cuda, dtype=torch.float32) == "2call"  # slower there
+    assert backends.resolve_diff_variant("auto", cuda, dtype=torch.float32) == "2call"  # slower at 16 x 2048
+    small = backends.FP32_TRITON_MAX_WORK  # float32 up to the measured 4 x 512 (4 heads) call: the kernels won there
+    assert backends.resolve_diff_variant("auto", cuda, dtype=torch.float32, work=small) == "triton"
+    assert backends.resolve_diff_variant("auto", cuda, dtype=torch.float32, work=small + 1) == "2call"
+    assert backends.resolve_diff_variant("auto", cuda, dtype=torch.bfloat16, work=64 * small) == "triton"
     assert backends.resolve_diff_variant("triton", cuda, dtype=torch.float32) == "triton"
     assert backends.resolve_diff_variant("auto", cuda, dropout_p=0.1) == "2call"
     assert backends.resolve_diff_variant("triton", cuda, dropout_p=0.1) == "2call"

@@ -625,7 +625,9 @@ def run_bench(bc: BenchConfig, log: Callable[[str], None] = print) -> dict:
                                   for dt in bc.dtypes}
     results["ratios"] = _worst(results["ratios_by_dtype"])
     results["bench_config"] = asdict(bc)
-    results["environment"] = environment(device, bc.diff_attention)
+    diff_heads = ModelConfig.from_preset(bc.preset, **ARMS["diff"]).n_heads
+    results["environment"] = environment(device, bc.diff_attention,
+                                         work=bc.batch_size * diff_heads * bc.seq_len * bc.seq_len)
     return results
 
 
@@ -726,7 +728,7 @@ def _worst(by_dtype: dict) -> dict:
     return out
 
 
-def environment(device: torch.device, diff_attention: str = "auto") -> dict:
+def environment(device: torch.device, diff_attention: str = "auto", work: Optional[int] = None) -> dict:
     from ..nn import native
 
     cpu = native.cpuinfo_value("model name") or platform.processor() or ""
@@ -737,10 +739,10 @@ def environment(device: torch.device, diff_attention: str = "auto") -> dict:
     if device.type == "cuda" or diff_attention != "auto":
         from ..nn import backends
 
-        # the formulation DIFF attention takes here, per dtype: auto's choice on a GPU (triton:
-        # difftx.nn.triton_diff), or the one named (--diff-attention; where a call does not fit it, the layer's
-        # own fallback: 2call on CUDA, fused on the CPU)
-        env["diff_attention"] = {dt: backends.resolve_diff_variant(diff_attention, device, 0.0, t)
+        # the formulation DIFF attention takes here, per dtype: auto's choice on a GPU for a training call of the
+        # bench's shape (``work``: batch x heads x tokens^2; triton: difftx.nn.triton_diff), or the one named
+        # (--diff-attention; where a call does not fit it, the layer's own fallback: 2call on CUDA, fused on the CPU)
+        env["diff_attention"] = {dt: backends.resolve_diff_variant(diff_attention, device, 0.0, t, work=work)
                                  for dt, t in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
         env["diff_attention_named"] = diff_attention != "auto"
     if device.type == "cuda":

@@ -351,7 +351,8 @@ class DifferentialAttention(AttentionBase):
             elif fresh is not None:  # prefill into an empty cache: the keys as computed, not strided buffers
                 k, v = fresh
         backend, p = self._backend(q.device), self._dropout_p()
-        variant = backends.resolve_diff_variant(self.diff_variant, q.device, p, q.dtype)
+        variant = backends.resolve_diff_variant(self.diff_variant, q.device, p, q.dtype,
+                                                work=b * h * t * k.shape[3])
         if variant == "fused" and _compiled_step(cache, t):
             variant = "2call"
         out_dtype = _out_dtype(x)

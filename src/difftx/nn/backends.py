@@ -135,8 +135,15 @@ def sdpa(q, k, v, mask: AttnMask, scale: float, dropout_p: float = 0.0) -> torch
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(q.device), **kw)
 
 
+# float32's auto takes the Triton kernels for calls of at most this much work (batch x heads x queries x keys): on an
+# H200 at the small preset's 4 x 512 (4 heads) a layer's forward + backward took 1.20 ms against 2call's 1.60, and
+# the bench's DIFF / Transformer float32 training read 0.76 against 0.63 in one call; at 16 x 2048 (64x the work) the
+# kernels' IEEE float32 products took 34.6 ms against 12.1.  The crossover between the two is not measured.
+FP32_TRITON_MAX_WORK = 4 * 4 * 512 * 512
+
+
 def resolve_diff_variant(variant: str, device: torch.device, dropout_p: float = 0.0,
-                         dtype: Optional[torch.dtype] = None) -> str:
+                         dtype: Optional[torch.dtype] = None, work: Optional[int] = None) -> str:
     """The differential-attention formulation for ``auto``: the one measured fastest (docs/performance.md).
 
     * ``fused``: :func:`difftx.nn.fused.fused_attention`, (A1 - lambda A2) V in query blocks, one
@@ -154,7 +161,9 @@ def resolve_diff_variant(variant: str, device: torch.device, dropout_p: float = 
       without gradients, a cached prefix (decoding) when asked for by name; other calls take ``2call``).  ``auto`` on CUDA in bfloat16 / float16 where Triton is
       installed, for the plain causal mask (H200, small preset:
       a layer's forward + backward 0.85 ms against 2call's 1.91 at 4 x 512, 1.58 against 2.48 at 16 x 2048).
-      Not float32's ``auto``: its products in IEEE float32 ran 2.9x slower than 2call at 16 x 2048.
+      float32's ``auto`` only for calls of ``work`` (batch x heads x queries x keys) up to
+      :data:`FP32_TRITON_MAX_WORK`: its products in IEEE float32 ran 1.3x faster than 2call at 4 x 512 and 2.9x
+      slower at 16 x 2048.
 
     With attention dropout every variant, ``fused``, ``4call`` and ``triton`` too, runs as ``2call``: the others
     have no dropout (``4call`` would need one mask for both halves of a map's value).
@@ -165,7 +174,8 @@ def resolve_diff_variant(variant: str, device: torch.device, dropout_p: float = 
         return variant
     if device.type == "cpu":
         return "fused"
-    if dtype not in (torch.bfloat16, torch.float16) or traced():  # compiled graphs, torch.func: torch's ops
+    small_fp32 = dtype == torch.float32 and work is not None and work <= FP32_TRITON_MAX_WORK
+    if (dtype not in (torch.bfloat16, torch.float16) and not small_fp32) or traced():  # compiled graphs, torch.func
         return "2call"
     from . import triton_diff
 
