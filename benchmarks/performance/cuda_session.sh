@@ -50,8 +50,8 @@ want host && TAIL=15 DIFFTX_CACHE_DIR=/tmp/difftx-host-cache step host 120 $py -
     --timeout 100 -rfE
 want triton && TAIL=30 step triton 200 $py -m pytest tests/nn/test_triton_diff.py -q -p no:cacheprovider -o addopts="" \
     --timeout 150 -rfE
-want triton-ops && TAIL=40 step triton-ops 300 $py benchmarks/performance/triton_diff.py --masks plain,docs,window,decode \
-    --configs "default;64,32,8,3" --dq pass,atomic --out "$out/triton-ops.json"
+want triton-ops && TAIL=40 step triton-ops 300 $py benchmarks/performance/triton_diff.py \
+    --masks plain,docs,window,decode --configs "default;64,32,8,3" --dq pass,atomic --out "$out/triton-ops.json"
 if want bench-pair; then  # DIFF on the Triton kernels (auto) and on two SDPA calls, the Transformer in both runs
     pair="--device cuda --arms transformer,diff --no-peers --repeats 5"
     step bench-pair-triton 120 $py -m difftx bench $pair --out "$out/bench-pair-triton"

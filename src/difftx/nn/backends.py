@@ -158,8 +158,8 @@ def resolve_diff_variant(variant: str, device: torch.device, dropout_p: float = 
     * ``4call``: four SDPA calls of width d (2x), for kernels that need equal widths.
     * ``triton``: :mod:`difftx.nn.triton_diff`, the fused formulation as Triton kernels with lambda, the
       combine and the per-head norm inside them (a causal mask over square Q/K, with documents, windows and,
-      without gradients, a cached prefix (decoding) when asked for by name; other calls take ``2call``).  ``auto`` on CUDA in bfloat16 / float16 where Triton is
-      installed, for the plain causal mask (H200, small preset:
+      without gradients, a cached prefix (decoding) when asked for by name; other calls take ``2call``).
+      ``auto`` on CUDA in bfloat16 / float16 where Triton is installed, for the plain causal mask (H200, small preset:
       a layer's forward + backward 0.85 ms against 2call's 1.91 at 4 x 512, 1.58 against 2.48 at 16 x 2048).
       float32's ``auto`` only for calls of ``work`` (batch x heads x queries x keys) up to
       :data:`FP32_TRITON_MAX_WORK`: its products in IEEE float32 ran 1.3x faster than 2call at 4 x 512 and 2.9x
