@@ -110,9 +110,9 @@ def test_dq_from_the_kv_pass_is_opt_in_and_off_under_deterministic_algorithms(mo
     monkeypatch.setenv(triton_diff.DQ_ENV, "atomic")
     _, g_atomic, _ = _run(q, k, v, lam, w, True)
     assert len(runs) == 2  # no Q pass
-    # the same gradients: dK, dV and lambda's bit for bit (the K/V pass is unchanged), dQ to float32 rounding
-    assert all(torch.equal(a, b) for a, b in zip(g_pass[1:], g_atomic[1:]))
-    assert _rel(g_atomic[0], g_pass[0]) < 1e-6
+    # the same gradients, to float32 rounding (dQ summed in another order; the rest from the same K/V pass, compiled
+    # with the atomics beside it)
+    assert max(_rel(a, b) for a, b in zip(g_atomic, g_pass)) < 1e-6
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
