@@ -29,6 +29,17 @@ def _rows_pair(base, s_map, s_row, offs_r, offs_d, ok):
 
 
 @triton.jit
+def _query_block(N, H, G, BM: tl.constexpr, D: tl.constexpr):
+    """A query-block program's place: its (batch, head) b and h, the K/V head hk, its rows offs_m (ok: row_ok), the
+    head-dim and value-width offsets."""
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    return bh, b, h, h // G, offs_m, tl.arange(0, D), tl.arange(0, 2 * D), offs_m < N
+
+
+@triton.jit
 def diff_fwd(Q, K, V, LQ1, LK1, LQ2, LK2, W, Y, OPRE, O2, STATS, DOC,
              s_qb, s_qm, s_qh, s_qn, s_kb, s_km, s_kh, s_kn, s_vb, s_vh, s_vn, s_db,
              N, NK, Q0, H, G, qk_scale, lambda_init, eps, gain, WINDOW,
@@ -38,15 +49,8 @@ def diff_fwd(Q, K, V, LQ1, LK1, LQ2, LK2, W, Y, OPRE, O2, STATS, DOC,
     """N queries at positions Q0 .. Q0 + N - 1 over NK keys (Q0 = NK - N: a prompt after a cached prefix, a decoding
     step; 0 in training); document ids by position."""
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // G
+    bh, b, h, hk, offs_m, offs_d, offs_v, row_ok = _query_block(N, H, G, BM, D)
     lam = _lambda(LQ1, LK1, LQ2, LK2, lambda_init, D)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, D)
-    offs_v = tl.arange(0, 2 * D)
-    row_ok = offs_m < N
     pos_m = Q0 + offs_m  # the queries' positions among the keys
     q1, q2 = _rows_pair(Q + b.to(tl.int64) * s_qb + h * s_qh, s_qm, s_qn, offs_m, offs_d, row_ok)
     kb = K + b.to(tl.int64) * s_kb + hk * s_kh
@@ -285,15 +289,8 @@ def diff_bwd_q(Q, K, V, DO, STATS, DELTA, DQ, LQ1, LK1, LQ2, LK2, DOC,
                HAS_WIN: tl.constexpr, MASKED: tl.constexpr):
     """dQ1 and dQ2 of one query block: one dO V^T product serves both maps."""
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // G
+    bh, b, h, hk, offs_m, offs_d, offs_v, row_ok = _query_block(N, H, G, BM, D)
     lam = _lambda(LQ1, LK1, LQ2, LK2, lambda_init, D)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, D)
-    offs_v = tl.arange(0, 2 * D)
-    row_ok = offs_m < N
     plane = N * tl.num_programs(1)
     rows = bh.to(tl.int64) * N + offs_m
     q1, q2 = _rows_pair(Q + b.to(tl.int64) * s_qb + h * s_qh, s_qm, s_qn, offs_m, offs_d, row_ok)
