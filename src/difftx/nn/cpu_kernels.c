@@ -1809,7 +1809,7 @@ static inline void ds_row_bf16(const float *p, const float *g, float r, float w,
  * groups): each slab's float32 maps (and the backward's dP) are read back from L2 while still there (2 maps x
  * 32 rows x 2048 keys: 512 KB), where a whole block's fell out to L3 (inference blocks run to 1024 rows at 2048
  * keys).  Each element is the same sum either way, so the outputs keep their bits.  Measured on a 2-core Zen 5
- * (benchmarks/performance/results/amd-zen5/session61/): DIFF's inference forward 1.33x faster at 1 x 2048,
+ * (benchmarks/performance/results/amd-zen5/session61/): DIFF's inference forward 1.26x faster at 1 x 2048,
  * 1.18x at 1 x 8192, 1.04x at 4 x 512; the training blocks (64-128 rows) were near L2 already. */
 #define MAP_SLAB 32
 
