@@ -40,6 +40,19 @@ def _query_block(N, H, G, BM: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _visible(pos_q, offs_n, col_ok, docb, doc_q, WINDOW, HAS_DOC: tl.constexpr, HAS_WIN: tl.constexpr):
+    """(queries, keys): which keys ``offs_n`` the queries at positions ``pos_q`` see: causal, a real key
+    (``col_ok``), and with documents the same document, with a window fewer than WINDOW positions back."""
+    ok = (pos_q[:, None] >= offs_n[None, :]) & col_ok[None, :]
+    if HAS_DOC:
+        doc_k = tl.load(docb + offs_n, mask=col_ok, other=-2)
+        ok = ok & (doc_q[:, None] == doc_k[None, :])
+    if HAS_WIN:
+        ok = ok & (pos_q[:, None] - offs_n[None, :] < WINDOW)
+    return ok
+
+
+@triton.jit
 def diff_fwd(Q, K, V, LQ1, LK1, LQ2, LK2, W, Y, OPRE, O2, STATS, DOC,
              s_qb, s_qm, s_qh, s_qn, s_kb, s_km, s_kh, s_kn, s_vb, s_vh, s_vn, s_db,
              N, NK, Q0, H, G, qk_scale, lambda_init, eps, gain, WINDOW,
@@ -62,6 +75,7 @@ def diff_fwd(Q, K, V, LQ1, LK1, LQ2, LK2, W, Y, OPRE, O2, STATS, DOC,
     acc1 = tl.zeros([BM, 2 * D], tl.float32)
     acc2 = tl.zeros([BM, 2 * D], tl.float32)
     lo = Q0 + pid_m * BM  # the block's first query position
+    docb, doc_q = DOC, pos_m  # read by _visible only with documents
     if HAS_DOC:
         docb = DOC + b.to(tl.int64) * s_db
         doc_q = tl.load(docb + pos_m, mask=row_ok, other=-1)
@@ -78,17 +92,12 @@ def diff_fwd(Q, K, V, LQ1, LK1, LQ2, LK2, W, Y, OPRE, O2, STATS, DOC,
         s1 = tl.dot(q1, k1, input_precision=PREC) * qk_scale
         s2 = tl.dot(q2, k2, input_precision=PREC) * qk_scale
         if MASKED:  # documents or a window: every block
-            ok = (pos_m[:, None] >= offs_n[None, :]) & col_ok[None, :]
-            if HAS_DOC:
-                doc_k = tl.load(docb + offs_n, mask=col_ok, other=-2)
-                ok = ok & (doc_q[:, None] == doc_k[None, :])
-            if HAS_WIN:
-                ok = ok & (pos_m[:, None] - offs_n[None, :] < WINDOW)
+            ok = _visible(pos_m, offs_n, col_ok, docb, doc_q, WINDOW, HAS_DOC, HAS_WIN)
             s1 = tl.where(ok, s1, float("-inf"))
             s2 = tl.where(ok, s2, float("-inf"))
         else:
             if start + BN > lo:  # the diagonal blocks: causal and key-count masks
-                ok = (pos_m[:, None] >= offs_n[None, :]) & col_ok[None, :]
+                ok = _visible(pos_m, offs_n, col_ok, docb, doc_q, WINDOW, False, False)
                 s1 = tl.where(ok, s1, float("-inf"))
                 s2 = tl.where(ok, s2, float("-inf"))
         m1n = tl.maximum(m1, tl.max(s1, 1))
@@ -303,6 +312,7 @@ def diff_bwd_q(Q, K, V, DO, STATS, DELTA, DQ, LQ1, LK1, LQ2, LK2, DOC,
     vb = V + b.to(tl.int64) * s_vb + hk * s_vh
     dq1 = tl.zeros([BM, D], tl.float32)
     dq2 = tl.zeros([BM, D], tl.float32)
+    docb, doc_q = DOC, offs_m  # read by _visible only with documents
     if HAS_DOC:
         docb = DOC + b.to(tl.int64) * s_db
         doc_q = tl.load(docb + offs_m, mask=row_ok, other=-1)
@@ -321,12 +331,7 @@ def diff_bwd_q(Q, K, V, DO, STATS, DELTA, DQ, LQ1, LK1, LQ2, LK2, DOC,
         # masked: documents or a window, and the diagonal block; before it every query of this block sees every
         # key (keys past N load zero rows of K: their dS meets zeros in dS K)
         if MASKED or start + BN - 1 > pid_m * BM:
-            ok = (offs_m[:, None] >= offs_n[None, :]) & col_ok[None, :]
-            if HAS_DOC:
-                doc_k = tl.load(docb + offs_n, mask=col_ok, other=-2)
-                ok = ok & (doc_q[:, None] == doc_k[None, :])
-            if HAS_WIN:
-                ok = ok & (offs_m[:, None] - offs_n[None, :] < WINDOW)
+            ok = _visible(offs_m, offs_n, col_ok, docb, doc_q, WINDOW, HAS_DOC, HAS_WIN)
             p1 = tl.where(ok, p1, 0.0)
             p2 = tl.where(ok, p2, 0.0)
         dp = tl.dot(do, tl.trans(vv), input_precision=PREC)  # (BM, BN)
